@@ -1,0 +1,1 @@
+"""Subcommands of the ``tandem`` command line, one module each."""

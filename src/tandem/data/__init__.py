@@ -1,0 +1,42 @@
+"""Datasets by name (real digits, synthetic images and tokens) and the distributed sampler.
+
+Usage::
+
+    bundle = build_dataset("images:n=1024,size=16")
+    sampler = GlobalBatchSampler(len(bundle.train), global_batch_size=64, seed=0)
+    local_indices = sampler.local_indices(step=0, rank=1, world_size=4)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from tandem.data.bundle import DataBundle, Split
+from tandem.data.digits import DigitsOptions, load_digits
+from tandem.data.info import DataInfo
+from tandem.data.sampler import GlobalBatchSampler, shard_sizes
+from tandem.data.synthetic import ImagesOptions, TokensOptions, make_images, make_tokens
+from tandem.errors import UsageError
+from tandem.options import fill_options, split_spec
+
+__all__ = [
+    "DATASETS", "DataBundle", "DataInfo", "GlobalBatchSampler", "Split", "build_dataset",
+    "shard_sizes",
+]
+
+DATASETS: dict[str, tuple[type, Callable[[Any], DataBundle]]] = {
+    "digits": (DigitsOptions, load_digits),
+    "images": (ImagesOptions, make_images),
+    "tokens": (TokensOptions, make_tokens),
+}
+
+
+def build_dataset(spec: str) -> DataBundle:
+    """Build the dataset named by ``spec`` (``name`` or ``name:key=value,...``)."""
+    name, raw = split_spec(spec, what="dataset")
+    if name not in DATASETS:
+        raise UsageError(
+            f"unknown dataset {name!r}; choose one of: {', '.join(sorted(DATASETS))}"
+        )
+    options_cls, make = DATASETS[name]
+    return make(fill_options(options_cls, raw, spec=spec, what="dataset"))

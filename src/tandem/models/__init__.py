@@ -1,0 +1,94 @@
+"""Reference models by name, each an ``nn.Sequential`` of blocks, or a user's own builder.
+
+Usage::
+
+    model = build_model("gpt:layers=4,dim=128", info)      # built-in, with options
+    model = build_model("mypkg.models:build:width=64", info)  # calls mypkg.models.build(width=64)
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+from typing import Any, Callable
+
+from torch import nn
+
+from tandem.data.info import DataInfo
+from tandem.errors import UsageError
+from tandem.models.gpt import GPTOptions, build_gpt
+from tandem.models.mlp import MLPOptions, build_mlp
+from tandem.models.resnet import ResNetOptions, build_resnet
+from tandem.models.vgg import VGGOptions, build_vgg
+from tandem.options import fill_options, split_spec
+
+__all__ = ["MODELS", "build_model"]
+
+Builder = Callable[[Any, DataInfo], nn.Module]
+
+MODELS: dict[str, tuple[type, Builder, str]] = {
+    "mlp": (MLPOptions, build_mlp, "classify"),
+    "resnet": (ResNetOptions, build_resnet, "classify"),
+    "vgg": (VGGOptions, build_vgg, "classify"),
+    "gpt": (GPTOptions, build_gpt, "lm"),
+}
+
+
+def build_model(spec: str, info: DataInfo) -> nn.Module:
+    """Build the model named by ``spec`` for data described by ``info``.
+
+    ``spec`` is ``name[:key=value,...]`` for a built-in model, or
+    ``package.module:function[:key=value,...]`` for a user's builder, which is called with the
+    options as keyword arguments (plus ``info=`` if it has such a parameter).
+    """
+    head, _, rest = spec.partition(":")
+    if head not in MODELS and rest and "=" not in rest.split(":")[0]:
+        return _build_user_model(spec, info)
+    name, raw = split_spec(spec, what="model")
+    if name not in MODELS:
+        raise UsageError(
+            f"unknown model {name!r}; choose one of: {', '.join(sorted(MODELS))} "
+            f"(or give your own as package.module:function)"
+        )
+    options_cls, build, task = MODELS[name]
+    options = fill_options(options_cls, raw, spec=spec, what="model")
+    if task != info.task:
+        needs = "an image dataset (digits, images)" if task == "classify" else "a token dataset"
+        raise UsageError(f"model {name!r} needs {needs}; it cannot train on a {info.task} task")
+    return build(options, info)
+
+
+def _literal(value: str) -> Any:
+    try:
+        return ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return value
+
+
+def _build_user_model(spec: str, info: DataInfo) -> nn.Module:
+    module_name, _, rest = spec.partition(":")
+    function_name, _, options_text = rest.partition(":")
+    _, raw = split_spec(f"x:{options_text}", what="model")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UsageError(
+            f"cannot import module {module_name!r} of model {spec!r} ({exc}); "
+            f"check the name and that it is on PYTHONPATH"
+        ) from None
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        raise UsageError(f"module {module_name!r} has no function {function_name!r} (model {spec!r})")
+    kwargs = {key: _literal(value) for key, value in raw.items()}
+    if "info" in inspect.signature(function).parameters:
+        kwargs["info"] = info
+    try:
+        model = function(**kwargs)
+    except TypeError as exc:
+        raise UsageError(f"model {spec!r}: {exc}") from None
+    if not isinstance(model, nn.Module):
+        raise UsageError(
+            f"model {spec!r} returned {type(model).__name__}, not a torch.nn.Module"
+        )
+    return model

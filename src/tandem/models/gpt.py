@@ -1,0 +1,99 @@
+"""A small decoder-only transformer (GPT) as an ``nn.Sequential``: embedding, N blocks, head."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from tandem.data.info import DataInfo
+from tandem.options import positive
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class GPTOptions:
+    """Options of ``--model gpt:...``."""
+
+    layers: int = 4
+    """Number of transformer blocks."""
+    dim: int = 128
+    """Model width."""
+    heads: int = 4
+    """Attention heads; must divide ``dim``."""
+    mlp_ratio: int = 4
+    """Hidden width of each block's MLP, as a multiple of ``dim``."""
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "dim", "heads", "mlp_ratio"):
+            positive(name, getattr(self, name))
+        if self.dim % self.heads:
+            raise ValueError(f"heads ({self.heads}) must divide dim ({self.dim})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1) (got {self.dropout})")
+
+
+class Embedding(nn.Module):
+    """Token plus learned position embeddings."""
+
+    def __init__(self, vocab: int, max_len: int, dim: int, dropout: float) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, dim)
+        self.positions = nn.Embedding(max_len, dim)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[-1], device=tokens.device)
+        return self.dropout(self.tokens(tokens) + self.positions(positions))
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention where each position sees only earlier ones."""
+
+    def __init__(self, dim: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, dim = x.shape
+        q, k, v = self.qkv(x).view(batch, length, 3, self.heads, dim // self.heads).unbind(2)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+            dropout_p=self.dropout if self.training else 0.0,
+        )
+        return self.proj(out.transpose(1, 2).reshape(batch, length, dim))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: attention and MLP, each with a residual connection."""
+
+    def __init__(self, dim: int, heads: int, mlp_ratio: int, dropout: float) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attention = CausalSelfAttention(dim, heads, dropout)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(
+            nn.Linear(dim, mlp_ratio * dim), nn.GELU(), nn.Linear(mlp_ratio * dim, dim),
+            nn.Dropout(dropout),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+def build_gpt(options: GPTOptions, info: DataInfo) -> nn.Sequential:
+    """Embedding, ``layers`` blocks, then layer norm and the vocabulary projection."""
+    (max_len,) = info.input_shape
+    blocks: list[nn.Module] = [Embedding(info.num_classes, max_len, options.dim, options.dropout)]
+    blocks += [
+        Block(options.dim, options.heads, options.mlp_ratio, options.dropout)
+        for _ in range(options.layers)
+    ]
+    blocks.append(nn.Sequential(nn.LayerNorm(options.dim), nn.Linear(options.dim, info.num_classes)))
+    return nn.Sequential(*blocks)
