@@ -1,0 +1,35 @@
+"""``tandem demo``: the main job — train on the real digits with 2 local workers and print a summary."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from tandem.commands.train import print_summary, run_training
+from tandem.runtime.config import TrainConfig
+
+DEMO = TrainConfig(model="mlp:hidden=128,layers=4", data="digits", strategy="dp", nproc=2,
+                   steps=600, batch_size=64, lr=0.05, momentum=0.9, eval_every=200)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = TrainConfig(**{**{f: getattr(DEMO, f) for f in DEMO.__dataclass_fields__},
+                            "out": args.out, "progress": not args.json})
+    print(f"tandem demo: {config.model} on {config.data}, {config.nproc} workers, strategy "
+          f"{config.strategy}, {config.steps} steps of {config.batch_size} samples", file=sys.stderr)
+    summary = run_training(config)
+    assert summary is not None, "rank 0 returns the summary of a local run"
+    print_summary(summary, args.json)
+    return 0
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "demo", help="train on the digits with 2 local workers and print a summary",
+        description="Train an MLP on the 8x8 handwritten digits with 2 local workers and "
+        "synchronous data parallelism, then print accuracy, time and throughput.",
+    )
+    parser.add_argument("--out", default=None, help="also write final.pt, metrics and trace here")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
+    parser.set_defaults(run=run)

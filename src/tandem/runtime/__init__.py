@@ -1,0 +1,1 @@
+"""Runtime: workers, process groups, trainer, checkpoints, profiler (uses torch.distributed)."""

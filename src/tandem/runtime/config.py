@@ -1,0 +1,115 @@
+"""Configuration of a training run, checked before any worker starts."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from tandem.errors import UsageError
+
+OPTIMIZERS = ("sgd", "adam", "adamw")
+SCHEDULES = ("constant", "cosine")
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """Everything a worker needs to train; plain data, so it pickles to spawned workers."""
+
+    model: str = "mlp"
+    """Model spec, e.g. ``mlp:hidden=128`` or ``package.module:function``."""
+    data: str = "digits"
+    """Dataset spec, e.g. ``digits`` or ``images:n=4096,size=32``."""
+    strategy: str = "dp"
+    """Synchronization strategy (``dp``: DistributedDataParallel)."""
+    nproc: int = 1
+    """Local worker processes to start (ignored under an external ``torchrun``)."""
+    steps: int = 100
+    """Optimizer steps in the whole run."""
+    batch_size: int = 64
+    """Global minibatch: samples per optimizer step over all workers together."""
+    accumulate: int = 1
+    """Micro-steps per optimizer step (gradient accumulation under ``no_sync``)."""
+    optimizer: str = "sgd"
+    lr: float = 0.05
+    momentum: float = 0.9
+    """Momentum of SGD (ignored by Adam/AdamW, which use their betas)."""
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    """Steps of linear learning-rate warm-up from 0."""
+    lr_schedule: str = "constant"
+    """After warm-up: ``constant`` or ``cosine`` decay to 0 at the last step."""
+    seed: int = 0
+    out: str | None = None
+    """Directory for ``final.pt``, ``metrics.jsonl``, ``trace.json`` and checkpoints."""
+    resume: str | None = None
+    """Checkpoint to resume from (``auto``: ``<out>/checkpoint.pt``)."""
+    checkpoint_every: int = 0
+    """Save a checkpoint every this many steps (0: only when the run ends or stops)."""
+    stop_after: int | None = None
+    """Stop after this many steps, checkpointing, as if the job had been cut off."""
+    eval_every: int = 0
+    """Evaluate on the test split every this many steps (0: only at the end)."""
+    log_every: int = 10
+    """Write the global loss to ``metrics.jsonl`` every this many steps."""
+    threads: int = 1
+    """Intra-op threads per worker on CPU."""
+    backend: str = "auto"
+    """``gloo``, ``nccl``, or ``auto`` (NCCL when CUDA is available, else gloo)."""
+    timeout_s: float = 300.0
+    """Seconds a collective may wait before the worker gives up and the job stops."""
+    progress: bool = True
+    """Show a progress bar on rank 0 (on stderr)."""
+
+    def __post_init__(self) -> None:
+        _at_least("--nproc", self.nproc, 1)
+        _at_least("--steps", self.steps, 1)
+        _at_least("--batch-size", self.batch_size, 1)
+        _at_least("--accumulate", self.accumulate, 1)
+        _at_least("--threads", self.threads, 1)
+        _at_least("--checkpoint-every", self.checkpoint_every, 0)
+        _at_least("--eval-every", self.eval_every, 0)
+        _at_least("--log-every", self.log_every, 1)
+        _at_least("--warmup-steps", self.warmup_steps, 0)
+        _choice("--optimizer", self.optimizer, OPTIMIZERS)
+        _choice("--lr-schedule", self.lr_schedule, SCHEDULES)
+        _choice("--backend", self.backend, BACKENDS)
+        if not self.lr > 0:
+            raise UsageError(f"--lr must be positive (got {self.lr})")
+        if self.timeout_s <= 0:
+            raise UsageError(f"--timeout must be positive seconds (got {self.timeout_s})")
+        if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
+            raise UsageError(
+                f"--stop-after {self.stop_after} must be between 1 and --steps ({self.steps})"
+            )
+        if self.resume is not None and self.resume == "auto" and self.out is None:
+            raise UsageError("--resume without a path needs --out DIR (it resumes DIR/checkpoint.pt)")
+
+    def check_world(self, world_size: int) -> None:
+        """Checks that need the number of workers (run after start-up under ``torchrun``)."""
+        if self.batch_size % world_size:
+            raise UsageError(
+                f"--batch-size {self.batch_size} is not divisible by the {world_size} workers; "
+                f"use a multiple of {world_size}, e.g. {world_size * max(1, round(self.batch_size / world_size))}"
+            )
+        local = self.batch_size // world_size
+        if local % self.accumulate:
+            raise UsageError(
+                f"each worker's share of the batch ({local}) is not divisible by "
+                f"--accumulate {self.accumulate}; choose an --accumulate that divides {local}"
+            )
+
+    def fingerprint(self) -> dict[str, Any]:
+        """Settings a checkpoint must agree with to be resumed."""
+        return {key: getattr(self, key) for key in ("model", "data", "strategy", "batch_size",
+                                                    "optimizer", "seed")}
+
+
+def _at_least(flag: str, value: int, minimum: int) -> None:
+    if value < minimum:
+        raise UsageError(f"{flag} must be at least {minimum} (got {value})")
+
+
+def _choice(flag: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise UsageError(f"{flag} {value!r} is not one of: {', '.join(choices)}")

@@ -1,0 +1,65 @@
+"""What rank 0 shows and writes while training: a progress bar and ``metrics.jsonl``."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn,
+)
+
+
+class Reporter:
+    """Progress bar (stderr) and metrics file of rank 0; other ranks get a silent one."""
+
+    def __init__(self, *, enabled: bool, show_progress: bool, metrics_path: Path | None,
+                 total_steps: int, first_step: int) -> None:
+        self.enabled = enabled
+        self._metrics = open(metrics_path, "a") if enabled and metrics_path else None
+        self._progress = Progress(
+            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]} samples/s"),
+            TimeElapsedColumn(), TimeRemainingColumn(),
+            console=Console(stderr=True), disable=not (enabled and show_progress),
+        )
+        self._task = self._progress.add_task(
+            "train", total=total_steps, completed=first_step, loss="-", rate="-"
+        )
+        self._start = time.perf_counter()
+
+    def __enter__(self) -> Reporter:
+        self._progress.start()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._progress.stop()
+        if self._metrics:
+            self._metrics.close()
+
+    def advance(self) -> None:
+        """One optimizer step done."""
+        if self.enabled:
+            self._progress.advance(self._task)
+
+    def record(self, **fields: Any) -> None:
+        """Write one line to ``metrics.jsonl`` and refresh the bar's loss and rate."""
+        if not self.enabled:
+            return
+        fields["time_s"] = round(time.perf_counter() - self._start, 4)
+        if self._metrics:
+            self._metrics.write(json.dumps(fields) + "\n")
+            self._metrics.flush()
+        if "loss" in fields:
+            self._progress.update(self._task, loss=f"{fields['loss']:.4f}",
+                                  rate=f"{fields.get('samples_per_s', 0):.0f}")
+
+    def message(self, text: str) -> None:
+        """A line for the user, above the bar."""
+        if self.enabled:
+            self._progress.console.print(text)
