@@ -3,20 +3,105 @@
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 
+from tandem.cluster import Cluster, flat_cluster, format_bandwidth, parse_cluster, parse_size
 from tandem.errors import UsageError
+from tandem.plan import Plan
+from tandem.planning import PartitionOptions, make_plan
+from tandem.profile import ModelProfile, load_profile
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``tandem plan``."""
     p = subparsers.add_parser(
         "plan",
-        help="choose pipeline stages and replication",
-        description="Choose stages and replicas with PipeDream's partitioner.",
+        help="choose pipeline stages and replication (PipeDream's partitioner)",
+        description="Split a model into pipeline stages with a replica count each, minimizing "
+        "the slowest stage under PipeDream's cost model.",
     )
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="profile this model spec locally first (e.g. vgg)")
+    source.add_argument("--profile", help="profile file: tandem JSON or PipeDream graph.txt")
+    p.add_argument("--batch-size", type=int, default=32, help="with --model: minibatch to profile")
+    p.add_argument("--data", default=None, help="with --model: dataset spec")
+    p.add_argument("--devices", type=int, help="number of devices of a flat cluster")
+    p.add_argument("--bandwidth", help="link bandwidth of a flat cluster, e.g. 10Gb/s")
+    p.add_argument("--cluster", help="cluster spec (8x300GB/s,4x25Gb/s), YAML file or preset")
+    p.add_argument("--memory", help="per-device memory limit, e.g. 16GB (default: the cluster's)")
+    p.add_argument("--activation-compression", type=float, default=1.0, metavar="R",
+                   help="divide activation transfer time by R (default 1: full transfer)")
+    p.add_argument("--no-activation-comm", action="store_true",
+                   help="ignore activation transfer, as PipeDream's optimizer does by default")
+    p.add_argument("--straight", action="store_true", help="one device per stage, no replication")
+    p.add_argument("--allow-idle", action="store_true", help="leave devices idle when faster")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.add_argument("-o", "--output", help="write the plan JSON here")
     p.set_defaults(run=run)
 
 
+def build_cluster(args: argparse.Namespace) -> Cluster:
+    """The cluster from ``--cluster`` or ``--devices``/``--bandwidth``."""
+    if args.cluster is not None:
+        if args.devices is not None or args.bandwidth is not None:
+            raise UsageError("give either --cluster or --devices with --bandwidth, not both")
+        return parse_cluster(args.cluster)
+    if args.devices is None or args.bandwidth is None:
+        raise UsageError("describe the cluster: --devices N --bandwidth 10Gb/s, or --cluster SPEC")
+    return flat_cluster(num_devices=args.devices, bandwidth=args.bandwidth)
+
+
+def _profile(args: argparse.Namespace) -> ModelProfile:
+    if args.profile is not None:
+        return load_profile(args.profile)
+    from tandem.commands.profile import measure
+
+    return measure(args.model, args.batch_size, args.data)
+
+
+def _options(args: argparse.Namespace) -> PartitionOptions:
+    return PartitionOptions(
+        activation_compression=None if args.no_activation_comm else args.activation_compression,
+        straight=args.straight,
+        allow_idle=args.allow_idle,
+        memory_bytes=parse_size(args.memory) if args.memory else None,
+    )
+
+
+def format_plan(plan: Plan, profile: ModelProfile, cluster: Cluster) -> str:
+    """A readable table of stages and the predicted speedups."""
+    lines = [f"cluster: {cluster.describe()}",
+             f"plan {plan.config}: {len(plan.stages)} stages on "
+             f"{sum(s.replicas for s in plan.stages)} of {plan.num_devices} devices",
+             f"{'stage':>5} {'layers':>11} {'replicas':>8} {'time ms':>10} {'memory MB':>10}  first layer"]  # fmt: skip
+    for index, stage in enumerate(plan.stages):
+        first = profile.layers[plan.layers()[stage.start]].name[:30]
+        lines.append(f"{index:>5} {f'{stage.start}..{stage.end - 1}':>11} {stage.replicas:>8} "
+                     f"{stage.time_s * 1e3:10.3f} {stage.memory_bytes / 1e6:10.1f}  {first}")  # fmt: skip
+    if len(plan.level_configs) > 1:
+        lines.append("per level (innermost first): " + ", ".join(plan.level_configs))
+    lines.append(f"bottleneck {plan.bottleneck_s * 1e3:.3f} ms per minibatch; "
+                 f"speedup {plan.speedup_vs_single:.2f}x vs one device, "
+                 f"{plan.speedup_vs_dp:.2f}x vs data parallel on {plan.num_devices} "
+                 f"(solved in {plan.solve_s:.3f} s)")  # fmt: skip
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
-    """Plan (not yet implemented)."""
-    raise UsageError("tandem plan is not implemented yet")
+    """Plan, print a table (stderr with --json) or JSON, and optionally write the plan."""
+    cluster = build_cluster(args)
+    options = _options(args)
+    profile = _profile(args)
+    plan = make_plan(profile, cluster, options)
+    human = sys.stderr if args.json else sys.stdout
+    print(format_plan(plan, profile, cluster), file=human)
+    if args.output:
+        plan.save(args.output)
+        print(f"wrote {args.output}", file=human)
+    if args.json:
+        print(json.dumps(plan.to_dict()))
+    return 0
+
+
+__all__ = ["add_parser", "build_cluster", "format_bandwidth", "format_plan", "run"]

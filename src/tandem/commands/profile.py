@@ -1,10 +1,13 @@
-"""The ``tandem profile`` command: measure a model's layers and write a ModelProfile."""
+"""The ``tandem profile`` command: measure a model's blocks and write a ModelProfile."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 
 from tandem.errors import UsageError
+from tandem.profile import ModelProfile
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -12,11 +15,72 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "profile",
         help="measure per-layer time and sizes of a model",
-        description="Measure every top-level block of a model on the local device.",
+        description="Measure forward/backward time, output activation bytes and parameter "
+        "bytes of every top-level block of a model on the local device.",
     )
+    p.add_argument("--model", required=True, help="model spec, e.g. vgg:width=0.25 or gpt")
+    p.add_argument("--batch-size", type=int, required=True, help="minibatch size to profile at")
+    p.add_argument("--data", default=None,
+                   help="dataset spec (default: digits for image models, tokens for gpt)")
+    p.add_argument("-o", "--output", default=None, help="write the profile JSON here")
+    p.add_argument("--warmup", type=int, default=2, help="untimed runs per block (default 2)")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per block; median (default 5)")
+    p.add_argument("--device", default="cpu", help="torch device to profile on (default cpu)")
+    p.add_argument("--json", action="store_true", help="print the profile as JSON on stdout")
     p.set_defaults(run=run)
 
 
+def measure(model_spec: str, batch_size: int, data_spec: str | None, *, warmup: int = 2,
+            repeats: int = 5, device: str = "cpu") -> ModelProfile:  # fmt: skip
+    """Build the model and a minibatch of its data, and profile it."""
+    import torch
+
+    from tandem.data import build_dataset
+    from tandem.models import build_model
+    from tandem.runtime.profiler import profile_model
+
+    if batch_size < 1:
+        raise UsageError(f"--batch-size must be at least 1 (got {batch_size})")
+    bundle = build_dataset(data_spec or _default_data(model_spec))
+    torch.manual_seed(0)
+    model = build_model(model_spec, bundle.info)
+    try:
+        target = torch.device(device)
+    except RuntimeError:
+        raise UsageError(f"unknown --device {device!r}: use cpu or cuda") from None
+    model.to(target)
+    inputs = bundle.train.inputs
+    repeat = -(-batch_size // len(inputs))
+    batch = inputs.repeat(repeat, *([1] * (inputs.dim() - 1)))[:batch_size].to(target)
+    profile = profile_model(model, batch, warmup=warmup, repeats=repeats, model_name=model_spec)
+    profile.batch_size = batch_size
+    return profile
+
+
+def _default_data(model_spec: str) -> str:
+    return "tokens" if model_spec.split(":", 1)[0] == "gpt" else "digits"
+
+
+def format_profile(profile: ModelProfile) -> str:
+    """A readable per-layer table."""
+    lines = [f"{'layer':<28} {'fwd ms':>9} {'bwd ms':>9} {'act MB':>9} {'params MB':>10}"]
+    for layer in profile.layers:
+        lines.append(f"{layer.name[:28]:<28} {layer.forward_s * 1e3:9.3f} {layer.backward_s * 1e3:9.3f} "
+                     f"{layer.activation_bytes / 1e6:9.3f} {layer.parameter_bytes / 1e6:10.3f}")  # fmt: skip
+    total = profile.total_compute_s()
+    lines.append(f"total forward+backward: {total * 1e3:.3f} ms per minibatch of {profile.batch_size}")
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
-    """Profile the model (not yet implemented)."""
-    raise UsageError("tandem profile is not implemented yet")
+    """Profile the model, print a table (stderr with --json) and write the profile."""
+    profile = measure(args.model, args.batch_size, args.data, warmup=args.warmup,
+                      repeats=args.repeats, device=args.device)  # fmt: skip
+    human = sys.stderr if args.json else sys.stdout
+    print(format_profile(profile), file=human)
+    if args.output:
+        profile.save(args.output)
+        print(f"wrote {args.output}", file=human)
+    if args.json:
+        print(json.dumps(profile.to_dict()))
+    return 0

@@ -1,0 +1,384 @@
+"""One level of PipeDream's dynamic program: the full table and an exact fast path.
+
+``solve_level`` fills ``best[p, j, m]``: the smallest bottleneck for the layers of state ``j``
+minus state ``p - 1`` (row 0: from the start) on ``m + 1`` units, vectorized over the last
+stage's start and replica count. ``solve_level_fast`` answers only the final row-0 question
+by a parametric search: for a time bound ``T`` each stage needs a least number of units, found
+in closed form from a quadratic, and a prefix minimum over states says whether ``T`` is
+reachable; bisection finds the least reachable ``T``. That solves the problem with idle units
+allowed, a lower bound; a second pass proves (or fails to prove, falling back to the table) that
+the same ``T`` is reachable using every unit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tandem.planning.antichain import States
+
+Piece = tuple[int, int, int, float, float, float]
+"""A stage of one level: (before, state, replicas, time_s, allreduce_s, transfer_s)."""
+
+_CHUNK_ELEMENTS = 4_000_000
+
+
+@dataclass(kw_only=True, slots=True)
+class LevelProblem:
+    """The inputs of one level: segment costs over states and the level's links."""
+
+    states: States
+    """The states stage boundaries are drawn from."""
+    compute_s: np.ndarray
+    """``[p, j]``: compute time of the segment after state ``p - 1`` up to state ``j`` (nan: invalid)."""
+    parameter_bytes: np.ndarray
+    """``[p, j]``: parameter bytes of the segment."""
+    stash_bytes: np.ndarray
+    """``[p, j]``: activation bytes the segment stashes per minibatch."""
+    num_units: int
+    """Units at this level."""
+    bandwidth_Bps: float
+    """Link bandwidth between units, bytes per second."""
+    devices_per_unit: int
+    """Devices inside one unit (1 at the innermost level)."""
+    activation_compression: float | None
+    """Activation transfer is divided by this; None ignores it."""
+    memory_bytes: float | None
+    """Per-device memory limit, or None."""
+    straight: bool
+    """One unit per stage."""
+    allow_idle: bool
+    """Plans may leave units unused."""
+    all_rows: bool
+    """Solve every segment start (needed by the level above), not only row 0."""
+    transfer_bytes: np.ndarray = field(init=False)
+    """``[p, j]``: bytes a non-first stage moves per minibatch in its larger direction."""
+
+    def __post_init__(self) -> None:
+        cut = self.states.cut_bytes
+        n = self.states.num_states
+        outgoing = cut.copy()
+        outgoing[n - 1] = 0.0
+        matrix = np.zeros((n + 1, n))
+        if self.activation_compression is not None:
+            matrix[1:] = np.maximum(cut[:, None], outgoing[None, :])
+        self.transfer_bytes = matrix
+
+    def allreduce_s(self, params: np.ndarray | float, replicas: np.ndarray | float) -> np.ndarray:
+        """PipeDream's data-parallel communication of a stage before dividing by replicas."""
+        comm = (4 * (np.asarray(replicas) - 1) * params) / (self.bandwidth_Bps * replicas)
+        return comm / self.devices_per_unit
+
+    def transfer_s(self, nbytes: np.ndarray | float, replicas: np.ndarray | float) -> np.ndarray:
+        """Activation transfer time of a non-first stage on ``replicas`` units."""
+        if self.activation_compression is None:
+            return np.zeros(np.broadcast(np.asarray(nbytes), np.asarray(replicas)).shape)
+        return (2.0 * nbytes) / (self.bandwidth_Bps * replicas) / self.activation_compression
+
+    def stage_time(self, row: np.ndarray | int, state: np.ndarray | int,
+                   replicas: np.ndarray | float, *, first: np.ndarray | bool) -> np.ndarray:  # fmt: skip
+        """Time of the segment ``(row - 1, state]`` on ``replicas`` units (vectorized).
+
+        The first stage of a pipeline (``first``) moves no activations at this level.
+        """
+        compute = self.compute_s[row, state]
+        comm = self.allreduce_s(self.parameter_bytes[row, state], replicas)
+        time_s = (compute + comm) / replicas
+        moved = self.transfer_s(self.transfer_bytes[row, state], replicas)
+        return np.where(first, time_s, np.maximum(time_s, moved))
+
+    def fits(self, row: np.ndarray | int, state: np.ndarray | int,
+             replicas: np.ndarray, used: np.ndarray) -> np.ndarray:  # fmt: skip
+        """Whether the stage's in-flight weights and activations fit in device memory."""
+        if self.memory_bytes is None:
+            return np.ones(np.broadcast(replicas, used).shape, dtype=bool)
+        in_flight = 1 + np.ceil((self.num_units - used) / replicas)
+        per_minibatch = self.stash_bytes[row, state] + self.parameter_bytes[row, state]
+        return in_flight * per_minibatch / self.devices_per_unit <= self.memory_bytes
+
+    def piece(self, before: int, state: int, replicas: int, *, first: bool) -> Piece:
+        """The stage after ``before`` up to ``state`` as a :data:`Piece`."""
+        row = before + 1
+        comm = float(self.allreduce_s(self.parameter_bytes[row, state], replicas))
+        moved = 0.0 if first else float(self.transfer_s(self.transfer_bytes[row, state], replicas))
+        time_s = max((float(self.compute_s[row, state]) + comm) / replicas, moved)
+        return (before, state, replicas, time_s, comm, moved)
+
+
+@dataclass(kw_only=True, slots=True)
+class LevelTable:
+    """A solved level: ``best[p, j, m]`` and how to recover the stages behind it."""
+
+    problem: LevelProblem
+    """What was solved."""
+    best: np.ndarray
+    """Smallest bottleneck per (row, state, units - 1); inf where impossible."""
+    split: np.ndarray | None = None
+    """Choice per cell: -1 one stage, -2 same as one unit fewer (idle), k: last stage after k."""
+    replicas: np.ndarray | None = None
+    """Replicas of the last stage per cell."""
+    pieces: list[Piece] | None = None
+    """For the fast path: the row-0 stages directly."""
+
+    def backtrack(self, row: int, state: int) -> list[Piece]:
+        """The stages behind ``best[row, state, -1]`` in pipeline order."""
+        if self.pieces is not None and row == 0:
+            return list(self.pieces)
+        assert self.split is not None and self.replicas is not None
+        pieces: list[Piece] = []
+        units = self.problem.num_units - 1
+        while True:
+            choice = int(self.split[row, state, units])
+            if choice == -2:
+                units -= 1
+                continue
+            if choice == -1:
+                pieces.append(self.problem.piece(row - 1, state, units + 1, first=True))
+                return pieces[::-1]
+            reps = int(self.replicas[row, state, units])
+            pieces.append(self.problem.piece(choice, state, reps, first=False))
+            state, units = choice, units - reps
+
+
+def solve_level(problem: LevelProblem) -> LevelTable:
+    """The full dynamic program (every row when ``problem.all_rows``, else row 0)."""
+    n = problem.states.num_states
+    N = problem.num_units
+    rows = n + 1 if problem.all_rows else 1
+    best = np.full((rows, n, N), np.inf)
+    split = np.full((rows, n, N), -3, dtype=np.int64)
+    reps = np.zeros((rows, n, N), dtype=np.int64)
+    units = np.arange(1, N + 1)
+    for j in range(n):
+        below = np.flatnonzero(problem.states.below[:, j])
+        valid_rows = [0] + ([p + 1 for p in below] if problem.all_rows else [])
+        last = _last_stage_times(problem, below, j) if below.size else None
+        for p in valid_rows:
+            base = _base_times(problem, p, j, units)
+            rec, rec_k, rec_r = _recursive(problem, best, p, below, j, last)
+            _combine(problem, best, split, reps, (p, j), base, (rec, rec_k, rec_r))
+    return LevelTable(problem=problem, best=best, split=split, replicas=reps)
+
+
+def _base_times(problem: LevelProblem, p: int, j: int, units: np.ndarray) -> np.ndarray:
+    times = problem.stage_time(p, j, units.astype(np.float64), first=True)
+    times = np.where(problem.fits(p, j, units, units), times, np.inf)
+    if problem.straight:
+        times[1:] = np.inf
+    return np.where(np.isnan(times), np.inf, times)
+
+
+def _last_stage_times(problem: LevelProblem, below: np.ndarray, j: int) -> np.ndarray:
+    """``[i, r - 1]``: time of the stage after state ``below[i]`` up to ``j`` on ``r`` units."""
+    N = problem.num_units
+    replicas = np.arange(1, N + 1, dtype=np.float64)[None, :]
+    rows = (below + 1)[:, None]
+    times = problem.stage_time(rows, j, replicas, first=False)
+    if problem.straight:
+        times[:, 1:] = np.inf
+    return np.where(np.isnan(times), np.inf, times)
+
+
+def _recursive(
+    problem: LevelProblem, best: np.ndarray, p: int, below: np.ndarray, j: int,
+    last: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    """Best split per unit count m: min over k, r of max(best[p, k, m - r], last[k, r])."""
+    N = problem.num_units
+    rec = np.full(N, np.inf)
+    rec_k = np.full(N, -3, dtype=np.int64)
+    rec_r = np.zeros(N, dtype=np.int64)
+    if last is None or N < 2:
+        return rec, rec_k, rec_r
+    pick = np.ones(below.size, dtype=bool) if p == 0 else problem.states.below[p - 1, below]
+    index = np.flatnonzero(pick)
+    m = np.arange(N)[:, None]
+    r = np.arange(1, N + 1)[None, :]
+    prior = m - r  # units index of the prefix
+    ok = prior >= 0
+    step = max(1, _CHUNK_ELEMENTS // (N * N))
+    for start in range(0, index.size, step):
+        chunk = index[start : start + step]
+        ks = below[chunk]
+        prefix = best[p, ks][:, np.clip(prior, 0, None)]
+        cand = np.maximum(np.where(ok, prefix, np.inf), last[chunk][:, None, :])
+        if problem.memory_bytes is not None:
+            fits = problem.fits((ks + 1)[:, None, None], j, r[None], (m + 1)[None])
+            cand = np.where(fits, cand, np.inf)
+        flat = cand.transpose(1, 0, 2).reshape(N, -1)
+        arg = np.argmin(flat, axis=1)
+        value = flat[np.arange(N), arg]
+        better = value < rec
+        rec = np.where(better, value, rec)
+        rec_k = np.where(better, ks[arg // N], rec_k)
+        rec_r = np.where(better, arg % N + 1, rec_r)
+    return rec, rec_k, rec_r
+
+
+def _combine(
+    problem: LevelProblem, best: np.ndarray, split: np.ndarray, reps: np.ndarray,
+    cell: tuple[int, int], base: np.ndarray, rec: tuple[np.ndarray, np.ndarray, np.ndarray],
+) -> None:  # fmt: skip
+    """PipeDream's order: one stage first, then idle units if strictly better, then splits."""
+    p, j = cell
+    values, ks, rs = rec
+    for m in range(problem.num_units):
+        value, choice, count = base[m], -1, m + 1
+        if problem.allow_idle and m > 0 and best[p, j, m - 1] < value:
+            value, choice, count = best[p, j, m - 1], -2, 0
+        if values[m] < value:
+            value, choice, count = values[m], int(ks[m]), int(rs[m])
+        best[p, j, m], split[p, j, m], reps[p, j, m] = value, choice, count
+
+
+def solve_level_fast(problem: LevelProblem) -> LevelTable | None:
+    """Row 0 of the final level by parametric search, or None where the table is needed."""
+    if problem.memory_bytes is not None or (problem.straight and not problem.allow_idle):
+        return None
+    search = _Parametric(problem)
+    bound, pieces = search.minimize()
+    if not problem.allow_idle:
+        pieces = search.use_every_unit(bound)
+        if pieces is None:
+            return None
+    best = np.full((1, problem.states.num_states, problem.num_units), np.inf)
+    best[0, -1, -1] = max(piece[3] for piece in pieces)
+    return LevelTable(problem=problem, best=best, pieces=pieces)
+
+
+class _Parametric:
+    """Least units per stage under a time bound, and the prefix minimum over states."""
+
+    def __init__(self, problem: LevelProblem) -> None:
+        self.problem = problem
+        n = problem.states.num_states
+        self.valid = ~np.isnan(problem.compute_s)
+        self.compute = np.where(self.valid, problem.compute_s, np.inf)
+        params = np.where(self.valid, problem.parameter_bytes, 0.0)
+        self.k_coef = 4 * params / (problem.bandwidth_Bps * problem.devices_per_unit)
+        self.rows = np.arange(n + 1)[:, None]
+        self.cols = np.arange(n)[None, :]
+        ratio = problem.activation_compression or 1.0
+        self.g_coef = 2.0 * problem.transfer_bytes / problem.bandwidth_Bps / ratio
+
+    def _exact(self, replicas: np.ndarray) -> np.ndarray:
+        safe = np.clip(np.where(np.isfinite(replicas), replicas, 1), 1, None)
+        times = self.problem.stage_time(self.rows, self.cols, safe, first=self.rows == 0)
+        return np.where(self.valid & np.isfinite(replicas), times, np.inf)
+
+    def _roots(self, bound: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        total = self.compute + self.k_coef
+        with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+            disc = total * total - 4 * bound * self.k_coef
+            root = np.sqrt(np.maximum(disc, 0.0))
+            low = (total - root) / (2 * bound)
+            high = (total + root) / (2 * bound)
+            least = np.maximum(1.0, np.ceil(self.g_coef / bound))
+        return least, np.where(disc < 0, np.inf, low), np.where(disc < 0, 0.0, high)
+
+    def _settle(self, cand: np.ndarray, bound: float, *, down: bool) -> np.ndarray:
+        N = self.problem.num_units
+        cand = np.where(cand > N + 2, np.inf, cand)
+        for _ in range(3):
+            cand = np.where(self._exact(cand) > bound, cand + 1, cand)
+        if down:
+            lower = np.where(cand > 1, cand - 1, np.inf)
+            cand = np.where(self._exact(lower) <= bound, lower, cand)
+        cand = np.where((self._exact(cand) <= bound) & (cand <= N), cand, np.inf)
+        if self.problem.straight:
+            cand = np.where(cand == 1, cand, np.inf)
+        return cand
+
+    def least_units(self, bound: float) -> np.ndarray:
+        """``[p, j]``: fewest units for the segment to take at most ``bound`` (inf: none)."""
+        least, low, high = self._roots(bound)
+        cand = np.where(least <= np.floor(low), least, np.maximum(least, np.ceil(high)))
+        return self._settle(cand, bound, down=True)
+
+    def tail_units(self, bound: float) -> np.ndarray:
+        """``[p, j]``: fewest units from which every larger count up to N also fits."""
+        least, _, high = self._roots(bound)
+        cand = self._settle(np.maximum(least, np.ceil(high)), bound, down=False)
+        return np.where(self._exact(np.full(cand.shape, float(self.problem.num_units))) <= bound,
+                        cand, np.inf)  # fmt: skip
+
+    def _prefix(self, need: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        n = need.shape[1]
+        total = np.full(n + 1, np.inf)
+        total[0] = 0.0
+        arg = np.zeros(n, dtype=np.int64)
+        for j in range(n):
+            sums = total + need[:, j]
+            arg[j] = int(np.argmin(sums))
+            total[j + 1] = sums[arg[j]]
+        return total, arg
+
+    def _pieces(self, arg: np.ndarray, need: np.ndarray) -> list[Piece]:
+        pieces: list[Piece] = []
+        state = need.shape[1] - 1
+        while state >= 0:
+            row = int(arg[state])
+            pieces.append(self.problem.piece(row - 1, state, int(need[row, state]), first=row == 0))
+            state = row - 1
+        return pieces[::-1]
+
+    def minimize(self) -> tuple[float, list[Piece]]:
+        """The least bound reachable with at most N units, and a plan reaching it."""
+        n, N = self.problem.states.num_states, self.problem.num_units
+        one_stage = self.problem.stage_time(0, n - 1, np.arange(1, N + 1, dtype=np.float64),
+                                            first=True)
+        if self.problem.straight:
+            one_stage = one_stage[:1]
+        r = int(np.argmin(one_stage))
+        pieces = [self.problem.piece(-1, n - 1, r + 1, first=True)]
+        low, high = 0.0, float(one_stage[r])
+        for _ in range(200):
+            mid = 0.5 * (low + high)
+            if not low < mid < high or high - low <= high * 1e-15:
+                break
+            need = self.least_units(mid)
+            total, arg = self._prefix(need)
+            if total[n] <= N:
+                pieces = self._pieces(arg, need)
+                high = max(piece[3] for piece in pieces)
+            else:
+                low = mid
+        return high, pieces
+
+    def use_every_unit(self, bound: float) -> list[Piece] | None:
+        """A plan within ``bound`` using exactly N units: one stage absorbs the spare units."""
+        n, N = self.problem.states.num_states, self.problem.num_units
+        need = self.least_units(bound)
+        tail = self.tail_units(bound)
+        plain, plain_arg = self._prefix(need)
+        wide = np.full(n + 1, np.inf)
+        wide[0] = np.inf
+        wide_arg = np.zeros((n, 2), dtype=np.int64)
+        for j in range(n):
+            keep = wide + need[:, j]
+            grow = plain + tail[:, j]
+            a, b = int(np.argmin(keep)), int(np.argmin(grow))
+            wide[j + 1], wide_arg[j] = (keep[a], (a, 0)) if keep[a] <= grow[b] else (grow[b], (b, 1))
+        if not wide[n] <= N:
+            return None
+        return self._absorb(wide_arg, plain_arg, need, N)
+
+    def _absorb(self, wide_arg: np.ndarray, plain_arg: np.ndarray, need: np.ndarray,
+                N: int) -> list[Piece]:  # fmt: skip
+        stages: list[tuple[int, int, bool]] = []
+        state, widened = need.shape[1] - 1, True
+        while state >= 0:
+            row, flag = (int(wide_arg[state][0]), bool(wide_arg[state][1])) if widened else (
+                int(plain_arg[state]), False)  # fmt: skip
+            stages.append((row, state, widened and flag))
+            widened = widened and not flag
+            state = row - 1
+        stages.reverse()
+        spare = N - sum(int(need[row, state]) for row, state, _ in stages)
+        return [
+            self.problem.piece(row - 1, state, int(need[row, state]) + (spare if grow else 0),
+                               first=row == 0)  # fmt: skip
+            for row, state, grow in stages
+        ]
+

@@ -1,0 +1,235 @@
+"""PipeDream's partitioner: stages and a replica count per stage, minimizing the slowest stage.
+
+Usage::
+
+    result = partition(profile, cluster, PartitionOptions(activation_compression=1.0))
+    result.bottleneck_s, [(s.layers, s.replicas) for s in result.stages]
+
+The cost model is PipeDream's (``optimizer_graph_hierarchical.py``), level by level, innermost
+first. At a level with bandwidth ``B`` whose units each hold ``D`` devices, a stage made of the
+layers between states ``k`` and ``j`` (compute ``C``, parameters ``P``) on ``r`` units takes::
+
+    time = (C + 4 (r - 1) P / (B r) / D) / r
+
+and, when activations are costed (``activation_compression`` R is set) and the stage is not the
+first one of its pipeline, at least ``2 a_k / (B r) / R`` to receive its input and
+``2 a_j / (B r) / R`` to send its output (none after the model's last layer). At outer levels
+``C`` is the best time of the segment on one unit of the level below. The plan minimizes the
+slowest stage (the pipeline's steady-state time per minibatch) with exactly as many units as the
+level has, unless idle units are allowed. With a memory limit, a stage on ``r`` units with
+``d`` units after it keeps ``1 + ceil(d / r)`` minibatches in flight, each stashing the stage's
+activations and a copy of its weights, spread over ``D`` devices.
+
+What it does not model: overlap of communication with compute beyond the max above, pipeline
+fill and drain, latency, and stragglers — see ``tandem simulate`` for those.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from tandem.cluster import Cluster
+from tandem.errors import UsageError
+from tandem.planning.antichain import States, build_states
+from tandem.planning.levels import LevelProblem, LevelTable, solve_level, solve_level_fast
+from tandem.profile import ModelProfile
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class PartitionOptions:
+    """Choices that change the cost model or the plans considered."""
+
+    activation_compression: float | None = 1.0
+    """Divide activation-transfer time by this ratio; None ignores activation transfer
+    (PipeDream's default, ``--no-activation-comm``)."""
+    straight: bool = False
+    """Give every stage exactly one unit (no replication)."""
+    allow_idle: bool = False
+    """Allow plans that leave units idle when that is faster."""
+    memory_bytes: float | None = None
+    """Per-device memory limit in bytes; None for no limit."""
+    exact_dp: bool = False
+    """Always run the full dynamic program (the fast path is exact too; this is for testing)."""
+
+    def __post_init__(self) -> None:
+        ratio = self.activation_compression
+        if ratio is not None and not (ratio > 0 and math.isfinite(ratio)):
+            raise UsageError(f"--activation-compression must be a positive number (got {ratio})")
+        if self.memory_bytes is not None and not self.memory_bytes > 0:
+            raise UsageError(f"memory limit must be positive (got {self.memory_bytes} bytes)")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class StageChoice:
+    """One stage of a solved partition, flattened across levels."""
+
+    before: int
+    """State index this stage starts after (-1: from the start)."""
+    state: int
+    """State index this stage ends at (its layers are ``state`` minus ``before``)."""
+    replicas: int
+    """Devices running this stage (product of its replica counts at every level)."""
+    time_s: float
+    """Predicted time per minibatch of this stage (the pipeline runs at the slowest stage)."""
+    level_replicas: tuple[int, ...]
+    """Replica count at each level, innermost first."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Partition:
+    """The solved partition: stages in pipeline order and predicted times."""
+
+    states: States
+    """The states the stage boundaries are drawn from."""
+    stages: tuple[StageChoice, ...]
+    """Stages in pipeline order."""
+    bottleneck_s: float
+    """Time per minibatch of the slowest stage."""
+    single_s: float
+    """Time per minibatch on one device."""
+    data_parallel_s: float
+    """Time per minibatch of data parallelism on all devices (PipeDream's formula)."""
+    level_configs: tuple[str, ...]
+    """PipeDream's text form per level, innermost first (outer levels count units)."""
+
+
+def partition(
+    profile: ModelProfile, cluster: Cluster, options: PartitionOptions | None = None
+) -> Partition:
+    """Solve PipeDream's dynamic program for ``profile`` on ``cluster``."""
+    options = options or PartitionOptions()
+    memory = options.memory_bytes if options.memory_bytes is not None else cluster.memory_bytes
+    states = build_states(profile)
+    _check_stage_count(states, cluster, options)
+    compute = _segment_matrix(states, states.compute_s) / cluster.speed
+    tables: list[LevelTable] = []
+    top = len(cluster.levels) - 1
+    for level_index, level in enumerate(cluster.levels):
+        problem = LevelProblem(
+            states=states,
+            compute_s=compute,
+            parameter_bytes=_segment_matrix(states, states.parameter_bytes),
+            stash_bytes=_segment_matrix(states, states.activation_bytes),
+            num_units=level.num_units,
+            bandwidth_Bps=level.bandwidth_Bps,
+            devices_per_unit=cluster.devices_per_unit(level_index),
+            activation_compression=options.activation_compression,
+            memory_bytes=memory,
+            straight=options.straight,
+            allow_idle=options.allow_idle,
+            all_rows=level_index < top,
+        )
+        table = _solve(problem, options, final=level_index == top)
+        tables.append(table)
+        compute = np.where(np.isnan(problem.parameter_bytes), np.nan, table.best[:, :, -1])
+    return _assemble(profile, cluster, states, tables, memory)
+
+
+FAST_PATH_ELEMENTS = 50_000_000
+"""Use the parametric fast path when the full table would touch more cells than this."""
+
+
+def _solve(problem: LevelProblem, options: PartitionOptions, *, final: bool) -> LevelTable:
+    pairs = int(problem.states.below.sum())
+    if final and not options.exact_dp and pairs * problem.num_units**2 > FAST_PATH_ELEMENTS:
+        fast = solve_level_fast(problem)
+        if fast is not None:
+            return fast
+    return solve_level(problem)
+
+
+def _check_stage_count(states: States, cluster: Cluster, options: PartitionOptions) -> None:
+    if options.straight and not options.allow_idle:
+        need = cluster.num_devices
+        if need > states.num_states:
+            raise UsageError(
+                f"--straight on {need} devices needs {need} stages but the model has only "
+                f"{states.num_states} layers to cut between: use fewer devices or --allow-idle"
+            )
+
+
+def _segment_matrix(states: States, totals: np.ndarray) -> np.ndarray:
+    """Row 0: totals of each state; row p >= 1: state j minus state p-1 (nan if not below)."""
+    n = states.num_states
+    matrix = np.full((n + 1, n), np.nan)
+    matrix[0] = totals
+    diff = totals[None, :] - totals[:, None]
+    matrix[1:] = np.where(states.below, diff, np.nan)
+    return matrix
+
+
+def _assemble(
+    profile: ModelProfile, cluster: Cluster, states: States, tables: list[LevelTable],
+    memory: float | None,
+) -> Partition:  # fmt: skip
+    top = len(tables) - 1
+    bottleneck = float(tables[top].best[0, states.num_states - 1, -1])
+    if not math.isfinite(bottleneck):
+        raise UsageError(_infeasible_message(cluster, memory))
+    stages = _expand(tables, top, 0, states.num_states - 1, ())
+    configs = tuple(
+        "-".join(str(r) for r in _level_config(stages, level)) for level in range(len(tables))
+    )
+    return Partition(
+        states=states,
+        stages=tuple(stages),
+        bottleneck_s=bottleneck,
+        single_s=float(states.compute_s[-1]) / cluster.speed,
+        data_parallel_s=data_parallel_time(states, cluster),
+        level_configs=configs,
+    )
+
+
+def _infeasible_message(cluster: Cluster, memory: float | None) -> str:
+    if memory is not None:
+        return (
+            f"no plan fits in {memory / 1e9:g} GB per device on {cluster.num_devices} devices: "
+            "raise the memory limit (--memory), add devices, or use a smaller batch"
+        )
+    return f"no valid plan on {cluster.num_devices} devices: try --allow-idle"
+
+
+def _level_config(stages: list[StageChoice], level: int) -> list[int]:
+    counts: list[int] = []
+    previous: tuple[int, ...] | None = None
+    for stage in stages:
+        key = stage.level_replicas[level + 1 :]
+        if level == 0 or key != previous:
+            counts.append(stage.level_replicas[level])
+        previous = key
+    return counts
+
+
+def _expand(
+    tables: list[LevelTable], level: int, row: int, state: int, outer: tuple[int, ...]
+) -> list[StageChoice]:
+    """Flatten the stages of ``tables[level]`` for segment (row, state] into device stages."""
+    pieces = tables[level].backtrack(row, state)
+    stages: list[StageChoice] = []
+    for before, end, replicas, time_s, comm_s, moved_s in pieces:
+        if level == 0:
+            stages.append(StageChoice(before=before, state=end, replicas=replicas,
+                                      time_s=time_s, level_replicas=(replicas, *outer)))  # fmt: skip
+            continue
+        inner = _expand(tables, level - 1, before + 1, end, (replicas, *outer))
+        for choice in inner:
+            scaled = max((choice.time_s + comm_s) / replicas, moved_s)
+            stages.append(StageChoice(
+                before=choice.before, state=choice.state, replicas=choice.replicas * replicas,
+                time_s=scaled, level_replicas=choice.level_replicas))  # fmt: skip
+    return stages
+
+
+def data_parallel_time(states: States, cluster: Cluster) -> float:
+    """PipeDream's data-parallel time per minibatch: nested allreduce, level by level."""
+    time_s = float(states.compute_s[-1]) / cluster.speed
+    params = float(states.parameter_bytes[-1])
+    for index, level in enumerate(cluster.levels):
+        units = level.num_units
+        comm = (4 * (units - 1) * params) / (level.bandwidth_Bps * units)
+        comm /= cluster.devices_per_unit(index)
+        time_s = (time_s + comm) / units
+    return time_s

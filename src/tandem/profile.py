@@ -1,0 +1,311 @@
+"""Model profiles: per-layer compute time, activation and parameter sizes, and DAG edges.
+
+Usage::
+
+    profile = ModelProfile.load("vgg.json")            # written by ``tandem profile``
+    profile = load_profile("resnet50.graph.txt")       # PipeDream's graph.txt format
+    profile.save("copy.json")
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.errors import UsageError
+
+SCHEMA_VERSION = 1
+"""Version of the JSON layout written by :meth:`ModelProfile.to_dict`."""
+
+_LAYER_FIELDS = ("name", "forward_s", "backward_s", "activation_bytes", "parameter_bytes")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class LayerProfile:
+    """Measurements of one layer (one block of an ``nn.Sequential``, or one graph node)."""
+
+    name: str
+    """A readable description of the layer, e.g. ``Conv2d(3, 64, ...)``."""
+    forward_s: float
+    """Forward time of one minibatch, seconds."""
+    backward_s: float
+    """Backward time of one minibatch, seconds."""
+    activation_bytes: float
+    """Bytes of the layer's output activation for one minibatch."""
+    parameter_bytes: float
+    """Bytes of the layer's parameters."""
+
+    def __post_init__(self) -> None:
+        for key in _LAYER_FIELDS[1:]:
+            value = getattr(self, key)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise UsageError(
+                    f"layer {self.name!r} has {key}={value!r}: it must be a finite number >= 0"
+                )
+
+    @property
+    def compute_s(self) -> float:
+        """Forward plus backward seconds."""
+        return self.forward_s + self.backward_s
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelProfile:
+    """One entry per layer plus, for DAGs, the edges between layers (by index)."""
+
+    layers: list[LayerProfile]
+    """The layers; for a chain, in execution order."""
+    edges: list[tuple[int, int]] | None = None
+    """Data-flow edges ``(producer, consumer)`` between layer indices; None for a chain."""
+    model: str = ""
+    """The model spec or file the profile was measured from."""
+    batch_size: int | None = None
+    """The minibatch size the times were measured at, if known."""
+    source: str = field(default="")
+    """Where the profile came from (``tandem profile``, a file name)."""
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise UsageError("a profile needs at least one layer")
+        if self.edges is not None:
+            self.edges = [(int(a), int(b)) for a, b in self.edges]
+            _check_edges(self.edges, len(self.layers))
+            topological_order(len(self.layers), self.edges)
+
+    @property
+    def num_layers(self) -> int:
+        """Number of layers."""
+        return len(self.layers)
+
+    @property
+    def is_chain(self) -> bool:
+        """True when the layers run one after another (no explicit DAG)."""
+        return self.edges is None
+
+    def edge_list(self) -> list[tuple[int, int]]:
+        """The edges, with a chain's implicit ``i -> i+1`` edges made explicit."""
+        if self.edges is None:
+            return [(i, i + 1) for i in range(self.num_layers - 1)]
+        return list(self.edges)
+
+    def total_compute_s(self) -> float:
+        """Forward plus backward time of all layers, seconds."""
+        return sum(layer.compute_s for layer in self.layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dictionary with a schema version."""
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "model": self.model,
+            "batch_size": self.batch_size,
+            "source": self.source,
+            "layers": [{key: getattr(layer, key) for key in _LAYER_FIELDS} for layer in self.layers],
+            "edges": None if self.edges is None else [list(edge) for edge in self.edges],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, *, where: str = "profile") -> ModelProfile:
+        """Read :meth:`to_dict`'s layout, naming the first missing or bad field."""
+        if not isinstance(data, dict):
+            raise UsageError(f"{where} must be a JSON object with 'layers' (got {type(data).__name__})")
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise UsageError(
+                f"{where} has schema_version {version!r}; this tandem reads version {SCHEMA_VERSION}"
+            )
+        layers = data.get("layers")
+        if not isinstance(layers, list):
+            raise UsageError(f"{where} is missing the 'layers' list")
+        edges = data.get("edges")
+        if edges is not None and not (
+            isinstance(edges, list) and all(isinstance(e, list) and len(e) == 2 for e in edges)
+        ):
+            raise UsageError(f"{where}: 'edges' must be a list of [producer, consumer] pairs or null")
+        return cls(
+            layers=[_layer_from_dict(entry, index, where) for index, entry in enumerate(layers)],
+            edges=None if edges is None else [(e[0], e[1]) for e in edges],
+            model=str(data.get("model", "")),
+            batch_size=data.get("batch_size"),
+            source=str(data.get("source", where)),
+        )
+
+    def save(self, path: str) -> None:
+        """Write the profile as JSON."""
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump(self.to_dict(), handle, indent=1)
+            handle.write("\n")
+
+    @classmethod
+    def load(cls, path: str) -> ModelProfile:
+        """Read a JSON profile."""
+        try:
+            with open(path, encoding="utf-8") as handle:
+                data = json.load(handle)
+        except OSError as exc:
+            raise UsageError(f"cannot read profile {path!r}: {exc.strerror}") from None
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"profile {path!r} is not valid JSON: {exc}") from None
+        return cls.from_dict(data, where=f"profile {path!r}")
+
+
+def _layer_from_dict(entry: Any, index: int, where: str) -> LayerProfile:
+    if not isinstance(entry, dict):
+        raise UsageError(f"{where}: layer {index} must be an object with {', '.join(_LAYER_FIELDS)}")
+    missing = [key for key in _LAYER_FIELDS if key not in entry]
+    if missing:
+        raise UsageError(f"{where}: layer {index} is missing field {missing[0]!r}")
+    values = {key: entry[key] for key in _LAYER_FIELDS}
+    for key in _LAYER_FIELDS[1:]:
+        if not isinstance(values[key], (int, float)) or isinstance(values[key], bool):
+            raise UsageError(f"{where}: layer {index} field {key!r} must be a number (got {values[key]!r})")
+        if values[key] < 0:
+            raise UsageError(f"{where}: layer {index} ({values['name']!r}) has negative {key}={values[key]}")
+    return LayerProfile(**values)
+
+
+def _check_edges(edges: list[tuple[int, int]], num_layers: int) -> None:
+    for producer, consumer in edges:
+        if not (0 <= producer < num_layers and 0 <= consumer < num_layers):
+            raise UsageError(
+                f"edge {producer} -> {consumer} names a layer outside 0..{num_layers - 1}"
+            )
+        if producer == consumer:
+            raise UsageError(f"edge {producer} -> {consumer} is a cycle: a layer cannot feed itself")
+
+
+def topological_order(num_layers: int, edges: list[tuple[int, int]]) -> list[int]:
+    """Layers in dependency order, ties broken by index; a cycle is a :class:`UsageError`."""
+    successors: list[list[int]] = [[] for _ in range(num_layers)]
+    in_degree = [0] * num_layers
+    for producer, consumer in edges:
+        successors[producer].append(consumer)
+        in_degree[consumer] += 1
+    ready = [index for index in range(num_layers) if in_degree[index] == 0]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        index = heapq.heappop(ready)
+        order.append(index)
+        for consumer in successors[index]:
+            in_degree[consumer] -= 1
+            if in_degree[consumer] == 0:
+                heapq.heappush(ready, consumer)
+    if len(order) < num_layers:
+        stuck = min(index for index in range(num_layers) if in_degree[index] > 0)
+        raise UsageError(
+            f"the profile's edges contain a cycle through layer {stuck}: a profile must be a DAG"
+        )
+    return order
+
+
+_NODE_LINE = re.compile(
+    r"^(?P<id>\S+) -- (?P<desc>.*) -- forward_compute_time=(?P<fwd>[^,]+), "
+    r"backward_compute_time=(?P<bwd>[^,]+), activation_size=(?P<act>[^,]+), "
+    r"parameter_size=(?P<par>[^,\s]+)(?: -- stage_id=\d+)?$"
+)
+
+
+def _ms_float(text: str, what: str, line_number: int, path: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise UsageError(f"{path} line {line_number}: {what}={text!r} is not a number") from None
+    if value < 0 or not math.isfinite(value):
+        raise UsageError(f"{path} line {line_number}: {what}={text} must be a finite number >= 0")
+    return value
+
+
+def _activation(text: str, line_number: int, path: str) -> float:
+    parts = text.strip().lstrip("[").rstrip("]").split(";")
+    return sum(_ms_float(part.strip(), "activation_size", line_number, path) for part in parts)
+
+
+def from_pipedream_graph(text: str, *, source: str = "graph.txt") -> ModelProfile:
+    """Import PipeDream's ``graph.txt`` (times in ms) as a profile in seconds.
+
+    As PipeDream's optimizer does, nodes described as ``Input...`` (model inputs, no cost)
+    are dropped, and so are ``__getitem__`` nodes whose output nobody reads. A multi-output
+    node's activation size is the sum of its outputs. Layers are kept in a topological order
+    that prefers file order, so the first source is the file's first non-input source.
+    """
+    nodes: dict[str, tuple[int, str, list[float]]] = {}
+    edges: list[tuple[str, str, int]] = []
+    for line_number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        if line.startswith("\t") or line.startswith(" "):
+            ends = line.strip().split(" -- ")
+            if len(ends) != 2:
+                raise UsageError(f"{source} line {line_number}: expected an edge 'nodeA -- nodeB'")
+            edges.append((ends[0], ends[1], line_number))
+            continue
+        match = _NODE_LINE.match(line.strip())
+        if match is None:
+            raise UsageError(
+                f"{source} line {line_number}: expected 'nodeN -- description -- "
+                "forward_compute_time=..., backward_compute_time=..., activation_size=..., "
+                "parameter_size=...'"
+            )
+        values = [
+            _ms_float(match["fwd"], "forward_compute_time", line_number, source) / 1000.0,
+            _ms_float(match["bwd"], "backward_compute_time", line_number, source) / 1000.0,
+            _activation(match["act"], line_number, source),
+            _ms_float(match["par"], "parameter_size", line_number, source),
+        ]
+        nodes[match["id"]] = (len(nodes), match["desc"], values)
+    return _graph_to_profile(nodes, edges, source)
+
+
+def _graph_to_profile(
+    nodes: dict[str, tuple[int, str, list[float]]], edges: list[tuple[str, str, int]], source: str
+) -> ModelProfile:
+    for producer, consumer, line_number in edges:
+        for end in (producer, consumer):
+            if end not in nodes:
+                raise UsageError(f"{source} line {line_number}: edge names unknown node {end!r}")
+    inputs = {node for node, (_, desc, _) in nodes.items() if desc.startswith("Input")}
+    kept_edges = [(a, b) for a, b, _ in edges if a not in inputs and b not in inputs]
+    consumers = {a for a, _ in kept_edges}
+    unused = {
+        node for node, (_, desc, _) in nodes.items()
+        if desc.startswith("__getitem__") and node not in consumers and node not in inputs
+    }  # fmt: skip
+    names = [node for node in nodes if node not in inputs and node not in unused]
+    index = {node: position for position, node in enumerate(names)}
+    edge_pairs = [(index[a], index[b]) for a, b in kept_edges if a in index and b in index]
+    order = topological_order(len(names), edge_pairs)
+    rank = {old: new for new, old in enumerate(order)}
+    layers = [_layer(names[old], nodes[names[old]]) for old in order]
+    return ModelProfile(
+        layers=layers,
+        edges=sorted((rank[a], rank[b]) for a, b in edge_pairs),
+        model=source,
+        source=f"PipeDream graph {source}",
+    )
+
+
+def _layer(node: str, entry: tuple[int, str, list[float]]) -> LayerProfile:
+    _, desc, (forward_s, backward_s, activation_bytes, parameter_bytes) = entry
+    return LayerProfile(
+        name=f"{node}: {desc}",
+        forward_s=forward_s,
+        backward_s=backward_s,
+        activation_bytes=activation_bytes,
+        parameter_bytes=parameter_bytes,
+    )
+
+
+def load_profile(path: str) -> ModelProfile:
+    """Read a profile: PipeDream ``graph.txt`` when the name ends in ``.txt``, else JSON."""
+    if path.endswith(".txt"):
+        try:
+            with open(path, encoding="utf-8") as handle:
+                text = handle.read()
+        except OSError as exc:
+            raise UsageError(f"cannot read profile {path!r}: {exc.strerror}") from None
+        return from_pipedream_graph(text, source=path)
+    return ModelProfile.load(path)
