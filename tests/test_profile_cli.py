@@ -1,0 +1,31 @@
+"""``tandem profile`` on a tiny model end to end, and planning from its output."""
+
+from __future__ import annotations
+
+import json
+
+from tandem.profile import ModelProfile
+from tests.conftest import run_tandem
+
+
+def test_profile_then_plan(tmp_path) -> None:
+    target = tmp_path / "mlp.json"
+    done = run_tandem("profile", "--model", "mlp", "--batch-size", "8", "--repeats", "2",
+                      "--warmup", "1", "-o", str(target), "--json")
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout.strip().splitlines()[-1])
+    profile = ModelProfile.load(str(target))
+    assert profile.to_dict() == data and profile.batch_size == 8
+    assert profile.num_layers >= 2 and profile.is_chain
+    assert all(layer.forward_s > 0 and layer.backward_s > 0 for layer in profile.layers)
+    assert profile.layers[0].parameter_bytes > 0 and profile.layers[-1].activation_bytes > 0
+    done = run_tandem("plan", "--profile", str(target), "--devices", "2", "--bandwidth", "10Gb/s",
+                      "--json")
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)
+    assert plan["stages"][-1]["end"] == profile.num_layers
+
+
+def test_profile_unknown_model() -> None:
+    done = run_tandem("profile", "--model", "nosuch", "--batch-size", "8")
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
