@@ -15,7 +15,7 @@ DEMO = TrainConfig(model="mlp:hidden=128,layers=4", data="digits", strategy="dp"
 
 def run(args: argparse.Namespace) -> int:
     config = TrainConfig(**{**{f: getattr(DEMO, f) for f in DEMO.__dataclass_fields__},
-                            "out": args.out, "progress": not args.json})
+                            "out": args.out, "progress": args.progress and not args.json})
     print(f"tandem demo: {config.model} on {config.data}, {config.nproc} workers, strategy "
           f"{config.strategy}, {config.steps} steps of {config.batch_size} samples", file=sys.stderr)
     summary = run_training(config)
@@ -32,4 +32,6 @@ def add_parser(subparsers: Any) -> None:
     )
     parser.add_argument("--out", default=None, help="also write final.pt, metrics and trace here")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
+    parser.add_argument("--no-progress", action="store_false", dest="progress",
+                        help="hide the progress bar")
     parser.set_defaults(run=run)

@@ -15,7 +15,7 @@ import uuid
 from typing import Any, Callable, TypeVar
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from tandem.errors import UsageError, WorkerFailure
@@ -24,7 +24,8 @@ from tandem.runtime.dist import under_launcher
 R = TypeVar("R")
 
 _NOISY_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
-_USAGE_ERROR = re.compile(r"UsageError: (.*)", re.DOTALL)
+_USAGE_ERROR = re.compile(r"(?:\w+\.)*UsageError: (.*)", re.DOTALL)
+_WORKER_FAILURE = re.compile(r"(?:\w+\.)*WorkerFailure: (.*)", re.DOTALL)
 
 
 def launch(fn: Callable[[Any], R], arg: Any, *, nproc: int, threads: int = 1) -> R | None:
@@ -56,21 +57,30 @@ def launch(fn: Callable[[Any], R], arg: Any, *, nproc: int, threads: int = 1) ->
     return results.get(0)
 
 
-def _failure(exc: ChildFailedError) -> Exception:
-    """One line naming the first worker that failed and why."""
-    rank, failure = exc.get_first_failure()
+def _message(failure: ProcessFailure) -> str:
     message = failure.message
     if isinstance(message, dict):
         message = message.get("message", "")
-    message = str(message or "").strip()
-    usage = _USAGE_ERROR.search(message)
-    if usage:
-        return UsageError(usage.group(1).strip().splitlines()[0])
-    if failure.signal_name() not in ("", "<N/A>", None) and failure.exitcode < 0:
-        reason = f"killed by {failure.signal_name()}"
-    else:
-        last_line = message.strip().splitlines()[-1] if message else f"exit code {failure.exitcode}"
-        reason = last_line
-    others = sorted(set(exc.failures) - {rank})
-    also = f" (then stopped: ranks {', '.join(map(str, others))})" if others else ""
-    return WorkerFailure(f"worker rank {rank} failed: {reason}{also}")
+    return str(message or "").strip()
+
+
+def _failure(exc: ChildFailedError) -> Exception:
+    """One line naming the worker that caused the job to stop, and why.
+
+    In order of preference: a user mistake a worker found, a worker killed by a signal, a
+    worker's diagnosis of a peer that fell silent, then the first failure in time.
+    """
+    messages = {rank: _message(failure) for rank, failure in exc.failures.items()}
+    for message in messages.values():
+        if match := _USAGE_ERROR.match(message):
+            return UsageError(match.group(1).strip().splitlines()[0])
+    for rank, failure in sorted(exc.failures.items()):
+        if failure.exitcode < 0 and failure.signal_name() not in ("SIGTERM", "<N/A>"):
+            return WorkerFailure(f"worker rank {rank} died: killed by {failure.signal_name()}")
+    for message in messages.values():
+        if match := _WORKER_FAILURE.match(message):
+            return WorkerFailure(match.group(1).strip().splitlines()[0])
+    rank, failure = exc.get_first_failure()
+    lines = messages[rank].splitlines()
+    reason = lines[-1] if lines else f"exit code {failure.exitcode}"
+    return WorkerFailure(f"worker rank {rank} failed: {reason}")

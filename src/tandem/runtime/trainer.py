@@ -27,6 +27,7 @@ from tandem.runtime.checkpoint import CHECKPOINT_VERSION, load_checkpoint, save_
 from tandem.runtime.config import TrainConfig
 from tandem.runtime.dist import WorkerEnv, init_worker
 from tandem.runtime.reporting import Reporter
+from tandem.runtime.watchdog import Heartbeat, is_communication_error
 from tandem.sync import SyncStrategy, build_strategy
 from tandem.timeline import Event, Timeline
 
@@ -62,9 +63,16 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
     """Run the whole training job as this worker; rank 0 returns the summary."""
     start = time.perf_counter()
     env = init_worker(backend=config.backend, timeout_s=config.timeout_s, threads=config.threads)
+    store = dist.distributed_c10d._get_default_store()
     try:
         config.check_world(env.world_size)
-        summary = Trainer(config, env).run()
+        with Heartbeat(store, env.rank, env.world_size) as beat:
+            try:
+                summary = Trainer(config, env, beat).run()
+            except RuntimeError as exc:
+                if is_communication_error(exc):
+                    raise beat.diagnose(exc) from exc
+                raise
         if summary is not None:
             summary["wall_s"] = round(time.perf_counter() - start, 3)
         return summary
@@ -75,9 +83,10 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
 class Trainer:
     """State of one worker's run; :meth:`run` trains, evaluates and saves."""
 
-    def __init__(self, config: TrainConfig, env: WorkerEnv) -> None:
+    def __init__(self, config: TrainConfig, env: WorkerEnv, beat: Heartbeat) -> None:
         self.config = config
         self.env = env
+        self.beat = beat
         self.out = Path(config.out) if config.out else None
         self.data: DataBundle = build_dataset(config.data)
         torch.manual_seed(config.seed)
@@ -165,15 +174,18 @@ class Trainer:
         for micro_index, (x, y) in enumerate(zip(inputs, targets)):
             last = micro_index == len(inputs) - 1
             t0 = time.perf_counter()
+            self.beat.step, self.beat.phase = step, "forward"
             with contextlib.nullcontext() if last else self.strategy.accumulating(self.module):
                 loss = loss_sum(self.module(x), y)
                 t1 = time.perf_counter()
+                self.beat.phase = "backward"
                 (loss * scale).backward()
             loss_total += loss.detach()
             if traced:
                 self._trace("forward", t0, t1, step)
                 self._trace("backward", t1, time.perf_counter(), step)
         t2 = time.perf_counter()
+        self.beat.phase = "step"
         self.strategy.before_step(self.module)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -203,6 +215,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Accuracy and mean loss on the test split, each worker scoring its own shard."""
+        self.beat.phase = "evaluate"
         self.model.eval()
         sizes = shard_sizes(len(self.test), self.env.world_size)
         start = sum(sizes[: self.env.rank])

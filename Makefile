@@ -1,0 +1,28 @@
+# Set-up and the two main commands. `make demo` and `make test` each create .venv and install
+# everything on a fresh machine (torch==2.13.0 first: a newer torch would pull CUDA packages).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.tandem-installed
+
+.PHONY: demo test install bench clean
+
+demo: $(STAMP)
+	$(VENV)/bin/tandem demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+bench: $(STAMP)
+	$(PY) benchmarks/dp_overhead.py
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -1,0 +1,100 @@
+"""Heartbeats through the job's store, so that a worker which times out can name the one it
+waited for (stuck or dead) instead of only reporting its own timeout."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch.distributed as dist
+
+from tandem.errors import WorkerFailure
+
+PERIOD_S = 0.5
+
+
+class Heartbeat:
+    """A background thread that publishes this worker's progress every ``PERIOD_S`` seconds.
+
+    The training loop only assigns ``step`` and ``phase`` (no communication on the hot path).
+    """
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int) -> None:
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.step = 0
+        self.phase = "start"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="tandem-heartbeat", daemon=True)
+
+    def __enter__(self) -> Heartbeat:
+        self._publish()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+
+    def _publish(self) -> None:
+        self.store.set(f"tandem/heartbeat/{self.rank}", f"{self.step} {self.phase} {time.time()}")
+
+    def _beat(self) -> None:
+        while not self._stop.wait(PERIOD_S):
+            try:
+                self._publish()
+            except Exception:  # noqa: BLE001 - the store is gone: the job is ending
+                return
+
+    def diagnose(self, error: BaseException) -> WorkerFailure:
+        """Explain a failed collective by naming the workers that fell silent or behind."""
+        beats = self._read_beats()
+        now = time.time()
+        silent = [r for r in range(self.world_size) if r != self.rank
+                  and (r not in beats or now - beats[r][2] > 4 * PERIOD_S)]
+        here = f"rank {self.rank} gave up waiting at step {self.step} ({self.phase})"
+        if silent:
+            ranks = ", ".join(map(str, silent))
+            return WorkerFailure(f"worker rank {ranks} stopped responding (no heartbeat for "
+                                 f"{4 * PERIOD_S:g}+ s); {here}")
+        mine = _progress(self.step, self.phase)
+        behind = [r for r in beats if r != self.rank and _progress(*beats[r][:2]) < mine]
+        if behind:
+            lowest = min(_progress(*beats[r][:2]) for r in behind)
+            where = ", ".join(f"rank {r} at step {beats[r][0]} ({beats[r][1]})" for r in behind
+                              if _progress(*beats[r][:2]) == lowest)
+            return WorkerFailure(f"worker {where} is stuck; {here}")
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return WorkerFailure(f"{here}: {first_line}")
+
+    def _read_beats(self) -> dict[int, tuple[int, str, float]]:
+        beats: dict[int, tuple[int, str, float]] = {}
+        for rank in range(self.world_size):
+            key = f"tandem/heartbeat/{rank}"
+            try:
+                if not self.store.check([key]):
+                    continue
+                step, phase, stamp = self.store.get(key).decode().split()
+            except Exception:  # noqa: BLE001 - an unreadable beat is itself the diagnosis
+                continue
+            beats[rank] = (int(step), phase, float(stamp))
+        return beats
+
+
+_COMMUNICATION_SIGNS = ("timed out", "timeout", "connection closed", "connection reset",
+                        "broken pipe", "peer")
+
+
+def is_communication_error(error: BaseException) -> bool:
+    """Whether ``error`` came from a collective or point-to-point operation with a peer."""
+    if isinstance(error, dist.DistError):
+        return True
+    text = str(error).lower()
+    return any(sign in text for sign in _COMMUNICATION_SIGNS)
+
+
+PHASES = ("start", "forward", "backward", "step", "evaluate", "save", "done")
+
+
+def _progress(step: int, phase: str) -> tuple[int, int]:
+    return step, PHASES.index(phase) if phase in PHASES else 0

@@ -1,0 +1,47 @@
+"""Models that fail on purpose, for tests of how a job stops: ``tests.faulty_models:NAME``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+from torch import nn
+
+from tandem.data.info import DataInfo
+
+
+class _Faulty(nn.Module):
+    """A linear classifier whose forward misbehaves on ``rank`` from call ``after`` on."""
+
+    def __init__(self, info: DataInfo, rank: int, after: int, how: str) -> None:
+        super().__init__()
+        self.linear = nn.Linear(64, info.num_classes)
+        self.rank, self.after, self.how, self.calls = rank, after, how, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.training and int(os.environ.get("RANK", "0")) == self.rank and self.calls > self.after:
+            if self.how == "raise":
+                raise RuntimeError(f"injected failure in forward call {self.calls}")
+            if self.how == "hang":
+                time.sleep(3600)
+            if self.how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+        return self.linear(x.flatten(1))
+
+
+def crash(info: DataInfo, rank: int = 1, after: int = 3) -> nn.Module:
+    """Raises an exception on ``rank``."""
+    return _Faulty(info, rank, after, "raise")
+
+
+def hang(info: DataInfo, rank: int = 1, after: int = 3) -> nn.Module:
+    """Sleeps for an hour on ``rank`` (a stuck worker)."""
+    return _Faulty(info, rank, after, "hang")
+
+
+def kill(info: DataInfo, rank: int = 1, after: int = 3) -> nn.Module:
+    """Kills its own process on ``rank`` (a dead worker)."""
+    return _Faulty(info, rank, after, "kill")

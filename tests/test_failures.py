@@ -1,0 +1,82 @@
+"""User mistakes give one line and exit 2; a dead or stuck worker stops the job, named."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_tandem
+
+BAD_INPUTS = {
+    "unknown model": (("--model", "transformerxl"), "unknown model 'transformerxl'"),
+    "unknown dataset": (("--data", "imagenet"), "unknown dataset 'imagenet'"),
+    "malformed options": (("--model", "gpt:layers4", "--data", "tokens"), "malformed model option"),
+    "bad option value": (("--model", "mlp:hidden=wide"), "hidden='wide'"),
+    "unknown option": (("--model", "mlp:depth=3"), "unknown model option 'depth'"),
+    "model for other task": (("--model", "gpt", "--data", "digits"), "needs a token dataset"),
+    "nproc 0": (("--nproc", "0"), "--nproc must be at least 1"),
+    "batch not divisible": (("--nproc", "3", "--batch-size", "64"), "not divisible by the 3 workers"),
+    "unknown strategy": (("--strategy", "zero3"), "unknown strategy 'zero3'"),
+    "stop after beyond steps": (("--steps", "5", "--stop-after", "9"), "--stop-after 9"),
+    "resume without checkpoint": (("--resume", "/nonexistent/ckpt.pt"), "no checkpoint at"),
+    "not an int": (("--steps", "many"), "invalid int value"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_is_one_line_and_status_2(case: str) -> None:
+    args, expected = BAD_INPUTS[case]
+    result = run_tandem("train", "--steps", "2", *args, timeout_s=60)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert expected in lines[0]
+    assert result.stdout == ""
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere; see the /proc case")
+def test_unwritable_out_permission(tmp_path: Path) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    result = run_tandem("train", "--steps", "2", "--out", str(locked / "run"), timeout_s=60)
+    assert result.returncode == 2 and "--out" in result.stderr
+
+
+@pytest.mark.parametrize("out", ["/proc/tandem-run", "FILE"])
+def test_unwritable_out(tmp_path: Path, out: str) -> None:
+    if out == "FILE":
+        out = str(tmp_path / "a-file")
+        Path(out).write_text("not a directory")
+    result = run_tandem("train", "--steps", "2", "--out", out, timeout_s=60)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"--out {out} is not a writable directory" in lines[0]
+
+
+def test_resume_with_other_settings_is_refused(tmp_path: Path) -> None:
+    assert run_tandem("train", "--steps", "2", "--out", str(tmp_path), "--no-progress").returncode == 0
+    result = run_tandem("train", "--steps", "4", "--seed", "9", "--out", str(tmp_path), "--resume")
+    assert result.returncode == 2 and "seed=0" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("how", "expected"),
+    [
+        ("crash", "worker rank 1 failed: RuntimeError: injected failure"),
+        ("kill", "worker rank 1 died: killed by SIGKILL"),
+        ("hang", "worker rank 1 at step 3 (forward) is stuck"),
+    ],
+)
+def test_failed_worker_stops_the_job_and_is_named(how: str, expected: str) -> None:
+    start = time.monotonic()
+    result = run_tandem("train", "--model", f"tests.faulty_models:{how}", "--nproc", "3",
+                        "--batch-size", "63", "--steps", "20", "--timeout", "5", "--no-progress",
+                        timeout_s=120)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert expected in lines[0]
+    assert time.monotonic() - start < 60
