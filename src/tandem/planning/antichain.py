@@ -61,12 +61,18 @@ def build_states(profile: ModelProfile) -> States:
     return _dag_states(profile)
 
 
-def _sums(profile: ModelProfile, masks: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _membership(masks: list[int], num_layers: int) -> np.ndarray:
+    """``[s, i]``: 1.0 when layer i is in state s."""
+    width = (num_layers + 7) // 8
+    raw = np.frombuffer(b"".join(m.to_bytes(width, "little") for m in masks), dtype=np.uint8)
+    bits = np.unpackbits(raw.reshape(len(masks), width), axis=1, bitorder="little")
+    return bits[:, :num_layers].astype(np.float64)
+
+
+def _sums(profile: ModelProfile, member: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     per_layer = np.array(
         [(lay.forward_s + lay.backward_s, lay.parameter_bytes, lay.activation_bytes)
          for lay in profile.layers], dtype=np.float64)  # fmt: skip
-    member = np.array([[(mask >> i) & 1 for i in range(profile.num_layers)] for mask in masks],
-                      dtype=np.float64)  # fmt: skip
     totals = member @ per_layer
     return totals[:, 0], totals[:, 1], totals[:, 2]
 
@@ -98,12 +104,13 @@ def _down_sets(num_layers: int, producers: list[list[int]], order: list[int]) ->
 
 
 def _reachable(num_layers: int, producers: list[list[int]], down: list[int], start: int) -> list[int]:
+    inputs = [sum(1 << p for p in producers[layer]) for layer in range(num_layers)]
     seen = {start}
     frontier = [start]
     while frontier:
         state = frontier.pop()
         for layer in range(num_layers):
-            if (state >> layer) & 1 or not any((state >> p) & 1 for p in producers[layer]):
+            if (state >> layer) & 1 or not state & inputs[layer]:
                 continue
             grown = state | down[layer]
             if grown not in seen:
@@ -144,13 +151,10 @@ def _dag_states(profile: ModelProfile) -> States:
     first_source = min(i for i in range(n) if not producers[i])
     masks = _reachable(n, producers, down, down[first_source])
     acts = [lay.activation_bytes for lay in profile.layers]
-    compute, params, stash = _sums(profile, masks)
-    index = {mask: position for position, mask in enumerate(masks)}
-    below = np.zeros((len(masks), len(masks)), dtype=bool)
-    for position, mask in enumerate(masks):
-        for other in masks[:position]:
-            if other & mask == other and other != mask:
-                below[index[other], position] = True
+    member = _membership(masks, n)
+    compute, params, stash = _sums(profile, member)
+    outside = member @ (1.0 - member).T  # [k, j]: layers of k missing from j
+    below = (outside == 0) & ~np.eye(len(masks), dtype=bool)
     return States(
         masks=masks,
         below=below,
