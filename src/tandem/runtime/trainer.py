@@ -112,6 +112,13 @@ class Trainer:
         self.events: list[Event] = []
         self.step_times: list[float] = []
         self.epoch_start = time.perf_counter()
+        self.loss_total = torch.zeros((), device=env.device)
+        self.loss, self.logged = math.nan, self.first_step
+        self.reporter = Reporter(
+            enabled=env.rank == 0, show_progress=config.progress, total_steps=config.steps,
+            metrics_path=self.out / "metrics.jsonl" if self.out else None,
+            first_step=self.first_step,
+        )
 
     def _load_checkpoint(self) -> dict[str, Any] | None:
         if self.config.resume is None:
@@ -130,36 +137,36 @@ class Trainer:
 
     def run(self) -> dict[str, Any] | None:
         """Train from the first step to the last (or ``--stop-after``); rank 0 returns a summary."""
-        config, rank0 = self.config, self.env.rank == 0
+        config = self.config
         last_step = config.stop_after if config.stop_after is not None else config.steps
-        metrics_path = self.out / "metrics.jsonl" if self.out else None
-        reporter = Reporter(enabled=rank0, show_progress=config.progress, metrics_path=metrics_path,
-                            total_steps=config.steps, first_step=self.first_step)
-        self.module.train()
-        loss_total = torch.zeros((), device=self.env.device)
-        loss, logged = math.nan, self.first_step
-        with reporter:
-            for step in range(self.first_step, last_step):
-                loss_total += self.train_step(step)
-                reporter.advance()
-                done = step + 1
-                if done % config.log_every == 0 or done == last_step:
-                    loss = self._global_loss(loss_total, range(logged, done))
-                    reporter.record(step=done, loss=loss, lr=self.scheduler.get_last_lr()[0],
-                                    samples_per_s=self._samples_per_s(done - logged))
-                    loss_total.zero_()
-                    logged = done
-                if config.eval_every and done % config.eval_every == 0 and done < last_step:
-                    reporter.record(step=done, **self.evaluate())
-                if done == last_step or (config.checkpoint_every and done % config.checkpoint_every == 0):
-                    self._save_checkpoint(done)
+        with self.reporter:
+            self.train_steps(self.first_step, last_step)
             evaluation = self.evaluate()
-            reporter.record(step=last_step, **evaluation)
+            self.reporter.record(step=last_step, **evaluation)
         finished = last_step == config.steps
         self._write_outputs(finished)
-        if not rank0:
+        if self.env.rank != 0:
             return None
-        return self._summary(last_step, loss, evaluation, finished)
+        return self._summary(last_step, evaluation, finished)
+
+    def train_steps(self, first: int, last: int) -> None:
+        """Optimizer steps ``first`` to ``last - 1``, with logging, evaluation and checkpoints."""
+        config, reporter = self.config, self.reporter
+        self.module.train()
+        for step in range(first, last):
+            self.loss_total += self.train_step(step)
+            reporter.advance()
+            done = step + 1
+            if done % config.log_every == 0 or done == last:
+                self.loss = self._global_loss(self.loss_total, range(self.logged, done))
+                reporter.record(step=done, loss=self.loss, lr=self.scheduler.get_last_lr()[0],
+                                samples_per_s=self._samples_per_s(done - self.logged))
+                self.loss_total.zero_()
+                self.logged = done
+            if config.eval_every and done % config.eval_every == 0 and done < last:
+                reporter.record(step=done, **self.evaluate())
+            if done == last or (config.checkpoint_every and done % config.checkpoint_every == 0):
+                self._save_checkpoint(done)
 
     def train_step(self, step: int) -> torch.Tensor:
         """One optimizer step on this worker's share of global batch ``step``; returns its loss sum."""
@@ -258,7 +265,7 @@ class Trainer:
             state = {name: tensor.detach().cpu() for name, tensor in self.model.state_dict().items()}
             save_atomic(state, self.out / "final.pt")
 
-    def _summary(self, last_step: int, loss: float, evaluation: dict[str, float],
+    def _summary(self, last_step: int, evaluation: dict[str, float],
                  finished: bool) -> dict[str, Any]:
         timed = self.step_times[min(len(self.step_times) - 1, 2):]
         train_s = sum(self.step_times)
@@ -267,7 +274,7 @@ class Trainer:
             "world_size": self.env.world_size, "backend": self.env.backend,
             "steps": last_step, "finished": finished, "global_batch_size": self.config.batch_size,
             "parameters": sum(p.numel() for p in self.model.parameters()),
-            "final_loss": loss, **evaluation,
+            "final_loss": self.loss, **evaluation,
             "samples_per_s": self.config.batch_size * len(self.step_times) / max(train_s, 1e-12),
             "step_time_s": statistics.median(timed) if timed else 0.0,
             "train_s": round(train_s, 4), "out": str(self.out) if self.out else None,
