@@ -1,0 +1,87 @@
+"""Actions of a pipeline schedule and their compact text form, which parses back exactly.
+
+Text form: ``{stage}{kind}{microbatch}`` with an optional peer worker for communication:
+
+    2F0      stage 2, forward of micro-batch 0
+    2B0      stage 2, backward of micro-batch 0
+    1SA3>2   stage 1 sends the activation of micro-batch 3 to worker 2
+    2RA3<1   stage 2 receives the activation of micro-batch 3 from worker 1
+    2SG3>1   stage 2 sends the gradient of micro-batch 3's input to worker 1
+    1RG3<2   stage 1 receives that gradient from worker 2
+    0AR      stage 0's replicas allreduce their gradients (flush schedules)
+    0AR5     ... after micro-batch 5's backward (asynchronous schedules)
+    0ST      stage 0 takes an optimizer step; ``0ST5`` after micro-batch 5
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+
+
+class Kind(enum.Enum):
+    """What an action does; the value is its code in the text form."""
+
+    FORWARD = "F"
+    BACKWARD = "B"
+    SEND_ACT = "SA"
+    RECV_ACT = "RA"
+    SEND_GRAD = "SG"
+    RECV_GRAD = "RG"
+    ALLREDUCE = "AR"
+    STEP = "ST"
+
+    @property
+    def is_send(self) -> bool:
+        return self in (Kind.SEND_ACT, Kind.SEND_GRAD)
+
+    @property
+    def is_recv(self) -> bool:
+        return self in (Kind.RECV_ACT, Kind.RECV_GRAD)
+
+    @property
+    def is_compute(self) -> bool:
+        return self in (Kind.FORWARD, Kind.BACKWARD)
+
+
+_PATTERN = re.compile(r"(\d+)(F|B|SA|RA|SG|RG|AR|ST)(\d*)(?:([<>])(\d+))?")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Action:
+    """One thing one worker does, in order, during a schedule."""
+
+    stage: int
+    """Stage index the worker runs."""
+    kind: Kind
+    microbatch: int | None = None
+    """Micro-batch (or minibatch, in asynchronous schedules); None for a flush's AR/ST."""
+    peer: int | None = None
+    """Worker index sent to or received from (communication actions only)."""
+
+    def __post_init__(self) -> None:
+        needs_peer = self.kind.is_send or self.kind.is_recv
+        assert needs_peer == (self.peer is not None), f"peer mismatch in {self!r}"
+        assert self.microbatch is not None or self.kind in (Kind.ALLREDUCE, Kind.STEP), (
+            f"{self.kind.name} needs a micro-batch"
+        )
+
+    def __str__(self) -> str:
+        text = f"{self.stage}{self.kind.value}{'' if self.microbatch is None else self.microbatch}"
+        if self.peer is not None:
+            text += f"{'>' if self.kind.is_send else '<'}{self.peer}"
+        return text
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """The action written as ``text`` (inverse of ``str``)."""
+        match = _PATTERN.fullmatch(text.strip())
+        if not match:
+            raise ValueError(f"not a schedule action: {text!r} (expected e.g. 2F0, 1SA3>2, 0ST)")
+        stage, code, microbatch, arrow, peer = match.groups()
+        kind = Kind(code)
+        if (arrow == ">") != kind.is_send or (arrow == "<") != kind.is_recv:
+            raise ValueError(f"action {text!r}: sends take '>peer', receives '<peer', others none")
+        return cls(stage=int(stage), kind=kind, microbatch=int(microbatch) if microbatch else None,
+                   peer=int(peer) if peer else None)
