@@ -61,12 +61,25 @@ def build_states(profile: ModelProfile) -> States:
     return _dag_states(profile)
 
 
-def _membership(masks: list[int], num_layers: int) -> np.ndarray:
+def _words(masks: list[int], num_layers: int) -> np.ndarray:
+    """The masks as rows of 64-bit words (``[s, w]``: layers ``64 w .. 64 w + 63`` of state s)."""
+    width = 8 * ((num_layers + 63) // 64)
+    raw = b"".join(m.to_bytes(width, "little") for m in masks)
+    return np.frombuffer(raw, dtype="<u8").reshape(len(masks), width // 8)
+
+
+def _membership(words: np.ndarray, num_layers: int) -> np.ndarray:
     """``[s, i]``: 1.0 when layer i is in state s."""
-    width = (num_layers + 7) // 8
-    raw = np.frombuffer(b"".join(m.to_bytes(width, "little") for m in masks), dtype=np.uint8)
-    bits = np.unpackbits(raw.reshape(len(masks), width), axis=1, bitorder="little")
+    bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")
     return bits[:, :num_layers].astype(np.float64)
+
+
+def _strict_subsets(words: np.ndarray) -> np.ndarray:
+    """``[k, j]``: state k is a strict subset of state j (states are distinct)."""
+    outside = np.zeros((len(words), len(words)), dtype=bool)  # [k, j]: k has a layer j lacks
+    for column in words.T:
+        outside |= (column[:, None] & ~column[None, :]) != 0
+    return ~outside & ~np.eye(len(words), dtype=bool)
 
 
 def _sums(profile: ModelProfile, member: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -103,36 +116,75 @@ def _down_sets(num_layers: int, producers: list[list[int]], order: list[int]) ->
     return down
 
 
-def _reachable(num_layers: int, producers: list[list[int]], down: list[int], start: int) -> list[int]:
-    inputs = [sum(1 << p for p in producers[layer]) for layer in range(num_layers)]
-    seen = {start}
+def _layer_masks(num_layers: int, producers: list[list[int]], order: list[int],
+                 consumers: list[int]) -> tuple[list[int], list[int], list[int]]:  # fmt: skip
+    """Per layer ``a``: its down-set, every layer its down-set feeds, and its augmentation.
+
+    The augmentation of ``a`` is every other layer of ``down(a)`` that feeds a layer outside
+    ``down(a)`` (PipeDream's augmented antichain adds these below each maximal layer). Such a
+    layer also feeds outside the down-set of the producer of ``a`` it lies under, so the
+    candidates are the producers' open layers: those feeding outside their own down-set.
+    """
+    down = _down_sets(num_layers, producers, order)
+    feeds = [0] * num_layers
+    open_layers = [0] * num_layers
+    for layer in order:
+        feeds[layer] = consumers[layer]
+        candidates = 0
+        for producer in producers[layer]:
+            feeds[layer] |= feeds[producer]
+            candidates |= open_layers[producer]
+        inside = down[layer]
+        kept = [i for i in _bits(candidates) if consumers[i] & ~inside]
+        open_layers[layer] = sum(1 << i for i in kept) | (1 << layer if consumers[layer] else 0)
+    augment = [mask & ~(1 << layer) for layer, mask in enumerate(open_layers)]
+    return down, feeds, augment
+
+
+def _bits(mask: int) -> list[int]:
+    """The set bits of ``mask``, ascending."""
+    found = []
+    while mask:
+        low = mask & -mask
+        found.append(low.bit_length() - 1)
+        mask ^= low
+    return found
+
+
+def _reachable(start: int, first: int, down: list[int], feeds: list[int],
+               consumers: list[int]) -> dict[int, int]:  # fmt: skip
+    """Every state grown from ``start`` (the down-set of layer ``first``), with its maximal layers.
+
+    A state ``S`` grows by ``down(v)`` for each layer ``v`` fed by ``S`` but outside it. The
+    maximal layers of the grown state are ``v`` and those of ``S`` that feed nothing in ``down(v)``.
+    """
+    maximal = {start: 1 << first}
+    fed = {start: feeds[first]}
     frontier = [start]
     while frontier:
         state = frontier.pop()
-        for layer in range(num_layers):
-            if (state >> layer) & 1 or not state & inputs[layer]:
-                continue
+        for layer in _bits(fed[state] & ~state):
             grown = state | down[layer]
-            if grown not in seen:
-                if len(seen) >= MAX_STATES:
-                    raise UsageError(
-                        f"the profile's DAG has more than {MAX_STATES} cut states (too many "
-                        "parallel branches): merge branches into blocks before planning"
-                    )
-                seen.add(grown)
-                frontier.append(grown)
-    return sorted(seen, key=lambda mask: (mask.bit_count(), mask))
+            if grown in maximal:
+                continue
+            if len(maximal) >= MAX_STATES:
+                raise UsageError(
+                    f"the profile's DAG has more than {MAX_STATES} cut states (too many "
+                    "parallel branches): merge branches into blocks before planning"
+                )
+            kept = [a for a in _bits(maximal[state]) if not consumers[a] & down[layer]]
+            maximal[grown] = sum(1 << a for a in kept) | (1 << layer)
+            fed[grown] = fed[state] | feeds[layer]
+            frontier.append(grown)
+    return maximal
 
 
-def _cut_bytes(mask: int, down: list[int], consumers: list[int], acts: list[float]) -> float:
-    members = [i for i in range(mask.bit_length()) if (mask >> i) & 1]
-    maximal = [a for a in members if not consumers[a] & mask]
-    frontier = set(maximal)
-    for top in maximal:
-        inside = down[top]
-        for layer in members:
-            if layer != top and (inside >> layer) & 1 and consumers[layer] & ~inside:
-                frontier.add(layer)
+def _cut_bytes(maximal: int, augment: list[int], acts: list[float]) -> float:
+    """Summed activations of the augmented antichain: maximal layers and their augmentations."""
+    tops = _bits(maximal)
+    frontier = set(tops)
+    for top in tops:
+        frontier.update(_bits(augment[top]))
     return float(sum(acts[i] for i in frontier))
 
 
@@ -146,20 +198,18 @@ def _dag_states(profile: ModelProfile) -> States:
     for producer, consumer in edges:
         producers[consumer].append(producer)
         consumers[producer] |= 1 << consumer
-    order = topological_order(n, edges)
-    down = _down_sets(n, producers, order)
+    down, feeds, augment = _layer_masks(n, producers, topological_order(n, edges), consumers)
     first_source = min(i for i in range(n) if not producers[i])
-    masks = _reachable(n, producers, down, down[first_source])
+    maximal = _reachable(down[first_source], first_source, down, feeds, consumers)
+    masks = sorted(maximal, key=lambda mask: (mask.bit_count(), mask))
     acts = [lay.activation_bytes for lay in profile.layers]
-    member = _membership(masks, n)
-    compute, params, stash = _sums(profile, member)
-    outside = member @ (1.0 - member).T  # [k, j]: layers of k missing from j
-    below = (outside == 0) & ~np.eye(len(masks), dtype=bool)
+    words = _words(masks, n)
+    compute, params, stash = _sums(profile, _membership(words, n))
     return States(
         masks=masks,
-        below=below,
+        below=_strict_subsets(words),
         compute_s=compute,
         parameter_bytes=params,
         activation_bytes=stash,
-        cut_bytes=np.array([_cut_bytes(m, down, consumers, acts) for m in masks]),
+        cut_bytes=np.array([_cut_bytes(maximal[m], augment, acts) for m in masks]),
     )
