@@ -22,6 +22,8 @@ class Event:
     """Optimizer step the action belongs to (-1 when none)."""
     bytes: int = 0
     """Bytes the action sent or received (0 for compute)."""
+    version: int = -1
+    """Weight version a forward or backward used (asynchronous pipelines; -1 when unused)."""
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -47,7 +49,7 @@ class Timeline:
             {
                 "name": event.name, "ph": "X", "pid": event.worker, "tid": 0,
                 "ts": event.start_s * 1e6, "dur": (event.end_s - event.start_s) * 1e6,
-                "args": {"step": event.step, "bytes": event.bytes},
+                "args": {"step": event.step, "bytes": event.bytes, "version": event.version},
             }
             for event in self.events
         ]
@@ -64,7 +66,7 @@ class Timeline:
             Event(
                 worker=int(item["pid"]), name=item["name"], start_s=item["ts"] / 1e6,
                 end_s=(item["ts"] + item["dur"]) / 1e6, step=item["args"]["step"],
-                bytes=item["args"]["bytes"],
+                bytes=item["args"]["bytes"], version=item["args"].get("version", -1),
             )
             for item in data["traceEvents"] if item.get("ph") == "X"
         ]

@@ -1,0 +1,198 @@
+"""What every trainer shares: data, sampling, optimizer, logging, outputs and the step loop.
+
+A trainer subclass supplies how one optimizer step runs (``train_step``), how the model is
+evaluated, and how its full state is gathered and checkpointed.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn import functional as F
+
+from tandem.data import DataBundle, GlobalBatchSampler, Split, build_dataset
+from tandem.runtime.checkpoint import save_atomic
+from tandem.runtime.config import TrainConfig
+from tandem.runtime.dist import WorkerEnv
+from tandem.runtime.reporting import Reporter
+from tandem.runtime.watchdog import Heartbeat
+from tandem.timeline import Event, Timeline
+
+MAX_TRACED_STEPS = 1000
+"""Steps whose actions are recorded in ``trace.json`` (bounds the trace of long runs)."""
+
+
+def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy over every prediction (one per sample, or one per token)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
+
+
+def build_optimizer(config: TrainConfig, params: Any) -> torch.optim.Optimizer:
+    """The optimizer named in ``config``."""
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum,
+                               weight_decay=config.weight_decay)
+    cls = torch.optim.Adam if config.optimizer == "adam" else torch.optim.AdamW
+    return cls(params, lr=config.lr, weight_decay=config.weight_decay)
+
+
+def lr_factor(config: TrainConfig, step: int) -> float:
+    """Learning-rate multiplier at ``step``: linear warm-up, then constant or cosine decay."""
+    if step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    if config.lr_schedule == "cosine":
+        progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    return 1.0
+
+
+def to_device(split: Split, device: torch.device) -> Split:
+    """``split`` with its tensors moved to ``device``."""
+    return Split(inputs=split.inputs.to(device), targets=split.targets.to(device))
+
+
+class BaseTrainer(abc.ABC):
+    """State of one worker's run; :meth:`run` trains, evaluates and writes the outputs."""
+
+    def __init__(self, config: TrainConfig, env: WorkerEnv, beat: Heartbeat) -> None:
+        self.config = config
+        self.env = env
+        self.beat = beat
+        self.out = Path(config.out) if config.out else None
+        self.data: DataBundle = build_dataset(config.data)
+        self.train = to_device(self.data.train, env.device)
+        self.test = to_device(self.data.test, env.device)
+        self.sampler = GlobalBatchSampler(len(self.train), global_batch_size=config.batch_size,
+                                          seed=config.seed)
+        self.predictions_per_sample = self.train.targets[0].numel()
+        self.first_step = 0
+        self.events: list[Event] = []
+        self.step_times: list[float] = []
+        self.clock_start = time.perf_counter()
+        self.loss_total = torch.zeros((), device=env.device)
+        self.loss = math.nan
+        self.logged = 0
+        self.reporter = Reporter(enabled=False, show_progress=False, metrics_path=None,
+                                 total_steps=config.steps, first_step=0)
+
+    def setup_optimizer(self, params: Any) -> None:
+        """Create the optimizer and learning-rate schedule over ``params``."""
+        self.optimizer = build_optimizer(self.config, params)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: lr_factor(self.config, step)
+        )
+
+    @abc.abstractmethod
+    def train_step(self, step: int) -> torch.Tensor:
+        """One optimizer step; returns this worker's summed loss (zero if it computes none)."""
+
+    @abc.abstractmethod
+    def evaluate(self) -> dict[str, float]:
+        """``test_accuracy`` and ``test_loss`` on the test split (same on every worker)."""
+
+    @abc.abstractmethod
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's state under its own names on rank 0 (None elsewhere); collective."""
+
+    def save_checkpoint(self, step: int) -> None:
+        """Save a checkpoint after ``step`` steps (collective); default: none."""
+
+    def summary_extra(self) -> dict[str, Any]:
+        """Strategy-specific fields of rank 0's summary."""
+        return {}
+
+    def run(self) -> dict[str, Any] | None:
+        """Train from the first step to the last (or ``--stop-after``); rank 0 returns a summary."""
+        config = self.config
+        last_step = config.stop_after if config.stop_after is not None else config.steps
+        self.logged = self.first_step
+        self.reporter = Reporter(
+            enabled=self.env.rank == 0, show_progress=config.progress, total_steps=config.steps,
+            metrics_path=self.out / "metrics.jsonl" if self.out else None,
+            first_step=self.first_step,
+        )
+        with self.reporter:
+            self.train_steps(self.first_step, last_step)
+            evaluation = self.evaluate()
+            self.reporter.record(step=last_step, **evaluation)
+        finished = last_step == config.steps
+        self._write_outputs(finished)
+        if self.env.rank != 0:
+            return None
+        return self._summary(last_step, evaluation, finished)
+
+    def train_steps(self, first: int, last: int) -> None:
+        """Optimizer steps ``first`` to ``last - 1``, with logging, evaluation and checkpoints."""
+        config, reporter = self.config, self.reporter
+        for step in range(first, last):
+            start = time.perf_counter()
+            self.loss_total += self.train_step(step)
+            self.step_times.append(time.perf_counter() - start)
+            reporter.advance()
+            done = step + 1
+            if done % config.log_every == 0 or done == last:
+                self.loss = self._global_loss(range(self.logged, done))
+                reporter.record(step=done, loss=self.loss, lr=self.scheduler.get_last_lr()[0],
+                                samples_per_s=self._samples_per_s(done - self.logged))
+                self.loss_total.zero_()
+                self.logged = done
+            if config.eval_every and done % config.eval_every == 0 and done < last:
+                reporter.record(step=done, **self.evaluate())
+            if done == last or (config.checkpoint_every and done % config.checkpoint_every == 0):
+                self.save_checkpoint(done)
+
+    def trace(self, name: str, start: float, end: float, step: int, *, num_bytes: int = 0,
+              version: int = -1) -> None:
+        """Record one action of this worker in the timeline (first ``MAX_TRACED_STEPS`` steps)."""
+        if step - self.first_step < MAX_TRACED_STEPS:
+            self.events.append(Event(
+                worker=self.env.rank, name=name, start_s=start - self.clock_start,
+                end_s=end - self.clock_start, step=step, bytes=num_bytes, version=version,
+            ))
+
+    def _global_loss(self, steps: range) -> float:
+        """Mean loss per prediction over the global batches of ``steps``."""
+        count = sum(len(self.sampler.global_indices(s)) for s in steps) * self.predictions_per_sample
+        total = self.loss_total.clone()
+        dist.all_reduce(total)
+        return float(total) / count
+
+    def _samples_per_s(self, num_steps: int) -> float:
+        window = self.step_times[-num_steps:]
+        return self.config.batch_size * len(window) / max(sum(window), 1e-12)
+
+    def _write_outputs(self, finished: bool) -> None:
+        gathered: list[list[Event] | None] = [None] * self.env.world_size
+        dist.all_gather_object(gathered, self.events)
+        state = self.full_state_dict() if finished and self.out else None
+        if self.env.rank != 0 or self.out is None:
+            return
+        events = [event for worker_events in gathered for event in worker_events or []]
+        Timeline(events=events).write(self.out / "trace.json")
+        (self.out / "config.json").write_text(json.dumps(dataclasses.asdict(self.config), indent=2))
+        if state is not None:
+            save_atomic(state, self.out / "final.pt")
+
+    def _summary(self, last_step: int, evaluation: dict[str, float],
+                 finished: bool) -> dict[str, Any]:
+        timed = self.step_times[min(len(self.step_times) - 1, 2):]
+        train_s = sum(self.step_times)
+        return {
+            "strategy": self.config.strategy, "model": self.config.model, "data": self.config.data,
+            "world_size": self.env.world_size, "backend": self.env.backend,
+            "steps": last_step, "finished": finished, "global_batch_size": self.config.batch_size,
+            "final_loss": self.loss, **evaluation,
+            "samples_per_s": self.config.batch_size * len(self.step_times) / max(train_s, 1e-12),
+            "step_time_s": statistics.median(timed) if timed else 0.0,
+            "train_s": round(train_s, 4), "out": str(self.out) if self.out else None,
+            **self.summary_extra(),
+        }
