@@ -43,7 +43,7 @@ class Schedule:
 
     def worker_of(self, stage: int, replica: int) -> int:
         """Worker index of ``replica`` of ``stage``."""
-        return sum(self.replicas[:stage]) + replica
+        return worker_of(self.replicas, stage, replica)
 
     def stage_of(self, worker: int) -> tuple[int, int]:
         """``(stage, replica)`` that ``worker`` runs."""
@@ -55,7 +55,7 @@ class Schedule:
 
     def worker_for(self, stage: int, microbatch: int) -> int:
         """The worker that runs ``microbatch`` on ``stage`` (round-robin over replicas)."""
-        return self.worker_of(stage, microbatch % self.replicas[stage])
+        return worker_for(self.replicas, stage, microbatch)
 
     def text(self) -> str:
         """One line per worker: ``w0: 0F0 0SA0>1 ...``; :meth:`parse` reads it back."""
@@ -76,6 +76,17 @@ class Schedule:
         return cls(kind=kind, replicas=replicas,
                    num_microbatches=int(microbatches_field.removeprefix("microbatches=")),
                    workers=workers)
+
+
+def worker_of(replicas: Sequence[int], stage: int, replica: int) -> int:
+    """Worker index of ``replica`` of ``stage`` when workers are numbered stage-major."""
+    return sum(replicas[:stage]) + replica
+
+
+def worker_for(replicas: Sequence[int], stage: int, microbatch: int) -> int:
+    """The worker that runs ``microbatch`` on ``stage``: replica ``microbatch % replicas[stage]``
+    (round-robin, as in PipeDream)."""
+    return worker_of(replicas, stage, microbatch % replicas[stage])
 
 
 def make_schedule(kind: str, replicas: Sequence[int], num_microbatches: int,
