@@ -82,10 +82,16 @@ class LevelProblem:
 
         The first stage of a pipeline (``first``) moves no activations at this level.
         """
-        compute = self.compute_s[row, state]
-        comm = self.allreduce_s(self.parameter_bytes[row, state], replicas)
-        time_s = (compute + comm) / replicas
-        moved = self.transfer_s(self.transfer_bytes[row, state], replicas)
+        return self.segment_time(self.compute_s[row, state], self.parameter_bytes[row, state],
+                                 self.transfer_bytes[row, state], replicas, first=first)  # fmt: skip
+
+    def segment_time(self, compute_s: np.ndarray, parameter_bytes: np.ndarray,
+                     transfer_bytes: np.ndarray, replicas: np.ndarray | float, *,
+                     first: np.ndarray | bool) -> np.ndarray:  # fmt: skip
+        """:meth:`stage_time` from a segment's values rather than its position."""
+        comm = self.allreduce_s(parameter_bytes, replicas)
+        time_s = (compute_s + comm) / replicas
+        moved = self.transfer_s(transfer_bytes, replicas)
         return np.where(first, time_s, np.maximum(time_s, moved))
 
     def fits(self, row: np.ndarray | int, state: np.ndarray | int,
@@ -143,8 +149,6 @@ class LevelTable:
 
 def solve_level(problem: LevelProblem) -> LevelTable:
     """The full dynamic program (every row when ``problem.all_rows``, else row 0)."""
-    if not problem.all_rows:
-        return _solve_row0(problem)
     n = problem.states.num_states
     N = problem.num_units
     rows = n + 1 if problem.all_rows else 1
@@ -383,65 +387,3 @@ class _Parametric:
                                first=row == 0)  # fmt: skip
             for row, state, grow in stages
         ]
-
-
-
-def _solve_row0(problem: LevelProblem) -> LevelTable:
-    """Row 0 only, PipeDream's loop order (units outer): every state and split at once per m."""
-    n, N = problem.states.num_states, problem.num_units
-    units = np.arange(1, N + 1)
-    ks, js = np.nonzero(problem.states.below)
-    order = np.argsort(js, kind="stable")
-    ks, js = ks[order], js[order]
-    starts = np.searchsorted(js, np.arange(n))
-    has = np.bincount(js, minlength=n) > 0
-    last = problem.stage_time((ks + 1)[:, None], js[:, None], units[None, :].astype(np.float64),
-                              first=False)  # fmt: skip
-    last = np.where(np.isnan(last), np.inf, last)
-    if problem.straight:
-        last[:, 1:] = np.inf
-    base = problem.stage_time(0, np.arange(n)[:, None], units[None, :].astype(np.float64), first=True)
-    base = np.where(problem.fits(0, np.arange(n)[:, None], units[None, :], units[None, :]), base, np.inf)
-    if problem.straight:
-        base[:, 1:] = np.inf
-    best = np.full((1, n, N), np.inf)
-    split = np.full((1, n, N), -1, dtype=np.int64)
-    reps = np.tile(units, (n, 1))[None].astype(np.int64)
-    best[0, :, 0] = base[:, 0]
-    for m in range(1, N):
-        cand = np.maximum(best[0][ks][:, m - 1 :: -1][:, :m], last[:, :m])
-        if problem.memory_bytes is not None:
-            cand = np.where(problem.fits((ks + 1)[:, None], js[:, None], units[None, :m],
-                                         np.full((1, m), m + 1)), cand, np.inf)  # fmt: skip
-        r_arg = np.argmin(cand, axis=1)
-        value = cand[np.arange(ks.size), r_arg]
-        rec = np.full(n, np.inf)
-        rec_k = np.full(n, -3, dtype=np.int64)
-        rec_r = np.zeros(n, dtype=np.int64)
-        if ks.size:
-            group_min = np.minimum.reduceat(value, starts[has])
-            rec[has] = group_min
-            hit = value == np.repeat(group_min, np.diff(np.append(starts[has], ks.size)))
-            first_hit = np.flatnonzero(hit)
-            owner = js[first_hit]
-            keep = np.unique(owner, return_index=True)[1]
-            rec_k[owner[keep]] = ks[first_hit[keep]]
-            rec_r[owner[keep]] = r_arg[first_hit[keep]] + 1
-        _combine_row0(problem, best, split, reps, m, base[:, m], (rec, rec_k, rec_r))
-    return LevelTable(problem=problem, best=best, split=split, replicas=reps)
-
-
-def _combine_row0(
-    problem: LevelProblem, best: np.ndarray, split: np.ndarray, reps: np.ndarray, m: int,
-    base: np.ndarray, rec: tuple[np.ndarray, np.ndarray, np.ndarray],
-) -> None:  # fmt: skip
-    """PipeDream's order for every state at once: one stage, idle if strictly better, splits."""
-    values, ks, rs = rec
-    value, choice, count = base.copy(), np.full(base.shape, -1), np.full(base.shape, m + 1)
-    if problem.allow_idle:
-        idle = best[0, :, m - 1] < value
-        value, choice, count = np.where(idle, best[0, :, m - 1], value), np.where(idle, -2, choice), np.where(idle, 0, count)
-    better = values < value
-    best[0, :, m] = np.where(better, values, value)
-    split[0, :, m] = np.where(better, ks, choice)
-    reps[0, :, m] = np.where(better, rs, count)

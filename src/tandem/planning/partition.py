@@ -34,6 +34,7 @@ import numpy as np
 from tandem.cluster import Cluster
 from tandem.errors import UsageError
 from tandem.planning.antichain import States, build_states
+from tandem.planning.bounded import solve_row0
 from tandem.planning.levels import LevelProblem, LevelTable, solve_level, solve_level_fast
 from tandem.profile import ModelProfile
 
@@ -138,6 +139,8 @@ def _solve(problem: LevelProblem, options: PartitionOptions, *, final: bool) -> 
         fast = solve_level_fast(problem)
         if fast is not None:
             return fast
+    if not problem.all_rows:
+        return solve_row0(problem)
     return solve_level(problem)
 
 
