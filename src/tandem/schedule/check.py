@@ -109,7 +109,7 @@ def _analyze(schedule: Schedule) -> _Analysis:
 def _walk_worker(schedule: Schedule, worker: int, analysis: _Analysis) -> None:
     """Checks that need only one worker's list: its stage, peers, and local data flow."""
     stage, _ = schedule.stage_of(worker)
-    posted: dict[tuple[Kind, int], int] = {}
+    posted: dict[tuple[Kind, int | None], int] = {}
     done: dict[Kind, set[int]] = {Kind.FORWARD: set(), Kind.BACKWARD: set()}
     for index, action in enumerate(schedule.workers[worker]):
         site, m = (worker, index), action.microbatch
@@ -155,7 +155,7 @@ def _check_peer(schedule: Schedule, worker: int, action: Action, analysis: _Anal
 
 
 def _check_compute(schedule: Schedule, action: Action, site: Site,
-                   posted: dict[tuple[Kind, int], int], done: dict[Kind, set[int]],
+                   posted: dict[tuple[Kind, int | None], int], done: dict[Kind, set[int]],
                    analysis: _Analysis) -> None:
     stage, m, worker = action.stage, action.microbatch, site[0]
     assert m is not None
@@ -231,7 +231,7 @@ def _unmatched(schedule: Schedule, sites: list[Site], other_keys: list[_Key],
 def _count_computes(schedule: Schedule, analysis: _Analysis) -> None:
     """Every stage runs the forward and the backward of every micro-batch exactly once."""
     for stage in range(schedule.num_stages):
-        sites: dict[tuple[Kind, int], list[Site]] = collections.defaultdict(list)
+        sites: dict[tuple[Kind, int | None], list[Site]] = collections.defaultdict(list)
         for replica in range(schedule.replicas[stage]):
             worker = schedule.worker_of(stage, replica)
             for index, action in enumerate(schedule.workers[worker]):

@@ -190,10 +190,9 @@ def _validate(kind: str, replicas: Sequence[int], count: int) -> tuple[int, ...]
     if any(not isinstance(r, int) or r < 1 for r in replicas):
         raise UsageError(f"every stage needs at least one replica (replicas: {text}); "
                          "give a whole number of 1 or more per stage")
-    unit = "minibatches" if kind == "pipedream" else "micro-batches"
+    unit = "minibatch" if kind == "pipedream" else "micro-batch"
     if not isinstance(count, int) or count < 1:
-        raise UsageError(f"{kind} needs at least one of its {unit} ({unit}: {count}); "
-                         f"use 1 or more")
+        raise UsageError(f"{kind} needs at least one {unit} ({unit}es: {count}); use 1 or more")
     if kind == "1f1b" and count < len(replicas):
         raise UsageError(f"1f1b needs at least as many micro-batches as stages (micro-batches: "
                          f"{count}, stages: {len(replicas)}); use {len(replicas)} or more, "
