@@ -50,11 +50,12 @@ def one_f_one_b(replicas: Sequence[int], num_microbatches: int) -> Schedule:
     ``S - s`` micro-batches in flight (activations stored), against ``M`` in GPipe.
 
     With replicated stages the in-flight count is PipeDream's NOAM, generalized from the input
-    stage to every stage: ``ceil(workers in stages s..S-1 / replicas[s])``. A micro-batch that
-    a replica of stage ``s`` admits stays in flight until it has gone through every later
-    stage and back, and the stages after ``s`` work on that many micro-batches at once, shared
-    among ``replicas[s]`` replicas; admitting fewer would leave later stages idle, more only
-    costs memory. For straight pipelines this is ``S - s``.
+    stage to every stage: ``ceil(workers in stages s..S-1 / replicas[s])``. In the steady
+    state each worker of stages ``s..S-1`` is busy with one micro-batch that stage ``s`` has
+    forwarded and not yet backwarded; the ``replicas[s]`` replicas of stage ``s`` share those
+    micro-batches round-robin, so each must hold that many to keep every later worker busy.
+    Fewer would leave later stages idle; more would only cost activation memory. For a
+    straight pipeline this is ``S - s``.
     """
     replicas = _validate("1f1b", replicas, num_microbatches)
     return _build("1f1b", replicas, num_microbatches, _interleaved)
