@@ -35,7 +35,8 @@ from tandem.cluster import Cluster
 from tandem.errors import UsageError
 from tandem.planning.antichain import States, build_states
 from tandem.planning.bounded import solve_row0
-from tandem.planning.levels import LevelProblem, LevelTable, solve_level, solve_level_fast
+from tandem.planning.levels import LevelProblem, LevelTable, solve_level
+from tandem.planning.parametric import solve_level_fast
 from tandem.profile import ModelProfile
 
 
