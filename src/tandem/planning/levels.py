@@ -64,13 +64,15 @@ class LevelProblem:
     def allreduce_s(self, params: np.ndarray | float, replicas: np.ndarray | float) -> np.ndarray:
         """PipeDream's data-parallel communication of a stage before dividing by replicas."""
         comm = (4 * (np.asarray(replicas) - 1) * params) / (self.bandwidth_Bps * replicas)
-        return comm / self.devices_per_unit
+        return comm if self.devices_per_unit == 1 else comm / self.devices_per_unit
 
     def transfer_s(self, nbytes: np.ndarray | float, replicas: np.ndarray | float) -> np.ndarray:
         """Activation transfer time of a non-first stage on ``replicas`` units."""
         if self.activation_compression is None:
             return np.zeros(np.broadcast(np.asarray(nbytes), np.asarray(replicas)).shape)
-        return (2.0 * nbytes) / (self.bandwidth_Bps * replicas) / self.activation_compression
+        moved = (2.0 * nbytes) / (self.bandwidth_Bps * replicas)
+        ratio = self.activation_compression
+        return moved if ratio == 1.0 else moved / ratio
 
     def stage_time(self, row: np.ndarray | int, state: np.ndarray | int,
                    replicas: np.ndarray | float, *, first: np.ndarray | bool) -> np.ndarray:  # fmt: skip
@@ -87,8 +89,10 @@ class LevelProblem:
         """:meth:`stage_time` from a segment's values rather than its position."""
         comm = self.allreduce_s(parameter_bytes, replicas)
         time_s = (compute_s + comm) / replicas
-        moved = self.transfer_s(transfer_bytes, replicas)
-        return np.where(first, time_s, np.maximum(time_s, moved))
+        if first is True or self.activation_compression is None:
+            return time_s
+        slowest = np.maximum(time_s, self.transfer_s(transfer_bytes, replicas))
+        return slowest if first is False else np.where(first, time_s, slowest)
 
     def fits(self, row: np.ndarray | int, state: np.ndarray | int,
              replicas: np.ndarray, used: np.ndarray) -> np.ndarray:  # fmt: skip

@@ -30,44 +30,71 @@ def solve_level_fast(problem: LevelProblem) -> LevelTable | None:
 
 
 class _Parametric:
-    """Least units per stage under a time bound, and the prefix minimum over states."""
+    """Least units per stage under a time bound, and the prefix minimum over states.
+
+    Segments are held flat: entry ``i`` is the segment after state ``rows[i] - 1`` up to state
+    ``cols[i]`` (row 0: from the start), for every valid pair.
+    """
 
     def __init__(self, problem: LevelProblem) -> None:
         self.problem = problem
-        n = problem.states.num_states
-        self.valid = ~np.isnan(problem.compute_s)
-        self.compute = np.where(self.valid, problem.compute_s, np.inf)
-        params = np.where(self.valid, problem.parameter_bytes, 0.0)
-        self.k_coef = 4 * params / (problem.bandwidth_Bps * problem.devices_per_unit)
-        self.rows = np.arange(n + 1)[:, None]
-        self.cols = np.arange(n)[None, :]
+        self.shape = problem.compute_s.shape
+        self.rows, self.cols = np.nonzero(~np.isnan(problem.compute_s))
+        self.first = self.rows == 0
+        self.compute = problem.compute_s[self.rows, self.cols]
+        self.params = problem.parameter_bytes[self.rows, self.cols]
+        self.moved = problem.transfer_bytes[self.rows, self.cols]
+        self.k_coef = 4 * self.params / (problem.bandwidth_Bps * problem.devices_per_unit)
+        self.total = self.compute + self.k_coef
+        self.square = self.total * self.total
         ratio = problem.activation_compression or 1.0
-        self.g_coef = 2.0 * problem.transfer_bytes / problem.bandwidth_Bps / ratio
+        self.g_coef = 2.0 * self.moved / problem.bandwidth_Bps / ratio
 
-    def _exact(self, replicas: np.ndarray) -> np.ndarray:
-        safe = np.clip(np.where(np.isfinite(replicas), replicas, 1), 1, None)
-        times = self.problem.stage_time(self.rows, self.cols, safe, first=self.rows == 0)
-        return np.where(self.valid & np.isfinite(replicas), times, np.inf)
+    def _exact(self, replicas: np.ndarray, index: np.ndarray | slice = slice(None)) -> np.ndarray:
+        """Exact times of segments ``index`` on ``replicas`` units (inf units: inf)."""
+        finite = np.isfinite(replicas)
+        safe = np.where(finite, replicas, 1.0)
+        times = self.problem.segment_time(self.compute[index], self.params[index],
+                                          self.moved[index], safe, first=self.first[index])  # fmt: skip
+        return np.where(finite, times, np.inf)
+
+    def _matrix(self, flat: np.ndarray) -> np.ndarray:
+        """``[p, j]`` from flat values (inf where the pair is invalid)."""
+        matrix = np.full(self.shape, np.inf)
+        matrix[self.rows, self.cols] = flat
+        return matrix
 
     def _roots(self, bound: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        total = self.compute + self.k_coef
+        """Per segment: least units for the transfer, and the roots of the stage-time quadratic.
+
+        Both roots are nan where there are none (every unit count is then fast enough).
+        """
         with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-            disc = total * total - 4 * bound * self.k_coef
-            root = np.sqrt(np.maximum(disc, 0.0))
-            low = (total - root) / (2 * bound)
-            high = (total + root) / (2 * bound)
+            root = np.sqrt(self.square - 4 * bound * self.k_coef)
+            low = (self.total - root) / (2 * bound)
+            high = (self.total + root) / (2 * bound)
             least = np.maximum(1.0, np.ceil(self.g_coef / bound))
-        return least, np.where(disc < 0, np.inf, low), np.where(disc < 0, 0.0, high)
+        return least, low, high
 
     def _settle(self, cand: np.ndarray, bound: float, *, down: bool) -> np.ndarray:
+        """From an estimate: up to three units more while too slow, then one fewer if it fits.
+
+        Only the estimates that are too slow are re-timed more than twice.
+        """
         N = self.problem.num_units
         cand = np.where(cand > N + 2, np.inf, cand)
+        climb = np.flatnonzero((self._exact(cand) > bound) & np.isfinite(cand))
         for _ in range(3):
-            cand = np.where(self._exact(cand) > bound, cand + 1, cand)
+            slow = self._exact(cand[climb], climb) > bound
+            cand[climb] = np.where(slow, cand[climb] + 1, cand[climb])
+        fits = np.ones(cand.shape, dtype=bool)
+        fits[climb] = self._exact(cand[climb], climb) <= bound
         if down:
             lower = np.where(cand > 1, cand - 1, np.inf)
-            cand = np.where(self._exact(lower) <= bound, lower, cand)
-        cand = np.where((self._exact(cand) <= bound) & (cand <= N), cand, np.inf)
+            lowered = self._exact(lower) <= bound
+            cand = np.where(lowered, lower, cand)
+            fits |= lowered
+        cand = np.where(fits & (cand <= N), cand, np.inf)
         if self.problem.straight:
             cand = np.where(cand == 1, cand, np.inf)
         return cand
@@ -75,15 +102,15 @@ class _Parametric:
     def least_units(self, bound: float) -> np.ndarray:
         """``[p, j]``: fewest units for the segment to take at most ``bound`` (inf: none)."""
         least, low, high = self._roots(bound)
-        cand = np.where(least <= np.floor(low), least, np.maximum(least, np.ceil(high)))
-        return self._settle(cand, bound, down=True)
+        cand = np.where(least <= np.floor(low), least, np.fmax(least, np.ceil(high)))
+        return self._matrix(self._settle(cand, bound, down=True))
 
     def tail_units(self, bound: float) -> np.ndarray:
         """``[p, j]``: fewest units from which every larger count up to N also fits."""
         least, _, high = self._roots(bound)
-        cand = self._settle(np.maximum(least, np.ceil(high)), bound, down=False)
-        return np.where(self._exact(np.full(cand.shape, float(self.problem.num_units))) <= bound,
-                        cand, np.inf)  # fmt: skip
+        cand = self._settle(np.fmax(least, np.ceil(high)), bound, down=False)
+        every = self._exact(np.full(cand.shape, float(self.problem.num_units))) <= bound
+        return self._matrix(np.where(every, cand, np.inf))
 
     def _prefix(self, need: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         n = need.shape[1]
