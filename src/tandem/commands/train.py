@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -29,6 +28,16 @@ def add_train_arguments(parser: argparse.ArgumentParser, defaults: TrainConfig) 
         help="local worker processes (ignored under torchrun)")
     add("--strategy", default=defaults.strategy, help=f"one of: {', '.join(STRATEGIES)}")
     add("--steps", type=int, default=defaults.steps, help="optimizer steps")
+    add("--schedule", default=defaults.schedule,
+        help="pipeline schedule: gpipe, 1f1b (flush per step) or pipedream (asynchronous)")
+    add("--microbatches", type=int, default=None,
+        help="micro-batches per step of a pipeline (default: number of stages)")
+    add("--stages", type=int, default=None,
+        help="pipeline stages, an even split of the model's blocks (default: one per worker)")
+    add("--replicas", default=None, help="replicas of each pipeline stage, e.g. 2,1")
+    add("--plan", default=None, help="stages and replicas from a `tandem plan -o` JSON file")
+    add("--vertical-sync", action="store_true",
+        help="pipedream schedule: every stage uses the weight version stage 0 used")
     add("--batch-size", type=int, default=defaults.batch_size,
         help="global minibatch (all workers together)")
     add("--accumulate", type=int, default=defaults.accumulate,
@@ -66,13 +75,18 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def check_config(config: TrainConfig) -> None:
     """Catch the user's mistakes before any worker starts."""
     data = build_dataset(config.data)
-    build_model(config.model, data.info)
-    if config.strategy not in STRATEGIES:
+    model = build_model(config.model, data.info)
+    if config.strategy not in (*STRATEGIES, "pipeline"):
         raise UsageError(
-            f"unknown strategy {config.strategy!r}; choose one of: {', '.join(sorted(STRATEGIES))}"
+            f"unknown strategy {config.strategy!r}; "
+            f"choose one of: {', '.join(sorted((*STRATEGIES, 'pipeline')))}"
         )
     if not under_launcher():
         config.check_world(config.nproc)
+        if config.strategy == "pipeline":
+            from tandem.runtime.pipeline.setup import pipeline_setup
+
+            pipeline_setup(config, model, config.nproc)
     if config.out is not None:
         _check_writable(Path(config.out))
 

@@ -107,7 +107,7 @@ class BaseTrainer(abc.ABC):
         """Save a checkpoint after ``step`` steps (collective); default: none."""
 
     def summary_extra(self) -> dict[str, Any]:
-        """Strategy-specific fields of rank 0's summary."""
+        """Strategy-specific fields of rank 0's summary; called on every rank (may be collective)."""
         return {}
 
     def run(self) -> dict[str, Any] | None:
@@ -126,9 +126,10 @@ class BaseTrainer(abc.ABC):
             self.reporter.record(step=last_step, **evaluation)
         finished = last_step == config.steps
         self._write_outputs(finished)
+        extra = self.summary_extra()
         if self.env.rank != 0:
             return None
-        return self._summary(last_step, evaluation, finished)
+        return {**self._summary(last_step, evaluation, finished), **extra}
 
     def train_steps(self, first: int, last: int) -> None:
         """Optimizer steps ``first`` to ``last - 1``, with logging, evaluation and checkpoints."""
@@ -194,5 +195,4 @@ class BaseTrainer(abc.ABC):
             "samples_per_s": self.config.batch_size * len(self.step_times) / max(train_s, 1e-12),
             "step_time_s": statistics.median(timed) if timed else 0.0,
             "train_s": round(train_s, 4), "out": str(self.out) if self.out else None,
-            **self.summary_extra(),
         }

@@ -10,6 +10,7 @@ from tandem.errors import UsageError
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "cosine")
 BACKENDS = ("auto", "gloo", "nccl")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "pipedream")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -22,6 +23,18 @@ class TrainConfig:
     """Dataset spec, e.g. ``digits`` or ``images:n=4096,size=32``."""
     strategy: str = "dp"
     """Synchronization strategy (``dp``: DistributedDataParallel)."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: ``gpipe``, ``1f1b`` (flush per step) or ``pipedream`` (asynchronous)."""
+    microbatches: int | None = None
+    """Micro-batches per step of a flush schedule (default: the number of stages)."""
+    stages: int | None = None
+    """Pipeline stages, splitting the model's blocks evenly (default: one per worker)."""
+    replicas: str | None = None
+    """Replicas of each pipeline stage, e.g. ``2,1`` (default: 1 each)."""
+    plan: str | None = None
+    """A ``tandem plan`` JSON file giving the stages and replicas instead."""
+    vertical_sync: bool = False
+    """Asynchronous pipeline: every stage uses the weight version stage 0 used."""
     nproc: int = 1
     """Local worker processes to start (ignored under an external ``torchrun``)."""
     steps: int = 100
@@ -82,11 +95,25 @@ class TrainConfig:
             raise UsageError(
                 f"--stop-after {self.stop_after} must be between 1 and --steps ({self.steps})"
             )
+        if self.microbatches is not None and self.microbatches < 1:
+            raise UsageError(f"--microbatches must be at least 1 (got {self.microbatches})")
+        if self.strategy == "pipeline":
+            if self.resume is not None or self.stop_after is not None or self.checkpoint_every:
+                raise UsageError(
+                    "--resume, --stop-after and --checkpoint-every are not supported with "
+                    "--strategy pipeline yet; use --strategy dp for resumable runs"
+                )
+            if self.accumulate != 1:
+                raise UsageError("--accumulate does not apply to pipelines: use --microbatches")
+            if self.plan is not None and (self.stages is not None or self.replicas is not None):
+                raise UsageError("give either --plan or --stages/--replicas, not both")
         if self.resume is not None and self.resume == "auto" and self.out is None:
             raise UsageError("--resume without a path needs --out DIR (it resumes DIR/checkpoint.pt)")
 
     def check_world(self, world_size: int) -> None:
         """Checks that need the number of workers (run after start-up under ``torchrun``)."""
+        if self.strategy == "pipeline":
+            return  # pipelines split the batch into micro-batches, not across workers
         if self.batch_size % world_size:
             raise UsageError(
                 f"--batch-size {self.batch_size} is not divisible by the {world_size} workers; "

@@ -13,7 +13,7 @@ Usage::
 """
 
 from tandem.schedule.action import Action, Kind
-from tandem.schedule.check import ScheduleError, check, grid
+from tandem.schedule.check import ScheduleError, check, dry_run_times, grid
 from tandem.schedule.generators import (
     GENERATORS,
     generate,
@@ -32,6 +32,7 @@ from tandem.schedule.schedule import (
 
 __all__ = [
     "GENERATORS", "SCHEDULE_KINDS", "Action", "Kind", "Schedule", "ScheduleError", "check",
+    "dry_run_times",
     "generate", "gpipe", "grid", "make_schedule", "num_in_flight", "one_f_one_b", "pipedream",
     "worker_for", "worker_of",
 ]

@@ -58,6 +58,22 @@ def check(schedule: Schedule) -> None:
         raise ScheduleError(_report(schedule, problems, run))
 
 
+def dry_run_times(schedule: Schedule) -> list[list[int]]:
+    """For every worker, the dry-run step at which each of its actions runs.
+
+    Cutting all workers at the same dry-run step gives a consistent cut of a valid execution:
+    no action before the cut waits for one after it. Raises :class:`ScheduleError` if invalid.
+    """
+    check(schedule)
+    run = _dry_run(schedule, _analyze(schedule))
+    times = [[0] * len(actions) for actions in schedule.workers]
+    for step, row in enumerate(run.rows):
+        for worker, index in enumerate(row):
+            if index >= 0:
+                times[worker][index] = step
+    return times
+
+
 def grid(schedule: Schedule) -> str:
     """The step x worker table of the dry run: one row per step, one column per worker.
 

@@ -1,0 +1,255 @@
+"""Execution of one worker's schedule actions with ``torch.distributed`` point-to-point ops.
+
+Receives are posted (``irecv``) when their action comes and waited for only by the forward or
+backward that consumes them; sends are posted (``isend``) and completed at the end of a step,
+so communication overlaps compute wherever the schedule places it early. Flush schedules
+accumulate gradients into the live parameters; the asynchronous schedule binds a stashed
+weight version to each minibatch (see ``stash.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.func import functional_call
+
+from tandem.runtime.base import loss_sum
+from tandem.runtime.pipeline.stash import WeightVersions
+from tandem.schedule import Action, Kind
+
+ACT, GRAD, VERSION = 0, 1, 2
+
+
+def tag(microbatch: int, channel: int) -> int:
+    """Message tag of a micro-batch's activation, gradient or weight version (gloo matches on it)."""
+    return microbatch * 3 + channel
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Microbatch:
+    """The data a stage needs for one micro-batch."""
+
+    size: int
+    """Samples in the micro-batch."""
+    scale: float
+    """Factor of its summed loss: 1 / predictions in the whole (global) batch."""
+    step: int
+    """Optimizer step it belongs to (for the trace)."""
+    inputs: torch.Tensor | None = None
+    """Model inputs (first stage only)."""
+    targets: torch.Tensor | None = None
+    """Labels (last stage only)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class StageShapes:
+    """Per-sample shapes and dtypes of a stage's input and output."""
+
+    input_shape: tuple[int, ...]
+    input_dtype: torch.dtype
+    output_shape: tuple[int, ...]
+
+
+class StageEngine:
+    """Runs the actions of one worker, which holds one stage (or a replica of it)."""
+
+    def __init__(self, *, module: nn.Module, stage: int, num_stages: int, shapes: StageShapes,
+                 group: dist.ProcessGroup | None, num_replicas: int, optimizer: torch.optim.Optimizer,
+                 scheduler: Any, device: torch.device, asynchronous: bool, vertical_sync: bool,
+                 trace: Callable[..., None], beat: Any) -> None:
+        self.module, self.stage, self.device = module, stage, device
+        self.first, self.last = stage == 0, stage == num_stages - 1
+        self.shapes, self.group, self.num_replicas = shapes, group, num_replicas
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.asynchronous, self.vertical_sync = asynchronous, vertical_sync
+        self.trace, self.beat = trace, beat
+        self.stash = WeightVersions(module, vertical_sync=vertical_sync) if asynchronous else None
+        self.receives: dict[tuple[int, int], tuple[Any, torch.Tensor, float]] = {}
+        self.sends: list[tuple[Any, torch.Tensor]] = []
+        self.saved: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        self.input_grads: dict[int, torch.Tensor] = {}
+        self.param_grads: dict[int, list[torch.Tensor | None]] = {}
+        self.versions: dict[int, int] = {}
+        self.saved_bytes: dict[int, int] = {}
+        self.peak_activation_bytes = 0
+        self.loss_total = torch.zeros((), device=device)
+        self.step = 0
+
+    def execute(self, actions: Sequence[Action], batch: Callable[[int], Microbatch],
+                step: int) -> torch.Tensor:
+        """Run ``actions`` (part of optimizer step ``step``) in order; returns the summed
+        (unscaled) loss computed here."""
+        self.step = step
+        self.loss_total = torch.zeros((), device=self.device)
+        handlers = {
+            Kind.FORWARD: self._forward, Kind.BACKWARD: self._backward,
+            Kind.SEND_ACT: self._send, Kind.SEND_GRAD: self._send,
+            Kind.RECV_ACT: self._receive, Kind.RECV_GRAD: self._receive,
+            Kind.ALLREDUCE: self._allreduce, Kind.STEP: self._step,
+        }
+        for action in actions:
+            handlers[action.kind](action, batch)
+        return self.loss_total
+
+    def finish_sends(self) -> None:
+        """Wait until every posted send has been received."""
+        for work, _ in self.sends:
+            work.wait()
+        self.sends.clear()
+
+    def prune_sends(self) -> None:
+        """Forget sends that completed (keeps memory bounded in asynchronous runs)."""
+        self.sends = [(work, tensor) for work, tensor in self.sends if not work.is_completed()]
+
+    # -- communication ------------------------------------------------------------------------
+
+    def _receive(self, action: Action, batch: Callable[[int], Microbatch]) -> None:
+        m = action.microbatch
+        assert m is not None and action.peer is not None
+        micro = batch(m)
+        if action.kind is Kind.RECV_ACT:
+            shape, dtype, channel = self.shapes.input_shape, self.shapes.input_dtype, ACT
+            if self.vertical_sync:
+                version = torch.zeros(1, dtype=torch.int64, device=self.device)
+                work = dist.irecv(version, src=action.peer, tag=tag(m, VERSION))
+                self.receives[(m, VERSION)] = (work, version, time.perf_counter())
+        else:
+            shape, dtype, channel = self.shapes.output_shape, torch.float32, GRAD
+        buffer = torch.empty((micro.size, *shape), dtype=dtype, device=self.device)
+        work = dist.irecv(buffer, src=action.peer, tag=tag(m, channel))
+        self.receives[(m, channel)] = (work, buffer, time.perf_counter())
+
+    def _wait(self, microbatch: int, channel: int, step: int) -> torch.Tensor:
+        work, buffer, posted = self.receives.pop((microbatch, channel))
+        work.wait()
+        name = {ACT: "RA", GRAD: "RG", VERSION: "RV"}[channel]
+        self.trace(f"{name}{microbatch}", posted, time.perf_counter(), step,
+                   num_bytes=buffer.numel() * buffer.element_size())
+        return buffer
+
+    def _send(self, action: Action, batch: Callable[[int], Microbatch]) -> None:
+        m = action.microbatch
+        assert m is not None and action.peer is not None
+        start = time.perf_counter()
+        if action.kind is Kind.SEND_ACT:
+            tensor, channel = self.saved[m][1].detach().contiguous(), ACT
+            if self.vertical_sync:
+                version = torch.tensor([self.versions[m]], dtype=torch.int64, device=self.device)
+                self.sends.append((dist.isend(version, dst=action.peer, tag=tag(m, VERSION)), version))
+        else:
+            tensor, channel = self.input_grads.pop(m).contiguous(), GRAD
+        self.sends.append((dist.isend(tensor, dst=action.peer, tag=tag(m, channel)), tensor))
+        self.trace(f"{action.kind.value}{m}", start, time.perf_counter(), batch(m).step,
+                   num_bytes=tensor.numel() * tensor.element_size())
+
+    # -- compute --------------------------------------------------------------------------------
+
+    def _weights_version(self, m: int, step: int) -> int:
+        """The weight version minibatch ``m`` uses here (stage 0's under vertical sync)."""
+        assert self.stash is not None
+        if self.vertical_sync and not self.first:
+            version = int(self._wait(m, VERSION, step))
+            self.stash.keep_from(version)
+            return version
+        return self.stash.version
+
+    def _forward(self, action: Action, batch: Callable[[int], Microbatch]) -> None:
+        m = action.microbatch
+        assert m is not None
+        micro = batch(m)
+        self.beat.step, self.beat.phase = micro.step, "forward"
+        if self.first:
+            x = micro.inputs
+        else:
+            x = self._wait(m, ACT, micro.step).requires_grad_(True)
+        assert x is not None
+        version = self._weights_version(m, micro.step) if self.stash else -1
+        start = time.perf_counter()
+        saved = [0]
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            saved[0] += tensor.numel() * tensor.element_size()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            if self.stash is not None:
+                out = functional_call(self.module, self.stash.acquire(version), (x,))
+            else:
+                out = self.module(x)
+            if self.last:
+                assert micro.targets is not None
+                loss = loss_sum(out, micro.targets)
+                self.loss_total += loss.detach()
+                out = loss * micro.scale
+        self.saved[m] = (x, out, version)
+        self.versions[m] = version
+        self.saved_bytes[m] = saved[0]
+        self.peak_activation_bytes = max(self.peak_activation_bytes, sum(self.saved_bytes.values()))
+        self.trace(f"F{m}", start, time.perf_counter(), micro.step, version=version)
+
+    def _backward(self, action: Action, batch: Callable[[int], Microbatch]) -> None:
+        m = action.microbatch
+        assert m is not None
+        micro = batch(m)
+        self.beat.step, self.beat.phase = micro.step, "backward"
+        grad = None if self.last else self._wait(m, GRAD, micro.step)
+        x, out, version = self.saved.pop(m)
+        start = time.perf_counter()
+        if self.stash is not None:
+            params = list(self.stash.snapshots[version].values())
+            wrt = params if self.first else [*params, x]
+            grads = torch.autograd.grad(out, wrt, grad_outputs=grad, allow_unused=True)
+            self.param_grads[m] = list(grads[: len(params)])
+            if not self.first:
+                self.input_grads[m] = grads[-1]
+            self.stash.release(version)
+        else:
+            out.backward(grad)
+            if not self.first:
+                assert x.grad is not None
+                self.input_grads[m] = x.grad
+        del self.saved_bytes[m]
+        self.versions.pop(m, None)
+        self.trace(f"B{m}", start, time.perf_counter(), micro.step, version=version)
+
+    # -- synchronization and update --------------------------------------------------------------
+
+    def _allreduce(self, action: Action, batch: Callable[[int], Microbatch]) -> None:
+        if self.group is None:
+            return
+        step = batch(action.microbatch).step if action.microbatch is not None else self.step
+        self.beat.phase = "step"
+        start = time.perf_counter()
+        if action.microbatch is None:
+            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        else:
+            grads = [g for g in self.param_grads[action.microbatch] if g is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.group)
+        if action.microbatch is not None:
+            flat /= self.num_replicas
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+        self.trace("AR", start, time.perf_counter(), step, num_bytes=flat.numel() * flat.element_size())
+
+    def _step(self, action: Action, batch: Callable[[int], Microbatch]) -> None:
+        step = batch(action.microbatch).step if action.microbatch is not None else self.step
+        self.beat.phase = "step"
+        start = time.perf_counter()
+        if action.microbatch is not None:
+            for p, g in zip(self.module.parameters(), self.param_grads.pop(action.microbatch)):
+                p.grad = g
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        if self.stash is not None:
+            self.stash.advance()
+        self.trace("ST", start, time.perf_counter(), step)

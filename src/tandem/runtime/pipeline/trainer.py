@@ -1,0 +1,202 @@
+"""Pipeline-parallel training: each worker holds one stage and runs its part of the schedule.
+
+Flush schedules (GPipe, 1F1B) run one schedule per optimizer step: the global batch is cut into
+micro-batches whose gradients accumulate, the replicas of a stage sum theirs, and every stage
+steps once — the same update as one process on the whole batch. PipeDream's asynchronous
+schedule spans the whole run (minibatch ``k`` is the global batch of step ``k``); it is cut into
+per-step chunks at consistent points of its dry run, so logging between chunks cannot deadlock.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tandem.models import build_model
+from tandem.runtime.base import BaseTrainer
+from tandem.runtime.config import TrainConfig
+from tandem.runtime.dist import WorkerEnv
+from tandem.runtime.pipeline.engine import Microbatch, StageEngine, StageShapes
+from tandem.runtime.pipeline.setup import pipeline_setup
+from tandem.runtime.trainer import EVAL_CHUNK, score
+from tandem.runtime.watchdog import Heartbeat
+from tandem.schedule import Action, Schedule
+from tandem.schedule.check import dry_run_times
+
+EVAL_TAG_BASE = 1 << 30
+
+
+def block_shapes(model: nn.Sequential, sample: torch.Tensor) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Per-sample output shape and dtype of every block, from one sample in eval mode."""
+    shapes = []
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        x = sample
+        for block in model:
+            x = block(x)
+            shapes.append((tuple(x.shape[1:]), x.dtype))
+    model.train(was_training)
+    return shapes
+
+
+def step_chunks(schedule: Schedule, worker: int, num_steps: int) -> list[list[Action]]:
+    """Cut ``worker``'s actions of an asynchronous schedule into one chunk per step.
+
+    Chunk ``k`` ends at the dry-run time by which minibatch ``k`` is done on every stage; all
+    workers cut at the same times, so every chunk boundary is a consistent cut of a valid
+    execution and a collective between chunks cannot deadlock.
+    """
+    times = dry_run_times(schedule)
+    done_at = [0] * num_steps
+    for actions, action_times in zip(schedule.workers, times):
+        for action, when in zip(actions, action_times):
+            if action.microbatch is not None and action.microbatch < num_steps:
+                done_at[action.microbatch] = max(done_at[action.microbatch], when)
+    for k in range(1, num_steps):
+        done_at[k] = max(done_at[k], done_at[k - 1])
+    chunks: list[list[Action]] = [[] for _ in range(num_steps)]
+    k = 0
+    for action, when in zip(schedule.workers[worker], times[worker]):
+        while k < num_steps - 1 and when > done_at[k]:
+            k += 1
+        chunks[k].append(action)
+    return chunks
+
+
+class PipelineTrainer(BaseTrainer):
+    """One stage (or stage replica) of a pipeline, executing its schedule with the engine."""
+
+    def __init__(self, config: TrainConfig, env: WorkerEnv, beat: Heartbeat) -> None:
+        super().__init__(config, env, beat)
+        torch.manual_seed(config.seed)
+        model = build_model(config.model, self.data.info)
+        self.layout, self.schedule = pipeline_setup(config, model, env.world_size)
+        self.stage, self.replica = self.schedule.stage_of(env.rank)
+        start, end = self.layout.bounds[self.stage]
+        shapes = block_shapes(model, self.data.train.inputs[:1])
+        self.module = nn.Sequential(*list(model)[start:end]).to(env.device)
+        self.param_offset = start
+        self.groups = self._stage_groups()
+        self.setup_optimizer(self.module.parameters())
+        input_shape, input_dtype = ((tuple(self.train.inputs.shape[1:]), self.train.inputs.dtype)
+                                    if start == 0 else shapes[start - 1])
+        self.shapes = StageShapes(input_shape=input_shape, input_dtype=input_dtype,
+                                  output_shape=shapes[end - 1][0])
+        self.asynchronous = self.schedule.kind == "pipedream"
+        self.engine = StageEngine(
+            module=self.module, stage=self.stage, num_stages=self.layout.num_stages,
+            shapes=self.shapes, group=self.groups[self.stage],
+            num_replicas=self.layout.replicas[self.stage], optimizer=self.optimizer,
+            scheduler=self.scheduler, device=env.device, asynchronous=self.asynchronous,
+            vertical_sync=config.vertical_sync, trace=self.trace, beat=beat,
+        )
+        self.chunks = (step_chunks(self.schedule, env.rank, config.steps)
+                       if self.asynchronous else None)
+
+    def _stage_groups(self) -> list[dist.ProcessGroup | None]:
+        """A process group for each replicated stage (every rank creates every group)."""
+        groups: list[dist.ProcessGroup | None] = []
+        for stage, count in enumerate(self.layout.replicas):
+            ranks = [self.schedule.worker_of(stage, replica) for replica in range(count)]
+            groups.append(dist.new_group(ranks) if count > 1 else None)
+        return groups
+
+    # -- training --------------------------------------------------------------------------------
+
+    def _microbatch(self, step: int, parts: tuple[torch.Tensor, ...], m: int) -> Microbatch:
+        indices = parts[m]
+        scale = 1.0 / (sum(len(p) for p in parts) * self.predictions_per_sample)
+        first, last = self.stage == 0, self.stage == self.layout.num_stages - 1
+        return Microbatch(
+            size=len(indices), scale=scale, step=step,
+            inputs=self.train.inputs[indices] if first else None,
+            targets=self.train.targets[indices] if last else None,
+        )
+
+    @functools.lru_cache(maxsize=64)  # noqa: B019 - bounded, per trainer
+    def _minibatch(self, m: int) -> Microbatch:
+        """Minibatch ``m`` of the asynchronous schedule: the global batch of step ``m``."""
+        return self._microbatch(m, (self.sampler.global_indices(m),), 0)
+
+    def train_step(self, step: int) -> torch.Tensor:
+        if self.chunks is not None:
+            loss = self.engine.execute(self.chunks[step], self._minibatch, step)
+            self.engine.prune_sends()
+            if step == self.config.steps - 1:
+                self.engine.finish_sends()
+            return loss
+        parts = self.sampler.global_indices(step).tensor_split(self.schedule.num_microbatches)
+        cache: dict[int, Microbatch] = {}
+
+        def batch(m: int) -> Microbatch:
+            if m not in cache:
+                cache[m] = self._microbatch(step, parts, m)
+            return cache[m]
+
+        loss = self.engine.execute(self.schedule.workers[self.env.rank], batch, step)
+        self.engine.finish_sends()
+        return loss
+
+    # -- evaluation and outputs ------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Forward the test split through the pipeline in chunks; the last stage scores them."""
+        self.beat.phase = "evaluate"
+        self.module.eval()
+        num_stages, replicas = self.layout.num_stages, self.layout.replicas
+        totals = torch.zeros(3, dtype=torch.float64, device=self.env.device)
+        for chunk, start in enumerate(range(0, len(self.test), EVAL_CHUNK)):
+            if chunk % replicas[self.stage] != self.replica:
+                continue
+            end = min(start + EVAL_CHUNK, len(self.test))
+            if self.stage == 0:
+                x = self.test.inputs[start:end]
+            else:
+                x = torch.empty((end - start, *self.shapes.input_shape), dtype=self.shapes.input_dtype,
+                                device=self.env.device)
+                dist.recv(x, src=self.schedule.worker_for(self.stage - 1, chunk),
+                          tag=EVAL_TAG_BASE + chunk)
+            if self.stage == num_stages - 1:
+                totals += score(self.module, x, self.test.targets[start:end])
+            else:
+                dist.send(self.module(x).contiguous(),
+                          dst=self.schedule.worker_for(self.stage + 1, chunk),
+                          tag=EVAL_TAG_BASE + chunk)
+        self.module.train()
+        dist.all_reduce(totals)
+        correct, loss, count = totals.tolist()
+        return {"test_accuracy": correct / count, "test_loss": loss / count}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Replica 0 of every stage sends its blocks' state to rank 0, under the full model's names."""
+        state = None
+        if self.replica == 0:
+            state = {}
+            for name, tensor in self.module.state_dict().items():
+                index, _, rest = name.partition(".")
+                state[f"{int(index) + self.param_offset}.{rest}"] = tensor.detach().cpu()
+        gathered: list[Any] = [None] * self.env.world_size if self.env.rank == 0 else []
+        dist.gather_object(state, gathered if self.env.rank == 0 else None, dst=0)
+        if self.env.rank != 0:
+            return None
+        return {name: t for part in gathered if part for name, t in part.items()}
+
+    def summary_extra(self) -> dict[str, Any]:
+        stats = {
+            "worker": self.env.rank, "stage": self.stage, "replica": self.replica,
+            "layers": list(self.layout.bounds[self.stage]),
+            "peak_activation_bytes": self.engine.peak_activation_bytes,
+            "stash_peak_bytes": self.engine.stash.peak_bytes if self.engine.stash else 0,
+            "parameter_bytes": sum(p.numel() * p.element_size() for p in self.module.parameters()),
+        }
+        gathered: list[Any] = [None] * self.env.world_size
+        dist.all_gather_object(gathered, stats)
+        return {"pipeline": self.layout.text(), "schedule": self.schedule.kind,
+                "microbatches": self.schedule.num_microbatches,
+                "vertical_sync": self.config.vertical_sync, "workers": gathered}
