@@ -58,7 +58,7 @@ class LevelProblem:
         outgoing[n - 1] = 0.0
         matrix = np.zeros((n + 1, n))
         if self.activation_compression is not None:
-            matrix[1:] = np.maximum(cut[:, None], outgoing[None, :])
+            np.maximum(cut[:, None], outgoing[None, :], out=matrix[1:])
         self.transfer_bytes = matrix
 
     def allreduce_s(self, params: np.ndarray | float, replicas: np.ndarray | float) -> np.ndarray:

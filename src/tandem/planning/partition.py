@@ -106,15 +106,19 @@ def partition(
     memory = options.memory_bytes if options.memory_bytes is not None else cluster.memory_bytes
     states = build_states(profile)
     _check_stage_count(states, cluster, options)
-    compute = _segment_matrix(states, states.compute_s) / cluster.speed
+    compute = _segment_matrix(states, states.compute_s)
+    if cluster.speed != 1:
+        compute /= cluster.speed
+    params = _segment_matrix(states, states.parameter_bytes)
+    stash = _segment_matrix(states, states.activation_bytes)
     tables: list[LevelTable] = []
     top = len(cluster.levels) - 1
     for level_index, level in enumerate(cluster.levels):
         problem = LevelProblem(
             states=states,
             compute_s=compute,
-            parameter_bytes=_segment_matrix(states, states.parameter_bytes),
-            stash_bytes=_segment_matrix(states, states.activation_bytes),
+            parameter_bytes=params,
+            stash_bytes=stash,
             num_units=level.num_units,
             bandwidth_Bps=level.bandwidth_Bps,
             devices_per_unit=cluster.devices_per_unit(level_index),
@@ -126,7 +130,7 @@ def partition(
         )
         table = _solve(problem, options, final=level_index == top)
         tables.append(table)
-        compute = np.where(np.isnan(problem.parameter_bytes), np.nan, table.best[:, :, -1])
+        compute = np.where(np.isnan(params), np.nan, table.best[:, :, -1])
     return _assemble(profile, cluster, states, tables, memory)
 
 
@@ -158,10 +162,10 @@ def _check_stage_count(states: States, cluster: Cluster, options: PartitionOptio
 def _segment_matrix(states: States, totals: np.ndarray) -> np.ndarray:
     """Row 0: totals of each state; row p >= 1: state j minus state p-1 (nan if not below)."""
     n = states.num_states
-    matrix = np.full((n + 1, n), np.nan)
+    matrix = np.empty((n + 1, n))
     matrix[0] = totals
-    diff = totals[None, :] - totals[:, None]
-    matrix[1:] = np.where(states.below, diff, np.nan)
+    np.subtract(totals[None, :], totals[:, None], out=matrix[1:])
+    np.copyto(matrix[1:], np.nan, where=~states.below)
     return matrix
 
 
