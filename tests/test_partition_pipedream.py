@@ -25,7 +25,8 @@ from tandem.profile import load_profile
 DATA = Path(__file__).parent / "data" / "profiles"
 BANDWIDTH_Bps = 1.25e9
 
-# (model, devices, activation_compression) -> (bottleneck_s, PipeDream-style config found)
+# (model, devices, activation_compression) -> optimum bottleneck_s. Configurations are not
+# recorded: many plans tie on the bottleneck (see docs/planning.md, section 5).
 EXPECTED = {
     ("vgg16", 2, None): 0.370931, ("vgg16", 2, 1.0): 0.381063,
     ("vgg16", 4, None): 0.1744984992, ("vgg16", 4, 1.0): 0.17634916586666669,
