@@ -9,12 +9,14 @@ on ``m + 1`` units::
 
 where ``last(k, j, r)`` is the time of the stage after state ``k`` up to ``j`` on ``r`` units.
 Let ``U`` be the bottleneck of a plan known to exist (the whole model as one stage). Every cell
-the answer is made of is at most ``U``, and a term above ``U`` can be neither the answer nor
-under it; so the table keeps only cells at most ``U`` (the others read inf), and each step
-pushes from those cells only along the ``(k, j, r)`` whose last stage takes at most ``U``. On
-ResNet-50 and 16 devices that is about 60 thousand of the 3.4 million terms of the full loop
-nest. Wherever a cell is at most ``U``, its value and its choice (ties: the smallest ``k``,
-then the fewest replicas) equal the full table's.
+on the answer's path is at most ``U`` and leaves enough units for the layers after it, and a
+term above ``U`` can be neither the answer nor under it. So the table keeps only cells at most
+``U`` (the others read inf), and each step pushes from those cells only along the ``(k, j, r)``
+whose last stage takes at most ``U`` and leaves the layers before and after it enough units.
+On ResNet-50 and 16 devices that is 36 thousand of the 3.4 million terms of the full loop nest.
+Every cell at most ``U`` that the layers after it can complete into a plan within ``U`` (so
+every cell on the answer's path) keeps the full table's value and choice (ties: the smallest
+``k``, then the fewest replicas); other cells may read inf.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class _LastStages:
 
 
 def solve_row0(problem: LevelProblem) -> LevelTable:
-    """Row 0 of ``problem`` exactly wherever the value is at most a known plan's bottleneck."""
+    """Row 0 of ``problem``, exact on every cell a plan within a known plan's bottleneck uses."""
     n, N = problem.states.num_states, problem.num_units
     one_stage = _one_stage_times(problem)
     bound = _known_bound(problem, one_stage)
@@ -108,13 +110,15 @@ def _most_replicas(problem: LevelProblem, ks: np.ndarray, js: np.ndarray,
 
     A stage of compute ``C`` on ``r`` units takes at least ``C / r``, so a plan within ``U``
     gives the layers up to ``k`` at least ``compute[k] / U`` units, and those after ``j`` at
-    least ``(compute[-1] - compute[j]) / U``. That holds where segment computes add up: at a
-    level whose units are single devices (elsewhere there is no limit below N).
+    least ``(compute[-1] - compute[j]) / U``. That needs segment computes that add up: a
+    level whose units are single devices, with every prefix's compute finite (an inner level's
+    memory limit makes some inf). Elsewhere there is no limit below N.
     """
     N = problem.num_units
-    if problem.devices_per_unit != 1 or not 0 < bound < np.inf:
-        return np.full(ks.size, N)
     compute = problem.compute_s[0]
+    additive = problem.devices_per_unit == 1 and bool(np.isfinite(compute).all())
+    if not additive or not 0 < bound < np.inf:
+        return np.full(ks.size, N)
     slack = 1 - 1e-9  # rounding in the sums of segment computes
     before = np.ceil(compute / bound * slack)
     after = np.ceil((compute[-1] - compute) / bound * slack)
@@ -138,10 +142,10 @@ def _replicas_within(problem: LevelProblem, compute: np.ndarray, params: np.ndar
     total = compute + k
     with np.errstate(invalid="ignore"):
         root = np.sqrt(total * total - 4 * bound * k)
-        below = np.floor((total - root) / (2 * bound)) + 1
-        above = np.ceil((total + root) / (2 * bound)) - 1
+        low_end = np.floor((total - root) / (2 * bound)) + 1
+        high_start = np.ceil((total + root) / (2 * bound)) - 1
     gapless = np.isnan(root) & ~np.isnan(total)  # no real root: every r is fast enough
-    fast = (units <= below) | (units >= above) | gapless
+    fast = (units <= low_end) | (units >= high_start) | gapless
     if problem.activation_compression is None:
         return fast
     least = np.ceil(2 * moved / (problem.bandwidth_Bps * problem.activation_compression * bound)) - 1
