@@ -17,6 +17,7 @@ from torch import nn
 
 from tandem.data.info import DataInfo
 from tandem.errors import UsageError
+from tandem.models.emulated import EmulatedOptions, build_emulated
 from tandem.models.gpt import GPTOptions, build_gpt
 from tandem.models.mlp import MLPOptions, build_mlp
 from tandem.models.resnet import ResNetOptions, build_resnet
@@ -32,7 +33,9 @@ MODELS: dict[str, tuple[type, Builder, str]] = {
     "resnet": (ResNetOptions, build_resnet, "classify"),
     "vgg": (VGGOptions, build_vgg, "classify"),
     "gpt": (GPTOptions, build_gpt, "lm"),
+    "emulated": (EmulatedOptions, build_emulated, "any"),
 }
+"""Name -> (options dataclass, builder, the task it trains on; ``any`` for every task)."""
 
 
 def build_model(spec: str, info: DataInfo) -> nn.Module:
@@ -53,7 +56,7 @@ def build_model(spec: str, info: DataInfo) -> nn.Module:
         )
     options_cls, build, task = MODELS[name]
     options = fill_options(options_cls, raw, spec=spec, what="model")
-    if task != info.task:
+    if task not in ("any", info.task):
         needs = "an image dataset (digits, images)" if task == "classify" else "a token dataset"
         raise UsageError(f"model {name!r} needs {needs}; it cannot train on a {info.task} task")
     return build(options, info)
