@@ -54,7 +54,8 @@ class PartitionOptions:
     memory_bytes: float | None = None
     """Per-device memory limit in bytes; None for no limit."""
     exact_dp: bool = False
-    """Always run the full dynamic program (the fast path is exact too; this is for testing)."""
+    """Always fill the dynamic program's table, never the parametric search (which is exact too;
+    this is for testing)."""
 
     def __post_init__(self) -> None:
         ratio = self.activation_compression
@@ -139,6 +140,11 @@ FAST_PATH_ELEMENTS = 50_000_000
 
 
 def _solve(problem: LevelProblem, options: PartitionOptions, *, final: bool) -> LevelTable:
+    """Solve one level: every row (inner levels) or row 0 (the final level).
+
+    Row 0 goes to the parametric search when the table would be large, else to the table pruned
+    by a known plan's bottleneck.
+    """
     pairs = int(problem.states.below.sum())
     if final and not options.exact_dp and pairs * problem.num_units**2 > FAST_PATH_ELEMENTS:
         fast = solve_level_fast(problem)
