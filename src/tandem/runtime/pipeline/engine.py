@@ -1,5 +1,8 @@
 """Execution of one worker's schedule actions with ``torch.distributed`` point-to-point ops.
 
+Each direction between two workers has its own process group (a *link*): NCCL runs all
+point-to-point operations of one communicator in issue order, so sharing one between the
+activations going forward and the gradients coming back could deadlock a 1F1B schedule.
 Receives are posted (``irecv``) when their action comes and waited for only by the forward or
 backward that consumes them; sends are posted (``isend``) and completed at the end of a step,
 so communication overlaps compute wherever the schedule places it early. Flush schedules
@@ -60,12 +63,14 @@ class StageEngine:
     """Runs the actions of one worker, which holds one stage (or a replica of it)."""
 
     def __init__(self, *, module: nn.Module, stage: int, num_stages: int, shapes: StageShapes,
-                 group: dist.ProcessGroup | None, num_replicas: int, optimizer: torch.optim.Optimizer,
+                 group: dist.ProcessGroup | None, links: dict[tuple[int, int], dist.ProcessGroup],
+                 rank: int, num_replicas: int, optimizer: torch.optim.Optimizer,
                  scheduler: Any, device: torch.device, asynchronous: bool, vertical_sync: bool,
                  trace: Callable[..., None], beat: Any) -> None:
         self.module, self.stage, self.device = module, stage, device
         self.first, self.last = stage == 0, stage == num_stages - 1
         self.shapes, self.group, self.num_replicas = shapes, group, num_replicas
+        self.links, self.rank = links, rank
         self.optimizer, self.scheduler = optimizer, scheduler
         self.asynchronous, self.vertical_sync = asynchronous, vertical_sync
         self.trace, self.beat = trace, beat
@@ -117,12 +122,14 @@ class StageEngine:
             shape, dtype, channel = self.shapes.input_shape, self.shapes.input_dtype, ACT
             if self.vertical_sync:
                 version = torch.zeros(1, dtype=torch.int64, device=self.device)
-                work = dist.irecv(version, src=action.peer, tag=tag(m, VERSION))
+                work = dist.irecv(version, src=action.peer, tag=tag(m, VERSION),
+                                  group=self.links[(action.peer, self.rank)])
                 self.receives[(m, VERSION)] = (work, version, time.perf_counter())
         else:
             shape, dtype, channel = self.shapes.output_shape, torch.float32, GRAD
         buffer = torch.empty((micro.size, *shape), dtype=dtype, device=self.device)
-        work = dist.irecv(buffer, src=action.peer, tag=tag(m, channel))
+        work = dist.irecv(buffer, src=action.peer, tag=tag(m, channel),
+                          group=self.links[(action.peer, self.rank)])
         self.receives[(m, channel)] = (work, buffer, time.perf_counter())
 
     def _wait(self, microbatch: int, channel: int, step: int) -> torch.Tensor:
@@ -141,10 +148,14 @@ class StageEngine:
             tensor, channel = self.saved[m][1].detach().contiguous(), ACT
             if self.vertical_sync:
                 version = torch.tensor([self.versions[m]], dtype=torch.int64, device=self.device)
-                self.sends.append((dist.isend(version, dst=action.peer, tag=tag(m, VERSION)), version))
+                work = dist.isend(version, dst=action.peer, tag=tag(m, VERSION),
+                                  group=self.links[(self.rank, action.peer)])
+                self.sends.append((work, version))
         else:
             tensor, channel = self.input_grads.pop(m).contiguous(), GRAD
-        self.sends.append((dist.isend(tensor, dst=action.peer, tag=tag(m, channel)), tensor))
+        work = dist.isend(tensor, dst=action.peer, tag=tag(m, channel),
+                          group=self.links[(self.rank, action.peer)])
+        self.sends.append((work, tensor))
         self.trace(f"{action.kind.value}{m}", start, time.perf_counter(), batch(m).step,
                    num_bytes=tensor.numel() * tensor.element_size())
 

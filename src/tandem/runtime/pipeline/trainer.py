@@ -82,6 +82,7 @@ class PipelineTrainer(BaseTrainer):
         self.module = nn.Sequential(*list(model)[start:end]).to(env.device)
         self.param_offset = start
         self.groups = self._stage_groups()
+        self.links = self._links()
         self.setup_optimizer(self.module.parameters())
         input_shape, input_dtype = ((tuple(self.train.inputs.shape[1:]), self.train.inputs.dtype)
                                     if start == 0 else shapes[start - 1])
@@ -90,7 +91,7 @@ class PipelineTrainer(BaseTrainer):
         self.asynchronous = self.schedule.kind == "pipedream"
         self.engine = StageEngine(
             module=self.module, stage=self.stage, num_stages=self.layout.num_stages,
-            shapes=self.shapes, group=self.groups[self.stage],
+            shapes=self.shapes, group=self.groups[self.stage], links=self.links, rank=env.rank,
             num_replicas=self.layout.replicas[self.stage], optimizer=self.optimizer,
             scheduler=self.scheduler, device=env.device, asynchronous=self.asynchronous,
             vertical_sync=config.vertical_sync, trace=self.trace, beat=beat,
@@ -105,6 +106,17 @@ class PipelineTrainer(BaseTrainer):
             ranks = [self.schedule.worker_of(stage, replica) for replica in range(count)]
             groups.append(dist.new_group(ranks) if count > 1 else None)
         return groups
+
+    def _links(self) -> dict[tuple[int, int], dist.ProcessGroup]:
+        """A two-worker process group for each direction of point-to-point traffic."""
+        pairs = sorted({(worker, action.peer) for worker, actions in enumerate(self.schedule.workers)
+                        for action in actions if action.kind.is_send and action.peer is not None})
+        links = {}
+        for source, destination in pairs:
+            group = dist.new_group(sorted((source, destination)))
+            if self.env.rank in (source, destination):
+                links[(source, destination)] = group
+        return links
 
     # -- training --------------------------------------------------------------------------------
 
