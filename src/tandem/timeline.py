@@ -1,9 +1,12 @@
-"""What each worker did and when: a list of timed actions, exported as a Chrome/Perfetto trace."""
+"""What each worker did and when: a list of timed actions, exported as a Chrome/Perfetto trace
+and drawn as a Gantt chart."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -71,3 +74,81 @@ class Timeline:
             for item in data["traceEvents"] if item.get("ph") == "X"
         ]
         return cls(events=events, source=data.get("otherData", {}).get("source", "runtime"))
+
+
+# -- Gantt chart ---------------------------------------------------------------------------------
+
+_COMPUTE = re.compile(r"(?P<kind>F|B|ST|forward|backward|step)(?P<micro>\d*)")
+_COMPUTE_KIND = {"forward": "F", "backward": "B", "step": "ST"}
+_COLOURS = {
+    "F": "#4c72b0", "B": "#55a868", "ST": "#8c8c8c",
+    "send": "#dd8452", "receive": "#c44e52", "collective": "#8172b3",
+}
+_LEGEND = {
+    "F": "forward", "B": "backward", "ST": "optimizer step", "send": "send (post)",
+    "receive": "receive (post to wait)", "collective": "allreduce",
+}
+
+
+def event_kind(name: str) -> tuple[str, str]:
+    """``(lane colour key, label)`` of an event name: ``("F", "3")`` for ``F3``,
+    ``("send", "")`` for ``SA3``, ``("receive", "")`` for ``RG3``, ``("collective", "")``."""
+    match = _COMPUTE.fullmatch(name)
+    if match:
+        kind = match["kind"]
+        return _COMPUTE_KIND.get(kind, kind), match["micro"]
+    if name.startswith("S"):
+        return "send", ""
+    if name.startswith("R"):
+        return "receive", ""
+    return "collective", ""
+
+
+def plot_gantt(timeline: Timeline, path: str | Path, *, title: str = "",
+               steps: Collection[int] | None = None, width_in: float = 12.0) -> None:
+    """Draw ``timeline`` as a Gantt chart (PNG, or any format matplotlib infers from ``path``).
+
+    One row per worker: computation (forward, backward, optimizer step) as boxes coloured by
+    kind, labelled with their micro-batch number when it fits; communication (sends, receives
+    from post to completion, allreduces) on a thin lane under them. ``steps`` keeps only the
+    events of those optimizer steps (a run of hundreds of steps is unreadable as one chart).
+    """
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    events = [e for e in timeline.events if steps is None or e.step in steps]
+    workers = sorted({e.worker for e in events})
+    fig = Figure(figsize=(width_in, 1.2 + 0.55 * max(1, len(workers))), dpi=110)
+    ax = fig.add_subplot()
+    if not events:
+        ax.text(0.5, 0.5, "no events", ha="center", va="center", transform=ax.transAxes)
+        fig.savefig(path)
+        return
+    origin = min(e.start_s for e in events)
+    span_ms = max(max(e.end_s for e in events) - origin, 1e-9) * 1e3
+    px_per_ms = width_in * fig.dpi * 0.8 / span_ms
+    row_of = {worker: index for index, worker in enumerate(workers)}
+    for event in events:
+        kind, micro = event_kind(event.name)
+        row = row_of[event.worker]
+        start, width = (event.start_s - origin) * 1e3, (event.end_s - event.start_s) * 1e3
+        compute = kind in ("F", "B", "ST")
+        bottom, height = (row - 0.2, 0.55) if compute else (row + 0.38, 0.14)
+        ax.broken_barh([(start, width)], (bottom, height), facecolors=_COLOURS[kind],
+                       edgecolor="white" if compute else "none", linewidth=0.4,
+                       alpha=1.0 if compute else 0.7)
+        if micro and width * px_per_ms > 7 * len(micro) + 4:
+            ax.text(start + width / 2, bottom + height / 2, micro, ha="center", va="center",
+                    fontsize=7, color="white")
+    ax.set_yticks(range(len(workers)), [f"rank {w}" for w in workers])
+    ax.set_ylim(len(workers) - 0.4, -0.45)
+    ax.set_xlim(0, span_ms)
+    ax.set_xlabel("time (ms)")
+    shown = sorted({event_kind(e.name)[0] for e in events}, key=list(_COLOURS).index)
+    ax.legend(handles=[Patch(color=_COLOURS[k], label=_LEGEND[k]) for k in shown],
+              loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=len(shown), fontsize=8,
+              frameon=False)
+    ax.set_title(title or f"{timeline.source} timeline", fontsize=10, pad=22)
+    ax.grid(axis="x", linewidth=0.3, alpha=0.5)
+    fig.tight_layout()
+    fig.savefig(path)

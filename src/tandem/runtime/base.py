@@ -25,10 +25,12 @@ from tandem.runtime.config import TrainConfig
 from tandem.runtime.dist import WorkerEnv
 from tandem.runtime.reporting import Reporter
 from tandem.runtime.watchdog import Heartbeat
-from tandem.timeline import Event, Timeline
+from tandem.timeline import Event, Timeline, plot_gantt
 
 MAX_TRACED_STEPS = 1000
 """Steps whose actions are recorded in ``trace.json`` (bounds the trace of long runs)."""
+GANTT_STEPS = 3
+"""``gantt.png`` draws the last this many traced steps (the steady state, readable)."""
 
 
 def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -172,13 +174,32 @@ class BaseTrainer(abc.ABC):
         return self.config.batch_size * len(window) / max(sum(window), 1e-12)
 
     def _write_outputs(self, finished: bool) -> None:
-        gathered: list[list[Event] | None] = [None] * self.env.world_size
-        dist.all_gather_object(gathered, self.events)
+        """Rank 0 writes ``trace.json``, ``gantt.png``, ``config.json`` and ``final.pt``.
+
+        Each worker timed its events from its own start; they are put on rank 0's clock by
+        the time each worker reads right after a common barrier (good to the barrier's skew,
+        also across machines).
+        """
+        dist.barrier()
+        since_start = time.perf_counter() - self.clock_start
+        gathered: list[tuple[float, list[Event]] | None] = [None] * self.env.world_size
+        dist.all_gather_object(gathered, (since_start, self.events))
         state = self.full_state_dict() if finished and self.out else None
         if self.env.rank != 0 or self.out is None:
             return
-        events = [event for worker_events in gathered for event in worker_events or []]
-        Timeline(events=events).write(self.out / "trace.json")
+        events = [
+            dataclasses.replace(event, start_s=event.start_s + since_start - worker_since,
+                                end_s=event.end_s + since_start - worker_since)
+            for worker_since, worker_events in (part for part in gathered if part)
+            for event in worker_events
+        ]
+        timeline = Timeline(events=events)
+        timeline.write(self.out / "trace.json")
+        shown = sorted({event.step for event in events if event.step >= 0})[-GANTT_STEPS:]
+        steps = f", steps {shown[0]}-{shown[-1]}" if shown else ""
+        plot_gantt(timeline, self.out / "gantt.png", steps=set(shown) or None,
+                   title=f"{self.config.strategy}, {self.config.model}, "
+                         f"{self.env.world_size} workers{steps} (measured)")
         (self.out / "config.json").write_text(json.dumps(dataclasses.asdict(self.config), indent=2))
         if state is not None:
             save_atomic(state, self.out / "final.pt")
