@@ -78,7 +78,7 @@ def _known_bound(problem: LevelProblem, one_stage: np.ndarray) -> float:
 
 
 def _last_stages(problem: LevelProblem, bound: float) -> _LastStages:
-    """Every ``(k, j, r)``, ``k`` below ``j``, whose stage takes at most ``bound`` (and is finite)."""
+    """Every ``(k, j, r)``, ``k`` below ``j``, whose stage takes at most ``bound`` (finite)."""
     n, N = problem.states.num_states, problem.num_units
     ks, js = np.nonzero(problem.states.below)  # sorted by (k, j)
     rows = ks + 1
@@ -148,8 +148,8 @@ def _replicas_within(problem: LevelProblem, compute: np.ndarray, params: np.ndar
     fast = (units <= low_end) | (units >= high_start) | gapless
     if problem.activation_compression is None:
         return fast
-    least = np.ceil(2 * moved / (problem.bandwidth_Bps * problem.activation_compression * bound)) - 1
-    return fast & (units >= least)
+    rate = problem.bandwidth_Bps * problem.activation_compression
+    return fast & (units >= np.ceil(2 * moved / (rate * bound)) - 1)
 
 
 def _best_splits(

@@ -80,8 +80,9 @@ class LevelProblem:
 
         The first stage of a pipeline (``first``) moves no activations at this level.
         """
-        return self.segment_time(self.compute_s[row, state], self.parameter_bytes[row, state],
-                                 self.transfer_bytes[row, state], replicas, first=first)  # fmt: skip
+        segment = (self.compute_s[row, state], self.parameter_bytes[row, state],
+                   self.transfer_bytes[row, state])  # fmt: skip
+        return self.segment_time(*segment, replicas, first=first)
 
     def segment_time(self, compute_s: np.ndarray, parameter_bytes: np.ndarray,
                      transfer_bytes: np.ndarray, replicas: np.ndarray | float, *,

@@ -54,8 +54,8 @@ class _Parametric:
         """Exact times of segments ``index`` on ``replicas`` units (inf units: inf)."""
         finite = np.isfinite(replicas)
         safe = np.where(finite, replicas, 1.0)
-        times = self.problem.segment_time(self.compute[index], self.params[index],
-                                          self.moved[index], safe, first=self.first[index])  # fmt: skip
+        segment = (self.compute[index], self.params[index], self.moved[index])
+        times = self.problem.segment_time(*segment, safe, first=self.first[index])
         return np.where(finite, times, np.inf)
 
     def _matrix(self, flat: np.ndarray) -> np.ndarray:
