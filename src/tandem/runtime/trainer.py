@@ -69,6 +69,7 @@ class Trainer(BaseTrainer):
         if checkpoint is not None:
             model.load_state_dict(checkpoint["model"])
         self.module = self.strategy.wrap(model, env.device)
+        self.module.train()
         self.model = self.strategy.unwrap(self.module)
         self.setup_optimizer(self.module.parameters())
         if checkpoint is not None:
@@ -97,7 +98,6 @@ class Trainer(BaseTrainer):
         inputs = self.train.inputs[indices].tensor_split(self.config.accumulate)
         targets = self.train.targets[indices].tensor_split(self.config.accumulate)
         loss_total = torch.zeros((), device=self.env.device)
-        self.module.train()
         for micro_index, (x, y) in enumerate(zip(inputs, targets)):
             last = micro_index == len(inputs) - 1
             t0 = time.perf_counter()
