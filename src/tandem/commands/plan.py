@@ -6,11 +6,11 @@ import argparse
 import json
 import sys
 
-from tandem.cluster import Cluster, flat_cluster, format_bandwidth, parse_cluster, parse_size
-from tandem.errors import UsageError
+from tandem.cluster import Cluster, format_bandwidth, parse_size
+from tandem.commands.args import add_cluster_args, add_source_args, build_cluster, load_source
 from tandem.plan import Plan
 from tandem.planning import PartitionOptions, make_plan
-from tandem.profile import ModelProfile, load_profile
+from tandem.profile import ModelProfile
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -21,14 +21,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Split a model into pipeline stages with a replica count each, minimizing "
         "the slowest stage under PipeDream's cost model.",
     )
-    source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", help="profile this model spec locally first (e.g. vgg)")
-    source.add_argument("--profile", help="profile file: tandem JSON or PipeDream graph.txt")
-    p.add_argument("--batch-size", type=int, default=32, help="with --model: minibatch to profile")
-    p.add_argument("--data", default=None, help="with --model: dataset spec")
-    p.add_argument("--devices", type=int, help="number of devices of a flat cluster")
-    p.add_argument("--bandwidth", help="link bandwidth of a flat cluster, e.g. 10Gb/s")
-    p.add_argument("--cluster", help="cluster spec (8x300GB/s,4x25Gb/s), YAML file or preset")
+    add_source_args(p, batch_help="with --model: minibatch to profile", batch_default=32)
+    add_cluster_args(p)
     p.add_argument("--memory", help="per-device memory limit, e.g. 16GB (default: the cluster's)")
     p.add_argument("--activation-compression", type=float, default=1.0, metavar="R",
                    help="divide activation transfer time by R (default 1: full transfer)")
@@ -39,25 +33,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.add_argument("-o", "--output", help="write the plan JSON here")
     p.set_defaults(run=run)
-
-
-def build_cluster(args: argparse.Namespace) -> Cluster:
-    """The cluster from ``--cluster`` or ``--devices``/``--bandwidth``."""
-    if args.cluster is not None:
-        if args.devices is not None or args.bandwidth is not None:
-            raise UsageError("give either --cluster or --devices with --bandwidth, not both")
-        return parse_cluster(args.cluster)
-    if args.devices is None or args.bandwidth is None:
-        raise UsageError("describe the cluster: --devices N --bandwidth 10Gb/s, or --cluster SPEC")
-    return flat_cluster(num_devices=args.devices, bandwidth=args.bandwidth)
-
-
-def _profile(args: argparse.Namespace) -> ModelProfile:
-    if args.profile is not None:
-        return load_profile(args.profile)
-    from tandem.commands.profile import measure
-
-    return measure(args.model, args.batch_size, args.data)
 
 
 def _options(args: argparse.Namespace) -> PartitionOptions:
@@ -92,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     """Plan, print a table (stderr with --json) or JSON, and optionally write the plan."""
     cluster = build_cluster(args)
     options = _options(args)
-    profile = _profile(args)
+    profile = load_source(args)
     plan = make_plan(profile, cluster, options)
     human = sys.stderr if args.json else sys.stdout
     print(format_plan(plan, profile, cluster), file=human)
