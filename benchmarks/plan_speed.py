@@ -3,10 +3,11 @@
 Run: ``python benchmarks/plan_speed.py`` (prints a table; the last stdout line is one JSON object).
 
 Cases: ResNet-50 (PipeDream's profile) on 16 devices at 10 Gb/s against the naive loop nest;
-a 1,000-layer chain on 1,024 flat devices; ResNet-50 on 16 servers x 8 devices. Every time is
-the best of ``REPEATS`` runs, the references' as much as tandem's, and covers building the
-states from a loaded profile; reading the profile is not timed, except in reference B, which is
-PipeDream's whole procedure from the file.
+a 1,000-layer chain on 1,024 flat devices; ResNet-50 on 16 servers x 8 devices. Every time,
+the references' as much as tandem's, is the best of ``REPEATS`` samples, a sample being enough
+back-to-back runs to last ``SAMPLE_S`` (a single run for anything slower) divided by their
+number, as ``timeit`` does. Times cover building the states from a loaded profile; reading the
+profile is not timed, except in reference B, which is PipeDream's whole procedure from the file.
 """
 
 from __future__ import annotations
@@ -83,17 +84,27 @@ def chain(num_layers: int, seed: int = 0) -> ModelProfile:
 
 
 REPEATS = 3
-"""Each case is timed this many times and the best run reported."""
+"""Each case is timed in this many samples and the best sample reported."""
+SAMPLE_S = 0.2
+"""A sample runs a case back to back until it lasts about this long (one run when slower)."""
 
 
 def timed(fn: Callable[[], T]) -> tuple[T, float]:
-    """``fn()``'s result and its best wall time in seconds over ``REPEATS`` runs."""
-    best = math.inf
-    for _ in range(REPEATS):
-        started = time.perf_counter()
+    """``fn()``'s result and its seconds per run in the best of ``REPEATS`` samples (as timeit)."""
+    result, first = _run(fn, 1)
+    samples = [first] if first >= SAMPLE_S else []
+    number = 1 if samples else max(1, math.ceil(SAMPLE_S / _run(fn, 1)[1]))
+    while len(samples) < REPEATS:
+        samples.append(_run(fn, number)[1])
+    return result, min(samples)
+
+
+def _run(fn: Callable[[], T], number: int) -> tuple[T, float]:
+    """The last result of ``number`` back-to-back runs and the seconds per run."""
+    started = time.perf_counter()
+    for _ in range(number):
         result = fn()
-        best = min(best, time.perf_counter() - started)
-    return result, best
+    return result, (time.perf_counter() - started) / number
 
 
 Row = tuple[str, float, str, float]
