@@ -14,7 +14,7 @@ from typing import NoReturn, Sequence
 
 from tandem.errors import UsageError, WorkerFailure
 
-COMMANDS = ("train", "demo", "profile", "plan")
+COMMANDS = ("train", "demo", "profile", "plan", "topology")
 
 
 class ArgumentParser(argparse.ArgumentParser):
