@@ -1,0 +1,166 @@
+"""The ``tandem simulate`` command: predict a plan's step time, utilization and memory."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import Any
+
+from tandem.cluster import Cluster, parse_bandwidth
+from tandem.commands.args import (
+    add_cluster_args,
+    add_source_args,
+    batch_scale,
+    build_cluster,
+    load_source,
+    with_memory,
+)
+from tandem.errors import UsageError
+from tandem.plan import Plan
+from tandem.planning.collectives import ALGORITHMS
+from tandem.planning.simulate import SimOptions, SimResult, data_parallel_plan, simulate
+from tandem.profile import ModelProfile
+from tandem.schedule import SCHEDULE_KINDS
+from tandem.timeline import plot_gantt
+
+MAX_WORKER_ROWS = 32
+"""Above this many workers the table shows one row per stage."""
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``tandem simulate``."""
+    p = subparsers.add_parser(
+        "simulate",
+        help="predict a plan's step time, idle time and memory on a cluster",
+        description="Replay the schedule of a plan on a cost model of a cluster (profiled "
+        "compute, link bandwidth and latency, collectives) and print the predicted step time, "
+        "throughput, busy and idle time and peak memory per device.",
+    )
+    p.add_argument("--plan", required=True,
+                   help="a plan JSON (tandem plan -o / tandem search -o), or 'dp' for data "
+                   "parallelism on every device")
+    add_source_args(p, batch_help="global minibatch in samples (default: the profile's); "
+                    "with --model also the batch to profile at (default 32)", batch_default=None)
+    add_cluster_args(p)
+    add_sim_args(p)
+    p.add_argument("--schedule", choices=SCHEDULE_KINDS, help="override the plan's schedule")
+    p.add_argument("--microbatches", type=int, help="override the plan's micro-batches per step")
+    p.add_argument("--trace", help="write the predicted timeline as a Chrome trace here")
+    p.add_argument("--gantt", help="draw the predicted timeline as a Gantt chart (PNG) here")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.set_defaults(run=run)
+
+
+def add_sim_args(p: argparse.ArgumentParser) -> None:
+    """Cost-model options shared by simulate, search and scale."""
+    p.add_argument("--profile-batch", type=int,
+                   help="minibatch the profile was measured at, if the profile does not say "
+                   "(PipeDream's graph.txt)")
+    p.add_argument("--memory", help="per-device memory limit, e.g. 16GB (default: the cluster's)")
+    p.add_argument("--allreduce", choices=ALGORITHMS, default="auto",
+                   help="allreduce algorithm (default auto: the cheapest)")
+    p.add_argument("--compression", type=float, default=1.0, metavar="R",
+                   help="divide allreduce bytes by R (e.g. 2 for fp16 gradients)")
+    p.add_argument("--activation-compression", type=float, default=1.0, metavar="R",
+                   help="divide the bytes sent between stages by R")
+    p.add_argument("--optimizer-bandwidth", metavar="BW",
+                   help="parameter bytes an optimizer step updates per second, e.g. 50GB/s "
+                   "(default: steps take no time)")
+    p.add_argument("--optimizer-state", type=float, default=1.0, metavar="X",
+                   help="optimizer state bytes per parameter byte (SGD momentum 1, Adam 2)")
+    p.add_argument("--overhead", type=float, default=0.0, metavar="SECONDS",
+                   help="fixed framework seconds added to every forward and backward")
+
+
+def sim_options(args: argparse.Namespace, profile: ModelProfile, **changes: Any) -> SimOptions:
+    """The :class:`SimOptions` of the shared arguments."""
+    if args.overhead < 0:
+        raise UsageError(f"--overhead must not be negative (got {args.overhead})")
+    options = SimOptions(
+        batch_scale=batch_scale(profile, args.batch_size if args.profile else None,
+                                args.profile_batch),
+        allreduce=args.allreduce,
+        gradient_compression=args.compression,
+        activation_compression=args.activation_compression,
+        optimizer_Bps=parse_bandwidth(args.optimizer_bandwidth) if args.optimizer_bandwidth else None,
+        optimizer_state_factor=args.optimizer_state,
+        compute_overhead_s=args.overhead,
+    )
+    return dataclasses.replace(options, **changes)
+
+
+def planning_inputs(args: argparse.Namespace) -> tuple[ModelProfile, Cluster]:
+    """The profile and the cluster (with ``--memory`` applied) of the shared arguments."""
+    cluster = with_memory(build_cluster(args), args.memory)
+    return load_source(args), cluster
+
+
+def load_plan(text: str, profile: ModelProfile, cluster: Cluster) -> Plan:
+    """``--plan``: a plan file, or ``dp`` for data parallelism on every device."""
+    if text == "dp":
+        return data_parallel_plan(profile, cluster.num_devices)
+    return Plan.load(text)
+
+
+def format_result(result: SimResult, cluster: Cluster) -> str:
+    """A per-worker table and the headline figures."""
+    lines = [f"cluster: {cluster.describe()}",
+             f"plan {result.config}, {result.schedule}, {result.num_microbatches} "
+             f"{'minibatches simulated' if result.schedule == 'pipedream' else 'micro-batches per step'}",
+             f"{'worker':>6} {'stage':>5} {'device':>6} {'busy ms':>10} {'idle ms':>10} "
+             f"{'comm ms':>10} {'act MB':>9} {'stash MB':>9} {'peak MB':>9}"]
+    shown = result.workers
+    if len(shown) > MAX_WORKER_ROWS:  # one row per stage: its first worker
+        lines.append(f"({len(shown)} workers: the first replica of each stage)")
+        shown = [w for w in result.workers if w.replica == 0]
+    for w in shown:
+        lines.append(f"{w.worker:>6} {w.stage:>5} {w.device:>6} {w.busy_s * 1e3:10.3f} "
+                     f"{w.idle_s * 1e3:10.3f} {w.communication_s * 1e3:10.3f} "
+                     f"{w.activation_bytes / 1e6:9.1f} {w.stashed_weight_bytes / 1e6:9.1f} "
+                     f"{w.peak_memory_bytes / 1e6:9.1f}")
+    rate = (f"{result.samples_per_s:.1f} samples/s" if result.samples_per_s is not None
+            else f"{result.steps_per_s:.3f} steps/s")
+    limit = ("no limit" if result.memory_limit_bytes is None else
+             f"limit {result.memory_limit_bytes / 1e9:g} GB: "
+             f"{'fits' if result.fits_memory else 'DOES NOT FIT'}")
+    lines.append(f"step {result.step_time_s * 1e3:.3f} ms ({rate}); bubble "
+                 f"{result.bubble_fraction:.1%}; compute {result.compute_s * 1e3:.3f} ms, "
+                 f"communication {result.communication_s * 1e3:.3f} ms per step (busiest worker)")
+    lines.append(f"peak memory {result.peak_memory_bytes / 1e9:.3f} GB per device ({limit})")
+    return "\n".join(lines)
+
+
+def gantt_steps(result: SimResult) -> set[int] | None:
+    """The steps worth drawing: all of a flush schedule's, a few steady-state minibatches of
+    PipeDream's long run."""
+    if result.schedule != "pipedream":
+        return None
+    middle = result.num_microbatches // 2
+    return set(range(middle, middle + max(4, 2 * len(result.workers))))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Simulate, print a table (stderr with --json) or JSON, and write the trace and chart."""
+    profile, cluster = planning_inputs(args)
+    plan = load_plan(args.plan, profile, cluster)
+    if args.schedule:
+        plan.schedule = args.schedule
+    if args.microbatches is not None:
+        if args.microbatches < 1:
+            raise UsageError(f"--microbatches must be at least 1 (got {args.microbatches})")
+        plan.num_microbatches = args.microbatches
+    result = simulate(plan, profile, cluster, sim_options(args, profile))
+    human = sys.stderr if args.json else sys.stdout
+    print(format_result(result, cluster), file=human)
+    if args.trace:
+        result.timeline.write(args.trace)
+        print(f"wrote {args.trace}", file=human)
+    if args.gantt:
+        plot_gantt(result.timeline, args.gantt, steps=gantt_steps(result),
+                   title=f"plan {result.config}, {result.schedule} on {cluster.describe()} (simulated)")
+        print(f"wrote {args.gantt}", file=human)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    return 0

@@ -1,0 +1,341 @@
+"""The discrete-event core of the simulator: replay a schedule's actions on a cost model.
+
+Usage::
+
+    run = replay(schedule, workload, cluster, num_steps=2)
+    run.step_ends[0], run.events
+
+It follows the pipeline engine's rules (``tandem.runtime.pipeline.engine``): a worker runs its
+actions in order; posting a receive or a send takes no time; a transfer starts once both ends
+have posted it and the ports it needs are free (first come, first served); a forward or
+backward waits for the transfer of its input; an allreduce starts when every replica of the
+stage has reached it and blocks them until it ends; at the end of a step a worker waits for its
+sends to arrive (``finish_sends``) and starts the next step. With DDP's overlap on
+(``Workload.buckets``), a stage's allreduce is split into buckets that start as soon as the
+backward of every replica has produced their gradients, each after the previous bucket.
+
+Events are processed in time order (a heap of worker wake-up times), so ports are granted in
+the order transfers become ready.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from collections import defaultdict
+from collections.abc import Sequence
+
+from tandem.cluster import Cluster
+from tandem.planning.collectives import link_level, port, unit_sizes
+from tandem.schedule import Kind, Schedule
+from tandem.timeline import Event
+
+_F, _B, _SA, _RA, _SG, _RG, _AR, _ST = range(8)
+_CODE = {Kind.FORWARD: _F, Kind.BACKWARD: _B, Kind.SEND_ACT: _SA, Kind.RECV_ACT: _RA,
+         Kind.SEND_GRAD: _SG, Kind.RECV_GRAD: _RG, Kind.ALLREDUCE: _AR, Kind.STEP: _ST}
+_NAME = {_F: "F", _B: "B", _SA: "SA", _RA: "RA", _SG: "SG", _RG: "RG", _AR: "AR", _ST: "ST"}
+_ACT, _GRAD = 0, 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Workload:
+    """What each action costs, per stage (durations already scaled to the micro-batch and the
+    device speed)."""
+
+    forward_s: Sequence[float]
+    """Seconds of one forward of one micro-batch."""
+    backward_s: Sequence[float]
+    step_s: Sequence[float]
+    """Seconds of one optimizer step."""
+    output_bytes: Sequence[float]
+    """Bytes of one micro-batch's activation sent to the next stage (and of the gradient sent
+    back from it)."""
+    stash_bytes: Sequence[float]
+    """Activation bytes one micro-batch keeps from its forward to its backward."""
+    allreduce_s: Sequence[float]
+    """Seconds of one blocking allreduce of the stage's gradients among its replicas."""
+    buckets: Sequence[Sequence[tuple[float, float]]] | None = None
+    """With DDP's overlap: per stage, ``(seconds into the backward when the bucket is ready,
+    seconds of its allreduce)`` in order; None for blocking allreduces."""
+    devices: Sequence[int]
+    """Device of each worker."""
+    send_overhead_s: float = 0.0
+    """Seconds a worker spends posting a send."""
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class Replay:
+    """Raw results of a replay; :mod:`tandem.planning.simulate` turns them into metrics."""
+
+    step_ends: list[list[float]]
+    """Per worker, the time each of its steps ended (after its sends arrived)."""
+    busy_s: list[dict[int, float]]
+    """Per worker, compute seconds per step (flush) or per minibatch (``pipedream``)."""
+    communication_s: list[dict[int, float]]
+    """Per worker, seconds of the transfers it sent or received and of its collectives, keyed
+    like ``busy_s``."""
+    peak_activation_bytes: list[float]
+    """Per worker, the most activation bytes held at once."""
+    peak_stashed_versions: list[int]
+    """Per worker, the most weight versions kept besides the current one (``pipedream``)."""
+    done_s: dict[int, float]
+    """``pipedream``: time each minibatch's update ended on stage 0."""
+    events: list[Event]
+    """The timeline, when recorded."""
+
+
+class _Stalled(RuntimeError):
+    """The replay cannot go on: the schedule would hang (the checker rejects such schedules)."""
+
+
+def replay(schedule: Schedule, workload: Workload, cluster: Cluster, *, num_steps: int = 1,
+           record: bool = True) -> Replay:
+    """Run ``num_steps`` copies of ``schedule`` back to back on every worker."""
+    return _Replayer(schedule, workload, cluster, num_steps, record).run()
+
+
+class _Replayer:
+    def __init__(self, schedule: Schedule, workload: Workload, cluster: Cluster,
+                 num_steps: int, record: bool) -> None:
+        self.schedule, self.work, self.cluster = schedule, workload, cluster
+        self.num_steps, self.record = num_steps, record
+        self.pipedream = schedule.kind == "pipedream"
+        self.num_workers = schedule.num_workers
+        self.stage_of = [schedule.stage_of(w)[0] for w in range(self.num_workers)]
+        self.first_worker = [schedule.worker_of(s, 0) for s in range(schedule.num_stages)]
+        self.actions = [[(_CODE[a.kind], a.microbatch, a.peer) for a in actions]
+                        for actions in schedule.workers]
+        self.sizes = unit_sizes(cluster)
+        self.heap: list[tuple[float, int, int]] = []
+        self.counter = 0
+        self.pc = [0] * self.num_workers
+        self.step = [0] * self.num_workers
+        self.waiting: dict[tuple, int] = {}
+        self.messages: dict[tuple, list] = {}
+        self.unbooked = [0] * self.num_workers
+        self.sends_arrive = [0.0] * self.num_workers
+        self.parked_for_sends = [False] * self.num_workers
+        self.collectives: dict[tuple, list[tuple[int, float]]] = defaultdict(list)
+        self.num_ar = [0] * self.num_workers
+        self.backward_start = [0.0] * self.num_workers
+        self.port_free: dict[int, float] = defaultdict(float)
+        self.activation = [0.0] * self.num_workers
+        self.version = [0] * self.num_workers
+        self.pinned: list[dict[int, int]] = [{} for _ in range(self.num_workers)]
+        self.version_count: list[dict[int, int]] = [defaultdict(int) for _ in range(self.num_workers)]
+        self.out = Replay(
+            step_ends=[[] for _ in range(self.num_workers)],
+            busy_s=[defaultdict(float) for _ in range(self.num_workers)],
+            communication_s=[defaultdict(float) for _ in range(self.num_workers)],
+            peak_activation_bytes=[0.0] * self.num_workers,
+            peak_stashed_versions=[0] * self.num_workers, done_s={}, events=[],
+        )
+
+    def run(self) -> Replay:
+        for worker in range(self.num_workers):
+            self._push(0.0, worker)
+        while self.heap:
+            now, _, worker = heapq.heappop(self.heap)
+            self._advance(worker, now)
+        stuck = [w for w in range(self.num_workers) if len(self.out.step_ends[w]) < self.num_steps]
+        if stuck:
+            raise _Stalled(f"workers {stuck[:8]} never finish: the schedule would hang")
+        return self.out
+
+    def _push(self, when: float, worker: int) -> None:
+        self.counter += 1
+        heapq.heappush(self.heap, (when, self.counter, worker))
+
+    def _key(self, worker: int, m: int | None) -> int:
+        """What busy and communication times are accounted under: the step or the minibatch."""
+        return m if self.pipedream and m is not None else self.step[worker]
+
+    def _event(self, worker: int, name: str, start: float, end: float, m: int | None,
+               num_bytes: float = 0.0, version: int = -1) -> None:
+        if self.record:
+            step = m if self.pipedream and m is not None else self.step[worker]
+            self.out.events.append(Event(worker=worker, name=name, start_s=start, end_s=end,
+                                         step=step, bytes=int(num_bytes), version=version))
+
+    # -- one worker ------------------------------------------------------------------------------
+
+    def _advance(self, w: int, now: float) -> None:
+        """Run worker ``w``'s actions from time ``now`` until it waits or its clock moves on."""
+        actions = self.actions[w]
+        while True:
+            if self.pc[w] == len(actions):
+                if not self._end_step(w, now):
+                    return
+                if self.step[w] == self.num_steps:
+                    return
+                continue
+            code, m, peer = actions[self.pc[w]]
+            if code in (_F, _B):
+                self._compute(w, now, code, m)
+                return
+            if code in (_RA, _RG):
+                self._post(w, now, (self.step[w], peer, w, _ACT if code == _RA else _GRAD, m),
+                           receiving=True)
+            elif code in (_SA, _SG):
+                key = (self.step[w], w, peer, _ACT if code == _SA else _GRAD, m)
+                end = now + self.work.send_overhead_s
+                self._event(w, _NAME[code] + str(m), now, end, m, self._bytes(key))
+                self._post(w, now, key, receiving=False)
+                if end > now:
+                    self.pc[w] += 1
+                    self._push(end, w)
+                    return
+            elif code == _AR:
+                self.pc[w] += 1
+                self._allreduce(w, now, m)
+                return
+            else:
+                end = now + self.work.step_s[self.stage_of[w]]
+                self._event(w, "ST" if m is None else f"ST{m}", now, end, m)
+                self.out.busy_s[w][self._key(w, m)] += end - now
+                self._update_versions(w, m, end)
+                self.pc[w] += 1
+                self._push(end, w)
+                return
+            self.pc[w] += 1
+
+    def _end_step(self, w: int, now: float) -> bool:
+        """Wait for the worker's sends (``finish_sends``); True once its step is over."""
+        if self.unbooked[w]:
+            self.parked_for_sends[w] = True
+            return False
+        end = max(now, self.sends_arrive[w])
+        if end > now:
+            self._push(end, w)
+            self.sends_arrive[w] = 0.0
+            return False
+        self.out.step_ends[w].append(now)
+        self.step[w] += 1
+        self.pc[w] = 0
+        self.num_ar[w] = 0
+        return True
+
+    def _compute(self, w: int, now: float, code: int, m: int) -> None:
+        stage = self.stage_of[w]
+        last = len(self.work.forward_s) - 1
+        needs = stage > 0 if code == _F else stage < last
+        start = now
+        if needs:
+            neighbour = stage + (-1 if code == _F else 1)
+            peer = self.first_worker[neighbour] + m % self.schedule.replicas[neighbour]
+            key = (self.step[w], peer, w, _ACT if code == _F else _GRAD, m)
+            message = self.messages[key]
+            if message[2] is None:
+                self.waiting[key] = w
+                return
+            del self.messages[key]
+            start = max(now, message[2])
+            self._event(w, ("RA" if code == _F else "RG") + str(m), message[1], start, m,
+                        self._bytes(key))
+        duration = (self.work.forward_s if code == _F else self.work.backward_s)[stage]
+        end = start + duration
+        version = self._pin(w, code, m)
+        self._event(w, _NAME[code] + str(m), start, end, m, version=version)
+        self.out.busy_s[w][self._key(w, m)] += duration
+        if code == _F:
+            self.activation[w] += self.work.stash_bytes[stage]
+            self.out.peak_activation_bytes[w] = max(self.out.peak_activation_bytes[w],
+                                                    self.activation[w])
+        else:
+            self.activation[w] -= self.work.stash_bytes[stage]
+            self.backward_start[w] = start
+        self.pc[w] += 1
+        self._push(end, w)
+
+    # -- weight versions (PipeDream) ----------------------------------------------------------------
+
+    def _pin(self, w: int, code: int, m: int) -> int:
+        if not self.pipedream:
+            return -1
+        if code == _F:
+            self.pinned[w][m] = self.version[w]
+            self.version_count[w][self.version[w]] += 1
+            return self.version[w]
+        version = self.pinned[w].pop(m)
+        self.version_count[w][version] -= 1
+        if not self.version_count[w][version]:
+            del self.version_count[w][version]
+        return version
+
+    def _update_versions(self, w: int, m: int | None, end: float) -> None:
+        if not self.pipedream:
+            return
+        self.version[w] += 1
+        self.out.peak_stashed_versions[w] = max(self.out.peak_stashed_versions[w],
+                                                len(self.version_count[w]))
+        if self.stage_of[w] == 0 and m is not None:
+            self.out.done_s[m] = end
+
+    # -- communication -------------------------------------------------------------------------------
+
+    def _bytes(self, key: tuple) -> float:
+        step, src, dst, tensor, m = key
+        stage = min(self.stage_of[src], self.stage_of[dst])
+        return self.work.output_bytes[stage]
+
+    def _post(self, w: int, now: float, key: tuple, *, receiving: bool) -> None:
+        message = self.messages.get(key)
+        if message is None:
+            message = self.messages[key] = [None, None, None]
+        message[1 if receiving else 0] = now
+        if not receiving:
+            self.unbooked[w] += 1
+        if message[0] is not None and message[1] is not None:
+            self._book(key, message, now)
+
+    def _book(self, key: tuple, message: list, now: float) -> None:
+        """Both ends posted: the transfer takes its ports when they are free."""
+        step, src, dst, tensor, m = key
+        a, b = self.work.devices[src], self.work.devices[dst]
+        level = link_level(self.cluster, a, b, self.sizes)
+        out_port, in_port = port(level, a, self.sizes), -1 - port(level, b, self.sizes)
+        num_bytes = self._bytes(key)
+        spec = self.cluster.levels[level]
+        start = max(now, self.port_free[out_port], self.port_free[in_port])
+        busy_until = start + num_bytes / spec.bandwidth_Bps
+        self.port_free[out_port] = self.port_free[in_port] = busy_until
+        message[2] = arrival = busy_until + spec.latency_s
+        for worker in (src, dst):
+            self.out.communication_s[worker][m if self.pipedream else step] += arrival - start
+        self.unbooked[src] -= 1
+        self.sends_arrive[src] = max(self.sends_arrive[src], arrival)
+        if self.parked_for_sends[src] and not self.unbooked[src]:
+            self.parked_for_sends[src] = False
+            self._push(now, src)
+        waiter = self.waiting.pop(key, None)
+        if waiter is not None:
+            self._push(max(now, arrival), waiter)
+
+    def _allreduce(self, w: int, now: float, m: int | None) -> None:
+        stage = self.stage_of[w]
+        key = (self.step[w], stage, self.num_ar[w])
+        self.num_ar[w] += 1
+        arrived = self.collectives[key]
+        arrived.append((w, now))
+        if len(arrived) < self.schedule.replicas[stage]:
+            return
+        del self.collectives[key]
+        end, cost = self._collective_end(stage, arrived)
+        for worker, reached in arrived:
+            finish = max(end, reached)
+            self._event(worker, "AR", reached, finish, m)
+            self.out.communication_s[worker][self._key(worker, m)] += cost
+            self._push(finish, worker)
+
+    def _collective_end(self, stage: int, arrived: list[tuple[int, float]]) -> tuple[float, float]:
+        """When the stage's allreduce ends and how long it ran (buckets with DDP's overlap)."""
+        last = max(reached for _, reached in arrived)
+        if self.work.buckets is None:
+            cost = self.work.allreduce_s[stage]
+            return last + cost, cost
+        end = cost = 0.0
+        started = max(self.backward_start[worker] for worker, _ in arrived)
+        for offset_s, bucket_s in self.work.buckets[stage]:
+            end = max(started + offset_s, end) + bucket_s
+            cost += bucket_s
+        return end, cost

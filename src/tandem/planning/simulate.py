@@ -1,0 +1,330 @@
+"""The simulator: run a plan's schedule on a cost model of a cluster and predict its timeline.
+
+Usage::
+
+    result = simulate(plan, profile, cluster)
+    result.step_time_s, result.bubble_fraction, result.workers[0].peak_memory_bytes
+    result.timeline.write("predicted.json")          # the runtime's trace format
+
+The plan's schedule is generated exactly as the runtime generates it (``tandem.schedule``) and
+replayed action by action (:mod:`tandem.planning.replay`): forwards and backwards take the
+profiled time of the stage's layers, scaled to the micro-batch and divided by the device speed;
+activations and gradients cross the link between the two workers' devices, with its latency and
+bandwidth, and wait for its ports; a replicated stage allreduces its gradients with the
+cluster's collective costs (:mod:`tandem.planning.collectives`) — after its last backward and
+blocking (pipelines, as the engine does), or in DDP's buckets overlapping the backward (a
+one-stage plan: data parallelism, as ``tandem train --strategy dp`` runs it). Flush schedules
+(GPipe, 1F1B, data parallelism) run ``num_steps`` steps back to back and the step time is the
+last one's on worker 0, as the runtime measures it; PipeDream's asynchronous schedule runs long
+enough to reach its steady state and the step time is the time per minibatch there.
+
+Memory per device: parameters, their gradients, optimizer state (``optimizer_state_factor`` ×
+parameters), weight versions stashed by PipeDream's schedule, and the activations of the
+micro-batches in flight (the outputs of the stage's layers, from a forward to its backward).
+
+What it does not model:
+
+- compute that does not scale linearly with the micro-batch (small batches run less
+  efficiently on GPUs), per-kernel launch costs, and framework overhead per action beyond
+  ``compute_overhead_s`` and ``send_overhead_s``; branches of a DAG inside a stage run one
+  after another; stragglers and noise;
+- interference between communication and compute on one device (memory bandwidth, cores used
+  by the communication library), the reduction arithmetic of allreduces, and compression's
+  encode/decode time;
+- the network beyond one full-duplex port per unit and level: no switch topology, congestion
+  control or TCP dynamics; collectives do not contend with point-to-point transfers or with
+  each other;
+- memory beyond the parts above: no workspace, temporary communication buffers, fragmentation
+  or receive buffers, and the parts' peaks are added as if they coincided;
+- data loading, the loss, logging, evaluation and checkpoints; vertical sync's version
+  messages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from tandem.cluster import Cluster
+from tandem.errors import UsageError
+from tandem.plan import Plan, Stage
+from tandem.planning.collectives import ALGORITHMS, allreduce_s
+from tandem.planning.costs import (
+    DDP_BUCKET_BYTES,
+    DDP_FIRST_BUCKET_BYTES,
+    StageCost,
+    check_plan,
+    stage_costs,
+)
+from tandem.planning.replay import Replay, Workload, replay
+from tandem.profile import ModelProfile
+from tandem.schedule import SCHEDULE_KINDS, Schedule, generate
+from tandem.timeline import Timeline
+
+CODEC_RATIOS = {"fp16": 2.0, "bf16": 2.0, "int8": 4.0, "sign": 32.0, "1bit": 32.0}
+"""Compression ratio of the codecs a plan's stage may name (besides a plain number)."""
+
+MAX_PIPEDREAM_MINIBATCHES = 20_000
+"""Longest PipeDream run simulated (its length is a multiple of the replica counts' lcm)."""
+
+
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
+class SimOptions:
+    """How to simulate: batch, collectives, overlap, compression, overheads, memory."""
+
+    batch_scale: float = 1.0
+    """Global minibatch of one step in units of the profile's minibatch."""
+    allreduce: str = "auto"
+    """Allreduce algorithm: ``auto``, ``ring``, ``tree`` or ``hierarchical``."""
+    overlap_allreduce: bool | None = None
+    """DDP's bucketed allreduce during the backward; None: for one-stage plans (data
+    parallelism), as the runtime does."""
+    gradient_compression: float = 1.0
+    """Divide the bytes of every allreduce by this ratio (on top of a stage's codec)."""
+    activation_compression: float = 1.0
+    """Divide the bytes of activations and gradients sent between stages by this ratio."""
+    optimizer_Bps: float | None = None
+    """Parameter bytes an optimizer step updates per second; None: steps take no time."""
+    optimizer_state_factor: float = 1.0
+    """Optimizer state bytes per parameter byte (SGD with momentum 1, Adam 2)."""
+    compute_overhead_s: float = 0.0
+    """Fixed seconds added to every forward and backward (framework overhead)."""
+    send_overhead_s: float = 0.0
+    """Seconds a worker spends posting a send."""
+    num_steps: int = 2
+    """Flush schedules: steps simulated back to back (the last one is reported)."""
+    bucket_bytes: float = DDP_BUCKET_BYTES
+    """DDP bucket size."""
+    record: bool = True
+    """Build the timeline (searches turn it off for speed)."""
+
+    def __post_init__(self) -> None:
+        if self.allreduce not in ALGORITHMS:
+            raise UsageError(f"unknown allreduce algorithm {self.allreduce!r} (known: {', '.join(ALGORITHMS)})")
+        for name in ("batch_scale", "gradient_compression", "activation_compression", "bucket_bytes"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise UsageError(f"{name.replace('_', '-')} must be a positive number (got {value})")
+        if self.num_steps < 1:
+            raise UsageError(f"num_steps must be at least 1 (got {self.num_steps})")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class WorkerResult:
+    """One worker's time and memory per step."""
+
+    worker: int
+    stage: int
+    replica: int
+    device: int
+    busy_s: float
+    """Forward, backward and optimizer-step seconds per step."""
+    idle_s: float
+    """Step time minus busy time (waiting for inputs, allreduces, the pipeline's bubble)."""
+    communication_s: float
+    """Seconds of transfers this worker sent or received and of its allreduces, per step
+    (overlapped with compute or not)."""
+    weight_bytes: float
+    gradient_bytes: float
+    optimizer_bytes: float
+    stashed_weight_bytes: float
+    """Weight versions kept besides the current one (PipeDream)."""
+    activation_bytes: float
+    """Most activation bytes held at once."""
+    peak_memory_bytes: float
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class SimResult:
+    """A plan's predicted speed, utilization and memory, and its timeline."""
+
+    config: str
+    schedule: str
+    num_microbatches: int
+    """Micro-batches per step (flush) or minibatches simulated (``pipedream``)."""
+    step_time_s: float
+    """Seconds per optimizer step (per minibatch in steady state for ``pipedream``)."""
+    steps_per_s: float
+    samples_per_s: float | None
+    """Throughput in samples, when the profile's minibatch size is known."""
+    bubble_fraction: float
+    """Share of all workers' time not spent computing."""
+    compute_s: float
+    """The busiest worker's compute seconds per step."""
+    communication_s: float
+    """The most communication seconds of any worker per step."""
+    peak_memory_bytes: float
+    memory_limit_bytes: float | None
+    workers: list[WorkerResult]
+    timeline: Timeline
+
+    @property
+    def fits_memory(self) -> bool:
+        """True when every device's peak fits the cluster's memory (or there is no limit)."""
+        return self.memory_limit_bytes is None or self.peak_memory_bytes <= self.memory_limit_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dictionary (without the timeline)."""
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in ("workers", "timeline")}
+        data["fits_memory"] = self.fits_memory
+        data["workers"] = [dataclasses.asdict(worker) for worker in self.workers]
+        return data
+
+
+def data_parallel_plan(profile: ModelProfile, num_devices: int) -> Plan:
+    """Data parallelism as a plan: one stage on every device, one micro-batch each."""
+    return Plan(stages=[Stage(start=0, end=profile.num_layers, replicas=num_devices)],
+                num_layers=profile.num_layers, num_devices=num_devices, schedule="gpipe",
+                num_microbatches=num_devices)
+
+
+def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
+             options: SimOptions | None = None) -> SimResult:
+    """Predict one step of ``plan`` on ``cluster``; :class:`UsageError` for a plan that does
+    not fit the profile or the cluster."""
+    options = options or SimOptions()
+    check_plan(plan, profile, cluster)
+    costs = stage_costs(plan, profile, bucket_bytes=options.bucket_bytes,
+                        first_bucket_bytes=min(DDP_FIRST_BUCKET_BYTES, options.bucket_bytes))
+    schedule = plan_schedule(plan)
+    workload = build_workload(plan, costs, cluster, schedule, options)
+    steps = 1 if schedule.kind == "pipedream" else options.num_steps
+    run = replay(schedule, workload, cluster, num_steps=steps, record=options.record)
+    return _result(plan, profile, cluster, schedule, costs, run, workload, options)
+
+
+def plan_schedule(plan: Plan) -> Schedule:
+    """The schedule the runtime would run for ``plan`` (a long run for ``pipedream``)."""
+    replicas = [stage.replicas for stage in plan.stages]
+    if plan.schedule not in SCHEDULE_KINDS:
+        raise UsageError(f"the plan's schedule {plan.schedule!r} is not one of {', '.join(SCHEDULE_KINDS)}")
+    if plan.schedule == "pipedream":
+        return generate("pipedream", replicas, pipedream_length(replicas))
+    count = plan.num_microbatches or max(len(replicas), max(replicas))
+    return generate(plan.schedule, replicas, count)
+
+
+def pipedream_length(replicas: list[int]) -> int:
+    """Minibatches to simulate PipeDream's schedule over: three times its fill, whole rounds."""
+    rounds = math.lcm(*replicas)
+    wanted = max(3 * (sum(replicas) + len(replicas)) + 12, 3 * rounds)
+    length = -(-wanted // rounds) * rounds
+    if length > MAX_PIPEDREAM_MINIBATCHES:
+        raise UsageError(
+            f"pipedream with replicas {'-'.join(map(str, replicas))} pairs its allreduces every "
+            f"{rounds} minibatches, too long a run to simulate; use replica counts with a "
+            f"smaller least common multiple"
+        )
+    return length
+
+
+def codec_ratio(name: str | None) -> float:
+    """The compression ratio of a stage's codec: a known name or a number."""
+    if name is None:
+        return 1.0
+    if name in CODEC_RATIOS:
+        return CODEC_RATIOS[name]
+    try:
+        ratio = float(name)
+    except ValueError:
+        raise UsageError(f"unknown compression {name!r} in the plan: use a ratio or one of "
+                         f"{', '.join(CODEC_RATIOS)}") from None
+    if not ratio > 0:
+        raise UsageError(f"compression ratio {name!r} must be positive")
+    return ratio
+
+
+def worker_devices(plan: Plan) -> list[int]:
+    """Device of every worker: the plan's assignment, else worker ``w`` on device ``w``."""
+    devices, worker = [], 0
+    for stage in plan.stages:
+        if stage.devices is not None and len(stage.devices) != stage.replicas:
+            raise UsageError(f"stage {stage.start}..{stage.end} lists {len(stage.devices)} "
+                             f"devices for {stage.replicas} replicas")
+        devices += stage.devices or list(range(worker, worker + stage.replicas))
+        worker += stage.replicas
+    return devices
+
+
+def build_workload(plan: Plan, costs: list[StageCost], cluster: Cluster, schedule: Schedule,
+                   options: SimOptions) -> Workload:
+    """Per-stage durations and sizes of one micro-batch's actions."""
+    share = options.batch_scale if schedule.kind == "pipedream" else (
+        options.batch_scale / schedule.num_microbatches)
+    devices = worker_devices(plan)
+    groups, first = [], 0
+    for stage in plan.stages:
+        groups.append(devices[first:first + stage.replicas])
+        first += stage.replicas
+    ratios = [codec_ratio(stage.compression) * options.gradient_compression for stage in plan.stages]
+    overlap = options.overlap_allreduce
+    if overlap is None:
+        overlap = len(plan.stages) == 1 and schedule.kind != "pipedream"
+    speed = cluster.speed
+
+    def reduce_s(group: list[int], num_bytes: float, ratio: float) -> float:
+        return allreduce_s(cluster, group, num_bytes / ratio, options.allreduce)
+
+    return Workload(
+        forward_s=[c.forward_s * share / speed + options.compute_overhead_s for c in costs],
+        backward_s=[c.backward_s * share / speed + options.compute_overhead_s for c in costs],
+        step_s=[c.parameter_bytes / options.optimizer_Bps if options.optimizer_Bps else 0.0
+                for c in costs],
+        output_bytes=[c.output_bytes * share / options.activation_compression
+                      / codec_ratio(stage.compression) for c, stage in zip(costs, plan.stages)],
+        stash_bytes=[c.activation_bytes * share for c in costs],
+        allreduce_s=[reduce_s(g, c.parameter_bytes, r) for c, g, r in zip(costs, groups, ratios)],
+        buckets=[[(ready * share / speed, reduce_s(g, size, r)) for ready, size in c.buckets]
+                 for c, g, r in zip(costs, groups, ratios)] if overlap else None,
+        devices=devices,
+        send_overhead_s=options.send_overhead_s,
+    )
+
+
+def _step_window(schedule: Schedule, run: Replay, options: SimOptions) -> tuple[float, list[int]]:
+    """The reported step time, and the keys (steps or minibatches) it averages over."""
+    if schedule.kind == "pipedream":
+        rounds = math.lcm(*schedule.replicas)
+        total = schedule.num_microbatches
+        first = max(rounds, total // 3 // rounds * rounds)
+        last = max(first + rounds, 2 * total // 3 // rounds * rounds)
+        step = (run.done_s[last] - run.done_s[first]) / (last - first)
+        return step, list(range(first, last))
+    ends = run.step_ends[0]
+    step = ends[-1] - ends[-2] if len(ends) > 1 else max(e[-1] for e in run.step_ends)
+    return step, [len(ends) - 1]
+
+
+def _result(plan: Plan, profile: ModelProfile, cluster: Cluster, schedule: Schedule,
+            costs: list[StageCost], run: Replay, workload: Workload,
+            options: SimOptions) -> SimResult:
+    step_s, keys = _step_window(schedule, run, options)
+    workers = []
+    for w in range(schedule.num_workers):
+        stage, replica = schedule.stage_of(w)
+        params = costs[stage].parameter_bytes
+        busy = sum(run.busy_s[w].get(k, 0.0) for k in keys) / len(keys)
+        comm = sum(run.communication_s[w].get(k, 0.0) for k in keys) / len(keys)
+        stash = run.peak_stashed_versions[w] * params
+        parts = (params, params, params * options.optimizer_state_factor, stash,
+                 run.peak_activation_bytes[w])
+        workers.append(WorkerResult(
+            worker=w, stage=stage, replica=replica, device=workload.devices[w], busy_s=busy,
+            idle_s=max(0.0, step_s - busy), communication_s=comm, weight_bytes=params,
+            gradient_bytes=params, optimizer_bytes=parts[2], stashed_weight_bytes=stash,
+            activation_bytes=run.peak_activation_bytes[w], peak_memory_bytes=sum(parts)))
+    total_busy = sum(worker.busy_s for worker in workers)
+    batch = profile.batch_size
+    return SimResult(
+        config=plan.config, schedule=schedule.kind, num_microbatches=schedule.num_microbatches,
+        step_time_s=step_s, steps_per_s=1.0 / step_s if step_s > 0 else math.inf,
+        samples_per_s=batch * options.batch_scale / step_s if batch and step_s > 0 else None,
+        bubble_fraction=max(0.0, 1.0 - total_busy / (len(workers) * step_s)) if step_s > 0 else 0.0,
+        compute_s=max(worker.busy_s for worker in workers),
+        communication_s=max(worker.communication_s for worker in workers),
+        peak_memory_bytes=max(worker.peak_memory_bytes for worker in workers),
+        memory_limit_bytes=cluster.memory_bytes, workers=workers,
+        timeline=Timeline(events=run.events, source="simulator"),
+    )
