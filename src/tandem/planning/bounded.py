@@ -80,28 +80,45 @@ def _known_bound(problem: LevelProblem, one_stage: np.ndarray) -> float:
 def _last_stages(problem: LevelProblem, bound: float) -> _LastStages:
     """Every ``(k, j, r)``, ``k`` below ``j``, whose stage takes at most ``bound`` (finite)."""
     n, N = problem.states.num_states, problem.num_units
-    ks, js = np.nonzero(problem.states.below)  # sorted by (k, j)
-    rows = ks + 1
-    compute = problem.compute_s[rows, js]
-    params = problem.parameter_bytes[rows, js]
-    moved = problem.transfer_bytes[rows, js]
-    maybe = _replicas_within(problem, compute, params, moved, bound)
-    maybe &= np.arange(1, N + 1)[:, None] <= _most_replicas(problem, ks, js, bound)[None, :]
-    if problem.straight:
-        maybe[1:] = False
-    r_index, pair = np.nonzero(maybe)  # sorted by (r, k, j)
-    replicas = (r_index + 1).astype(np.float64)
-    times = problem.segment_time(compute[pair], params[pair], moved[pair], replicas, first=False)
+    ks, js = np.nonzero(problem.states.below)
+    flat = (ks + 1) * n + js
+    segment = [matrix.ravel().take(flat) for matrix in
+               (problem.compute_s, problem.parameter_bytes, problem.transfer_bytes)]  # fmt: skip
+    most = _most_replicas(problem, ks, js, bound)
+    least = np.minimum(_least_replicas(problem, segment[0], segment[2], bound), most + 1)
+    count = (most - least + 1).astype(np.int64)
+    pair = np.repeat(np.arange(ks.size), count)
+    replicas = _ranges(least.astype(np.int64), count)
+    times = problem.segment_time(*(values[pair] for values in segment),
+                                 replicas.astype(np.float64), first=False)  # fmt: skip
     keep = (times <= bound) & (times < np.inf)
-    r_index, pair, times = r_index[keep], pair[keep], times[keep]
-    groups = np.bincount(r_index * n + ks[pair], minlength=N * n)
+    groups = (replicas[keep] - 1) * n + ks[pair[keep]]
+    order = np.argsort(groups)
+    pair, replicas, times = pair[keep][order], replicas[keep][order], times[keep][order]
     return _LastStages(
         before=ks[pair],
         state=js[pair],
-        replicas=r_index + 1,
+        replicas=replicas,
         time_s=times,
-        offsets=np.concatenate(([0], np.cumsum(groups))),
+        offsets=np.concatenate(([0], np.cumsum(np.bincount(groups, minlength=N * n)))),
     )
+
+
+def _least_replicas(problem: LevelProblem, compute: np.ndarray, moved: np.ndarray,
+                    bound: float) -> np.ndarray:  # fmt: skip
+    """Per segment: the fewest units on which it may take at most ``bound`` (1 or more).
+
+    On ``r`` units a stage takes at least ``C / r`` (its compute) and, when not first, at
+    least ``2 a / (B R r)`` (its transfer), so it needs ``r >= max(C, 2 a / (B R)) / U``; one
+    unit of slack covers rounding, and the exact times decide.
+    """
+    if not 0 < bound < np.inf:
+        return np.ones(compute.size)
+    slowest = compute
+    if problem.activation_compression is not None:
+        rate = problem.bandwidth_Bps * problem.activation_compression
+        slowest = np.maximum(compute, 2 * moved / rate)
+    return np.maximum(1.0, np.ceil(slowest / bound) - 1)
 
 
 def _most_replicas(problem: LevelProblem, ks: np.ndarray, js: np.ndarray,
@@ -112,44 +129,18 @@ def _most_replicas(problem: LevelProblem, ks: np.ndarray, js: np.ndarray,
     gives the layers up to ``k`` at least ``compute[k] / U`` units, and those after ``j`` at
     least ``(compute[-1] - compute[j]) / U``. That needs segment computes that add up: a
     level whose units are single devices, with every prefix's compute finite (an inner level's
-    memory limit makes some inf). Elsewhere there is no limit below N.
+    memory limit makes some inf). Never more than N, or 1 with ``straight``.
     """
     N = problem.num_units
+    cap = 1 if problem.straight else N
     compute = problem.compute_s[0]
     additive = problem.devices_per_unit == 1 and bool(np.isfinite(compute).all())
     if not additive or not 0 < bound < np.inf:
-        return np.full(ks.size, N)
+        return np.full(ks.size, float(cap))
     slack = 1 - 1e-9  # rounding in the sums of segment computes
     before = np.ceil(compute / bound * slack)
     after = np.ceil((compute[-1] - compute) / bound * slack)
-    return N - before[ks] - after[js]
-
-
-def _replicas_within(problem: LevelProblem, compute: np.ndarray, params: np.ndarray,
-                     moved: np.ndarray, bound: float) -> np.ndarray:  # fmt: skip
-    """``[r - 1, i]``: False only where segment i on r units surely takes more than ``bound``.
-
-    The stage time ``(C + K (r - 1) / r) / r``, ``K = 4 P / (B D)``, is at most ``U`` exactly
-    when ``U r^2 - (C + K) r + K >= 0``: outside the roots of a quadratic. The transfer
-    ``2 a / (B r R)`` is at most ``U`` from ``r >= 2 a / (B R U)``. Each edge is widened by one
-    unit against rounding; the exact times decide.
-    """
-    N = problem.num_units
-    units = np.arange(1, N + 1, dtype=np.float64)[:, None]
-    if not 0 < bound < np.inf:
-        return np.ones((N, compute.size), dtype=bool)
-    k = 4 * params / (problem.bandwidth_Bps * problem.devices_per_unit)
-    total = compute + k
-    with np.errstate(invalid="ignore"):
-        root = np.sqrt(total * total - 4 * bound * k)
-        low_end = np.floor((total - root) / (2 * bound)) + 1
-        high_start = np.ceil((total + root) / (2 * bound)) - 1
-    gapless = np.isnan(root) & ~np.isnan(total)  # no real root: every r is fast enough
-    fast = (units <= low_end) | (units >= high_start) | gapless
-    if problem.activation_compression is None:
-        return fast
-    rate = problem.bandwidth_Bps * problem.activation_compression
-    return fast & (units >= np.ceil(2 * moved / (rate * bound)) - 1)
+    return np.minimum(N - before[ks] - after[js], cap)
 
 
 def _best_splits(
