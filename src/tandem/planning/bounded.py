@@ -93,7 +93,7 @@ def _last_stages(problem: LevelProblem, bound: float) -> _LastStages:
                                  replicas.astype(np.float64), first=False)  # fmt: skip
     keep = (times <= bound) & (times < np.inf)
     groups = (replicas[keep] - 1) * n + ks[pair[keep]]
-    order = np.argsort(groups)
+    order = np.argsort(groups)  # order within a group is free: ties break on (k, r) later
     pair, replicas, times = pair[keep][order], replicas[keep][order], times[keep][order]
     return _LastStages(
         before=ks[pair],
