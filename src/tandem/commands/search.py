@@ -1,0 +1,158 @@
+"""The ``tandem search`` command: find a fast plan by simulating many (FlexFlow-style MCMC)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from typing import Any
+
+from tandem.cluster import Cluster
+from tandem.commands.args import add_cluster_args, add_source_args
+from tandem.commands.simulate import add_sim_args, planning_inputs, sim_options
+from tandem.errors import UsageError
+from tandem.plan import Plan
+from tandem.planning import PartitionOptions, make_plan
+from tandem.planning.search import Candidate, SearchOptions, SearchResult, search
+from tandem.profile import ModelProfile
+from tandem.schedule import SCHEDULE_KINDS
+
+_DURATION = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|min|h)?\s*")
+_SECONDS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, None: 1.0}
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``tandem search``."""
+    p = subparsers.add_parser(
+        "search",
+        help="search stages, replicas, schedule and micro-batches with the simulator",
+        description="Metropolis-Hastings over plans (stage boundaries, replicas per stage, "
+        "schedule, micro-batches) with the simulator as cost and device memory as a "
+        "constraint, started from data parallelism and from the partitioner's plan.",
+    )
+    add_source_args(p, batch_help="global minibatch in samples (default: the profile's); "
+                    "with --model also the batch to profile at (default 32)", batch_default=None)
+    add_cluster_args(p)
+    add_sim_args(p)
+    p.add_argument("--budget", default="30s", help="search time, e.g. 30s or 2m (default 30s)")
+    p.add_argument("--iterations", type=int, help="stop after this many proposals")
+    p.add_argument("--seed", type=int, default=0, help="random seed of the search")
+    p.add_argument("--schedules", default=",".join(SCHEDULE_KINDS),
+                   help="schedules to consider (default: gpipe,1f1b,pipedream)")
+    p.add_argument("--max-microbatches", type=int, default=64, metavar="M",
+                   help="most micro-batches per step to consider (default 64)")
+    p.add_argument("-o", "--output", help="write the best plan JSON here")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.set_defaults(run=run)
+
+
+def parse_duration(text: str) -> float:
+    """Seconds of ``30s``, ``2m``, ``500ms`` or a plain number of seconds."""
+    match = _DURATION.fullmatch(text)
+    if match is None:
+        raise UsageError(f"cannot read --budget {text!r}: write e.g. 30s, 2m or 500ms")
+    seconds = float(match.group(1)) * _SECONDS[match.group(2)]
+    if seconds <= 0:
+        raise UsageError(f"--budget {text!r} must be positive")
+    return seconds
+
+
+def _partitioner(profile: ModelProfile, cluster: Cluster) -> tuple[Plan | None, str]:
+    try:
+        return make_plan(profile, cluster, PartitionOptions()), ""
+    except UsageError as exc:
+        return None, str(exc)
+
+
+def _batch_samples(args: argparse.Namespace, profile: ModelProfile) -> int | None:
+    if args.batch_size is not None:
+        return args.batch_size
+    return args.profile_batch or profile.batch_size
+
+
+def describe(candidate: Candidate) -> str:
+    """``15-1, 1f1b, 8 micro-batches``."""
+    plan = candidate.plan
+    micro = "" if plan.schedule == "pipedream" else f", {candidate.result.num_microbatches} micro-batches"
+    return f"{plan.config}, {plan.schedule}{micro}"
+
+
+def format_search(found: SearchResult, profile: ModelProfile, cluster: Cluster,
+                  partitioner_error: str, output: str | None) -> str:
+    """The best plan's stages, its predicted step, and the comparison with the references."""
+    best, plan = found.best, found.best.plan
+    lines = [f"cluster: {cluster.describe()}",
+             f"searched {found.evaluated} plans ({found.iterations} proposals, "
+             f"{found.elapsed_s:.1f} s); best: {describe(best)}",
+             f"{'stage':>5} {'layers':>11} {'replicas':>8} {'compute ms':>11} {'peak MB':>9}  first layer"]
+    for index, stage in enumerate(plan.stages):
+        layers = plan.stage_layers(index)
+        compute = sum(profile.layers[i].compute_s for i in layers)
+        peak = max(w.peak_memory_bytes for w in best.result.workers if w.stage == index)
+        lines.append(f"{index:>5} {f'{stage.start}..{stage.end - 1}':>11} {stage.replicas:>8} "
+                     f"{compute * 1e3:11.3f} {peak / 1e6:9.1f}  {profile.layers[layers[0]].name[:30]}")
+    step = best.result.step_time_s
+    lines.append(f"predicted step {step * 1e3:.3f} ms, bubble {best.result.bubble_fraction:.1%}, "
+                 f"peak memory {best.result.peak_memory_bytes / 1e9:.3f} GB per device")
+    for label, ref in (("data parallelism", found.data_parallel), ("the partitioner's plan", found.partitioner)):
+        if ref is None:
+            reason = f" ({partitioner_error})" if ref is found.partitioner and partitioner_error else ""
+            lines.append(f"vs {label}: none{reason}")
+            continue
+        fits = "" if ref.result.fits_memory else ", does not fit in memory"
+        lines.append(f"vs {label} ({describe(ref)}): {ref.result.step_time_s * 1e3:.3f} ms{fits}; "
+                     f"best is {ref.result.step_time_s / step:.2f}x as fast")
+    target = output or "best.json"
+    micro = "" if plan.schedule == "pipedream" else f" --microbatches {best.result.num_microbatches}"
+    lines.append(f"run it: tandem train --strategy pipeline --plan {target} --schedule "
+                 f"{plan.schedule}{micro} --nproc {sum(s.replicas for s in plan.stages)} ...")
+    return "\n".join(lines)
+
+
+def _candidate_dict(candidate: Candidate | None) -> dict[str, Any] | None:
+    if candidate is None:
+        return None
+    return {"plan": candidate.plan.to_dict(), "result": candidate.result.to_dict()}
+
+
+def result_dict(found: SearchResult) -> dict[str, Any]:
+    """The JSON output of ``tandem search``."""
+    step = found.best.result.step_time_s
+    refs = {"data_parallel": found.data_parallel, "partitioner": found.partitioner}
+    data: dict[str, Any] = {
+        "config": found.best.plan.config, "schedule": found.best.plan.schedule,
+        "num_microbatches": found.best.result.num_microbatches, "step_time_s": step,
+        "best": _candidate_dict(found.best),
+        "iterations": found.iterations, "evaluated": found.evaluated,
+        "accepted": found.accepted, "elapsed_s": found.elapsed_s,
+    }
+    for name, ref in refs.items():
+        data[name] = _candidate_dict(ref)
+        data[f"{name}_step_time_s"] = None if ref is None else ref.result.step_time_s
+        data[f"speedup_vs_{name}"] = None if ref is None else ref.result.step_time_s / step
+    return data
+
+
+def run(args: argparse.Namespace) -> int:
+    """Search, print the comparison (stderr with --json) or JSON, and write the best plan."""
+    profile, cluster = planning_inputs(args)
+    schedules = tuple(k.strip() for k in args.schedules.split(",") if k.strip())
+    options = SearchOptions(budget_s=parse_duration(args.budget), max_iterations=args.iterations,
+                            seed=args.seed, schedules=schedules,
+                            max_microbatches=args.max_microbatches,
+                            batch_samples=_batch_samples(args, profile))
+    sim = sim_options(args, profile)
+    partitioner, error = _partitioner(profile, cluster)
+    found = search(profile, cluster, options, sim, partitioner)
+    best = found.best.plan
+    best.bottleneck_s = found.best.result.step_time_s
+    best.options = {"found_by": "tandem search", "seed": args.seed}
+    human = sys.stderr if args.json else sys.stdout
+    print(format_search(found, profile, cluster, error, args.output), file=human)
+    if args.output:
+        best.save(args.output)
+        print(f"wrote {args.output}", file=human)
+    if args.json:
+        print(json.dumps(result_dict(found)))
+    return 0

@@ -1,0 +1,336 @@
+"""Strategy search in the manner of FlexFlow: Metropolis–Hastings with the simulator as cost.
+
+Usage::
+
+    found = search(profile, cluster, SearchOptions(budget_s=30))
+    found.best.plan.config, found.best.result.step_time_s, found.data_parallel.step_time_s
+
+A strategy is a plan: stage boundaries along a layer order, replicas per stage (devices may be
+left idle), a schedule (GPipe, 1F1B, PipeDream) and micro-batches per step. Each iteration
+proposes a small random change — move a boundary, split or merge stages, move a replica, change
+the schedule or the micro-batches — simulates it, and accepts it with probability
+``min(1, exp(-(new - current) / (temperature * current)))`` on step time. A plan whose peak
+memory exceeds the devices' is never reported; the chain may pass through one at a cost raised
+by how far it overflows. Chains start from data parallelism and from the partitioner's plan
+(and from a balanced straight pipeline), share the budget in turns, and the best plan any chain
+has seen is the answer — so it is never slower than either starting point.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import time
+from collections.abc import Callable
+
+from tandem.cluster import Cluster
+from tandem.errors import UsageError
+from tandem.plan import Plan, Stage
+from tandem.planning.balance import balanced_bounds, layer_order
+from tandem.planning.simulate import SimOptions, SimResult, data_parallel_plan, simulate
+from tandem.profile import ModelProfile
+from tandem.schedule import SCHEDULE_KINDS
+
+OVERFLOW_PENALTY = 10.0
+"""A plan overflowing memory by a fraction ``x`` costs ``(1 + 10 x)`` times its step time."""
+
+
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
+class SearchOptions:
+    """Budget and moves of the search."""
+
+    budget_s: float = 30.0
+    """Wall-clock seconds to search."""
+    max_iterations: int | None = None
+    """Stop after this many proposals (for repeatable runs); None: only the budget."""
+    seed: int = 0
+    temperature: float = 0.03
+    """Relative slowdown accepted with probability 1/e."""
+    schedules: tuple[str, ...] = SCHEDULE_KINDS
+    """Schedules the search may choose."""
+    max_microbatches: int = 64
+    batch_samples: int | None = None
+    """Global minibatch in samples, when known: micro-batch counts must divide it."""
+
+    def __post_init__(self) -> None:
+        if not self.budget_s > 0:
+            raise UsageError(f"--budget must be positive (got {self.budget_s} s)")
+        if self.max_iterations is not None and self.max_iterations < 0:
+            raise UsageError(f"--iterations must not be negative (got {self.max_iterations})")
+        if not self.temperature > 0:
+            raise UsageError(f"--temperature must be positive (got {self.temperature})")
+        unknown = set(self.schedules) - set(SCHEDULE_KINDS)
+        if unknown or not self.schedules:
+            raise UsageError(f"unknown schedule {sorted(unknown)} (known: {', '.join(SCHEDULE_KINDS)})")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Strategy:
+    """A point of the search space (hashable: simulated once)."""
+
+    order: tuple[int, ...]
+    """Layer order the stages cut (topological)."""
+    ends: tuple[int, ...]
+    """End position of each stage (exclusive); the last is the number of layers."""
+    replicas: tuple[int, ...]
+    schedule: str
+    microbatches: int
+
+    def plan(self, num_devices: int) -> Plan:
+        starts = (0, *self.ends[:-1])
+        identity = self.order == tuple(range(len(self.order)))
+        return Plan(stages=[Stage(start=s, end=e, replicas=r)
+                            for s, e, r in zip(starts, self.ends, self.replicas)],
+                    num_layers=len(self.order), num_devices=num_devices,
+                    layer_order=None if identity else list(self.order), schedule=self.schedule,
+                    num_microbatches=None if self.schedule == "pipedream" else self.microbatches)
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class Candidate:
+    """A simulated plan."""
+
+    plan: Plan
+    result: SimResult
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class SearchResult:
+    """The best plan found, the two references, and how the search went."""
+
+    best: Candidate
+    data_parallel: Candidate | None
+    """Data parallelism on every device (None if it cannot run, e.g. out of memory)."""
+    partitioner: Candidate | None
+    """PipeDream's partitioner's plan, simulated as it is (None if it has none)."""
+    iterations: int
+    accepted: int
+    elapsed_s: float
+    evaluated: int
+    """Distinct strategies simulated."""
+    trace: list[tuple[int, float]]
+    """``(iteration, best step time)`` each time the best improved."""
+
+
+def search(profile: ModelProfile, cluster: Cluster, options: SearchOptions | None = None,
+           sim: SimOptions | None = None, partitioner_plan: Plan | None = None) -> SearchResult:
+    """Search plans for ``profile`` on ``cluster``; see the module docstring."""
+    options = options or SearchOptions()
+    sim = dataclasses.replace(sim or SimOptions(), record=False)
+    return _Search(profile, cluster, options, sim).run(partitioner_plan)
+
+
+class _Search:
+    def __init__(self, profile: ModelProfile, cluster: Cluster, options: SearchOptions,
+                 sim: SimOptions) -> None:
+        self.profile, self.cluster, self.options, self.sim = profile, cluster, options, sim
+        self.num_devices = cluster.num_devices
+        self.random = random.Random(options.seed)
+        self.cache: dict[Strategy, tuple[float, Candidate | None]] = {}
+        self.best: tuple[float, Candidate] | None = None
+        self.trace: list[tuple[int, float]] = []
+        self.iteration = 0
+
+    # -- cost ----------------------------------------------------------------------------------
+
+    def cost(self, strategy: Strategy) -> float:
+        """Step time, raised for memory overflow; inf for a plan that cannot run."""
+        if strategy.schedule == "pipedream":  # runs whole minibatches: no micro-batch count
+            strategy = dataclasses.replace(strategy, microbatches=0)
+        if strategy not in self.cache:
+            self.cache[strategy] = self._evaluate(strategy)
+        value, candidate = self.cache[strategy]
+        if candidate is not None and candidate.result.fits_memory:
+            if self.best is None or value < self.best[0]:
+                self.best = (value, candidate)
+                self.trace.append((self.iteration, value))
+        return value if candidate is None else self._penalized(candidate.result)
+
+    def _evaluate(self, strategy: Strategy) -> tuple[float, Candidate | None]:
+        plan = strategy.plan(self.num_devices)
+        try:
+            result = simulate(plan, self.profile, self.cluster, self.sim)
+        except UsageError:
+            return math.inf, None
+        return result.step_time_s, Candidate(plan=plan, result=result)
+
+    def _penalized(self, result: SimResult) -> float:
+        if result.fits_memory or result.memory_limit_bytes is None:
+            return result.step_time_s
+        overflow = result.peak_memory_bytes / result.memory_limit_bytes - 1
+        return result.step_time_s * (1 + OVERFLOW_PENALTY * overflow)
+
+    # -- chains --------------------------------------------------------------------------------
+
+    def run(self, partitioner_plan: Plan | None) -> SearchResult:
+        started = time.perf_counter()
+        order = tuple(layer_order(self.profile))
+        dp = self._dp_strategy(order)
+        starts = [dp, self._straight(order)]
+        if partitioner_plan is not None:
+            starts.insert(1, self._from_plan(partitioner_plan))
+        chains = [[s, self.cost(s)] for s in starts if s is not None]
+        dp_candidate = self.cache[dp][1] if dp in self.cache else None
+        part_candidate = self._as_is(partitioner_plan)
+        accepted = 0
+        limit = self.options.max_iterations
+        deadline = started + self.options.budget_s
+        while (limit is None or self.iteration < limit) and time.perf_counter() < deadline:
+            chain = chains[self.iteration % len(chains)]
+            self.iteration += 1
+            proposal = self.propose(chain[0])
+            if proposal is None:
+                continue
+            value = self.cost(proposal)
+            if self._accept(chain[1], value):
+                chain[0], chain[1] = proposal, value
+                accepted += 1
+        if self.best is None:
+            raise UsageError(
+                f"no plan fits in {self.cluster.memory_bytes / 1e9:g} GB per device on "
+                f"{self.num_devices} devices: raise --memory, add devices or use a smaller batch")
+        return SearchResult(best=self.best[1], data_parallel=dp_candidate,
+                            partitioner=part_candidate, iterations=self.iteration,
+                            accepted=accepted, elapsed_s=time.perf_counter() - started,
+                            evaluated=len(self.cache), trace=self.trace)
+
+    def _accept(self, current: float, value: float) -> bool:
+        if value <= current:
+            return True
+        if not math.isfinite(value) or not math.isfinite(current):
+            return not math.isfinite(current)
+        return self.random.random() < math.exp(-(value - current) / (self.options.temperature * current))
+
+    def _as_is(self, plan: Plan | None) -> Candidate | None:
+        """The partitioner's plan simulated exactly as it was written."""
+        if plan is None:
+            return None
+        try:
+            result = simulate(plan, self.profile, self.cluster, self.sim)
+        except UsageError:
+            return None
+        candidate = Candidate(plan=plan, result=result)
+        if result.fits_memory and (self.best is None or result.step_time_s < self.best[0]):
+            self.best = (result.step_time_s, candidate)
+            self.trace.append((self.iteration, result.step_time_s))
+        return candidate
+
+    # -- starting points -------------------------------------------------------------------------
+
+    def _dp_strategy(self, order: tuple[int, ...]) -> Strategy:
+        plan = data_parallel_plan(self.profile, self.num_devices)
+        return Strategy(order=order, ends=(len(order),), replicas=(self.num_devices,),
+                        schedule="gpipe", microbatches=plan.num_microbatches or self.num_devices)
+
+    def _from_plan(self, plan: Plan) -> Strategy | None:
+        replicas = tuple(stage.replicas for stage in plan.stages)
+        schedule = plan.schedule if plan.schedule in self.options.schedules else self.options.schedules[0]
+        count = plan.num_microbatches or max(len(replicas), max(replicas))
+        return self._repair(Strategy(order=tuple(plan.layers()), ends=tuple(s.end for s in plan.stages),
+                                     replicas=replicas, schedule=schedule, microbatches=count))
+
+    def _straight(self, order: tuple[int, ...]) -> Strategy | None:
+        stages = min(self.num_devices, len(order))
+        times = [self.profile.layers[layer].compute_s for layer in order]
+        bounds = balanced_bounds(times, [1] * stages)
+        schedule = "1f1b" if "1f1b" in self.options.schedules else self.options.schedules[0]
+        return self._repair(Strategy(order=order, ends=tuple(e for _, e in bounds),
+                                     replicas=(1,) * stages, schedule=schedule,
+                                     microbatches=2 * stages))
+
+    # -- proposals -------------------------------------------------------------------------------
+
+    def propose(self, current: Strategy) -> Strategy | None:
+        """A random neighbour of ``current`` (None when the drawn move does not apply)."""
+        moves: list[Callable[[Strategy], Strategy | None]] = [
+            self._shift, self._split, self._merge, self._move_replica, self._schedule,
+            self._microbatches]
+        proposal = self.random.choice(moves)(current)
+        return None if proposal is None or proposal == current else self._repair(proposal)
+
+    def _shift(self, s: Strategy) -> Strategy | None:
+        if len(s.ends) < 2:
+            return None
+        index = self.random.randrange(len(s.ends) - 1)
+        low = s.ends[index - 1] + 1 if index else 1
+        high = s.ends[index + 1] - 1
+        step = max(1, int(self.random.expovariate(0.5)))
+        moved = s.ends[index] + self.random.choice((-step, step))
+        if not low <= moved <= high:
+            return None
+        ends = s.ends[:index] + (moved,) + s.ends[index + 1:]
+        return dataclasses.replace(s, ends=ends)
+
+    def _split(self, s: Strategy) -> Strategy | None:
+        index = self.random.randrange(len(s.ends))
+        start = s.ends[index - 1] if index else 0
+        if s.ends[index] - start < 2:
+            return None
+        cut = self.random.randrange(start + 1, s.ends[index])
+        count, idle = s.replicas[index], self.num_devices - sum(s.replicas)
+        if count >= 2:
+            first = self.random.randrange(1, count)
+            pair = (first, count - first)
+        elif idle >= 1:
+            pair = (1, 1)
+        else:
+            return None
+        return dataclasses.replace(s, ends=s.ends[:index] + (cut,) + s.ends[index:],
+                                   replicas=s.replicas[:index] + pair + s.replicas[index + 1:])
+
+    def _merge(self, s: Strategy) -> Strategy | None:
+        if len(s.ends) < 2:
+            return None
+        index = self.random.randrange(len(s.ends) - 1)
+        merged = s.replicas[index] + s.replicas[index + 1]
+        return dataclasses.replace(s, ends=s.ends[:index] + s.ends[index + 1:],
+                                   replicas=s.replicas[:index] + (merged,) + s.replicas[index + 2:])
+
+    def _move_replica(self, s: Strategy) -> Strategy | None:
+        replicas = list(s.replicas)
+        idle = self.num_devices - sum(replicas)
+        sources = [i for i, r in enumerate(replicas) if r > 1] + ([-1] if idle else [])
+        if not sources:
+            return None
+        source = self.random.choice(sources)
+        target = self.random.choice([i for i in range(-1, len(replicas)) if i != source])
+        if target == -1 and source == -1:
+            return None
+        if source >= 0:
+            replicas[source] -= 1
+        if target >= 0:
+            replicas[target] += 1
+        return dataclasses.replace(s, replicas=tuple(replicas))
+
+    def _schedule(self, s: Strategy) -> Strategy | None:
+        others = [k for k in self.options.schedules if k != s.schedule]
+        return dataclasses.replace(s, schedule=self.random.choice(others)) if others else None
+
+    def _microbatches(self, s: Strategy) -> Strategy | None:
+        if s.schedule == "pipedream":
+            return None
+        choices = self._counts()
+        position = min(range(len(choices)), key=lambda i: abs(choices[i] - s.microbatches))
+        position += self.random.choice((-2, -1, 1, 2))
+        if not 0 <= position < len(choices):
+            return None
+        return dataclasses.replace(s, microbatches=choices[position])
+
+    def _counts(self) -> list[int]:
+        """Micro-batch counts allowed: divisors of the batch (when known) up to the maximum."""
+        top = self.options.max_microbatches
+        batch = self.options.batch_samples
+        return [m for m in range(1, top + 1) if batch is None or batch % m == 0]
+
+    def _repair(self, s: Strategy) -> Strategy | None:
+        """Raise the micro-batches to what the schedule needs; None if impossible."""
+        if s.schedule == "pipedream":
+            return s
+        needed = max(s.replicas) if s.schedule == "gpipe" else max(len(s.ends), max(s.replicas))
+        if s.microbatches >= needed:
+            return s
+        fits = [m for m in self._counts() if m >= needed]
+        if not fits and self.options.batch_samples is not None:
+            return None
+        return dataclasses.replace(s, microbatches=fits[0] if fits else needed)
