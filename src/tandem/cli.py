@@ -14,7 +14,7 @@ from typing import NoReturn, Sequence
 
 from tandem.errors import UsageError, WorkerFailure
 
-COMMANDS = ("train", "demo", "profile", "plan", "topology", "simulate", "search")
+COMMANDS = ("train", "demo", "profile", "plan", "topology", "simulate", "search", "scale")
 
 
 class ArgumentParser(argparse.ArgumentParser):

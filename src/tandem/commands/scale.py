@@ -1,0 +1,174 @@
+"""The ``tandem scale`` command: predicted speedup against device count, and where it stops."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import Any
+
+from tandem.cluster import parse_cluster
+from tandem.commands.args import load_source, with_memory
+from tandem.commands.simulate import add_sim_args, sim_options
+from tandem.errors import UsageError
+from tandem.planning.scaling import ScaleOptions, ScaleResult, scale
+from tandem.profile import ModelProfile
+
+DEFAULT_MINIBATCHES = 8
+"""Without ``--batch-size``, the global minibatch is this many of the profile's minibatches."""
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``tandem scale``."""
+    p = subparsers.add_parser(
+        "scale",
+        help="predicted speedup vs device count for data parallelism, pipelines and hybrids",
+        description="Simulate one global minibatch (fixed: strong scaling) on 1, 2, 4, ... "
+        "devices of a cluster for data parallelism (plain and with compressed gradients), a "
+        "straight pipeline and the partitioner's hybrid plan; print speedups, compute and "
+        "communication per step, and the device count where communication overtakes compute.",
+    )
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="profile this model spec locally first (e.g. vgg)")
+    source.add_argument("--profile", help="profile file: tandem JSON or PipeDream graph.txt")
+    p.add_argument("--data", default=None, help="with --model: dataset spec")
+    p.add_argument("--batch-size", type=int,
+                   help="global minibatch in samples (default: 8 of the profile's minibatches); "
+                   "with --model, the profile is measured at 32 samples")
+    p.add_argument("--minibatches", type=float, metavar="K",
+                   help=f"global minibatch as K of the profile's minibatches (default {DEFAULT_MINIBATCHES})")
+    p.add_argument("--cluster", required=True,
+                   help="cluster spec giving each level's bandwidth and latency, innermost first "
+                   "(e.g. 8x300GB/s,128x25Gb/s); the outermost level grows with the device count")
+    p.add_argument("--max-devices", type=int, default=1024, help="largest device count (default 1024)")
+    p.add_argument("--compress", default="2,32", metavar="R,...",
+                   help="gradient compression ratios to show for data parallelism (default 2,32: "
+                   "fp16 and 1-bit)")
+    p.add_argument("--microbatches-per-stage", type=int, default=4, metavar="K",
+                   help="pipelines: micro-batches per stage and step (default 4)")
+    add_sim_args(p)
+    p.add_argument("--plot", default="scale.png", help="PNG of speedups and DP's compute vs "
+                   "communication (default scale.png; 'none' for no plot)")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.set_defaults(run=run)
+
+
+def _ratios(text: str) -> tuple[float, ...]:
+    try:
+        ratios = tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise UsageError(f"--compress {text!r} is not a list of ratios like 2,32") from None
+    return ratios
+
+
+def _global_batch(args: argparse.Namespace, profile: ModelProfile) -> tuple[float, int | None]:
+    """``(batch_scale, samples or None)`` of ``--batch-size`` / ``--minibatches``."""
+    measured = args.profile_batch or profile.batch_size
+    if args.batch_size is not None and args.minibatches is not None:
+        raise UsageError("give either --batch-size or --minibatches, not both")
+    if args.batch_size is not None:
+        if args.batch_size < 1:
+            raise UsageError(f"--batch-size must be at least 1 (got {args.batch_size})")
+        if not measured:
+            raise UsageError(
+                f"the profile does not record the minibatch it was measured at, so --batch-size "
+                f"{args.batch_size} cannot be related to it: add --profile-batch N, or give "
+                f"--minibatches K")
+        return args.batch_size / measured, args.batch_size
+    minibatches = DEFAULT_MINIBATCHES if args.minibatches is None else args.minibatches
+    if not minibatches > 0:
+        raise UsageError(f"--minibatches must be positive (got {minibatches})")
+    return minibatches, round(minibatches * measured) if measured else None
+
+
+def format_scale(result: ScaleResult, describe: str, batch: str) -> str:
+    """One row per device count: speedup of each strategy, and DP's compute and communication."""
+    names = result.strategies()
+    header = f"{'devices':>7} " + " ".join(f"{name:>9}" for name in names)
+    lines = [f"cluster: {describe}; global minibatch {batch}; one device: "
+             f"{result.single_step_s * 1e3:.1f} ms per step", "speedup vs one device:",
+             header + f" {'dp compute ms':>14} {'dp comm ms':>11}"]
+    for n in result.device_counts:
+        cells = []
+        for name in names:
+            point = next((p for p in result.series(name) if p.num_devices == n), None)
+            cells.append(f"{point.speedup:9.1f}" if point else f"{'-':>9}")
+        dp = next((p for p in result.series("dp") if p.num_devices == n), None)
+        tail = f" {dp.compute_s * 1e3:14.1f} {dp.communication_s * 1e3:11.1f}" if dp else ""
+        lines.append(f"{n:>7} " + " ".join(cells) + tail)
+    for name, count in result.crossover.items():
+        best = max(result.series(name), key=lambda p: p.speedup)
+        where = f"at {count} devices" if count else "not within the range"
+        lines.append(f"{name}: communication overtakes compute {where}; best speedup "
+                     f"{best.speedup:.1f}x on {best.num_devices} ({best.config[:40]})")
+    lines += [f"skipped {item}" for item in result.skipped]
+    return "\n".join(lines)
+
+
+def plot_scale(result: ScaleResult, path: str, title: str) -> None:
+    """Left: speedup per strategy (log-log, with the ideal); right: DP's compute and
+    communication per step, the crossover marked."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(12, 4.8), dpi=110)
+    left, right = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    counts = result.device_counts
+    left.plot(counts, counts, color="#bbbbbb", linestyle="--", label="ideal")
+    for name in result.strategies():
+        series = result.series(name)
+        left.plot([p.num_devices for p in series], [p.speedup for p in series], marker="o",
+                  markersize=3, label=name)
+    left.set(xscale="log", yscale="log", xlabel="devices", ylabel="speedup vs one device",
+             title="speedup (fixed global minibatch)")
+    left.legend(fontsize=8)
+    dp = result.series("dp")
+    right.plot([p.num_devices for p in dp], [p.compute_s * 1e3 for p in dp], marker="o",
+               markersize=3, label="dp compute / step")
+    right.plot([p.num_devices for p in dp], [p.communication_s * 1e3 for p in dp], marker="o",
+               markersize=3, label="dp allreduce / step")
+    right.plot([p.num_devices for p in dp], [p.step_time_s * 1e3 for p in dp], color="black",
+               linewidth=1, label="dp step (overlapped)")
+    crossing = result.crossover.get("dp")
+    if crossing:
+        right.axvline(crossing, color="#c44e52", linestyle=":", label=f"crossover: {crossing}")
+    right.set(xscale="log", yscale="log", xlabel="devices", ylabel="ms per step",
+              title="data parallelism: compute vs communication")
+    right.legend(fontsize=8)
+    for axis in (left, right):
+        axis.set_xscale("log", base=2)
+        axis.grid(linewidth=0.3, alpha=0.5)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def result_dict(result: ScaleResult, batch_scale: float, samples: int | None) -> dict[str, Any]:
+    """The JSON output of ``tandem scale``."""
+    return {"single_step_s": result.single_step_s, "batch_scale": batch_scale,
+            "batch_samples": samples, "device_counts": result.device_counts,
+            "crossover": result.crossover, "skipped": result.skipped,
+            "points": [dataclasses.asdict(point) for point in result.points]}
+
+
+def run(args: argparse.Namespace) -> int:
+    """Analyse, print the table (stderr with --json) or JSON, and draw the plot."""
+    cluster = with_memory(parse_cluster(args.cluster), args.memory)
+    profile = load_source(argparse.Namespace(profile=args.profile, model=args.model,
+                                             batch_size=None, data=args.data))
+    batch_scale, samples = _global_batch(args, profile)
+    sim = dataclasses.replace(sim_options(args, profile), batch_scale=batch_scale)
+    options = ScaleOptions(max_devices=args.max_devices, compressions=_ratios(args.compress),
+                           microbatches_per_stage=args.microbatches_per_stage,
+                           batch_samples=samples)
+    result = scale(profile, cluster, options, sim)
+    batch = f"{batch_scale:g} profile minibatches" + (f" ({samples} samples)" if samples else "")
+    human = sys.stderr if args.json else sys.stdout
+    print(format_scale(result, args.cluster, batch), file=human)
+    if args.plot and args.plot != "none":
+        plot_scale(result, args.plot, f"{profile.model or args.profile or args.model} on "
+                   f"{args.cluster}, global minibatch {batch}")
+        print(f"wrote {args.plot}", file=human)
+    if args.json:
+        print(json.dumps(result_dict(result, batch_scale, samples)))
+    return 0

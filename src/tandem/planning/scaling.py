@@ -1,0 +1,186 @@
+"""Limits of scalability: predicted speedup against device count for DP, pipelines and hybrids.
+
+Usage::
+
+    analysis = scale(profile, parse_cluster("8x300GB/s,128x25Gb/s"), ScaleOptions(max_devices=1024))
+    analysis.points, analysis.crossover["dp"]
+
+The global minibatch is fixed (strong scaling: ``SimOptions.batch_scale`` profile minibatches per
+step) and shared among more and more devices, so compute per device shrinks while data
+parallelism's allreduce does not: the speedup flattens where communication overtakes compute.
+For each device count ``N`` (powers of two up to the maximum) the cluster keeps its inner
+levels and grows its outermost one (``8x300GB/s,128x25Gb/s`` at 64 devices is 8 servers of 8),
+and these strategies are simulated:
+
+- ``dp``: data parallelism on ``N`` devices (DDP's overlapped buckets);
+- ``dp+Rx``: the same with gradients compressed ``R`` times (fp16 is 2, 1-bit 32);
+- ``pipeline``: a straight pipeline of ``min(N, layers)`` compute-balanced stages;
+- ``hybrid``: PipeDream's partitioner's plan for the ``N`` devices (replicated stages).
+
+Pipelines run 1F1B (synchronous, like data parallelism) with ``microbatches_per_stage``
+micro-batches per stage, or per replica of the widest stage if that is more.
+
+Speedup is relative to one device running the whole minibatch. A strategy's *crossover* is the
+first device count at which its communication time per step exceeds its compute time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from tandem.cluster import Cluster, Level
+from tandem.errors import UsageError
+from tandem.plan import Plan
+from tandem.planning.balance import balanced_plan
+from tandem.planning.partition import PartitionOptions
+from tandem.planning.planner import make_plan
+from tandem.planning.simulate import SimOptions, SimResult, data_parallel_plan, simulate
+from tandem.profile import ModelProfile
+
+MAX_MICROBATCHES = 2048
+"""Most micro-batches per step a pipeline is simulated with."""
+
+
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
+class ScaleOptions:
+    """Which device counts and strategies to analyse."""
+
+    max_devices: int = 1024
+    """Largest device count; counts are the powers of two up to it (and it)."""
+    compressions: tuple[float, ...] = (2.0, 32.0)
+    """Gradient compression ratios to show for data parallelism."""
+    microbatches_per_stage: int = 4
+    """Pipelines run this many micro-batches per stage and step (bubble ``(S-1)/(M+S-1)``)."""
+    batch_samples: int | None = None
+    """Global minibatch in samples, when known: no device or micro-batch gets less than one."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_devices, int) or self.max_devices < 1:
+            raise UsageError(f"--max-devices must be at least 1 (got {self.max_devices})")
+        if any(not (r >= 1 and math.isfinite(r)) for r in self.compressions):
+            raise UsageError(f"compression ratios must be at least 1 (got {list(self.compressions)})")
+        if self.microbatches_per_stage < 1:
+            raise UsageError(f"micro-batches per stage must be at least 1 (got {self.microbatches_per_stage})")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
+class ScalePoint:
+    """One strategy on one device count."""
+
+    strategy: str
+    num_devices: int
+    config: str
+    """The plan (``1024``, ``1-1-1-1``, ``512-324-108-80``)."""
+    step_time_s: float
+    speedup: float
+    """Throughput relative to one device."""
+    compute_s: float
+    """Compute seconds per step of the busiest worker."""
+    communication_s: float
+    """Communication seconds per step of the most communicating worker."""
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class ScaleResult:
+    """All points, the one-device baseline, and each strategy's crossover."""
+
+    points: list[ScalePoint]
+    single_step_s: float
+    device_counts: list[int]
+    skipped: list[str]
+    """Points that could not run, with the reason."""
+
+    def strategies(self) -> list[str]:
+        """Strategy names in the order they were analysed."""
+        return list(dict.fromkeys(point.strategy for point in self.points))
+
+    def series(self, strategy: str) -> list[ScalePoint]:
+        return [point for point in self.points if point.strategy == strategy]
+
+    @property
+    def crossover(self) -> dict[str, int | None]:
+        """Per strategy, the first device count whose communication exceeds its compute."""
+        return {name: next((p.num_devices for p in self.series(name)
+                            if p.communication_s > p.compute_s), None)
+                for name in self.strategies()}
+
+
+def device_counts(max_devices: int) -> list[int]:
+    """1, 2, 4, ... up to ``max_devices`` (included)."""
+    counts = [2**k for k in range(max_devices.bit_length()) if 2**k <= max_devices]
+    return counts if counts[-1] == max_devices else [*counts, max_devices]
+
+
+def resized(cluster: Cluster, num_devices: int) -> Cluster:
+    """``cluster`` with ``num_devices`` devices: inner levels filled first, the outermost grown."""
+    levels, remaining = [], num_devices
+    for index, level in enumerate(cluster.levels):
+        last = index == len(cluster.levels) - 1
+        count = remaining if last else min(level.num_units, remaining)
+        if not last and remaining % count:
+            count = math.gcd(count, remaining)
+        levels.append(Level(num_units=count, bandwidth_Bps=level.bandwidth_Bps,
+                            latency_s=level.latency_s))
+        remaining //= count
+    return dataclasses.replace(cluster, levels=tuple(levels), name=f"{num_devices} devices")
+
+
+def scale(profile: ModelProfile, cluster: Cluster, options: ScaleOptions | None = None,
+          sim: SimOptions | None = None) -> ScaleResult:
+    """Simulate every strategy on every device count; see the module docstring."""
+    options = options or ScaleOptions()
+    sim = dataclasses.replace(sim or SimOptions(), record=False)
+    counts = device_counts(options.max_devices)
+    single = simulate(data_parallel_plan(profile, 1), profile, resized(cluster, 1), sim).step_time_s
+    result = ScaleResult(points=[], single_step_s=single, device_counts=counts, skipped=[])
+    for n in counts:
+        sized = resized(cluster, n)
+        for name, plan, options_n in _strategies(profile, sized, n, options, sim):
+            if isinstance(plan, str):
+                result.skipped.append(f"{name} on {n}: {plan}")
+                continue
+            outcome = simulate(plan, profile, sized, options_n)
+            result.points.append(_point(name, n, plan, outcome, single))
+    return result
+
+
+def _point(name: str, n: int, plan: Plan, outcome: SimResult, single: float) -> ScalePoint:
+    return ScalePoint(strategy=name, num_devices=n, config=plan.config,
+                      step_time_s=outcome.step_time_s, speedup=single / outcome.step_time_s,
+                      compute_s=outcome.compute_s, communication_s=outcome.communication_s)
+
+
+def _strategies(profile: ModelProfile, cluster: Cluster, n: int, options: ScaleOptions,
+                sim: SimOptions) -> list[tuple[str, Plan | str, SimOptions]]:
+    """``(name, plan or the reason it cannot run, simulation options)`` for ``n`` devices."""
+    batch = options.batch_samples
+    too_few = f"fewer samples ({batch}) than devices" if batch is not None and batch < n else ""
+    dp = too_few or data_parallel_plan(profile, n)
+    strategies: list[tuple[str, Plan | str, SimOptions]] = [("dp", dp, sim)]
+    for ratio in options.compressions:
+        strategies.append((f"dp+{ratio:g}x", dp, dataclasses.replace(
+            sim, gradient_compression=sim.gradient_compression * ratio)))
+    stages = min(n, profile.num_layers)
+    strategies.append(("pipeline", _micro(balanced_plan(profile, [1] * stages, schedule="1f1b",
+                                                        num_microbatches=None), options), sim))
+    try:
+        hybrid: Plan | str = _micro(make_plan(profile, cluster, PartitionOptions()), options)
+    except UsageError as exc:
+        hybrid = str(exc)
+    strategies.append(("hybrid", hybrid, sim))
+    return strategies
+
+
+def _micro(plan: Plan, options: ScaleOptions) -> Plan | str:
+    """``plan`` on 1F1B with ``microbatches_per_stage`` micro-batches per stage and per replica
+    of its widest stage (capped at the batch's samples and at ``MAX_MICROBATCHES``)."""
+    widest = max(stage.replicas for stage in plan.stages)
+    count = options.microbatches_per_stage * max(len(plan.stages), widest)
+    cap = min(MAX_MICROBATCHES, options.batch_samples or MAX_MICROBATCHES)
+    if count > cap:
+        if cap < max(widest, len(plan.stages)):
+            return f"fewer samples ({cap}) than the plan's {max(widest, len(plan.stages))} micro-batches"
+        count = max(cap // widest * widest, max(widest, len(plan.stages)))
+    plan.schedule, plan.num_microbatches = "1f1b", count
+    return plan
