@@ -76,7 +76,8 @@ class StageEngine:
         self.trace, self.beat = trace, beat
         self.stash = WeightVersions(module, vertical_sync=vertical_sync) if asynchronous else None
         self.receives: dict[tuple[int, int], tuple[Any, torch.Tensor, float]] = {}
-        self.sends: list[tuple[Any, torch.Tensor]] = []
+        self.sends: list[tuple[int, Any, torch.Tensor]] = []
+        """Posted sends: (step, work, tensor kept alive until the send completes)."""
         self.saved: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
         self.input_grads: dict[int, torch.Tensor] = {}
         self.param_grads: dict[int, list[torch.Tensor | None]] = {}
@@ -104,13 +105,27 @@ class StageEngine:
 
     def finish_sends(self) -> None:
         """Wait until every posted send has been received."""
-        for work, _ in self.sends:
+        for _, work, _ in self.sends:
             work.wait()
         self.sends.clear()
 
-    def prune_sends(self) -> None:
-        """Forget sends that completed (keeps memory bounded in asynchronous runs)."""
-        self.sends = [(work, tensor) for work, tensor in self.sends if not work.is_completed()]
+    def prune_sends(self, before_step: int) -> None:
+        """Complete the sends of steps before ``before_step`` and drop their tensors (keeps
+        memory bounded in asynchronous runs).
+
+        gloo reports a send complete only once it has been waited for, so they must be
+        waited for. In the asynchronous schedule every receive of minibatch ``m`` is posted
+        within its worker's chunk ``m`` or earlier (see ``step_chunks``), so once this worker
+        has finished chunk ``k``, waiting for sends of minibatches up to ``k`` cannot deadlock;
+        for sends a few minibatches old the wait returns at once.
+        """
+        pending = []
+        for step, work, tensor in self.sends:
+            if step < before_step:
+                work.wait()
+            else:
+                pending.append((step, work, tensor))
+        self.sends = pending
 
     # -- communication ------------------------------------------------------------------------
 
@@ -150,12 +165,12 @@ class StageEngine:
                 version = torch.tensor([self.versions[m]], dtype=torch.int64, device=self.device)
                 work = dist.isend(version, dst=action.peer, tag=tag(m, VERSION),
                                   group=self.links[(self.rank, action.peer)])
-                self.sends.append((work, version))
+                self.sends.append((batch(m).step, work, version))
         else:
             tensor, channel = self.input_grads.pop(m).contiguous(), GRAD
         work = dist.isend(tensor, dst=action.peer, tag=tag(m, channel),
                           group=self.links[(self.rank, action.peer)])
-        self.sends.append((work, tensor))
+        self.sends.append((batch(m).step, work, tensor))
         self.trace(f"{action.kind.value}{m}", start, time.perf_counter(), batch(m).step,
                    num_bytes=tensor.numel() * tensor.element_size())
 

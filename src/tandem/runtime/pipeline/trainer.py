@@ -138,7 +138,7 @@ class PipelineTrainer(BaseTrainer):
     def train_step(self, step: int) -> torch.Tensor:
         if self.chunks is not None:
             loss = self.engine.execute(self.chunks[step], self._minibatch, step)
-            self.engine.prune_sends()
+            self.engine.prune_sends(before_step=step + 1 - self.layout.num_stages)
             if step == self.config.steps - 1:
                 self.engine.finish_sends()
             return loss
