@@ -198,7 +198,7 @@ class BaseTrainer(abc.ABC):
         shown = sorted({event.step for event in events if event.step >= 0})[-GANTT_STEPS:]
         steps = f", steps {shown[0]}-{shown[-1]}" if shown else ""
         plot_gantt(timeline, self.out / "gantt.png", steps=set(shown) or None,
-                   title=f"{self.config.strategy}, {self.config.model}, "
+                   title=f"{self.config.strategy}, {self.config.model.partition(':')[0]}, "
                          f"{self.env.world_size} workers{steps} (measured)")
         (self.out / "config.json").write_text(json.dumps(dataclasses.asdict(self.config), indent=2))
         if state is not None:
