@@ -24,6 +24,22 @@ def add_train_arguments(parser: argparse.ArgumentParser, defaults: TrainConfig) 
         "resnet:depth=50, vgg:width=0.25, or package.module:function")
     add("--data", default=defaults.data, help="dataset spec: digits, images:n=4096,size=32, "
         "tokens:seq=64,vocab=128")
+    add("--servers", type=int, default=defaults.servers,
+        help="ps: parameter-server processes, counted within --nproc")
+    add("--mode", dest="ps_mode", default=defaults.ps_mode, help="ps: sync, async or ssp")
+    add("--staleness", type=int, default=defaults.staleness,
+        help="ps --mode ssp: updates a worker may run ahead of the slowest")
+    add("--staleness-lr", action="store_true",
+        help="ps async/ssp: scale each update's learning rate by 1/staleness")
+    add("--backup", type=int, default=defaults.backup,
+        help="ps --mode sync: backup workers (apply the first workers-b gradients per step)")
+    add("--topology", default=defaults.topology,
+        help="gossip: ring, torus, exponential, complete, custom:0-1,1-2,...")
+    add("--weights", dest="mixing", default=defaults.mixing, help="gossip: uniform or metropolis")
+    add("--period", type=int, default=defaults.period,
+        help="localsgd: average every H steps; easgd: elastic update period tau")
+    add("--rho", type=float, default=defaults.rho, help="easgd: elasticity (moving rate lr*rho)")
+    add("--straggler", default=None, help="RANK:FACTOR: slow one worker down FACTOR times")
     add("--nproc", type=int, default=defaults.nproc,
         help="local worker processes (ignored under torchrun)")
     add("--strategy", default=defaults.strategy, help=f"one of: {', '.join(STRATEGIES)}")

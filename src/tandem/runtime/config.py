@@ -11,6 +11,7 @@ OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "cosine")
 BACKENDS = ("auto", "gloo", "nccl")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "pipedream")
+PS_MODES = ("sync", "async", "ssp")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -35,6 +36,26 @@ class TrainConfig:
     """A ``tandem plan`` JSON file giving the stages and replicas instead."""
     vertical_sync: bool = False
     """Asynchronous pipeline: every stage uses the weight version stage 0 used."""
+    servers: int = 1
+    """``ps``: parameter-server processes, counted within ``nproc`` (ranks 0..servers-1)."""
+    ps_mode: str = "sync"
+    """``ps``: ``sync``, ``async`` (apply each push on arrival) or ``ssp`` (bounded staleness)."""
+    staleness: int = 2
+    """``ps --mode ssp``: how many updates a worker may be ahead of the slowest."""
+    staleness_lr: bool = False
+    """``ps`` asynchronous modes: scale each update's learning rate by 1 / its staleness."""
+    backup: int = 0
+    """``ps --mode sync``: backup workers; each step applies the first (workers - backup) pushes."""
+    topology: str = "ring"
+    """``gossip``: ring, torus, exponential, complete or custom:0-1,1-2,..."""
+    mixing: str = "metropolis"
+    """``gossip``: mixing weights, ``uniform`` or ``metropolis``."""
+    period: int = 4
+    """``localsgd``: average every this many steps; ``easgd``: elastic update period (tau)."""
+    rho: float = 1.0
+    """``easgd``: elasticity; the moving rate is ``lr * rho``."""
+    straggler: str | None = None
+    """``RANK:FACTOR``: worker RANK takes FACTOR times as long for each step (experiments)."""
     nproc: int = 1
     """Local worker processes to start (ignored under an external ``torchrun``)."""
     steps: int = 100
@@ -107,13 +128,55 @@ class TrainConfig:
                 raise UsageError("--accumulate does not apply to pipelines: use --microbatches")
             if self.plan is not None and (self.stages is not None or self.replicas is not None):
                 raise UsageError("give either --plan or --stages/--replicas, not both")
+        if self.strategy == "ps":
+            self._check_ps()
+        _at_least("--period", self.period, 1)
+        if self.rho <= 0:
+            raise UsageError(f"--rho must be positive (got {self.rho})")
+        self.straggler_factor()
         if self.resume is not None and self.resume == "auto" and self.out is None:
             raise UsageError("--resume without a path needs --out DIR (it resumes DIR/checkpoint.pt)")
+
+    def _check_ps(self) -> None:
+        _choice("--mode", self.ps_mode, PS_MODES)
+        _at_least("--servers", self.servers, 1)
+        if self.servers >= self.nproc:
+            raise UsageError(
+                f"--servers {self.servers} leaves no workers in --nproc {self.nproc}; servers count "
+                f"within --nproc, e.g. --nproc {self.servers + 4} --servers {self.servers}"
+            )
+        if self.staleness < 0:
+            raise UsageError(f"--staleness must be >= 0 (got {self.staleness})")
+        workers = self.nproc - self.servers
+        if self.backup < 0 or self.backup >= workers:
+            raise UsageError(
+                f"--backup {self.backup} must be between 0 and {workers - 1}: there are {workers} "
+                f"workers and each step needs at least one gradient"
+            )
+        if self.backup and self.ps_mode != "sync":
+            raise UsageError(f"--backup applies to --mode sync only (got --mode {self.ps_mode})")
+        if self.accumulate != 1:
+            raise UsageError("--accumulate is not supported with --strategy ps")
+
+    def straggler_factor(self) -> tuple[int, float] | None:
+        """``(rank, factor)`` of ``--straggler``, or None."""
+        if self.straggler is None:
+            return None
+        rank_text, _, factor_text = self.straggler.partition(":")
+        try:
+            rank, factor = int(rank_text), float(factor_text)
+        except ValueError:
+            raise UsageError(f"--straggler {self.straggler!r} is not RANK:FACTOR, e.g. 1:4") from None
+        if not 0 <= rank or factor < 1:
+            raise UsageError(f"--straggler {self.straggler!r}: need a rank >= 0 and a factor >= 1")
+        return rank, factor
 
     def check_world(self, world_size: int) -> None:
         """Checks that need the number of workers (run after start-up under ``torchrun``)."""
         if self.strategy == "pipeline":
             return  # pipelines split the batch into micro-batches, not across workers
+        if self.strategy == "ps":
+            world_size -= self.servers
         if self.batch_size % world_size:
             raise UsageError(
                 f"--batch-size {self.batch_size} is not divisible by the {world_size} workers; "

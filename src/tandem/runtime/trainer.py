@@ -8,6 +8,9 @@ any number of workers computes the same update as one process on the same data.
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
+import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -22,13 +25,18 @@ from tandem.runtime.checkpoint import CHECKPOINT_VERSION, load_checkpoint, save_
 from tandem.runtime.config import TrainConfig
 from tandem.runtime.dist import WorkerEnv, init_worker
 from tandem.runtime.watchdog import Heartbeat, is_communication_error
-from tandem.sync import SyncStrategy, build_strategy
+from tandem.sync import ParameterServerClient, SyncStrategy, build_strategy
 
 EVAL_CHUNK = 1024
 
 
+SUPERVISED = "TANDEM_SUPERVISED"
+
+
 def train_worker(config: TrainConfig) -> dict[str, Any] | None:
     """Run the whole training job as this worker; rank 0 returns the summary."""
+    if _fault_tolerant_worker(config):
+        return _supervise(config)
     start = time.perf_counter()
     env = init_worker(backend=config.backend, timeout_s=config.timeout_s, threads=config.threads)
     store = dist.distributed_c10d._get_default_store()
@@ -48,12 +56,37 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
         dist.destroy_process_group()
 
 
+def _fault_tolerant_worker(config: TrainConfig) -> bool:
+    """Workers of asynchronous parameter-server training may die without stopping the job."""
+    return (config.strategy == "ps" and config.ps_mode != "sync" and SUPERVISED not in os.environ
+            and int(os.environ.get("RANK", "0")) >= config.servers)
+
+
+def _supervise(config: TrainConfig) -> None:
+    """Run this worker in a child process; if it dies, say so and let the job go on."""
+    os.environ[SUPERVISED] = "1"
+    child = multiprocessing.get_context("spawn").Process(target=train_worker, args=(config,))
+    child.start()
+    child.join()
+    if child.exitcode != 0:
+        code = child.exitcode or 0
+        how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+        print(f"tandem: worker rank {os.environ.get('RANK')} died ({how}); asynchronous training "
+              f"goes on without it", file=sys.stderr, flush=True)
+
+
 def make_trainer(config: TrainConfig, env: WorkerEnv, beat: Heartbeat) -> BaseTrainer:
     """The trainer of ``config.strategy``: pipelined, or data parallel with a sync strategy."""
     if config.strategy == "pipeline":
         from tandem.runtime.pipeline.trainer import PipelineTrainer
 
         return PipelineTrainer(config, env, beat)
+    if config.strategy == "ps":
+        if env.rank < config.servers:
+            from tandem.runtime.ps_server import ParameterServer
+
+            return ParameterServer(config, env, beat)  # type: ignore[return-value]
+        return ParameterServerWorker(config, env, beat)
     return Trainer(config, env, beat)
 
 
@@ -64,7 +97,11 @@ class Trainer(BaseTrainer):
         super().__init__(config, env, beat)
         torch.manual_seed(config.seed)
         model = build_model(config.model, self.data.info)
-        self.strategy: SyncStrategy = build_strategy(config.strategy)
+        self.data_rank, self.data_world = self._data_position()
+        self.strategy: SyncStrategy = build_strategy(config, self.data_rank, self.data_world)
+        straggler = config.straggler_factor()
+        self.slowdown = straggler[1] if straggler and straggler[0] == env.rank else 1.0
+        self.stopped = False
         checkpoint = self._load_checkpoint()
         if checkpoint is not None:
             model.load_state_dict(checkpoint["model"])
@@ -75,8 +112,14 @@ class Trainer(BaseTrainer):
         if checkpoint is not None:
             self._restore(checkpoint)
 
+    def _data_position(self) -> tuple[int, int]:
+        """This worker's index among the workers that share each global batch, and their count."""
+        if self.config.strategy == "ps":
+            return self.env.rank - self.config.servers, self.env.world_size - self.config.servers
+        return self.env.rank, self.env.world_size
+
     def _load_checkpoint(self) -> dict[str, Any] | None:
-        if self.config.resume is None:
+        if self.config.resume is None or self.config.strategy == "ps":
             return None
         path = self.out / "checkpoint.pt" if self.config.resume == "auto" and self.out else Path(
             str(self.config.resume))
@@ -93,8 +136,8 @@ class Trainer(BaseTrainer):
     def train_step(self, step: int) -> torch.Tensor:
         """One optimizer step on this worker's share of global batch ``step``; returns its loss sum."""
         global_count = len(self.sampler.global_indices(step)) * self.predictions_per_sample
-        indices = self.sampler.local_indices(step, rank=self.env.rank, world_size=self.env.world_size)
-        scale = self.env.world_size / global_count
+        indices = self.sampler.local_indices(step, rank=self.data_rank, world_size=self.data_world)
+        scale = self.data_world / global_count
         inputs = self.train.inputs[indices].tensor_split(self.config.accumulate)
         targets = self.train.targets[indices].tensor_split(self.config.accumulate)
         loss_total = torch.zeros((), device=self.env.device)
@@ -110,13 +153,14 @@ class Trainer(BaseTrainer):
             loss_total += loss.detach()
             self.trace("forward", t0, t1, step)
             self.trace("backward", t1, time.perf_counter(), step)
+            if self.slowdown > 1.0:
+                time.sleep((self.slowdown - 1.0) * (time.perf_counter() - t0))
         t2 = time.perf_counter()
         self.beat.phase = "step"
-        self.strategy.before_step(self.module)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        self.strategy.after_step(self.module)
+        self.strategy.record_loss(loss_total, len(indices) * self.predictions_per_sample)
+        self.stopped = self.strategy.update(self.module, self.optimizer, step)
+        if self.strategy.local_optimizer:
+            self.scheduler.step()
         self.trace("step", t2, time.perf_counter(), step)
         return loss_total
 
@@ -151,7 +195,29 @@ class Trainer(BaseTrainer):
         }, self.out / "checkpoint.pt")
 
     def summary_extra(self) -> dict[str, Any]:
-        return {"parameters": sum(p.numel() for p in self.model.parameters())}
+        stats = self.strategy.stats()
+        totals = torch.tensor([float(stats.get(key, 0.0)) for key in sorted(stats)] or [0.0],
+                              dtype=torch.float64)
+        dist.all_reduce(totals)
+        return {"parameters": sum(p.numel() for p in self.model.parameters()),
+                **{key: totals[i].item() for i, key in enumerate(sorted(stats))}}
+
+
+class ParameterServerWorker(Trainer):
+    """A worker of a parameter-server job: computes gradients until a server says stop.
+
+    It takes no part in collectives: servers log, evaluate and save (from rank 0).
+    """
+
+    def run(self) -> dict[str, Any] | None:
+        client = self.strategy
+        assert isinstance(client, ParameterServerClient)
+        step = client.next_step
+        while not self.stopped:
+            self.train_step(step)
+            step = client.next_step
+        client.finish()
+        return None
 
 
 @torch.no_grad()

@@ -46,9 +46,14 @@ class Heartbeat:
             except Exception:  # noqa: BLE001 - the store is gone: the job is ending
                 return
 
+    def silent(self, ranks: list[int]) -> set[int]:
+        """The ranks among ``ranks`` whose heartbeat stopped (dead or hung)."""
+        beats, now = self.read_beats(), time.time()
+        return {r for r in ranks if r in beats and now - beats[r][2] > 4 * PERIOD_S}
+
     def diagnose(self, error: BaseException) -> WorkerFailure:
         """Explain a failed collective by naming the workers that fell silent or behind."""
-        beats = self._read_beats()
+        beats = self.read_beats()
         now = time.time()
         silent = [r for r in range(self.world_size) if r != self.rank
                   and (r not in beats or now - beats[r][2] > 4 * PERIOD_S)]
@@ -67,7 +72,8 @@ class Heartbeat:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         return WorkerFailure(f"{here}: {first_line}")
 
-    def _read_beats(self) -> dict[int, tuple[int, str, float]]:
+    def read_beats(self) -> dict[int, tuple[int, str, float]]:
+        """Last published ``(step, phase, wall time)`` of every worker that has one."""
         beats: dict[int, tuple[int, str, float]] = {}
         for rank in range(self.world_size):
             key = f"tandem/heartbeat/{rank}"

@@ -2,7 +2,7 @@
 
 Usage::
 
-    strategy = build_strategy("dp")
+    strategy = build_strategy(config, rank=0, world_size=4)
     module = strategy.wrap(model, device)
 """
 
@@ -10,15 +10,30 @@ from __future__ import annotations
 
 from tandem.errors import UsageError
 from tandem.sync.allreduce import AllReduce
+from tandem.sync.averaging import ElasticAveraging, LocalSGD
 from tandem.sync.base import SyncStrategy
+from tandem.sync.gossip import Gossip, GossipMixer
+from tandem.sync.parameter_server import ParameterServerClient
 
-__all__ = ["STRATEGIES", "AllReduce", "SyncStrategy", "build_strategy"]
+__all__ = ["STRATEGIES", "AllReduce", "ElasticAveraging", "Gossip", "LocalSGD",
+           "ParameterServerClient", "SyncStrategy", "build_strategy"]
 
-STRATEGIES: dict[str, type[SyncStrategy]] = {"dp": AllReduce}
+STRATEGIES = ("dp", "ps", "gossip", "easgd", "localsgd")
 
 
-def build_strategy(name: str) -> SyncStrategy:
-    """The synchronization strategy called ``name``."""
-    if name not in STRATEGIES:
-        raise UsageError(f"unknown strategy {name!r}; choose one of: {', '.join(sorted(STRATEGIES))}")
-    return STRATEGIES[name]()
+def build_strategy(config: "TrainConfig", rank: int, world_size: int) -> SyncStrategy:  # noqa: F821
+    """The synchronization strategy ``config.strategy`` for ``rank`` of ``world_size``."""
+    if config.strategy == "dp":
+        return AllReduce()
+    if config.strategy == "ps":
+        return ParameterServerClient(config.servers)
+    if config.strategy == "gossip":
+        from tandem.topology import build_topology, mixing_matrix
+
+        graph = build_topology(config.topology, world_size)
+        return Gossip(GossipMixer(graph, mixing_matrix(graph, config.mixing), rank))
+    if config.strategy == "easgd":
+        return ElasticAveraging(config.period, config.rho, config.lr)
+    if config.strategy == "localsgd":
+        return LocalSGD(config.period)
+    raise UsageError(f"unknown strategy {config.strategy!r}; choose one of: {', '.join(STRATEGIES)}")

@@ -1,4 +1,4 @@
-"""The interface every synchronization strategy implements for the trainer."""
+"""The interface every synchronization strategy implements for the data-parallel trainer."""
 
 from __future__ import annotations
 
@@ -14,11 +14,14 @@ class SyncStrategy(abc.ABC):
     """How the workers of a data-parallel job keep their models in agreement.
 
     The trainer calls, per optimizer step: ``accumulating`` around every backward but the last
-    (no communication), a plain backward for the last, then ``before_step`` and the optimizer
-    step, then ``after_step``.
+    (no communication), a plain backward for the last, then :meth:`update`, which synchronizes
+    gradients or parameters and applies the step. Strategies that need a process layout of
+    their own (parameter servers) say which ranks train through ``data_rank``/``data_world``.
     """
 
     name: str = ""
+    local_optimizer: bool = True
+    """Whether :meth:`update` steps the worker's own optimizer (and so its learning-rate schedule)."""
 
     @abc.abstractmethod
     def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
@@ -32,8 +35,18 @@ class SyncStrategy(abc.ABC):
         """Context for a backward whose gradients are only accumulated locally."""
         return contextlib.nullcontext()
 
-    def before_step(self, module: nn.Module) -> None:
-        """Called after the last backward of a step, before the optimizer step."""
+    def update(self, module: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> bool:
+        """Synchronize and apply step ``step``'s update; True when training must stop here.
 
-    def after_step(self, module: nn.Module) -> None:
-        """Called after the optimizer step."""
+        The default steps the local optimizer (gradients already agree, e.g. through DDP).
+        """
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return False
+
+    def record_loss(self, loss_sum: torch.Tensor, count: int) -> None:
+        """This step's summed loss over ``count`` predictions, before :meth:`update`."""
+
+    def stats(self) -> dict[str, float]:
+        """Strategy counters for the run's summary (bytes sent, dropped updates, ...)."""
+        return {}

@@ -1,0 +1,345 @@
+"""The server side of parameter-server training: hold a shard of the model and its optimizer,
+apply the workers' gradient pushes (synchronously, asynchronously or with bounded staleness),
+send parameters back, and at the end gather the model on server 0 to evaluate and save it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import queue
+import threading
+import statistics
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tandem.data import build_dataset
+from tandem.errors import WorkerFailure
+from tandem.models import build_model
+from tandem.runtime.base import build_optimizer, lr_factor
+from tandem.runtime.checkpoint import CHECKPOINT_VERSION, load_checkpoint, save_atomic
+from tandem.runtime.config import TrainConfig
+from tandem.runtime.dist import WorkerEnv
+from tandem.runtime.reporting import Reporter
+from tandem.runtime.trainer import score
+from tandem.runtime.watchdog import Heartbeat
+from tandem.sync import ps_protocol as protocol
+from tandem.sync.flat import flatten, unflatten_into
+
+LIVENESS_EVERY_S = 0.5
+
+
+class Mailbox:
+    """Receives the workers' messages on a background thread, so that the server can wait for
+    the next one with a timeout (a timed-out gloo receive cannot be resumed)."""
+
+    def __init__(self, payload_numel: int) -> None:
+        self.payload_numel = payload_numel
+        self.queue: queue.Queue[Any] = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name="tandem-ps-mailbox", daemon=True)
+        self.thread.start()
+
+    def get(self, timeout: float | None) -> Any:
+        """The next message (or the exception that stopped the receiver)."""
+        return self.queue.get(timeout=timeout)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.queue.put(self._receive_one())
+            except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+                self.queue.put(exc)
+                return
+
+    def _receive_one(self) -> tuple[int, torch.Tensor, torch.Tensor | None]:
+        message = torch.empty(protocol.HEADER_SIZE, dtype=torch.float64)
+        work = dist.irecv(message, src=None, tag=protocol.TO_SERVER)
+        work.wait()
+        sender = work._source_rank()
+        gradient = None
+        if message[0] == protocol.PUSH and self.payload_numel:
+            gradient = torch.empty(self.payload_numel)
+            dist.recv(gradient, src=sender, tag=protocol.TO_SERVER_PAYLOAD)
+        return sender, message, gradient
+
+
+class ParameterServer:
+    """Server ``rank`` of ``config.servers``: serves pushes until ``config.steps`` updates."""
+
+    def __init__(self, config: TrainConfig, env: WorkerEnv, beat: Heartbeat) -> None:
+        self.config, self.env, self.beat = config, env, beat
+        self.out = Path(config.out) if config.out else None
+        self.data = build_dataset(config.data)
+        torch.manual_seed(config.seed)
+        self.model = build_model(config.model, self.data.info)
+        params = list(self.model.parameters())
+        ranges = protocol.shard_ranges([p.numel() for p in params], config.servers)
+        self.ranges = ranges
+        start, end = ranges[env.rank]
+        self.params = params[start:end]
+        self.optimizer = build_optimizer(config, self.params) if self.params else None
+        self.workers = list(range(config.servers, env.world_size))
+        self.required = len(self.workers) - config.backup
+        self.version = 0
+        self.staleness: list[int] = []
+        self.dropped = 0
+        self.pushes: Counter[int] = Counter()
+        self.dead: set[int] = set()
+        self.finished: set[int] = set()
+        self.loss = [0.0, 0]
+        self.last_loss = float("nan")
+        self.update_times: list[float] = []
+        self._resume()
+        self.mailbox = Mailbox(sum(p.numel() for p in self.params))
+
+    # -- messages --------------------------------------------------------------------------------
+
+    def _receive(self, poll: bool) -> tuple[int, torch.Tensor, torch.Tensor | None]:
+        """The next message from any worker: (sender, header, gradient shard of a push).
+
+        With ``poll``, checks every ``LIVENESS_EVERY_S`` which workers went silent while waiting.
+        """
+        while True:
+            try:
+                item = self.mailbox.get(timeout=LIVENESS_EVERY_S if poll else None)
+            except queue.Empty:
+                self._check_liveness()
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            return item
+
+    def _reply(self, worker: int, stop: bool = False) -> None:
+        try:
+            dist.send(protocol.header(protocol.PARAMS, step=self.version, stop=stop), dst=worker,
+                      tag=protocol.TO_WORKER)
+            if self.params:
+                dist.send(flatten(self.params), dst=worker, tag=protocol.TO_WORKER_PAYLOAD)
+        except RuntimeError:
+            if self.config.ps_mode == "sync":
+                raise
+            self.dead.add(worker)
+
+    def _check_liveness(self) -> None:
+        """Asynchronous modes go on without workers whose heartbeat stopped."""
+        newly = self.beat.silent([w for w in self.workers if w not in self.finished]) - self.dead
+        for worker in sorted(newly):
+            self.dead.add(worker)
+            if self.env.rank == 0:
+                self.reporter.message(f"worker rank {worker} stopped responding; training goes on "
+                                      f"without it")
+        if self.version < self.config.steps and set(self.workers) <= self.dead | self.finished:
+            raise WorkerFailure(f"every worker died (ranks {', '.join(map(str, sorted(self.dead)))}); "
+                                f"server {self.env.rank} stops at update {self.version}")
+        self._release_waiting()
+
+    # -- updates ---------------------------------------------------------------------------------
+
+    def _apply(self, gradient: torch.Tensor | None, seen_version: int) -> None:
+        start = time.perf_counter()
+        staleness = self.version - seen_version
+        self.staleness.append(staleness)
+        if self.optimizer is not None and gradient is not None:
+            for p, g in zip(self.params, _split(gradient, self.params)):
+                p.grad = g
+            factor = lr_factor(self.config, self.version)
+            if self.config.staleness_lr:
+                factor /= max(1, staleness)
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.config.lr * factor
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+        self.update_times.append(time.perf_counter() - start)
+        self.beat.step = self.version
+        self._log()
+        if self.config.checkpoint_every and self.version % self.config.checkpoint_every == 0:
+            self._checkpoint()
+
+    def _count_loss(self, message: torch.Tensor) -> None:
+        self.loss[0] += float(message[3])
+        self.loss[1] += int(message[4])
+
+    def _log(self) -> None:
+        if self.version % self.config.log_every and self.version != self.config.steps:
+            self.reporter.advance()
+            return
+        self.reporter.advance()
+        if self.loss[1]:
+            elapsed = time.perf_counter() - self.started
+            self.last_loss = self.loss[0] / self.loss[1]
+            self.reporter.record(step=self.version, loss=self.last_loss,
+                                 samples_per_s=self._samples_per_s(elapsed))
+        self.loss = [0.0, 0]
+
+    def _samples_per_s(self, elapsed: float) -> float:
+        local_batch = self.config.batch_size / len(self.workers)
+        return sum(self.pushes.values()) * local_batch / max(elapsed, 1e-9)
+
+    # -- modes -----------------------------------------------------------------------------------
+
+    def serve(self) -> None:
+        """Apply pushes until ``steps`` updates, then stop every worker."""
+        self.started = time.perf_counter()
+        self.waiting: list[int] = []
+        while self.version < self.config.steps:
+            sender, message, gradient = self._receive(poll=self.config.ps_mode != "sync")
+            self._handle(sender, message, gradient)
+        self._stop_all()
+
+    def _handle(self, sender: int, message: torch.Tensor, gradient: torch.Tensor | None) -> None:
+        kind = message[0]
+        if kind == protocol.PULL:
+            self._reply(sender)
+        elif kind == protocol.BYE:
+            self.finished.add(sender)
+        elif self.config.ps_mode == "sync":
+            self._handle_sync(sender, message, gradient)
+        else:
+            self.pushes[sender] += 1
+            self._count_loss(message)
+            self._apply(gradient, int(message[2]))
+            self.waiting.append(sender)
+            self._release_waiting()
+
+    def _handle_sync(self, sender: int, message: torch.Tensor, gradient: torch.Tensor | None) -> None:
+        """Average the first ``required`` pushes of the current step; late ones are dropped."""
+        if int(message[1]) < self.version:
+            self.dropped += 1
+            self._reply(sender)
+            return
+        self.pushes[sender] += 1
+        self._count_loss(message)
+        if gradient is not None:
+            self.gradient_sum = gradient if not self.waiting else self.gradient_sum + gradient
+        self.waiting.append(sender)
+        if len(self.waiting) == self.required:
+            mean = self.gradient_sum / self.required if self.params else None
+            self._apply(mean, self.version)
+            stop = self.version >= self.config.steps
+            for worker in self.waiting:
+                self._reply(worker, stop=stop)
+            self.waiting = []
+
+    def _release_waiting(self) -> None:
+        """Reply to waiting workers that bounded staleness lets go on (all of them in async)."""
+        if self.config.ps_mode == "sync":
+            return
+        live = [w for w in self.workers if w not in self.dead and w not in self.finished]
+        slowest = min((self.pushes[w] for w in live), default=0)
+        stop = self.version >= self.config.steps
+        still = []
+        for worker in self.waiting:
+            bound = self.config.staleness if self.config.ps_mode == "ssp" else None
+            if stop or bound is None or self.pushes[worker] - slowest <= bound:
+                self._reply(worker, stop=stop)
+            else:
+                still.append(worker)
+        self.waiting = still
+
+    def _stop_all(self) -> None:
+        """After the last update: answer every remaining message with 'stop' until all are done."""
+        self._release_waiting()
+        while set(self.workers) - self.finished - self.dead:
+            sender, message, _ = self._receive(poll=self.config.ps_mode != "sync")
+            if message[0] == protocol.BYE:
+                self.finished.add(sender)
+            elif message[0] in (protocol.PUSH, protocol.PULL):
+                self.dropped += int(message[0] == protocol.PUSH)
+                self._reply(sender, stop=True)
+
+    # -- outputs ---------------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any] | None:
+        """Serve, then gather the model on server 0, evaluate it and write the outputs."""
+        rank0 = self.env.rank == 0
+        self.reporter = Reporter(
+            enabled=rank0, show_progress=self.config.progress, total_steps=self.config.steps,
+            metrics_path=self.out / "metrics.jsonl" if self.out and rank0 else None,
+            first_step=self.version,
+        )
+        with self.reporter:
+            self.serve()
+            self._gather()
+            if not rank0:
+                return None
+            evaluation = self._evaluate()
+            self.reporter.record(step=self.version, **evaluation)
+        self._checkpoint()
+        return self._summary(evaluation)
+
+    def _gather(self) -> None:
+        """Servers send their shards to server 0 (server groups only; workers are done)."""
+        for server in range(1, self.config.servers):
+            start, end = self.ranges[server]
+            shard = list(self.model.parameters())[start:end]
+            if not shard:
+                continue
+            if self.env.rank == server:
+                dist.send(flatten(shard), dst=0, tag=protocol.TO_WORKER_PAYLOAD)
+            elif self.env.rank == 0:
+                flat = torch.empty(sum(p.numel() for p in shard))
+                dist.recv(flat, src=server, tag=protocol.TO_WORKER_PAYLOAD)
+                unflatten_into(flat, shard)
+
+    def _evaluate(self) -> dict[str, float]:
+        correct, loss, count = score(self.model, self.data.test.inputs, self.data.test.targets).tolist()
+        return {"test_accuracy": correct / count, "test_loss": loss / count}
+
+    def _checkpoint(self) -> None:
+        """Each server saves its shard, optimizer and version (``server-K.pt``, atomically)."""
+        if self.out is None:
+            return
+        save_atomic({
+            "version": CHECKPOINT_VERSION, "step": self.version,
+            "fingerprint": self.config.fingerprint(), "shard": [p.detach() for p in self.params],
+            "optimizer": self.optimizer.state_dict() if self.optimizer else None,
+        }, self.out / f"server-{self.env.rank}.pt")
+
+    def _resume(self) -> None:
+        if self.config.resume is None:
+            return
+        path = (self.out / f"server-{self.env.rank}.pt" if self.config.resume == "auto" and self.out
+                else Path(str(self.config.resume)).with_name(f"server-{self.env.rank}.pt"))
+        state = load_checkpoint(path, self.config.fingerprint())
+        for p, saved in zip(self.params, state["shard"]):
+            p.data.copy_(saved)
+        if self.optimizer is not None and state["optimizer"] is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.version = int(state["step"])
+
+    def _summary(self, evaluation: dict[str, float]) -> dict[str, Any]:
+        wall = time.perf_counter() - self.started
+        if self.out:
+            state = {n: t.detach().cpu() for n, t in self.model.state_dict().items()}
+            save_atomic(state, self.out / "final.pt")
+            (self.out / "config.json").write_text(
+                json.dumps(dataclasses.asdict(self.config), indent=2))
+        return {
+            "strategy": "ps", "mode": self.config.ps_mode, "model": self.config.model,
+            "data": self.config.data, "world_size": self.env.world_size,
+            "servers": self.config.servers, "workers": len(self.workers),
+            "backup": self.config.backup, "steps": self.version, "finished": True,
+            "global_batch_size": self.config.batch_size, "final_loss": self.last_loss,
+            **evaluation, "samples_per_s": self._samples_per_s(wall),
+            "updates_per_s": self.version / max(wall, 1e-9),
+            "step_time_s": wall / max(self.version, 1), "train_s": round(wall, 4),
+            "dropped_pushes": self.dropped, "dead_workers": sorted(self.dead),
+            "pushes": {str(w): self.pushes[w] for w in self.workers},
+            "mean_staleness": statistics.fmean(self.staleness) if self.staleness else 0.0,
+            "max_staleness": max(self.staleness, default=0),
+            "out": str(self.out) if self.out else None,
+        }
+
+
+def _split(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for tensor in like:
+        out.append(flat[offset : offset + tensor.numel()].view_as(tensor))
+        offset += tensor.numel()
+    return out
