@@ -246,3 +246,34 @@ def test_dag_boundary_carries_every_crossing_output() -> None:
     prof = profile((1, 1, 10, 0), (1, 1, 20, 0), (1, 1, 40, 0), edges=[(0, 1), (1, 2), (0, 2)])
     plan = pipeline([(0, 1, 1), (1, 2, 1), (2, 3, 1)], "gpipe", 3, 3)
     assert boundary_bytes(plan, prof) == [10, 30, 0]
+
+
+def test_planning_side_imports_no_torch() -> None:
+    """The simulator, search and scaling analysis are pure Python + numpy: not even ``torch``."""
+    import subprocess
+    import sys
+
+    modules = ["tandem.planning.simulate", "tandem.planning.replay", "tandem.planning.collectives",
+               "tandem.planning.costs", "tandem.planning.balance", "tandem.planning.search",
+               "tandem.planning.scaling"]
+    script = textwrap.dedent(f"""
+        import importlib, sys
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name == "torch" or name.startswith("torch."):
+                    raise ImportError("blocked: " + name)
+                return None
+        sys.meta_path.insert(0, Block())
+        for name in {modules!r}:
+            importlib.import_module(name)
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
+
+
+def test_allreduce_latency_override() -> None:
+    # Ring over 4 devices with 1 s per step instead of the links' 10 ms: 2 * 3 * (1 + 1).
+    cluster = Cluster(levels=(Level(num_units=4, bandwidth_Bps=100.0, latency_s=0.01),))
+    assert allreduce_s(cluster, range(4), 400, "ring", latency_s=1.0) == pytest.approx(12)

@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any
 
-from tandem.cluster import Cluster, parse_bandwidth
+from tandem.cluster import Cluster, parse_bandwidth, parse_latency
 from tandem.commands.args import (
     add_cluster_args,
     add_source_args,
@@ -61,6 +61,8 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory", help="per-device memory limit, e.g. 16GB (default: the cluster's)")
     p.add_argument("--allreduce", choices=ALGORITHMS, default="auto",
                    help="allreduce algorithm (default auto: the cheapest)")
+    p.add_argument("--allreduce-latency", metavar="TIME",
+                   help="latency of one allreduce step, e.g. 20us (default: the links')")
     p.add_argument("--compression", type=float, default=1.0, metavar="R",
                    help="divide allreduce bytes by R (e.g. 2 for fp16 gradients)")
     p.add_argument("--activation-compression", type=float, default=1.0, metavar="R",
@@ -82,6 +84,7 @@ def sim_options(args: argparse.Namespace, profile: ModelProfile, **changes: Any)
         batch_scale=batch_scale(profile, args.batch_size if args.profile else None,
                                 args.profile_batch),
         allreduce=args.allreduce,
+        allreduce_latency_s=parse_latency(args.allreduce_latency) if args.allreduce_latency else None,
         gradient_compression=args.compression,
         activation_compression=args.activation_compression,
         optimizer_Bps=parse_bandwidth(args.optimizer_bandwidth) if args.optimizer_bandwidth else None,

@@ -77,8 +77,10 @@ def branching(cluster: Cluster, devices: Iterable[int]) -> list[int]:
 
 
 def allreduce_s(cluster: Cluster, devices: Iterable[int], num_bytes: float,
-                algorithm: str = "auto") -> float:
-    """Seconds to allreduce ``num_bytes`` over ``devices`` with ``algorithm``."""
+                algorithm: str = "auto", latency_s: float | None = None) -> float:
+    """Seconds to allreduce ``num_bytes`` over ``devices`` with ``algorithm``; ``latency_s``
+    replaces every level's latency for the collective's steps when given (collective libraries
+    often pay more per step than a point-to-point message does)."""
     if algorithm not in ALGORITHMS:
         raise UsageError(f"unknown allreduce algorithm {algorithm!r} (known: {', '.join(ALGORITHMS)})")
     fanout = branching(cluster, devices)
@@ -86,15 +88,16 @@ def allreduce_s(cluster: Cluster, devices: Iterable[int], num_bytes: float,
     if n <= 1 or num_bytes <= 0:
         return 0.0
     spanned = [level for level, count in enumerate(fanout) if count > 1]
+    latency = [cluster.levels[level].latency_s if latency_s is None else latency_s
+               for level in range(len(fanout))]
     slowest = min(spanned, key=lambda level: cluster.levels[level].bandwidth_Bps)
-    alpha = max(cluster.levels[level].latency_s for level in spanned)
+    alpha = max(latency[level] for level in spanned)
     bandwidth = cluster.levels[slowest].bandwidth_Bps
     costs = {
         "ring": ring_s(n, num_bytes, alpha, bandwidth),
         "tree": tree_s(n, num_bytes, alpha, bandwidth),
         "hierarchical": sum(
-            ring_s(count, num_bytes, cluster.levels[level].latency_s,
-                   cluster.levels[level].bandwidth_Bps)
+            ring_s(count, num_bytes, latency[level], cluster.levels[level].bandwidth_Bps)
             for level, count in enumerate(fanout) if count > 1
         ),
     }

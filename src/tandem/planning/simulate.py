@@ -77,6 +77,8 @@ class SimOptions:
     """Global minibatch of one step in units of the profile's minibatch."""
     allreduce: str = "auto"
     """Allreduce algorithm: ``auto``, ``ring``, ``tree`` or ``hierarchical``."""
+    allreduce_latency_s: float | None = None
+    """Latency of one step of an allreduce; None: the latency of the links it crosses."""
     overlap_allreduce: bool | None = None
     """DDP's bucketed allreduce during the backward; None: for one-stage plans (data
     parallelism), as the runtime does."""
@@ -106,6 +108,8 @@ class SimOptions:
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise UsageError(f"{name.replace('_', '-')} must be a positive number (got {value})")
+        if self.allreduce_latency_s is not None and not self.allreduce_latency_s >= 0:
+            raise UsageError(f"allreduce latency must not be negative (got {self.allreduce_latency_s})")
         if self.num_steps < 1:
             raise UsageError(f"num_steps must be at least 1 (got {self.num_steps})")
 
@@ -265,7 +269,8 @@ def build_workload(plan: Plan, costs: list[StageCost], cluster: Cluster, schedul
     speed = cluster.speed
 
     def reduce_s(group: list[int], num_bytes: float, ratio: float) -> float:
-        return allreduce_s(cluster, group, num_bytes / ratio, options.allreduce)
+        return allreduce_s(cluster, group, num_bytes / ratio, options.allreduce,
+                           options.allreduce_latency_s)
 
     return Workload(
         forward_s=[c.forward_s * share / speed + options.compute_overhead_s for c in costs],
