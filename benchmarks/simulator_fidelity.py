@@ -1,0 +1,483 @@
+"""Simulator fidelity: predicted vs measured step time for GPipe, 1F1B, PipeDream and DP.
+
+Every measurement is a real run of the command line (``tandem train ... --json``, whose
+``step_time_s`` is rank 0's median step after two warm-up steps); every prediction simulates the
+same plan on a cluster model of this machine (``tandem.planning.simulate``, the library behind
+``tandem simulate``). Three parts:
+
+- ``emulated``: PipeDream's VGG-16 profile played by the emulated model (each block sleeps its
+  profiled time, so 2-8 workers on this 2-core machine behave like devices: sleeping workers do
+  not compete for the CPU). Target: every simulated step within 5% of the measured one.
+- ``ranking``: six plans of that model on four devices, in the order the simulator ranks them;
+  target: the measured order is the same.
+- ``real``: a real MLP on the CPU with one and two workers of one thread each (target 15%),
+  profiled by ``tandem profile`` right before each run. Busy processes share this machine's ~1.25
+  cores (and other users' load), so the speed of two processes computing at once relative to one
+  is measured right before each two-worker run and given to the simulator as the devices' speed;
+  optimizer steps are timed on the same parameters.
+
+The cluster model of this machine is measured first, not assumed: the latency and bandwidth of a
+gloo message between two local processes (ping-pong); the time per step of a small gloo allreduce
+among 2, 3, 4 and 8 processes (with more processes than cores each step waits for a process to be
+scheduled: ~0.2 ms per step with 2, ~1 ms with 8); and the runtime's cost per forward or backward
+beyond the profiled time (one worker running the whole emulated model as one stage of 8
+micro-batches: measured minus simulated step, per computation). Results are shown with these
+calibrations and without them ("uncalibrated": link latency and bandwidth only).
+
+    .venv/bin/python benchmarks/simulator_fidelity.py [--parts emulated,ranking,real]
+        [--steps 10] [--scale 2]
+
+Prints a table per part, then one JSON object on the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+from tandem.cluster import Cluster, Level  # noqa: E402
+from tandem.plan import Plan  # noqa: E402
+from tandem.planning.balance import balanced_plan  # noqa: E402
+from tandem.planning.simulate import SimOptions, data_parallel_plan, simulate  # noqa: E402
+from tandem.profile import ModelProfile, load_profile  # noqa: E402
+
+VGG = ROOT / "tests" / "data" / "profiles" / "vgg16.graph.txt"
+VGG_BATCH = 128
+"""PipeDream's VGG-16 profile is for minibatches of 128 (its first output is 128 x 64 x 224²
+floats)."""
+BYTES_SCALE = 1e-4
+"""Activation and parameter sizes are scaled down so that CPU gloo moves them quickly."""
+REAL_MODEL = "mlp:hidden=1024,layers=6"
+REAL_DATA = "images:n=4096,size=16,channels=3"
+REAL_BATCH = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One plan to run and simulate."""
+
+    name: str
+    kind: str
+    """``gpipe``, ``1f1b``, ``pipedream`` or ``dp``."""
+    replicas: tuple[int, ...]
+    microbatches: int | None = None
+
+    @property
+    def workers(self) -> int:
+        return sum(self.replicas)
+
+
+EMULATED = [
+    Case("gpipe 1-1, M=4", "gpipe", (1, 1), 4),
+    Case("dp 2", "dp", (2,)),
+    Case("gpipe 1-1-1-1, M=8", "gpipe", (1, 1, 1, 1), 8),
+    Case("1f1b 1-1-1-1, M=8", "1f1b", (1, 1, 1, 1), 8),
+    Case("pipedream 1-1-1-1", "pipedream", (1, 1, 1, 1)),
+    Case("1f1b 2-1-1, M=8", "1f1b", (2, 1, 1), 8),
+    Case("pipedream 3-1", "pipedream", (3, 1)),
+    Case("dp 4", "dp", (4,)),
+    Case("1f1b 8 stages, M=16", "1f1b", (1,) * 8, 16),
+    Case("pipedream 8 stages", "pipedream", (1,) * 8),
+    Case("dp 8", "dp", (8,)),
+]
+RANKING = [
+    Case("dp 4", "dp", (4,)),
+    Case("pipedream 1-1-1-1", "pipedream", (1, 1, 1, 1)),
+    Case("1f1b 2-1-1, M=8", "1f1b", (2, 1, 1), 8),
+    Case("gpipe 1-1-1-1, M=8", "gpipe", (1, 1, 1, 1), 8),
+    Case("gpipe 1-1-1-1, M=4", "gpipe", (1, 1, 1, 1), 4),
+    Case("gpipe 1-1, M=4", "gpipe", (1, 1), 4),
+]
+REAL = [
+    Case("one worker, M=4", "gpipe", (1,), 4),
+    Case("gpipe 1-1, M=4", "gpipe", (1, 1), 4),
+    Case("dp 2", "dp", (2,)),
+]
+REAL_ROUNDS = 3
+"""Each real case runs this many times, each right after its own profile and contention
+measurement; the table reports the median round (this machine is shared)."""
+
+
+# -- running the command line ------------------------------------------------------------------
+
+def tandem(*args: str, timeout_s: float = 600) -> str:
+    """Run ``python -m tandem ARGS`` with one thread per process; its stdout."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        env.pop(key, None)
+    done = subprocess.run([sys.executable, "-m", "tandem", *args], capture_output=True,
+                          text=True, env=env, timeout=timeout_s, cwd=ROOT)
+    if done.returncode != 0:
+        raise RuntimeError(f"tandem {' '.join(args)} failed:\n{done.stderr[-3000:]}")
+    return done.stdout
+
+
+def train_args(case: Case, plan_path: str, model: str, data: str, batch: int, steps: int) -> list[str]:
+    """``tandem train`` arguments that run ``case``."""
+    common = ["train", "--model", model, "--data", data, "--batch-size", str(batch),
+              "--steps", str(steps), "--nproc", str(case.workers), "--json", "--no-progress",
+              "--log-every", str(steps)]
+    if case.kind == "dp":
+        return [*common, "--strategy", "dp"]
+    extra = ["--microbatches", str(case.microbatches)] if case.microbatches else []
+    return [*common, "--strategy", "pipeline", "--plan", plan_path, "--schedule", case.kind, *extra]
+
+
+def measure(case: Case, plan_path: str, model: str, data: str, batch: int, steps: int,
+            tmp: Path) -> float:
+    """Measured step time of ``case``: rank 0's median step (flush schedules, DP), or for
+    PipeDream the steady-state time per minibatch on stage 0, from the run's trace."""
+    if case.kind != "pipedream":
+        out = tandem(*train_args(case, plan_path, model, data, batch, steps))
+        return float(json.loads(out.strip().splitlines()[-1])["step_time_s"])
+    rounds = math.lcm(*case.replicas)  # its allreduces pair up once per round of the replicas
+    steps = -(-max(2 * steps, 3 * (case.workers + len(case.replicas))) // rounds) * rounds
+    out_dir = tmp / f"run-{case.kind}-{'-'.join(map(str, case.replicas))}"
+    tandem(*train_args(case, plan_path, model, data, batch, steps), "--out", str(out_dir))
+    return pipedream_minibatch_s(out_dir / "trace.json", case.replicas[0], rounds, steps)
+
+
+def pipedream_minibatch_s(trace: Path, stage0_workers: int, rounds: int, steps: int) -> float:
+    """Time per minibatch between the updates of minibatches a and b on stage 0 (the middle
+    third of the run, whole rounds), as the simulator measures it."""
+    events = json.loads(trace.read_text())["traceEvents"]
+    done = {e["args"]["step"]: (e["ts"] + e["dur"]) / 1e6 for e in events
+            if e.get("ph") == "X" and e["name"].startswith("ST") and e["pid"] < stage0_workers}
+    first = max(rounds, steps // 3 // rounds * rounds)
+    last = max(first + rounds, 2 * steps // 3 // rounds * rounds)
+    return (done[last] - done[first]) / (last - first)
+
+
+def make_plan(case: Case, profile: ModelProfile) -> Plan:
+    if case.kind == "dp":
+        return data_parallel_plan(profile, case.workers)
+    return balanced_plan(profile, list(case.replicas), schedule=case.kind,
+                         num_microbatches=case.microbatches)
+
+
+# -- the cluster model of this machine ---------------------------------------------------------
+
+def ping_pong(sizes: list[int], repeats: int, tmp: Path) -> dict[int, float]:
+    """One-way seconds of a gloo message of each size between two local processes."""
+    script = tmp / "ping_pong.py"
+    script.write_text(f"""
+import json, statistics, time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+rank, out = dist.get_rank(), {{}}
+for size in {sizes!r}:
+    buf, times = torch.zeros(size // 4), []
+    for _ in range({repeats}):
+        dist.barrier()
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+        else:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+        times.append((time.perf_counter() - start) / 2)
+    out[size] = statistics.median(times)
+if rank == 0:
+    print(json.dumps(out))
+dist.destroy_process_group()
+""")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", str(script)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr[-2000:])
+    line = [x for x in done.stdout.splitlines() if x.startswith("{")][-1]
+    return {int(k): v for k, v in json.loads(line).items()}
+
+
+def local_link(tmp: Path) -> tuple[float, float]:
+    """Latency (s) and bandwidth (B/s) of a gloo message on this machine."""
+    small, large = 4096, 4 * 2**20
+    times = ping_pong([small, large], 40, tmp)
+    bandwidth = (large - small) / max(times[large] - times[small], 1e-9)
+    return times[small], bandwidth
+
+
+def allreduce_step_latency(num_workers: int, num_bytes: int, tmp: Path) -> float:
+    """Seconds per step of a gloo ring allreduce among ``num_workers`` local processes: the
+    median time of a small allreduce after a barrier, over its ``2 (n - 1)`` steps. With more
+    processes than cores every step waits for a process to be scheduled, so this grows with
+    ``n`` much faster than the point-to-point latency."""
+    script = tmp / "allreduce.py"
+    script.write_text(f"""
+import statistics, time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+buf, times = torch.zeros({num_bytes} // 4), []
+for _ in range(40):
+    dist.barrier()
+    start = time.perf_counter()
+    dist.all_reduce(buf)
+    times.append(time.perf_counter() - start)
+worst = torch.tensor([statistics.median(times)])
+dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+if dist.get_rank() == 0:
+    print("median", float(worst))
+dist.destroy_process_group()
+""")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", str(num_workers), str(script)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr[-2000:])
+    seconds = float([x for x in done.stdout.splitlines() if x.startswith("median")][-1].split()[1])
+    return seconds / (2 * (num_workers - 1))
+
+
+def local_cluster(num_devices: int, latency_s: float, bandwidth_Bps: float) -> Cluster:
+    return Cluster(levels=(Level(num_units=num_devices, bandwidth_Bps=bandwidth_Bps,
+                                 latency_s=latency_s),), name="this machine")
+
+
+def action_overhead(profile: ModelProfile, model: str, data: str, batch: int, steps: int,
+                    cluster: Cluster, tmp: Path) -> float:
+    """Seconds the runtime adds to each forward or backward beyond the profiled time (sleep
+    overshoot, autograd and engine bookkeeping): one worker runs the whole model as a single
+    stage with 8 micro-batches; the difference from the simulated step, per computation."""
+    case = Case("calibration", "gpipe", (1,), 8)
+    plan = make_plan(case, profile)
+    plan_path = tmp / "plan-calibration.json"
+    plan.save(str(plan_path))
+    measured = measure(case, str(plan_path), model, data, batch, steps, tmp)
+    simulated = simulate(plan, profile, cluster, SimOptions(record=False)).step_time_s
+    return max(0.0, (measured - simulated) / (2 * 8))
+
+
+# -- the parts ---------------------------------------------------------------------------------
+
+def scaled_vgg(scale: float, path: Path) -> ModelProfile:
+    """VGG-16's profile with times x ``scale`` and sizes x ``BYTES_SCALE``, as a chain."""
+    profile = load_profile(str(VGG))
+    layers = [dataclasses.replace(layer, forward_s=layer.forward_s * scale,
+                                  backward_s=layer.backward_s * scale,
+                                  activation_bytes=layer.activation_bytes * BYTES_SCALE,
+                                  parameter_bytes=layer.parameter_bytes * BYTES_SCALE)
+              for layer in profile.layers]
+    scaled = ModelProfile(layers=layers, model=f"vgg16 x{scale}", batch_size=VGG_BATCH,
+                          source="benchmarks/simulator_fidelity.py")
+    scaled.save(str(path))
+    return scaled
+
+
+def run_cases(cases: list[Case], profile: ModelProfile, model: str, data: str, batch: int,
+              steps: int, cluster_for: Any, options: SimOptions, bare: SimOptions,
+              tmp: Path, memo: dict[Case, float],
+              collective_latency: dict[int, float],
+              bare_cluster_for: Any = None) -> list[dict[str, Any]]:
+    """Simulate and run every case (a case measured before is not run again)."""
+    rows = []
+    for case in cases:
+        plan = make_plan(case, profile)
+        plan_path = tmp / f"plan-{case.kind}-{'-'.join(map(str, case.replicas))}.json"
+        plan.save(str(plan_path))
+        cluster = cluster_for(case.workers)
+        if collective_latency:
+            options = dataclasses.replace(options,
+                                          allreduce_latency_s=collective_latency.get(case.workers))
+        predicted = simulate(plan, profile, cluster, options).step_time_s
+        predicted_bare = simulate(plan, profile, (bare_cluster_for or cluster_for)(case.workers),
+                                  bare).step_time_s
+        started = time.perf_counter()
+        if case not in memo:
+            memo[case] = measure(case, str(plan_path), model, data, batch, steps, tmp)
+        measured = memo[case]
+        row = {"case": case.name, "workers": case.workers, "measured_s": measured,
+               "simulated_s": predicted, "error": predicted / measured - 1,
+               "simulated_bare_s": predicted_bare, "error_bare": predicted_bare / measured - 1,
+               "wall_s": round(time.perf_counter() - started, 1)}
+        print(f"  {case.name:<22} {case.workers:>2} workers: measured {measured * 1e3:8.1f} ms, "
+              f"simulated {predicted * 1e3:8.1f} ms ({row['error']:+.1%}; "
+              f"{row['error_bare']:+.1%} uncalibrated)", file=sys.stderr, flush=True)
+        rows.append(row)
+    return rows
+
+
+def print_table(title: str, rows: list[dict[str, Any]]) -> None:
+    print(f"\n{title}")
+    print(f"{'plan':<24} {'workers':>7} {'measured ms':>12} {'simulated ms':>13} {'error':>7} "
+          f"{'uncalibrated':>12} {'error':>7}")
+    for r in rows:
+        print(f"{r['case']:<24} {r['workers']:>7} {r['measured_s'] * 1e3:12.1f} "
+              f"{r['simulated_s'] * 1e3:13.1f} {r['error']:+7.1%} {r['simulated_bare_s'] * 1e3:12.1f} "
+              f"{r['error_bare']:+7.1%}")
+
+
+def real_profile(batch: int, tmp: Path) -> ModelProfile:
+    """The MLP profiled by ``tandem profile`` on this machine (one process, one thread), at the
+    micro-batch size the run will compute (CPU matrix products are less efficient on fewer rows,
+    which the simulator's linear scaling would miss)."""
+    path = tmp / "real.json"
+    tandem("profile", "--model", REAL_MODEL, "--data", REAL_DATA, "--batch-size", str(batch),
+           "--repeats", "15", "-o", str(path))
+    return ModelProfile.load(str(path))
+
+
+def contention_speed(num_workers: int, tmp: Path) -> float:
+    """Speed of each of ``num_workers`` single-thread processes computing at once, relative to
+    one computing alone (the same matrix products, counted for a few seconds)."""
+    script = tmp / "spin.py"
+    script.write_text("""
+import sys, time, torch
+torch.set_num_threads(1)
+a, b = torch.randn(256, 1024), torch.randn(1024, 1024)
+start = float(sys.argv[1])
+while time.time() < start:
+    time.sleep(0.001)
+count, end = 0, start + 3.0
+while time.time() < end:
+    a @ b
+    count += 1
+print(count)
+""")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def rate(processes: int) -> float:
+        start = f"{time.time() + 6.0}"
+        procs = [subprocess.Popen([sys.executable, str(script), start], env=env, text=True,
+                                  stdout=subprocess.PIPE) for _ in range(processes)]
+        counts = [int(proc.communicate(timeout=120)[0]) for proc in procs]
+        return statistics.mean(counts)
+
+    alone = rate(1)
+    return rate(num_workers) / alone
+
+
+def optimizer_rate(profile: ModelProfile) -> float:
+    """Parameter bytes per second an SGD-with-momentum step updates here (one thread)."""
+    import torch
+
+    torch.set_num_threads(1)
+    numel = int(sum(layer.parameter_bytes for layer in profile.layers) // 4)
+    param = torch.nn.Parameter(torch.zeros(numel))
+    param.grad = torch.ones(numel)
+    optimizer = torch.optim.SGD([param], lr=0.01, momentum=0.9)
+    times = []
+    for _ in range(12):
+        start = time.perf_counter()
+        optimizer.step()
+        times.append(time.perf_counter() - start)
+    return numel * 4 / statistics.median(times[2:])
+
+
+def real_part(steps: int, tmp: Path, cluster_for: Any,
+              collective: dict[int, float]) -> list[dict[str, Any]]:
+    """Each real case ``REAL_ROUNDS`` times: profile at its micro-batch, measure how fast busy
+    processes run at once, run it, simulate it; the median round per case."""
+    print("real:", file=sys.stderr)
+    rows = []
+    for case in REAL:
+        micro = REAL_BATCH // (case.workers if case.kind == "dp" else case.microbatches or 1)
+        rounds = []
+        for _ in range(REAL_ROUNDS):
+            real = real_profile(micro, tmp)
+            speed = 1.0 if case.workers == 1 else contention_speed(case.workers, tmp)
+            rate = optimizer_rate(real)
+            print(f"  profile {real.total_compute_s() * 1e3:.1f} ms per micro-batch of {micro}; "
+                  f"{case.workers} busy processes run at {speed:.2f}x; optimizer "
+                  f"{rate / 1e9:.2f} GB/s", file=sys.stderr)
+
+            def contended(n: int, speed: float = speed) -> Cluster:
+                return dataclasses.replace(cluster_for(n), speed=speed)
+
+            options = SimOptions(batch_scale=REAL_BATCH / micro, optimizer_Bps=rate, record=False)
+            bare = SimOptions(batch_scale=REAL_BATCH / micro, record=False)
+            row = run_cases([case], real, REAL_MODEL, REAL_DATA, REAL_BATCH, steps, contended,
+                            options, bare, tmp, {}, collective, cluster_for)[0]
+            row.update(speed=speed, optimizer_Bps=rate, profile_s=real.total_compute_s(),
+                       profile_batch=micro)
+            rounds.append(row)
+        rounds.sort(key=lambda r: r["error"])
+        median = dict(rounds[len(rounds) // 2])
+        median["rounds_error"] = [r["error"] for r in rounds]
+        rows.append(median)
+    print_table(f"real: {REAL_MODEL} on the CPU, 1-2 workers of one thread (median of "
+                f"{REAL_ROUNDS} rounds)", rows)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--parts", default="emulated,ranking,real")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--scale", type=float, default=2.0,
+                        help="factor on VGG-16's profiled times (default 2: ~0.3-0.9 s steps)")
+    args = parser.parse_args()
+    parts = args.parts.split(",")
+    summary: dict[str, Any] = {"steps": args.steps, "scale": args.scale}
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        latency_s, bandwidth_Bps = local_link(tmp)
+        print(f"gloo link here: {latency_s * 1e6:.0f} us latency, {bandwidth_Bps / 1e9:.2f} GB/s",
+              file=sys.stderr, flush=True)
+        summary["link"] = {"latency_s": latency_s, "bandwidth_Bps": bandwidth_Bps}
+        profile = scaled_vgg(args.scale, tmp / "vgg.json")
+        model = f"emulated:profile={tmp / 'vgg.json'},params=profiled,scale=1"
+
+        def cluster_for(n: int) -> Cluster:
+            return local_cluster(max(n, 2), latency_s, bandwidth_Bps)
+
+        memo: dict[Case, float] = {}
+        collective = {n: allreduce_step_latency(n, 55544, tmp) for n in (2, 3, 4, 8)}
+        print("allreduce step latency here: " + ", ".join(
+            f"{n} workers {v * 1e3:.2f} ms" for n, v in collective.items()), file=sys.stderr)
+        summary["allreduce_step_latency_s"] = collective
+        if "emulated" in parts or "ranking" in parts:
+            overhead = action_overhead(profile, model, "digits", VGG_BATCH, args.steps,
+                                       cluster_for(1), tmp)
+            print(f"runtime cost per forward/backward: {overhead * 1e3:.2f} ms", file=sys.stderr)
+            summary["action_overhead_s"] = overhead
+            options = SimOptions(compute_overhead_s=overhead, record=False)
+            bare = SimOptions(record=False)
+        for part, cases in (("emulated", EMULATED), ("ranking", RANKING)):
+            if part not in parts:
+                continue
+            print(f"{part}:", file=sys.stderr)
+            rows = run_cases(cases, profile, model, "digits", VGG_BATCH, args.steps, cluster_for,
+                             options, bare, tmp, memo, collective)
+            print_table(f"{part}: VGG-16 profile on the emulated model (times x{args.scale})", rows)
+            summary[part] = rows
+        if "real" in parts:
+            summary["real"] = real_part(args.steps, tmp, cluster_for, collective)
+    summary.update(_verdicts(summary))
+    print(json.dumps(summary))
+
+
+def _verdicts(summary: dict[str, Any]) -> dict[str, Any]:
+    verdict: dict[str, Any] = {}
+    if "emulated" in summary:
+        verdict["emulated_max_error"] = max(abs(r["error"]) for r in summary["emulated"])
+        verdict["emulated_within_5pct"] = verdict["emulated_max_error"] <= 0.05
+    if "ranking" in summary:
+        rows = summary["ranking"]
+        by_sim = [r["case"] for r in sorted(rows, key=lambda r: r["simulated_s"])]
+        by_measured = [r["case"] for r in sorted(rows, key=lambda r: r["measured_s"])]
+        verdict["ranking_simulated"] = by_sim
+        verdict["ranking_measured"] = by_measured
+        verdict["ranking_matches"] = by_sim == by_measured
+    if "real" in summary:
+        verdict["real_max_error"] = max(abs(r["error"]) for r in summary["real"])
+        verdict["real_within_15pct"] = verdict["real_max_error"] <= 0.15
+    return verdict
+
+
+if __name__ == "__main__":
+    main()
