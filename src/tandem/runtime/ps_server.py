@@ -99,20 +99,20 @@ class ParameterServer:
 
     # -- messages --------------------------------------------------------------------------------
 
-    def _receive(self, poll: bool) -> tuple[int, torch.Tensor, torch.Tensor | None]:
+    def _receive(self, poll: bool) -> tuple[int, torch.Tensor, torch.Tensor | None] | None:
         """The next message from any worker: (sender, header, gradient shard of a push).
 
-        With ``poll``, checks every ``LIVENESS_EVERY_S`` which workers went silent while waiting.
+        With ``poll``, gives up after ``LIVENESS_EVERY_S`` to check which workers went silent,
+        and returns None.
         """
-        while True:
-            try:
-                item = self.mailbox.get(timeout=LIVENESS_EVERY_S if poll else None)
-            except queue.Empty:
-                self._check_liveness()
-                continue
-            if isinstance(item, BaseException):
-                raise item
-            return item
+        try:
+            item = self.mailbox.get(timeout=LIVENESS_EVERY_S if poll else None)
+        except queue.Empty:
+            self._check_liveness()
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        return item
 
     def _reply(self, worker: int, stop: bool = False) -> None:
         try:
@@ -188,8 +188,9 @@ class ParameterServer:
         self.started = time.perf_counter()
         self.waiting: list[int] = []
         while self.version < self.config.steps:
-            sender, message, gradient = self._receive(poll=self.config.ps_mode != "sync")
-            self._handle(sender, message, gradient)
+            received = self._receive(poll=self.config.ps_mode != "sync")
+            if received is not None:
+                self._handle(*received)
         self._stop_all()
 
     def _handle(self, sender: int, message: torch.Tensor, gradient: torch.Tensor | None) -> None:
@@ -246,7 +247,10 @@ class ParameterServer:
         """After the last update: answer every remaining message with 'stop' until all are done."""
         self._release_waiting()
         while set(self.workers) - self.finished - self.dead:
-            sender, message, _ = self._receive(poll=self.config.ps_mode != "sync")
+            received = self._receive(poll=self.config.ps_mode != "sync")
+            if received is None:
+                continue
+            sender, message, _ = received
             if message[0] == protocol.BYE:
                 self.finished.add(sender)
             elif message[0] in (protocol.PUSH, protocol.PULL):

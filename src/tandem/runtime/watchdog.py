@@ -11,6 +11,9 @@ import torch.distributed as dist
 from tandem.errors import WorkerFailure
 
 PERIOD_S = 0.5
+SILENT_AFTER_S = 10.0
+"""A worker whose heartbeat is older than this is taken for dead or hung (a loaded machine can
+delay a heartbeat thread by seconds, so this is generous)."""
 
 
 class Heartbeat:
@@ -25,6 +28,8 @@ class Heartbeat:
         self.world_size = world_size
         self.step = 0
         self.phase = "start"
+        self._lock = threading.Lock()
+        """Serializes this process's use of the store client between the threads."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="tandem-heartbeat", daemon=True)
 
@@ -37,31 +42,36 @@ class Heartbeat:
         self._stop.set()
 
     def _publish(self) -> None:
-        self.store.set(f"tandem/heartbeat/{self.rank}", f"{self.step} {self.phase} {time.time()}")
+        with self._lock:
+            self.store.set(f"tandem/heartbeat/{self.rank}", f"{self.step} {self.phase} {time.time()}")
 
     def _beat(self) -> None:
+        failures = 0
         while not self._stop.wait(PERIOD_S):
             try:
                 self._publish()
-            except Exception:  # noqa: BLE001 - the store is gone: the job is ending
-                return
+                failures = 0
+            except Exception:  # noqa: BLE001 - a busy store; give up only if it is gone
+                failures += 1
+                if failures * PERIOD_S > SILENT_AFTER_S:
+                    return
 
     def silent(self, ranks: list[int]) -> set[int]:
         """The ranks among ``ranks`` whose heartbeat stopped (dead or hung)."""
         beats, now = self.read_beats(), time.time()
-        return {r for r in ranks if r in beats and now - beats[r][2] > 4 * PERIOD_S}
+        return {r for r in ranks if r in beats and now - beats[r][2] > SILENT_AFTER_S}
 
     def diagnose(self, error: BaseException) -> WorkerFailure:
         """Explain a failed collective by naming the workers that fell silent or behind."""
         beats = self.read_beats()
         now = time.time()
         silent = [r for r in range(self.world_size) if r != self.rank
-                  and (r not in beats or now - beats[r][2] > 4 * PERIOD_S)]
+                  and (r not in beats or now - beats[r][2] > SILENT_AFTER_S)]
         here = f"rank {self.rank} gave up waiting at step {self.step} ({self.phase})"
         if silent:
             ranks = ", ".join(map(str, silent))
             return WorkerFailure(f"worker rank {ranks} stopped responding (no heartbeat for "
-                                 f"{4 * PERIOD_S:g}+ s); {here}")
+                                 f"{SILENT_AFTER_S:g}+ s); {here}")
         mine = _progress(self.step, self.phase)
         behind = [r for r in beats if r != self.rank and _progress(*beats[r][:2]) < mine]
         if behind:
@@ -78,9 +88,10 @@ class Heartbeat:
         for rank in range(self.world_size):
             key = f"tandem/heartbeat/{rank}"
             try:
-                if not self.store.check([key]):
-                    continue
-                step, phase, stamp = self.store.get(key).decode().split()
+                with self._lock:
+                    if not self.store.check([key]):
+                        continue
+                    step, phase, stamp = self.store.get(key).decode().split()
             except Exception:  # noqa: BLE001 - an unreadable beat is itself the diagnosis
                 continue
             beats[rank] = (int(step), phase, float(stamp))
