@@ -5,18 +5,21 @@ block, and train it on the same global batches with the same number of micro-bat
 same schedule (GPipe, then 1F1B with a flush), with SGD and momentum. tandem's side is its real
 training loop (``PipelineTrainer.train_steps``: sampling, micro-batching, tracing, logging); the
 reference is a ``PipelineStage`` driven by ``ScheduleGPipe`` / ``Schedule1F1B`` plus the
-optimizer step. Both run inside the same two processes, alternating blocks of steps, so the
-machine's background load hits both alike; the ratio is taken per block and its median
-reported. Prints a table, then one JSON object on the last line.
+optimizer step. Both run inside the same two processes, alternating short blocks of steps
+(which goes first alternates too), so the machine's background load hits both alike; the
+ratio is taken per pair of blocks and its median reported, with the CPU time per step of
+both workers together (all threads) as a less load-sensitive second measure. Prints a table,
+then one JSON object on the last line.
 
-    .venv/bin/python benchmarks/pipeline_vs_torch.py [--blocks 11] [--block-steps 20]
-    .venv/bin/python benchmarks/pipeline_vs_torch.py --model gpt:layers=4,dim=128 \
-        --data tokens:n=1280,seq=64,vocab=128 --batch-size 64
+    .venv/bin/python benchmarks/pipeline_vs_torch.py [--blocks 31] [--block-steps 10]
+    .venv/bin/python benchmarks/pipeline_vs_torch.py --model gpt:layers=4,dim=64 \
+        --data tokens:n=1280,seq=32,vocab=64 --batch-size 32
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -111,19 +114,30 @@ def worker(args: argparse.Namespace) -> None:
         for block in range(args.blocks):
             first, last = block * args.block_steps, (block + 1) * args.block_steps
             for kind, (tandem, reference) in runners.items():
-                pair = (timed_block(tandem, first, last), timed_block(reference, first, last))
+                if block % 2:  # alternate which goes first, so a trend in load favours neither
+                    torch_s = timed_block(reference, first, last)
+                    pair = (timed_block(tandem, first, last), torch_s)
+                else:
+                    pair = (timed_block(tandem, first, last), timed_block(reference, first, last))
                 if block > 0:
                     results[kind].append(pair)
+        del tandem, reference
+        runners.clear()  # release both pipelines' pending work before the groups go
+        gc.collect()
     if env.rank == 0:
         print(json.dumps(results), flush=True)
     dist.barrier()
     dist.destroy_process_group()
+    # Skip interpreter finalization: a gloo work object freed during it can abort the process
+    # ("terminate called without an active exception"; pytorch/pytorch#179291 discusses it).
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--blocks", type=int, default=11, help="blocks of each (first is warm-up)")
-    parser.add_argument("--block-steps", type=int, default=20)
+    parser.add_argument("--blocks", type=int, default=31, help="blocks of each (first is warm-up)")
+    parser.add_argument("--block-steps", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--model", default=MODEL)
