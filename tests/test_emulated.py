@@ -7,6 +7,7 @@ to catch a wrong factor), since this machine's other processes can delay any wak
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -34,7 +35,7 @@ def write_profile(path: Path, *, batch_size: int | None = 8) -> str:
     return str(path / "profile.json")
 
 
-def timed(fn) -> float:  # type: ignore[no-untyped-def]
+def timed(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
@@ -55,7 +56,8 @@ def test_token_data_gets_logits_per_position(tmp_path: Path) -> None:
     model = build_model(f"emulated:profile={write_profile(tmp_path)},scale=0", TOKENS.info)
     logits = model(TOKENS.train.inputs[:3])
     assert logits.shape == (3, 6, 11)
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 11), TOKENS.train.targets[:3].reshape(-1))
+    targets = TOKENS.train.targets[:3].reshape(-1)
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 11), targets)
     loss.backward()
     assert model[-1].weight.grad is not None and model[-1].weight.grad.abs().sum() > 0
 
