@@ -99,6 +99,10 @@ def check_config(config: TrainConfig) -> None:
         )
     if not under_launcher():
         config.check_world(config.nproc)
+        if config.strategy == "gossip":
+            from tandem.topology import build_topology, mixing_matrix
+
+            mixing_matrix(build_topology(config.topology, config.nproc), config.mixing)
         if config.strategy == "pipeline":
             from tandem.runtime.pipeline.setup import pipeline_setup
 
