@@ -36,6 +36,8 @@ def add_train_arguments(parser: argparse.ArgumentParser, defaults: TrainConfig) 
     add("--topology", default=defaults.topology,
         help="gossip: ring, torus, exponential, complete, custom:0-1,1-2,...")
     add("--weights", dest="mixing", default=defaults.mixing, help="gossip: uniform or metropolis")
+    add("--async-gossip", dest="asynchronous_gossip", action="store_true",
+        help="gossip: AD-PSGD, asynchronous pairwise averaging (needs a bipartite topology)")
     add("--period", type=int, default=defaults.period,
         help="localsgd: average every H steps; easgd: elastic update period tau")
     add("--rho", type=float, default=defaults.rho, help="easgd: elasticity (moving rate lr*rho)")

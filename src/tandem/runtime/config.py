@@ -50,6 +50,8 @@ class TrainConfig:
     """``gossip``: ring, torus, exponential, complete or custom:0-1,1-2,..."""
     mixing: str = "metropolis"
     """``gossip``: mixing weights, ``uniform`` or ``metropolis``."""
+    asynchronous_gossip: bool = False
+    """``gossip``: AD-PSGD — pairwise averaging with a random neighbour, no global rounds."""
     period: int = 4
     """``localsgd``: average every this many steps; ``easgd``: elastic update period (tau)."""
     rho: float = 1.0
