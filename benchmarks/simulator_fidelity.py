@@ -1,9 +1,10 @@
 """Simulator fidelity: predicted vs measured step time for GPipe, 1F1B, PipeDream and DP.
 
 Every measurement is a real run of the command line (``tandem train ... --json``, whose
-``step_time_s`` is rank 0's median step after two warm-up steps); every prediction simulates the
-same plan on a cluster model of this machine (``tandem.planning.simulate``, the library behind
-``tandem simulate``). Three parts:
+``step_time_s`` is rank 0's median step after two warm-up steps; for PipeDream's schedule the
+steady-state time per minibatch on stage 0, from the run's ``trace.json``), the best of three runs;
+every prediction simulates the same plan on a cluster model of this machine
+(``tandem.planning.simulate``, the library behind ``tandem simulate``). Three parts:
 
 - ``emulated``: PipeDream's VGG-16 profile played by the emulated model (each block sleeps its
   profiled time, so 2-8 workers on this 2-core machine behave like devices: sleeping workers do
@@ -11,18 +12,20 @@ same plan on a cluster model of this machine (``tandem.planning.simulate``, the 
 - ``ranking``: six plans of that model on four devices, in the order the simulator ranks them;
   target: the measured order is the same.
 - ``real``: a real MLP on the CPU with one and two workers of one thread each (target 15%),
-  profiled by ``tandem profile`` right before each run. Busy processes share this machine's ~1.25
-  cores (and other users' load), so the speed of two processes computing at once relative to one
-  is measured right before each two-worker run and given to the simulator as the devices' speed;
-  optimizer steps are timed on the same parameters.
+  profiled by ``tandem profile`` at the run's micro-batch size right before each run. Busy
+  processes share this machine's ~1.25 cores (and other users' load), so the speed of two
+  processes computing at once relative to one is measured right before each two-worker run and
+  given to the simulator as the devices' speed; optimizer steps are timed on the same
+  parameters. Each quantity is taken at its best of three.
 
 The cluster model of this machine is measured first, not assumed: the latency and bandwidth of a
 gloo message between two local processes (ping-pong); the time per step of a small gloo allreduce
 among 2, 3, 4 and 8 processes (with more processes than cores each step waits for a process to be
 scheduled: ~0.2 ms per step with 2, ~1 ms with 8); and the runtime's cost per forward or backward
 beyond the profiled time (one worker running the whole emulated model as one stage of 8
-micro-batches: measured minus simulated step, per computation). Results are shown with these
-calibrations and without them ("uncalibrated": link latency and bandwidth only).
+micro-batches: measured minus simulated step, per computation). Calibrated predictions use
+gloo's algorithm (ring allreduce); "uncalibrated" ones use link latency and bandwidth only and the
+default algorithm choice.
 
     .venv/bin/python benchmarks/simulator_fidelity.py [--parts emulated,ranking,real]
         [--steps 10] [--scale 2]
@@ -60,6 +63,9 @@ VGG_BATCH = 128
 floats)."""
 BYTES_SCALE = 1e-4
 """Activation and parameter sizes are scaled down so that CPU gloo moves them quickly."""
+REPEATS = 3
+"""Every measurement (runs and calibrations) is the best of this many: other users' load only
+ever slows this machine down, and the simulator predicts a machine of one's own."""
 REAL_MODEL = "mlp:hidden=1024,layers=6"
 REAL_DATA = "images:n=4096,size=16,channels=3"
 REAL_BATCH = 256
@@ -106,9 +112,6 @@ REAL = [
     Case("gpipe 1-1, M=4", "gpipe", (1, 1), 4),
     Case("dp 2", "dp", (2,)),
 ]
-REAL_ROUNDS = 3
-"""Each real case runs this many times, each right after its own profile and contention
-measurement; the table reports the median round (this machine is shared)."""
 
 
 # -- running the command line ------------------------------------------------------------------
@@ -207,9 +210,10 @@ dist.destroy_process_group()
 def local_link(tmp: Path) -> tuple[float, float]:
     """Latency (s) and bandwidth (B/s) of a gloo message on this machine."""
     small, large = 4096, 4 * 2**20
-    times = ping_pong([small, large], 40, tmp)
-    bandwidth = (large - small) / max(times[large] - times[small], 1e-9)
-    return times[small], bandwidth
+    runs = [ping_pong([small, large], 40, tmp) for _ in range(REPEATS)]
+    latency = min(times[small] for times in runs)
+    transfer = min(times[large] for times in runs)
+    return latency, (large - small) / max(transfer - latency, 1e-9)
 
 
 def allreduce_step_latency(num_workers: int, num_bytes: int, tmp: Path) -> float:
@@ -257,7 +261,8 @@ def action_overhead(profile: ModelProfile, model: str, data: str, batch: int, st
     plan = make_plan(case, profile)
     plan_path = tmp / "plan-calibration.json"
     plan.save(str(plan_path))
-    measured = measure(case, str(plan_path), model, data, batch, steps, tmp)
+    measured = min(measure(case, str(plan_path), model, data, batch, steps, tmp)
+                   for _ in range(REPEATS))
     simulated = simulate(plan, profile, cluster, SimOptions(record=False)).step_time_s
     return max(0.0, (measured - simulated) / (2 * 8))
 
@@ -298,7 +303,8 @@ def run_cases(cases: list[Case], profile: ModelProfile, model: str, data: str, b
                                   bare).step_time_s
         started = time.perf_counter()
         if case not in memo:
-            memo[case] = measure(case, str(plan_path), model, data, batch, steps, tmp)
+            memo[case] = min(measure(case, str(plan_path), model, data, batch, steps, tmp)
+                             for _ in range(REPEATS))
         measured = memo[case]
         row = {"case": case.name, "workers": case.workers, "measured_s": measured,
                "simulated_s": predicted, "error": predicted / measured - 1,
@@ -325,7 +331,7 @@ def real_profile(batch: int, tmp: Path) -> ModelProfile:
     """The MLP profiled by ``tandem profile`` on this machine (one process, one thread), at the
     micro-batch size the run will compute (CPU matrix products are less efficient on fewer rows,
     which the simulator's linear scaling would miss)."""
-    path = tmp / "real.json"
+    path = _profile_path(batch, tmp)
     tandem("profile", "--model", REAL_MODEL, "--data", REAL_DATA, "--batch-size", str(batch),
            "--repeats", "15", "-o", str(path))
     return ModelProfile.load(str(path))
@@ -380,38 +386,59 @@ def optimizer_rate(profile: ModelProfile) -> float:
 
 def real_part(steps: int, tmp: Path, cluster_for: Any,
               collective: dict[int, float]) -> list[dict[str, Any]]:
-    """Each real case ``REAL_ROUNDS`` times: profile at its micro-batch, measure how fast busy
-    processes run at once, run it, simulate it; the median round per case."""
+    """Each real case ``REPEATS`` times, each run right after a profile at its micro-batch and a
+    measurement of how fast busy processes run at once; every quantity is then taken at its
+    least loaded (fastest layer times, highest speed, fastest run) and the case simulated."""
     print("real:", file=sys.stderr)
     rows = []
     for case in REAL:
         micro = REAL_BATCH // (case.workers if case.kind == "dp" else case.microbatches or 1)
-        rounds = []
-        for _ in range(REAL_ROUNDS):
-            real = real_profile(micro, tmp)
-            speed = 1.0 if case.workers == 1 else contention_speed(case.workers, tmp)
-            rate = optimizer_rate(real)
-            print(f"  profile {real.total_compute_s() * 1e3:.1f} ms per micro-batch of {micro}; "
-                  f"{case.workers} busy processes run at {speed:.2f}x; optimizer "
-                  f"{rate / 1e9:.2f} GB/s", file=sys.stderr)
-
-            def contended(n: int, speed: float = speed) -> Cluster:
-                return dataclasses.replace(cluster_for(n), speed=speed)
-
-            options = SimOptions(batch_scale=REAL_BATCH / micro, optimizer_Bps=rate, record=False)
-            bare = SimOptions(batch_scale=REAL_BATCH / micro, record=False)
-            row = run_cases([case], real, REAL_MODEL, REAL_DATA, REAL_BATCH, steps, contended,
-                            options, bare, tmp, {}, collective, cluster_for)[0]
-            row.update(speed=speed, optimizer_Bps=rate, profile_s=real.total_compute_s(),
-                       profile_batch=micro)
-            rounds.append(row)
-        rounds.sort(key=lambda r: r["error"])
-        median = dict(rounds[len(rounds) // 2])
-        median["rounds_error"] = [r["error"] for r in rounds]
-        rows.append(median)
-    print_table(f"real: {REAL_MODEL} on the CPU, 1-2 workers of one thread (median of "
-                f"{REAL_ROUNDS} rounds)", rows)
+        profiles = [real_profile(micro, tmp)]
+        plan = make_plan(case, profiles[0])
+        plan_path = tmp / f"real-plan-{case.kind}-{case.workers}.json"
+        plan.save(str(plan_path))
+        speeds: list[float] = []
+        rates: list[float] = []
+        measured: list[float] = []
+        for repeat in range(REPEATS):
+            if repeat:
+                profiles.append(real_profile(micro, tmp))
+            speeds.append(1.0 if case.workers == 1 else contention_speed(case.workers, tmp))
+            rates.append(optimizer_rate(profiles[-1]))
+            measured.append(measure(case, str(plan_path), REAL_MODEL, REAL_DATA, REAL_BATCH,
+                                    steps, tmp))
+            print(f"  {case.name}: profile {profiles[-1].total_compute_s() * 1e3:.1f} ms per "
+                  f"micro-batch of {micro}, {case.workers} busy processes at {speeds[-1]:.2f}x, "
+                  f"run {measured[-1] * 1e3:.1f} ms", file=sys.stderr, flush=True)
+        profile = _fastest(profiles)
+        cluster = dataclasses.replace(cluster_for(case.workers), speed=max(speeds))
+        options = SimOptions(batch_scale=REAL_BATCH / micro, optimizer_Bps=max(rates),
+                             allreduce="ring", record=False,
+                             allreduce_latency_s=collective.get(case.workers))
+        bare = SimOptions(batch_scale=REAL_BATCH / micro, record=False)
+        predicted = simulate(plan, profile, cluster, options).step_time_s
+        predicted_bare = simulate(plan, profile, cluster_for(case.workers), bare).step_time_s
+        best = min(measured)
+        rows.append({"case": case.name, "workers": case.workers, "measured_s": best,
+                     "simulated_s": predicted, "error": predicted / best - 1,
+                     "simulated_bare_s": predicted_bare, "error_bare": predicted_bare / best - 1,
+                     "speed": max(speeds), "optimizer_Bps": max(rates), "profile_batch": micro,
+                     "profile_s": profile.total_compute_s(), "runs_s": measured,
+                     "speeds": speeds})
+    print_table(f"real: {REAL_MODEL} on the CPU, 1-2 workers of one thread", rows)
     return rows
+
+
+def _profile_path(batch: int, tmp: Path) -> Path:
+    return tmp / f"real-{batch}.json"
+
+
+def _fastest(profiles: list[ModelProfile]) -> ModelProfile:
+    """Every layer at its fastest over several profiles of the same model."""
+    layers = [dataclasses.replace(group[0], forward_s=min(l.forward_s for l in group),
+                                  backward_s=min(l.backward_s for l in group))
+              for group in zip(*(p.layers for p in profiles))]
+    return dataclasses.replace(profiles[0], layers=layers)
 
 
 def main() -> None:
@@ -436,7 +463,8 @@ def main() -> None:
             return local_cluster(max(n, 2), latency_s, bandwidth_Bps)
 
         memo: dict[Case, float] = {}
-        collective = {n: allreduce_step_latency(n, 55544, tmp) for n in (2, 3, 4, 8)}
+        collective = {n: min(allreduce_step_latency(n, 55544, tmp) for _ in range(REPEATS))
+                      for n in (2, 3, 4, 8)}
         print("allreduce step latency here: " + ", ".join(
             f"{n} workers {v * 1e3:.2f} ms" for n, v in collective.items()), file=sys.stderr)
         summary["allreduce_step_latency_s"] = collective
@@ -445,7 +473,7 @@ def main() -> None:
                                        cluster_for(1), tmp)
             print(f"runtime cost per forward/backward: {overhead * 1e3:.2f} ms", file=sys.stderr)
             summary["action_overhead_s"] = overhead
-            options = SimOptions(compute_overhead_s=overhead, record=False)
+            options = SimOptions(compute_overhead_s=overhead, allreduce="ring", record=False)
             bare = SimOptions(record=False)
         for part, cases in (("emulated", EMULATED), ("ranking", RANKING)):
             if part not in parts:

@@ -122,7 +122,9 @@ def result_dict(found: SearchResult) -> dict[str, Any]:
     refs = {"data_parallel": found.data_parallel, "partitioner": found.partitioner}
     data: dict[str, Any] = {
         "config": found.best.plan.config, "schedule": found.best.plan.schedule,
-        "num_microbatches": found.best.result.num_microbatches, "step_time_s": step,
+        "num_microbatches": (None if found.best.plan.schedule == "pipedream"
+                             else found.best.result.num_microbatches),
+        "step_time_s": step,
         "best": _candidate_dict(found.best),
         "iterations": found.iterations, "evaluated": found.evaluated,
         "accepted": found.accepted, "elapsed_s": found.elapsed_s,
