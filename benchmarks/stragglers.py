@@ -1,5 +1,5 @@
 """Stragglers: steps per second of sync allreduce, parameter servers with a backup worker,
-asynchronous parameter servers and gossip on a ring, each with one of 4 workers slowed 4x,
+asynchronous parameter servers, gossip on a ring (D-PSGD and AD-PSGD), each with one of 4 workers slowed 4x,
 relative to the same strategy without the straggler.
 
 Compute is emulated (layers that sleep their profiled time), so the 4 workers do not compete
@@ -26,6 +26,7 @@ STRATEGIES = {
     "ps sync, backup 1": ("--strategy", "ps", "--nproc", "5", "--servers", "1", "--backup", "1"),
     "ps async": ("--strategy", "ps", "--nproc", "5", "--servers", "1", "--mode", "async"),
     "gossip ring": ("--strategy", "gossip", "--nproc", "4", "--topology", "ring"),
+    "ad-psgd ring": ("--strategy", "gossip", "--async-gossip", "--nproc", "4"),
 }
 
 

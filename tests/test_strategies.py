@@ -31,6 +31,7 @@ ACCURACY_RUNS = {
     "ps ssp": ("--strategy", "ps", "--nproc", "5", "--servers", "1", "--mode", "ssp",
                "--staleness", "1", "--momentum", "0", "--lr", "0.1"),
     "gossip ring": ("--strategy", "gossip", "--nproc", "4", "--topology", "ring"),
+    "ad-psgd ring": ("--strategy", "gossip", "--async-gossip", "--nproc", "4"),
     "easgd": ("--strategy", "easgd", "--nproc", "4", "--period", "4", "--rho", "1"),
     "localsgd": ("--strategy", "localsgd", "--nproc", "4", "--period", "8"),
 }
@@ -75,6 +76,9 @@ BAD = {
                                 "--servers 2 leaves no workers"),
     "backup in async mode": (("--strategy", "ps", "--nproc", "4", "--mode", "async",
                               "--backup", "1"), "--backup applies to --mode sync only"),
+    "ad-psgd on an odd ring": (("--strategy", "gossip", "--async-gossip", "--nproc", "3",
+                                "--batch-size", "63"),
+                               "needs a bipartite topology"),
     "bad straggler": (("--straggler", "one:4"), "--straggler 'one:4' is not RANK:FACTOR"),
     "unknown ps mode": (("--strategy", "ps", "--nproc", "3", "--mode", "eventual"),
                         "--mode 'eventual' is not one of"),

@@ -41,6 +41,9 @@ def add_train_arguments(parser: argparse.ArgumentParser, defaults: TrainConfig) 
     add("--period", type=int, default=defaults.period,
         help="localsgd: average every H steps; easgd: elastic update period tau")
     add("--rho", type=float, default=defaults.rho, help="easgd: elasticity (moving rate lr*rho)")
+    add("--compress", default=None, metavar="CODEC[:k=v]",
+        help="dp: gradient compression: fp16, bf16, qsgd:levels=7, sign, topk:ratio=0.01, "
+        "randk:ratio=0.01, powersgd:rank=2 (see docs/compression.md)")
     add("--straggler", default=None, help="RANK:FACTOR: slow one worker down FACTOR times")
     add("--nproc", type=int, default=defaults.nproc,
         help="local worker processes (ignored under torchrun)")
@@ -99,12 +102,22 @@ def check_config(config: TrainConfig) -> None:
             f"unknown strategy {config.strategy!r}; "
             f"choose one of: {', '.join(sorted((*STRATEGIES, 'pipeline')))}"
         )
+    if config.compress is not None:
+        from tandem.compress import check_compress
+
+        check_compress(config.compress, strategy=config.strategy,
+                       sgd_momentum=config.momentum if config.optimizer == "sgd" else 0.0)
     if not under_launcher():
         config.check_world(config.nproc)
         if config.strategy == "gossip":
             from tandem.topology import build_topology, mixing_matrix
 
-            mixing_matrix(build_topology(config.topology, config.nproc), config.mixing)
+            graph = build_topology(config.topology, config.nproc)
+            mixing_matrix(graph, config.mixing)
+            if config.asynchronous_gossip:
+                from tandem.sync.gossip import two_colouring
+
+                two_colouring(graph)
         if config.strategy == "pipeline":
             from tandem.runtime.pipeline.setup import pipeline_setup
 

@@ -82,6 +82,9 @@ class BaseTrainer(abc.ABC):
         self.clock_start = time.perf_counter()
         self.loss_total = torch.zeros((), device=env.device)
         self.loss = math.nan
+        self.collective_logging = True
+        """False for strategies without global rounds: each worker logs its own loss."""
+        self.local_predictions = 0
         self.logged = 0
         self.reporter = Reporter(enabled=False, show_progress=False, metrics_path=None,
                                  total_steps=config.steps, first_step=0)
@@ -105,6 +108,9 @@ class BaseTrainer(abc.ABC):
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model's state under its own names on rank 0 (None elsewhere); collective."""
 
+    def end_training(self) -> None:
+        """Called on every worker after the last step, before evaluation (may be collective)."""
+
     def save_checkpoint(self, step: int) -> None:
         """Save a checkpoint after ``step`` steps (collective); default: none."""
 
@@ -124,6 +130,7 @@ class BaseTrainer(abc.ABC):
         )
         with self.reporter:
             self.train_steps(self.first_step, last_step)
+            self.end_training()
             evaluation = self.evaluate()
             self.reporter.record(step=last_step, **evaluation)
         finished = last_step == config.steps
@@ -163,7 +170,12 @@ class BaseTrainer(abc.ABC):
             ))
 
     def _global_loss(self, steps: range) -> float:
-        """Mean loss per prediction over the global batches of ``steps``."""
+        """Mean loss per prediction over the global batches of ``steps`` (this worker's share
+        of them without collective logging)."""
+        if not self.collective_logging:
+            loss = float(self.loss_total) / max(self.local_predictions, 1)
+            self.local_predictions = 0
+            return loss
         count = sum(len(self.sampler.global_indices(s)) for s in steps) * self.predictions_per_sample
         total = self.loss_total.clone()
         dist.all_reduce(total)

@@ -56,6 +56,8 @@ class TrainConfig:
     """``localsgd``: average every this many steps; ``easgd``: elastic update period (tau)."""
     rho: float = 1.0
     """``easgd``: elasticity; the moving rate is ``lr * rho``."""
+    compress: str | None = None
+    """Gradient compression ``CODEC[:k=v,...]``, e.g. ``topk:ratio=0.01`` (``dp`` only for now)."""
     straggler: str | None = None
     """``RANK:FACTOR``: worker RANK takes FACTOR times as long for each step (experiments)."""
     nproc: int = 1

@@ -102,6 +102,7 @@ class Trainer(BaseTrainer):
         straggler = config.straggler_factor()
         self.slowdown = straggler[1] if straggler and straggler[0] == env.rank else 1.0
         self.stopped = False
+        self.collective_logging = self.strategy.synchronous
         checkpoint = self._load_checkpoint()
         if checkpoint is not None:
             model.load_state_dict(checkpoint["model"])
@@ -157,6 +158,7 @@ class Trainer(BaseTrainer):
                 time.sleep((self.slowdown - 1.0) * (time.perf_counter() - t0))
         t2 = time.perf_counter()
         self.beat.phase = "step"
+        self.local_predictions += len(indices) * self.predictions_per_sample
         self.strategy.record_loss(loss_total, len(indices) * self.predictions_per_sample)
         self.stopped = self.strategy.update(self.module, self.optimizer, step)
         if self.strategy.local_optimizer:
@@ -175,6 +177,10 @@ class Trainer(BaseTrainer):
         dist.all_reduce(totals)
         correct, loss, count = totals.tolist()
         return {"test_accuracy": correct / count, "test_loss": loss / count}
+
+    def end_training(self) -> None:
+        self.strategy.finish()
+        self.strategy.consensus(self.module)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         if self.env.rank != 0:

@@ -12,10 +12,10 @@ from tandem.errors import UsageError
 from tandem.sync.allreduce import AllReduce
 from tandem.sync.averaging import ElasticAveraging, LocalSGD
 from tandem.sync.base import SyncStrategy
-from tandem.sync.gossip import Gossip, GossipMixer
+from tandem.sync.gossip import AsyncGossip, Gossip, GossipMixer
 from tandem.sync.parameter_server import ParameterServerClient
 
-__all__ = ["STRATEGIES", "AllReduce", "ElasticAveraging", "Gossip", "LocalSGD",
+__all__ = ["STRATEGIES", "AllReduce", "AsyncGossip", "ElasticAveraging", "Gossip", "LocalSGD",
            "ParameterServerClient", "SyncStrategy", "build_strategy"]
 
 STRATEGIES = ("dp", "ps", "gossip", "easgd", "localsgd")
@@ -24,13 +24,15 @@ STRATEGIES = ("dp", "ps", "gossip", "easgd", "localsgd")
 def build_strategy(config: "TrainConfig", rank: int, world_size: int) -> SyncStrategy:  # noqa: F821
     """The synchronization strategy ``config.strategy`` for ``rank`` of ``world_size``."""
     if config.strategy == "dp":
-        return AllReduce()
+        return AllReduce(config.compress)
     if config.strategy == "ps":
         return ParameterServerClient(config.servers)
     if config.strategy == "gossip":
         from tandem.topology import build_topology, mixing_matrix
 
         graph = build_topology(config.topology, world_size)
+        if config.asynchronous_gossip:
+            return AsyncGossip(graph, rank, config.seed)
         return Gossip(GossipMixer(graph, mixing_matrix(graph, config.mixing), rank))
     if config.strategy == "easgd":
         return ElasticAveraging(config.period, config.rho, config.lr)

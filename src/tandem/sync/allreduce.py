@@ -1,13 +1,20 @@
-"""Synchronous data parallelism by gradient allreduce, through PyTorch's DistributedDataParallel."""
+"""Synchronous data parallelism by gradient allreduce, through PyTorch's DistributedDataParallel.
+
+With ``--compress CODEC``, a DDP communication hook encodes each bucket's gradients, exchanges
+the payloads (allreduce when they can be summed, allgather otherwise) and decodes their mean;
+see :mod:`tandem.compress`.
+"""
 
 from __future__ import annotations
 
 from typing import ContextManager, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from tandem.compress import ByteMeter, Compression, build_compression
 from tandem.sync.base import SyncStrategy
 
 
@@ -16,13 +23,64 @@ class AllReduce(SyncStrategy):
 
     name = "dp"
 
+    def __init__(self, compress: str | None = None) -> None:
+        self.compression: Compression | None = build_compression(compress) if compress else None
+        self.meter = ByteMeter(world_size=1)
+        self.steps = 0
+        self.last_step: dict[str, float] = {}
+        self._totals = (0, 0.0)
+
     def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
         model = model.to(device)
         device_ids = [device] if device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids)
+        module = DistributedDataParallel(model, device_ids=device_ids)
+        self.meter = ByteMeter(world_size=dist.get_world_size())
+        if self.compression is not None:
+            module.register_comm_hook(*self.compression.ddp_hook(model, self.meter))
+        return module
 
     def unwrap(self, module: nn.Module) -> nn.Module:
         return cast(DistributedDataParallel, module).module
 
     def accumulating(self, module: nn.Module) -> ContextManager[None]:
         return cast(DistributedDataParallel, module).no_sync()
+
+    def update(self, module: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> bool:
+        if self.compression is None:
+            self._count_plain_allreduce(module)
+        self.steps += 1
+        totals = (self.meter.payload_bytes, self.meter.wire_bytes)
+        self.last_step = {"compressed_bytes": float(totals[0] - self._totals[0]),
+                          "wire_bytes": totals[1] - self._totals[1]}
+        self._totals = totals
+        return super().update(module, optimizer, step)
+
+    def _count_plain_allreduce(self, module: nn.Module) -> None:
+        """DDP's own allreduce sends every gradient that exists (unused parameters have none)."""
+        num_bytes = sum(p.grad.numel() * p.grad.element_size() for p in module.parameters()
+                        if p.grad is not None)
+        self.meter.add(payload_bytes=num_bytes, gradient_bytes=num_bytes, collective="allreduce")
+
+    def stats(self) -> dict[str, float]:
+        """Bytes per step of this worker divided by the number of workers (the summary adds the
+        workers' stats up, so it shows their mean), and ``sync_bytes``: all bytes sent.
+
+        ``compressed_bytes_per_step`` is what the worker hands to collectives per step and
+        ``uncompressed_bytes_per_step`` its gradient's size; the ``wire_`` figures are what it
+        sends assuming ring collectives (an allgather forwards every other worker's payload).
+        """
+        meter, world = self.meter, self.meter.world_size
+        steps = max(1, self.steps)
+        ratio = meter.gradient_bytes / meter.payload_bytes if meter.payload_bytes else 1.0
+        return {
+            "compressed_bytes_per_step": meter.payload_bytes / steps / world,
+            "uncompressed_bytes_per_step": meter.gradient_bytes / steps / world,
+            "compression_ratio": ratio / world,
+            "wire_bytes_per_step": meter.wire_bytes / steps / world,
+            "uncompressed_wire_bytes_per_step": meter.uncompressed_wire_bytes / steps / world,
+            "sync_bytes": meter.wire_bytes,
+        }
+
+    def step_stats(self) -> dict[str, float]:
+        """This worker's ``compressed_bytes`` and ``wire_bytes`` in the last step."""
+        return dict(self.last_step)

@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tandem.sync.base import SyncStrategy
-from tandem.sync.flat import flatten, unflatten_into
+from tandem.sync.flat import average_parameters, flatten, unflatten_into
 
 
 class LocalSGD(SyncStrategy):
@@ -26,13 +26,11 @@ class LocalSGD(SyncStrategy):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if (step + 1) % self.period == 0:
-            params = list(module.parameters())
-            flat = flatten(params)
-            dist.all_reduce(flat)
-            flat /= dist.get_world_size()
-            unflatten_into(flat, params)
-            self.bytes_sent += flat.numel() * flat.element_size()
+            self.bytes_sent += average_parameters(module)
         return False
+
+    def consensus(self, module: nn.Module) -> None:
+        average_parameters(module)
 
     def stats(self) -> dict[str, float]:
         return {"sync_bytes": self.bytes_sent}
@@ -73,6 +71,11 @@ class ElasticAveraging(SyncStrategy):
             self.center += self.alpha * total
             self.bytes_sent += total.numel() * total.element_size()
         return False
+
+    def consensus(self, module: nn.Module) -> None:
+        """The center variable is EASGD's model."""
+        assert self.center is not None
+        unflatten_into(self.center, list(module.parameters()))
 
     def stats(self) -> dict[str, float]:
         return {"sync_bytes": self.bytes_sent}

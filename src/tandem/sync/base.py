@@ -20,6 +20,9 @@ class SyncStrategy(abc.ABC):
     """
 
     name: str = ""
+    synchronous: bool = True
+    """Whether all workers meet every step (False: no global rounds, so losses are logged per
+    worker and nothing else is collective until training ends)."""
     local_optimizer: bool = True
     """Whether :meth:`update` steps the worker's own optimizer (and so its learning-rate schedule)."""
 
@@ -43,6 +46,12 @@ class SyncStrategy(abc.ABC):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return False
+
+    def finish(self) -> None:
+        """Training is over on this worker: end background exchanges (before evaluation)."""
+
+    def consensus(self, module: nn.Module) -> None:
+        """Make every worker hold the job's final model (collective). Default: they agree."""
 
     def record_loss(self, loss_sum: torch.Tensor, count: int) -> None:
         """This step's summed loss over ``count`` predictions, before :meth:`update`."""

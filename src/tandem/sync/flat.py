@@ -18,3 +18,15 @@ def unflatten_into(flat: torch.Tensor, tensors: Iterable[torch.Tensor]) -> None:
     for tensor in tensors:
         tensor.data.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
         offset += tensor.numel()
+
+
+def average_parameters(module: torch.nn.Module) -> int:
+    """Replace every worker's parameters by their mean over all workers; returns bytes sent."""
+    import torch.distributed as dist
+
+    params = list(module.parameters())
+    flat = flatten(params)
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    unflatten_into(flat, params)
+    return flat.numel() * flat.element_size()

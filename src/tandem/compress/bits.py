@@ -1,0 +1,43 @@
+"""Packing small unsigned integers (1, 2, 4 or 8 bits each) into bytes and back."""
+
+from __future__ import annotations
+
+import torch
+
+WIDTHS = (1, 2, 4, 8)
+
+
+def width_for(num_values: int) -> int:
+    """The narrowest of :data:`WIDTHS` that holds ``num_values`` distinct codes."""
+    for bits in WIDTHS:
+        if num_values <= 1 << bits:
+            return bits
+    raise ValueError(f"{num_values} codes do not fit in 8 bits")
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes in ``[0, 2**bits)`` (any integer dtype), ``8 // bits`` to a byte, first in the low bits."""
+    assert bits in WIDTHS, bits
+    codes = codes.reshape(-1).to(torch.uint8)
+    if bits == 8:
+        return codes
+    per_byte = 8 // bits
+    padded = torch.nn.functional.pad(codes, (0, -codes.numel() % per_byte))
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
+    return (padded.view(-1, per_byte) << shifts).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """The first ``count`` codes of :func:`pack`'s output, as ``uint8``."""
+    assert bits in WIDTHS, bits
+    if bits == 8:
+        return packed[:count]
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    mask = (1 << bits) - 1
+    return ((packed.unsqueeze(1) >> shifts) & mask).reshape(-1)[:count]
+
+
+def packed_size(count: int, bits: int) -> int:
+    """Bytes :func:`pack` makes of ``count`` codes."""
+    per_byte = 8 // bits
+    return -(-count // per_byte)

@@ -1,0 +1,56 @@
+"""Error feedback (1-bit SGD, EF-SGD): what a biased codec fails to send is added to the next step.
+
+For each key, ``corrected = g + residual`` is encoded, and ``residual = corrected - sent``
+keeps the part the message missed, so that over any number of steps::
+
+    sum(sent) == sum(g) - residual
+
+With ``momentum`` m > 0 this is DGC's momentum correction: the codec sends the accumulated
+velocity ``u <- m u + g`` instead of ``g`` (the identity holds with ``u`` in place of ``g``),
+and momentum factor masking clears ``u`` where a value was sent. The optimizer must then apply
+no momentum of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tandem.compress.codec import Codec, Payload
+
+
+class ErrorFeedback(Codec):
+    """``inner`` with a residual (and optionally a velocity) per key."""
+
+    def __init__(self, inner: Codec, momentum: float = 0.0) -> None:
+        self.inner = inner
+        self.summable = inner.summable
+        self.momentum_correction = momentum
+        self.residuals: dict[str, torch.Tensor] = {}
+        self.velocities: dict[str, torch.Tensor] = {}
+
+    def start(self, rank: int, world_size: int) -> None:
+        self.inner.start(rank, world_size)
+
+    def encode(self, grad: torch.Tensor, key: str) -> Payload:
+        update = grad
+        if self.momentum_correction:
+            velocity = self.velocities.get(key)
+            update = grad.clone() if velocity is None else velocity.mul_(self.momentum_correction).add_(grad)
+            self.velocities[key] = update
+        residual = self.residuals.get(key)
+        corrected = update.clone() if residual is None else residual.add_(update)
+        payload = self.inner.encode(corrected, key)
+        sent = self.inner.decode(payload, corrected, key)
+        self.residuals[key] = corrected.sub_(sent)
+        if self.momentum_correction:
+            update.masked_fill_(sent != 0, 0.0)
+        return payload
+
+    def decode(self, payload: Sequence[torch.Tensor], like: torch.Tensor, key: str) -> torch.Tensor:
+        return self.inner.decode(payload, like, key)
+
+    def decode_mean(self, payloads: Sequence[Sequence[torch.Tensor]], like: torch.Tensor,
+                    key: str) -> torch.Tensor:
+        return self.inner.decode_mean(payloads, like, key)

@@ -1,0 +1,85 @@
+"""PowerSGD (Vogels et al., 2019) through PyTorch's own DDP hook, with its bytes counted.
+
+PowerSGD is not a per-tensor codec: each step it allreduces ``P = M Q`` for every large
+gradient matrix ``M``, orthogonalizes ``P``, then allreduces ``Q = M^T P`` — two rounds that
+only work summed over workers. PyTorch's ``powerSGD_hook`` does this with error feedback and
+warm start; tensors too small to gain ``min_rate`` (biases) and the first ``start`` steps go
+through a plain allreduce.
+"""
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+from tandem.compress.codec import Compression
+from tandem.compress.meter import ByteMeter
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class PowerSGDOptions:
+    """Options of ``--compress powersgd:...``."""
+
+    rank: int = 2
+    """Rank of the approximation of each gradient matrix."""
+    start: int = 10
+    """Steps of plain allreduce before compressing (at least 2: DDP rebuilds its buckets
+    after the first step, and the hook's error feedback is kept per bucket)."""
+    min_rate: float = 2.0
+    """Compress a matrix only if that shrinks it at least this many times."""
+    warm: bool = True
+    """Start each step's power iteration from the last step's ``Q``."""
+    ef: bool = True
+    """Error feedback."""
+    seed: int = 0
+    """Seed of the random initial ``Q`` (the same on every worker)."""
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"rank must be at least 1 (got {self.rank})")
+        if self.start < 2:
+            raise ValueError(f"start must be at least 2 (got {self.start}): DDP rebuilds its "
+                             f"buckets after the first step")
+        if not self.min_rate > 0:
+            raise ValueError(f"min_rate must be positive (got {self.min_rate})")
+
+
+class PowerSGD(Compression):
+    """PyTorch's ``powerSGD_hook`` wrapped to count the elements it allreduces."""
+
+    def __init__(self, options: PowerSGDOptions) -> None:
+        self.options = options
+
+    def ddp_hook(self, model: nn.Module, meter: ByteMeter) -> tuple[Any, Callable[..., Any]]:
+        o = self.options
+        state = powersgd.PowerSGDState(
+            process_group=None, matrix_approximation_rank=o.rank, start_powerSGD_iter=o.start,
+            min_compression_rate=o.min_rate, use_error_feedback=o.ef, warm_start=o.warm,
+            random_seed=o.seed,
+        )
+        return CountingState(state, meter), counting_powersgd_hook
+
+
+class CountingState:
+    """PyTorch's PowerSGD state and the meter its hook's payloads are counted into."""
+
+    def __init__(self, state: powersgd.PowerSGDState, meter: ByteMeter) -> None:
+        self.state = state
+        self.meter = meter
+
+
+def counting_powersgd_hook(state: CountingState,
+                           bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """``powerSGD_hook``; its payload is what its own statistics say it allreduced."""
+    inner = state.state
+    buffer = bucket.buffer()
+    compressing = inner.iter >= inner.start_powerSGD_iter
+    before = inner.total_numel_after_compression
+    future = powersgd.powerSGD_hook(inner, bucket)
+    elements = inner.total_numel_after_compression - before if compressing else buffer.numel()
+    state.meter.add(payload_bytes=elements * buffer.element_size(),
+                    gradient_bytes=buffer.numel() * buffer.element_size(), collective="allreduce")
+    return future
