@@ -179,8 +179,8 @@ class _Replayer:
             elif code in (_SA, _SG):
                 key = (self.step[w], w, peer, _ACT if code == _SA else _GRAD, m)
                 end = now + self.work.send_overhead_s
-                self._event(w, _NAME[code] + str(m), now, end, m, self._bytes(key))
-                self._post(w, now, key, receiving=False)
+                message = self._post(w, now, key, receiving=False)
+                self._event(w, _NAME[code] + str(m), now, end, m, message[3])
                 if end > now:
                     self.pc[w] += 1
                     self._push(end, w)
@@ -231,7 +231,7 @@ class _Replayer:
             del self.messages[key]
             start = max(now, message[2])
             self._event(w, ("RA" if code == _F else "RG") + str(m), message[1], start, m,
-                        self._bytes(key))
+                        message[3])
         duration = (self.work.forward_s if code == _F else self.work.backward_s)[stage]
         end = start + duration
         version = self._pin(w, code, m)
@@ -273,20 +273,18 @@ class _Replayer:
 
     # -- communication -------------------------------------------------------------------------------
 
-    def _bytes(self, key: tuple) -> float:
-        step, src, dst, tensor, m = key
-        stage = min(self.stage_of[src], self.stage_of[dst])
-        return self.work.output_bytes[stage]
-
-    def _post(self, w: int, now: float, key: tuple, *, receiving: bool) -> None:
+    def _post(self, w: int, now: float, key: tuple, *, receiving: bool) -> list:
+        """Post one end of a transfer; ``[send posted, receive posted, arrival, bytes]``."""
         message = self.messages.get(key)
         if message is None:
-            message = self.messages[key] = [None, None, None]
+            stage = min(self.stage_of[key[1]], self.stage_of[key[2]])
+            message = self.messages[key] = [None, None, None, self.work.output_bytes[stage]]
         message[1 if receiving else 0] = now
         if not receiving:
             self.unbooked[w] += 1
         if message[0] is not None and message[1] is not None:
             self._book(key, message, now)
+        return message
 
     def _book(self, key: tuple, message: list, now: float) -> None:
         """Both ends posted: the transfer takes its ports when they are free."""
@@ -294,7 +292,7 @@ class _Replayer:
         a, b = self.work.devices[src], self.work.devices[dst]
         level = link_level(self.cluster, a, b, self.sizes)
         out_port, in_port = port(level, a, self.sizes), -1 - port(level, b, self.sizes)
-        num_bytes = self._bytes(key)
+        num_bytes = message[3]
         spec = self.cluster.levels[level]
         start = max(now, self.port_free[out_port], self.port_free[in_port])
         busy_until = start + num_bytes / spec.bandwidth_Bps

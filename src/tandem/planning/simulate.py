@@ -211,9 +211,10 @@ def plan_schedule(plan: Plan) -> Schedule:
 
 
 def pipedream_length(replicas: list[int]) -> int:
-    """Minibatches to simulate PipeDream's schedule over: three times its fill, whole rounds."""
+    """Minibatches to simulate PipeDream's schedule over: three times its fill (the most
+    minibatches in flight), whole rounds."""
     rounds = math.lcm(*replicas)
-    wanted = max(3 * (sum(replicas) + len(replicas)) + 12, 3 * rounds)
+    wanted = max(3 * max(sum(replicas), len(replicas)) + 12, 3 * rounds)
     length = -(-wanted // rounds) * rounds
     if length > MAX_PIPEDREAM_MINIBATCHES:
         raise UsageError(
