@@ -34,9 +34,10 @@ class CodecHookState:
         self.started = False
 
     def keys(self, bucket: dist.GradBucket) -> list[str]:
-        """The names of the bucket's parameters (``bucket.index``/position when unnamed)."""
-        return [self.names.get(id(p), f"bucket{bucket.index()}.{i}")
-                for i, p in enumerate(bucket.parameters())]
+        """The names of the bucket's parameters."""
+        keys = [self.names.get(id(p)) for p in bucket.parameters()]
+        assert None not in keys, "a bucket holds a parameter of another module"
+        return keys  # type: ignore[return-value]
 
 
 def codec_hook(state: CodecHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

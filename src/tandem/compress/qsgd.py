@@ -46,12 +46,11 @@ class QSGD(Codec):
         noise = noise.to(scaled.device)
         level = torch.floor(scaled + noise).clamp_(max=self.levels)
         codes = (torch.sign(chunks) * level + self.levels).to(torch.uint8)
-        return [bits.pack(codes, self.bits), norms.reshape(-1)]
+        return [bits.pack(codes.reshape(-1)[: grad.numel()], self.bits), norms.reshape(-1)]
 
     def decode(self, payload: Sequence[torch.Tensor], like: torch.Tensor, key: str) -> torch.Tensor:
         packed, norms = payload
-        count = norms.numel() * self.chunk
-        codes = bits.unpack(packed, self.bits, count).view(-1, self.chunk)
-        levels = codes.to(like.dtype) - self.levels
+        codes = bits.unpack(packed, self.bits, like.numel()).to(like.dtype) - self.levels
+        levels = self._chunks(codes)
         values = levels * (norms.to(like.dtype).unsqueeze(1) / self.levels)
         return values.reshape(-1)[: like.numel()].view_as(like)
