@@ -26,6 +26,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--memory", help="per-device memory limit, e.g. 16GB (default: the cluster's)")
     p.add_argument("--activation-compression", type=float, default=1.0, metavar="R",
                    help="divide activation transfer time by R (default 1: full transfer)")
+    p.add_argument("--gradient-compression", type=float, default=1.0, metavar="R",
+                   help="divide the allreduce time of replicated stages and of data parallelism "
+                   "by R (a gradient codec's ratio: 2 for fp16, about 32 for sign; default 1)")
     p.add_argument("--no-activation-comm", action="store_true",
                    help="ignore activation transfer, as PipeDream's optimizer does by default")
     p.add_argument("--straight", action="store_true", help="one device per stage, no replication")
@@ -38,6 +41,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def _options(args: argparse.Namespace) -> PartitionOptions:
     return PartitionOptions(
         activation_compression=None if args.no_activation_comm else args.activation_compression,
+        gradient_compression=args.gradient_compression,
         straight=args.straight,
         allow_idle=args.allow_idle,
         memory_bytes=parse_size(args.memory) if args.memory else None,

@@ -40,6 +40,8 @@ class LevelProblem:
     """Devices inside one unit (1 at the innermost level)."""
     activation_compression: float | None
     """Activation transfer is divided by this; None ignores it."""
+    gradient_compression: float = 1.0
+    """The allreduce of replicated stages is divided by this."""
     memory_bytes: float | None
     """Per-device memory limit, or None."""
     straight: bool
@@ -64,7 +66,8 @@ class LevelProblem:
     def allreduce_s(self, params: np.ndarray | float, replicas: np.ndarray | float) -> np.ndarray:
         """PipeDream's data-parallel communication of a stage before dividing by replicas."""
         comm = (4 * (np.asarray(replicas) - 1) * params) / (self.bandwidth_Bps * replicas)
-        return comm if self.devices_per_unit == 1 else comm / self.devices_per_unit
+        shrink = self.devices_per_unit * self.gradient_compression
+        return comm if shrink == 1 else comm / shrink
 
     def transfer_s(self, nbytes: np.ndarray | float, replicas: np.ndarray | float) -> np.ndarray:
         """Activation transfer time of a non-first stage on ``replicas`` units."""

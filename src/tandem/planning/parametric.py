@@ -44,7 +44,8 @@ class _Parametric:
         self.compute = problem.compute_s[self.rows, self.cols]
         self.params = problem.parameter_bytes[self.rows, self.cols]
         self.moved = problem.transfer_bytes[self.rows, self.cols]
-        self.k_coef = 4 * self.params / (problem.bandwidth_Bps * problem.devices_per_unit)
+        self.k_coef = 4 * self.params / (problem.bandwidth_Bps * problem.devices_per_unit
+                                         * problem.gradient_compression)
         self.total = self.compute + self.k_coef
         self.square = self.total * self.total
         ratio = problem.activation_compression or 1.0

@@ -7,9 +7,10 @@ Usage::
 
 The cost model is PipeDream's (``optimizer_graph_hierarchical.py``), level by level, innermost
 first. At a level with bandwidth ``B`` whose units each hold ``D`` devices, a stage made of the
-layers between states ``k`` and ``j`` (compute ``C``, parameters ``P``) on ``r`` units takes::
+layers between states ``k`` and ``j`` (compute ``C``, parameters ``P``) on ``r`` units, with
+gradients compressed ``G`` times (``gradient_compression``, 1 by default), takes::
 
-    time = (C + 4 (r - 1) P / (B r) / D) / r
+    time = (C + 4 (r - 1) P / (B r) / D / G) / r
 
 and, when activations are costed (``activation_compression`` R is set) and the stage is not the
 first one of its pipeline, at least ``2 a_k / (B r) / R`` to receive its input and
@@ -47,6 +48,9 @@ class PartitionOptions:
     activation_compression: float | None = 1.0
     """Divide activation-transfer time by this ratio; None ignores activation transfer
     (PipeDream's default, ``--no-activation-comm``)."""
+    gradient_compression: float = 1.0
+    """Divide the allreduce time of replicated stages (and of data parallelism) by this ratio:
+    what a gradient codec saves (``--gradient-compression``; e.g. 2 for fp16, 32 for sign)."""
     straight: bool = False
     """Give every stage exactly one unit (no replication)."""
     allow_idle: bool = False
@@ -61,6 +65,9 @@ class PartitionOptions:
         ratio = self.activation_compression
         if ratio is not None and not (ratio > 0 and math.isfinite(ratio)):
             raise UsageError(f"--activation-compression must be a positive number (got {ratio})")
+        ratio = self.gradient_compression
+        if not (ratio > 0 and math.isfinite(ratio)):
+            raise UsageError(f"--gradient-compression must be a positive number (got {ratio})")
         if self.memory_bytes is not None and not self.memory_bytes > 0:
             raise UsageError(f"memory limit must be positive (got {self.memory_bytes} bytes)")
 
@@ -124,6 +131,7 @@ def partition(
             bandwidth_Bps=level.bandwidth_Bps,
             devices_per_unit=cluster.devices_per_unit(level_index),
             activation_compression=options.activation_compression,
+            gradient_compression=options.gradient_compression,
             memory_bytes=memory,
             straight=options.straight,
             allow_idle=options.allow_idle,
@@ -132,7 +140,7 @@ def partition(
         table = _solve(problem, options, final=level_index == top)
         tables.append(table)
         compute = np.where(np.isnan(params), np.nan, table.best[:, :, -1])
-    return _assemble(profile, cluster, states, tables, memory)
+    return _assemble(profile, cluster, states, tables, memory, options.gradient_compression)
 
 
 FAST_PATH_ELEMENTS = 50_000_000
@@ -177,7 +185,7 @@ def _segment_matrix(states: States, totals: np.ndarray) -> np.ndarray:
 
 def _assemble(
     profile: ModelProfile, cluster: Cluster, states: States, tables: list[LevelTable],
-    memory: float | None,
+    memory: float | None, gradient_compression: float = 1.0,
 ) -> Partition:  # fmt: skip
     top = len(tables) - 1
     bottleneck = float(tables[top].best[0, states.num_states - 1, -1])
@@ -192,7 +200,7 @@ def _assemble(
         stages=tuple(stages),
         bottleneck_s=bottleneck,
         single_s=float(states.compute_s[-1]) / cluster.speed,
-        data_parallel_s=data_parallel_time(states, cluster),
+        data_parallel_s=data_parallel_time(states, cluster, gradient_compression),
         level_configs=configs,
     )
 
@@ -237,13 +245,15 @@ def _expand(
     return stages
 
 
-def data_parallel_time(states: States, cluster: Cluster) -> float:
-    """PipeDream's data-parallel time per minibatch: nested allreduce, level by level."""
+def data_parallel_time(states: States, cluster: Cluster,
+                       gradient_compression: float = 1.0) -> float:
+    """PipeDream's data-parallel time per minibatch: nested allreduce, level by level, of
+    gradients compressed ``gradient_compression`` times."""
     time_s = float(states.compute_s[-1]) / cluster.speed
     params = float(states.parameter_bytes[-1])
     for index, level in enumerate(cluster.levels):
         units = level.num_units
         comm = (4 * (units - 1) * params) / (level.bandwidth_Bps * units)
-        comm /= cluster.devices_per_unit(index)
+        comm /= cluster.devices_per_unit(index) * gradient_compression
         time_s = (time_s + comm) / units
     return time_s

@@ -39,6 +39,7 @@ def make_plan(
         solve_s=solve_s,
         options={
             "activation_compression": options.activation_compression,
+            "gradient_compression": options.gradient_compression,
             "straight": options.straight,
             "allow_idle": options.allow_idle,
             "memory_bytes": options.memory_bytes or cluster.memory_bytes,
