@@ -57,15 +57,12 @@ class Mailbox:
                 return
 
     def _receive_one(self) -> tuple[int, torch.Tensor, torch.Tensor | None]:
-        message = torch.empty(protocol.HEADER_SIZE, dtype=torch.float64)
+        message = protocol.empty(self.payload_numel)
         work = dist.irecv(message, src=None, tag=protocol.TO_SERVER)
         work.wait()
-        sender = work._source_rank()
-        gradient = None
-        if message[0] == protocol.PUSH and self.payload_numel:
-            gradient = torch.empty(self.payload_numel)
-            dist.recv(gradient, src=sender, tag=protocol.TO_SERVER_PAYLOAD)
-        return sender, message, gradient
+        header = message[: protocol.HEADER_SIZE].double()
+        has_gradient = header[0] == protocol.PUSH and self.payload_numel
+        return work._source_rank(), header, message[protocol.HEADER_SIZE :] if has_gradient else None
 
 
 class ParameterServer:
@@ -94,6 +91,7 @@ class ParameterServer:
         self.loss = [0.0, 0]
         self.last_loss = float("nan")
         self.update_times: list[float] = []
+        self.replies: dict[int, tuple[Any, torch.Tensor]] = {}
         self._resume()
         self.mailbox = Mailbox(sum(p.numel() for p in self.params))
 
@@ -115,15 +113,28 @@ class ParameterServer:
         return item
 
     def _reply(self, worker: int, stop: bool = False) -> None:
+        """Send the current parameters (without waiting: the previous reply to ``worker`` has
+        arrived, since it has sent again, so at most one send per worker is in flight)."""
         try:
-            dist.send(protocol.header(protocol.PARAMS, step=self.version, stop=stop), dst=worker,
-                      tag=protocol.TO_WORKER)
-            if self.params:
-                dist.send(flatten(self.params), dst=worker, tag=protocol.TO_WORKER_PAYLOAD)
+            previous = self.replies.pop(worker, None)
+            if previous is not None:
+                previous[0].wait()
+            payload = flatten(self.params) if self.params else 0
+            outgoing = protocol.message(protocol.PARAMS, payload, step=self.version, stop=stop)
+            self.replies[worker] = (dist.isend(outgoing, dst=worker, tag=protocol.TO_WORKER),
+                                    outgoing)
         except RuntimeError:
             if self.config.ps_mode == "sync":
                 raise
             self.dead.add(worker)
+
+    def _finish_replies(self) -> None:
+        for worker, (work, _) in list(self.replies.items()):
+            try:
+                work.wait()
+            except RuntimeError:
+                self.dead.add(worker)
+        self.replies.clear()
 
     def _check_liveness(self) -> None:
         """Asynchronous modes go on without workers whose heartbeat stopped."""
@@ -256,6 +267,7 @@ class ParameterServer:
             elif message[0] in (protocol.PUSH, protocol.PULL):
                 self.dropped += int(message[0] == protocol.PUSH)
                 self._reply(sender, stop=True)
+        self._finish_replies()
 
     # -- outputs ---------------------------------------------------------------------------------
 
@@ -285,10 +297,10 @@ class ParameterServer:
             if not shard:
                 continue
             if self.env.rank == server:
-                dist.send(flatten(shard), dst=0, tag=protocol.TO_WORKER_PAYLOAD)
+                dist.send(flatten(shard), dst=0, tag=protocol.GATHER)
             elif self.env.rank == 0:
                 flat = torch.empty(sum(p.numel() for p in shard))
-                dist.recv(flat, src=server, tag=protocol.TO_WORKER_PAYLOAD)
+                dist.recv(flat, src=server, tag=protocol.GATHER)
                 unflatten_into(flat, shard)
 
     def _evaluate(self) -> dict[str, float]:

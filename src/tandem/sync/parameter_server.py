@@ -53,33 +53,40 @@ class ParameterServerClient(SyncStrategy):
 
     def finish(self) -> None:
         """Tell every server this worker is done."""
-        for server in range(self.num_servers):
-            dist.send(protocol.header(protocol.BYE), dst=server, tag=protocol.TO_SERVER)
+        for server, params in enumerate(self.shards):
+            dist.send(protocol.message(protocol.BYE, _numel(params)), dst=server,
+                      tag=protocol.TO_SERVER)
 
     def _exchange(self, kind: float, step: int) -> bool:
         """Send ``kind`` (with gradients for a push) to every server, then take back parameters."""
         sends = []
         for server, params in enumerate(self.shards):
-            message = protocol.header(kind, step, self.versions[server], *self.loss)
-            sends.append(dist.isend(message, dst=server, tag=protocol.TO_SERVER))
-            if kind == protocol.PUSH and params:
-                grads = flatten(p.grad if p.grad is not None else torch.zeros_like(p) for p in params)
-                sends.append(dist.isend(grads, dst=server, tag=protocol.TO_SERVER_PAYLOAD))
-                self.bytes_sent += grads.numel() * grads.element_size()
+            if kind == protocol.PUSH:
+                payload: torch.Tensor | int = flatten(
+                    p.grad if p.grad is not None else torch.zeros_like(p) for p in params
+                ) if params else 0
+                self.bytes_sent += _numel(params) * 4
+            else:
+                payload = _numel(params)
+            outgoing = protocol.message(kind, payload, step=step, version=self.versions[server],
+                                        loss=self.loss[0], count=self.loss[1])
+            sends.append((dist.isend(outgoing, dst=server, tag=protocol.TO_SERVER), outgoing))
         stop = False
         for server, params in enumerate(self.shards):
-            reply = torch.empty(protocol.HEADER_SIZE, dtype=torch.float64)
+            reply = protocol.empty(_numel(params))
             dist.recv(reply, src=server, tag=protocol.TO_WORKER)
             if params:
-                flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype)
-                dist.recv(flat, src=server, tag=protocol.TO_WORKER_PAYLOAD)
-                unflatten_into(flat, params)
+                unflatten_into(reply[protocol.HEADER_SIZE:], params)
             self.versions[server] = int(reply[1])
             stop = stop or bool(reply[5])
-        for work in sends:
+        for work, _ in sends:
             work.wait()
         self.next_step = self.versions[0]
         return stop
 
     def stats(self) -> dict[str, float]:
         return {"push_bytes": self.bytes_sent}
+
+
+def _numel(params: list[torch.Tensor]) -> int:
+    return sum(p.numel() for p in params)
