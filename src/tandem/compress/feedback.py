@@ -5,10 +5,11 @@ keeps the part the message missed, so that over any number of steps::
 
     sum(sent) == sum(g) - residual
 
-With ``momentum`` m > 0 this is DGC's momentum correction: the codec sends the accumulated
-velocity ``u <- m u + g`` instead of ``g`` (the identity holds with ``u`` in place of ``g``),
-and momentum factor masking clears ``u`` where a value was sent. The optimizer must then apply
-no momentum of its own.
+With ``momentum`` m > 0 the worker applies momentum before compressing, and the codec sends
+the velocity ``u <- m u + g`` instead of ``g`` (the identity holds with ``u`` in place of
+``g``); the optimizer must then apply no momentum of its own. For sparse codecs this is DGC's
+momentum correction, with momentum factor masking (``masking``: ``u`` is cleared where a value
+was sent); for sign it is the blockwise EF-SGD with momentum of Zheng et al. (2019).
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ from tandem.compress.codec import Codec, Payload
 class ErrorFeedback(Codec):
     """``inner`` with a residual (and optionally a velocity) per key."""
 
-    def __init__(self, inner: Codec, momentum: float = 0.0) -> None:
+    def __init__(self, inner: Codec, momentum: float = 0.0, masking: bool = False) -> None:
         self.inner = inner
         self.summable = inner.summable
         self.momentum_correction = momentum
+        self.masking = masking
         self.residuals: dict[str, torch.Tensor] = {}
         self.velocities: dict[str, torch.Tensor] = {}
 
@@ -34,19 +36,23 @@ class ErrorFeedback(Codec):
         self.inner.start(rank, world_size)
 
     def encode(self, grad: torch.Tensor, key: str) -> Payload:
-        update = grad
-        if self.momentum_correction:
-            velocity = self.velocities.get(key)
-            update = grad.clone() if velocity is None else velocity.mul_(self.momentum_correction).add_(grad)
-            self.velocities[key] = update
+        update = self._velocity(grad, key) if self.momentum_correction else grad
         residual = self.residuals.get(key)
         corrected = update.clone() if residual is None else residual.add_(update)
         payload = self.inner.encode(corrected, key)
         sent = self.inner.decode(payload, corrected, key)
         self.residuals[key] = corrected.sub_(sent)
-        if self.momentum_correction:
+        if self.masking and self.momentum_correction:
             update.masked_fill_(sent != 0, 0.0)
         return payload
+
+    def _velocity(self, grad: torch.Tensor, key: str) -> torch.Tensor:
+        """``u <- m u + g`` for ``key`` (a new tensor the first time: ``grad`` is not changed)."""
+        velocity = self.velocities.get(key)
+        if velocity is None:
+            velocity = self.velocities[key] = grad.clone()
+            return velocity
+        return velocity.mul_(self.momentum_correction).add_(grad)
 
     def decode(self, payload: Sequence[torch.Tensor], like: torch.Tensor, key: str) -> torch.Tensor:
         return self.inner.decode(payload, like, key)

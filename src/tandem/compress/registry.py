@@ -32,12 +32,25 @@ class NoOptions:
     """Options of a codec that takes none."""
 
 
+def _check_momentum(momentum: float, ef: bool) -> None:
+    if not 0 <= momentum < 1:
+        raise ValueError(f"momentum must be in [0, 1) (got {momentum})")
+    if momentum and not ef:
+        raise ValueError("momentum before compression needs error feedback (ef=true)")
+
+
 @dataclasses.dataclass(kw_only=True, slots=True)
 class SignOptions:
     """Options of ``--compress sign:...``."""
 
     ef: bool = True
     """Error feedback (EF-SignSGD); without it, plain scaled signSGD."""
+    momentum: float = 0.0
+    """Apply this momentum before compressing (Zheng et al. 2019; needs ``ef``; then use
+    ``--momentum 0``)."""
+
+    def __post_init__(self) -> None:
+        _check_momentum(self.momentum, self.ef)
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -54,10 +67,7 @@ class SparseOptions:
     def __post_init__(self) -> None:
         if not 0 < self.ratio <= 1:
             raise ValueError(f"ratio (k) must be in (0, 1] (got {self.ratio})")
-        if not 0 <= self.momentum < 1:
-            raise ValueError(f"momentum must be in [0, 1) (got {self.momentum})")
-        if self.momentum and not self.ef:
-            raise ValueError("momentum correction needs error feedback (ef=true)")
+        _check_momentum(self.momentum, self.ef)
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -92,21 +102,33 @@ class QSGDOptions:
             raise ValueError(f"norm must be l2 or max (got {self.norm!r})")
 
 
-def _with_feedback(codec: Codec, ef: bool, momentum: float = 0.0) -> Codec:
-    return ErrorFeedback(codec, momentum) if ef else codec
+def _with_feedback(codec: Codec, ef: bool, momentum: float = 0.0, masking: bool = False) -> Codec:
+    return ErrorFeedback(codec, momentum, masking) if ef else codec
+
+
+def _qsgd(o: QSGDOptions) -> Codec:
+    return _with_feedback(QSGD(o.levels, o.chunk, o.norm, o.seed), o.ef)
+
+
+def _sign(o: SignOptions) -> Codec:
+    return _with_feedback(Sign(), o.ef, o.momentum)
+
+
+def _topk(o: SparseOptions) -> Codec:
+    return _with_feedback(TopK(o.ratio), o.ef, o.momentum, masking=True)
+
+
+def _randk(o: RandomKOptions) -> Codec:
+    return _with_feedback(RandomK(o.ratio, o.seed), o.ef, o.momentum, masking=True)
 
 
 CODECS: dict[str, tuple[type, Callable[[Any], Compression], str]] = {
     "fp16": (NoOptions, lambda o: HalfPrecision(torch.float16), "IEEE half precision, allreduce"),
     "bf16": (NoOptions, lambda o: HalfPrecision(torch.bfloat16), "bfloat16, allreduce"),
-    "qsgd": (QSGDOptions, lambda o: _with_feedback(QSGD(o.levels, o.chunk, o.norm, o.seed), o.ef),
-             "unbiased stochastic quantization, allgather"),
-    "sign": (SignOptions, lambda o: _with_feedback(Sign(), o.ef),
-             "1 bit per element and a scale, error feedback, allgather"),
-    "topk": (SparseOptions, lambda o: _with_feedback(TopK(o.ratio), o.ef, o.momentum),
-             "largest magnitudes with indices, error feedback, allgather"),
-    "randk": (RandomKOptions, lambda o: _with_feedback(RandomK(o.ratio, o.seed), o.ef, o.momentum),
-              "shared random positions, error feedback, allreduce"),
+    "qsgd": (QSGDOptions, _qsgd, "unbiased stochastic quantization, allgather"),
+    "sign": (SignOptions, _sign, "1 bit per element and a scale, error feedback, allgather"),
+    "topk": (SparseOptions, _topk, "largest magnitudes and their indices, error feedback, allgather"),
+    "randk": (RandomKOptions, _randk, "values at shared random positions, error feedback, allreduce"),
     "powersgd": (PowerSGDOptions, PowerSGD, "PyTorch's rank-r PowerSGD hook, allreduce"),
 }
 """Name -> (options dataclass, builder, what it sends and how)."""
@@ -135,6 +157,6 @@ def check_compress(spec: str, *, strategy: str, sgd_momentum: float) -> Compress
         raise UsageError(f"--compress {spec} is not supported with --strategy {strategy} yet; "
                          f"it works with --strategy {', '.join(STRATEGIES_WITH_COMPRESSION)}")
     if compression.momentum_correction and sgd_momentum:
-        raise UsageError(f"--compress {spec} applies momentum itself (DGC's momentum "
-                         f"correction); add --momentum 0 so that SGD does not apply it again")
+        raise UsageError(f"--compress {spec} applies momentum itself, before compressing; "
+                         f"add --momentum 0 so that SGD does not apply it again")
     return compression
