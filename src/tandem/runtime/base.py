@@ -86,6 +86,7 @@ class BaseTrainer(abc.ABC):
         """False for strategies without global rounds: each worker logs its own loss."""
         self.local_predictions = 0
         self.logged = 0
+        self.pending_log: tuple[Any, torch.Tensor, int, dict[str, Any]] | None = None
         self.reporter = Reporter(enabled=False, show_progress=False, metrics_path=None,
                                  total_steps=config.steps, first_step=0)
 
@@ -150,11 +151,7 @@ class BaseTrainer(abc.ABC):
             reporter.advance()
             done = step + 1
             if done % config.log_every == 0 or done == last:
-                self.loss = self._global_loss(range(self.logged, done))
-                reporter.record(step=done, loss=self.loss, lr=self.scheduler.get_last_lr()[0],
-                                samples_per_s=self._samples_per_s(done - self.logged))
-                self.loss_total.zero_()
-                self.logged = done
+                self._log(done, final=done == last)
             if config.eval_every and done % config.eval_every == 0 and done < last:
                 reporter.record(step=done, **self.evaluate())
             if done == last or (config.checkpoint_every and done % config.checkpoint_every == 0):
@@ -169,17 +166,39 @@ class BaseTrainer(abc.ABC):
                 end_s=end - self.clock_start, step=step, bytes=num_bytes, version=version,
             ))
 
-    def _global_loss(self, steps: range) -> float:
-        """Mean loss per prediction over the global batches of ``steps`` (this worker's share
-        of them without collective logging)."""
-        if not self.collective_logging:
-            loss = float(self.loss_total) / max(self.local_predictions, 1)
-            self.local_predictions = 0
-            return loss
-        count = sum(len(self.sampler.global_indices(s)) for s in steps) * self.predictions_per_sample
+    def _log(self, done: int, final: bool) -> None:
+        """Report the mean loss of the steps since the last report.
+
+        The cross-worker sum runs in the background and is read at the next report (at once
+        for the last step), so logging never makes the workers wait for one another — which
+        would drain an asynchronous pipeline every ``--log-every`` steps.
+        """
+        steps = range(self.logged, done)
+        fields = {"step": done, "lr": self.scheduler.get_last_lr()[0],
+                  "samples_per_s": self._samples_per_s(len(steps))}
         total = self.loss_total.clone()
-        dist.all_reduce(total)
-        return float(total) / count
+        if self.collective_logging:
+            count = sum(len(self.sampler.global_indices(s)) for s in steps)
+            count *= self.predictions_per_sample
+            work = dist.all_reduce(total, async_op=True)
+        else:
+            count, work = max(self.local_predictions, 1), None
+            self.local_predictions = 0
+        self.loss_total.zero_()
+        self.logged = done
+        previous, self.pending_log = self.pending_log, (work, total, count, fields)
+        if previous is not None:
+            self._record_loss(previous)
+        if final:
+            self._record_loss(self.pending_log)
+            self.pending_log = None
+
+    def _record_loss(self, pending: tuple[Any, torch.Tensor, int, dict[str, Any]]) -> None:
+        work, total, count, fields = pending
+        if work is not None:
+            work.wait()
+        self.loss = float(total) / count
+        self.reporter.record(loss=self.loss, **fields)
 
     def _samples_per_s(self, num_steps: int) -> float:
         window = self.step_times[-num_steps:]
