@@ -25,6 +25,6 @@ class Sign(Codec):
 
     def decode(self, payload: Sequence[torch.Tensor], like: torch.Tensor, key: str) -> torch.Tensor:
         packed, scale = payload
-        positive = bits.unpack(packed, 1, like.numel()).bool()
+        positive = bits.unpack(packed, 1, like.numel()).to(like.dtype)
         scale = scale.to(like.dtype)
-        return torch.where(positive, scale, -scale).view_as(like)
+        return (positive * (2 * scale) - scale).view_as(like)
