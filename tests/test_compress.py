@@ -1,4 +1,4 @@
-"""Codecs on their own: round trips, payload sizes, QSGD's unbiasedness, error feedback's identity."""
+"""Codecs alone: round trips, payload sizes, QSGD's unbiasedness, error feedback's identity."""
 
 from __future__ import annotations
 

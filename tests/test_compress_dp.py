@@ -43,7 +43,8 @@ def _train(specs: list[str | None], rank: int, world_size: int, steps: int = 5) 
             optimizer.step()
             optimizer.zero_grad()
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        results[str(spec)] = (flat.tolist(), meter.payload_bytes / steps, meter.gradient_bytes / steps)
+        results[str(spec)] = (flat.tolist(), meter.payload_bytes / steps,
+                              meter.gradient_bytes / steps)
     return results
 
 

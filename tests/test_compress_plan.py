@@ -42,7 +42,8 @@ def test_compressing_gradients_r_times_is_like_r_times_faster_links(spec: str,
     assert compressed.data_parallel_s < plain.data_parallel_s
 
 
-def test_plan_command_takes_a_gradient_compression_ratio(capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_command_takes_a_gradient_compression_ratio(
+        capsys: pytest.CaptureFixture[str]) -> None:
     args = ["plan", "--profile", VGG, "--devices", "16", "--bandwidth", "10Gb/s", "--json"]
     assert main(args) == 0
     plain = json.loads(capsys.readouterr().out)

@@ -18,7 +18,7 @@ def width_for(num_values: int) -> int:
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Codes in ``[0, 2**bits)`` (any integer dtype), ``8 // bits`` to a byte, first in the low bits."""
+    """Codes in ``[0, 2**bits)`` (any integer dtype), ``8 // bits`` to a byte, lowest bits first."""
     assert bits in WIDTHS, bits
     codes = codes.reshape(-1).to(torch.uint8)
     if bits == 8:

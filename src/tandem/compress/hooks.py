@@ -40,7 +40,8 @@ class CodecHookState:
         return keys  # type: ignore[return-value]
 
 
-def codec_hook(state: CodecHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def codec_hook(state: CodecHookState,
+               bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Encode, exchange and decode one bucket; the future holds the averaged gradients."""
     if not state.started:
         state.codec.start(dist.get_rank(), state.world_size)

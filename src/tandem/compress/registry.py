@@ -127,8 +127,8 @@ CODECS: dict[str, tuple[type, Callable[[Any], Compression], str]] = {
     "bf16": (NoOptions, lambda o: HalfPrecision(torch.bfloat16), "bfloat16, allreduce"),
     "qsgd": (QSGDOptions, _qsgd, "unbiased stochastic quantization, allgather"),
     "sign": (SignOptions, _sign, "1 bit per element and a scale, error feedback, allgather"),
-    "topk": (SparseOptions, _topk, "largest magnitudes and their indices, error feedback, allgather"),
-    "randk": (RandomKOptions, _randk, "values at shared random positions, error feedback, allreduce"),
+    "topk": (SparseOptions, _topk, "largest magnitudes and indices, error feedback, allgather"),
+    "randk": (RandomKOptions, _randk, "shared random positions, error feedback, allreduce"),
     "powersgd": (PowerSGDOptions, PowerSGD, "PyTorch's rank-r PowerSGD hook, allreduce"),
 }
 """Name -> (options dataclass, builder, what it sends and how)."""
@@ -143,7 +143,7 @@ def build_compression(spec: str) -> Compression:
     options_cls, build, _ = CODECS[name]
     if "k" in raw and issubclass(options_cls, SparseOptions):
         if "ratio" in raw:
-            raise UsageError(f"give k or ratio in --compress {spec!r}, not both (they are the same)")
+            raise UsageError(f"give k or ratio in --compress {spec!r}, not both (the same option)")
         raw["ratio"] = raw.pop("k")
     compression = build(fill_options(options_cls, raw, spec=spec, what="codec"))
     compression.spec = spec
