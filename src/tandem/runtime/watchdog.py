@@ -40,6 +40,8 @@ class Heartbeat:
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5 * PERIOD_S)  # never tear the store down under a write
 
     def _publish(self) -> None:
         with self._lock:
