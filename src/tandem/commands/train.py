@@ -47,7 +47,8 @@ def add_train_arguments(parser: argparse.ArgumentParser, defaults: TrainConfig) 
     add("--straggler", default=None, help="RANK:FACTOR: slow one worker down FACTOR times")
     add("--nproc", type=int, default=defaults.nproc,
         help="local worker processes (ignored under torchrun)")
-    add("--strategy", default=defaults.strategy, help=f"one of: {', '.join(STRATEGIES)}")
+    add("--strategy", default=defaults.strategy,
+        help=f"one of: {', '.join((*STRATEGIES, 'pipeline'))}")
     add("--steps", type=int, default=defaults.steps, help="optimizer steps")
     add("--schedule", default=defaults.schedule,
         help="pipeline schedule: gpipe, 1f1b (flush per step) or pipedream (asynchronous)")
