@@ -6,7 +6,7 @@ Compute is emulated (layers that sleep their profiled time), so the 4 workers do
 for this machine's 2 cores and the comparison is about synchronization alone. Prints a table,
 then one JSON object on the last line.
 
-    .venv/bin/python benchmarks/stragglers.py [--steps 80] [--layer-ms 5]
+    .venv/bin/python benchmarks/stragglers.py [--steps 200] [--layer-ms 5]
 """
 
 from __future__ import annotations
@@ -57,14 +57,17 @@ def steps_per_s(args: tuple[str, ...], profile: Path, steps: int, straggler: boo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--layer-ms", type=float, default=5.0)
+    parser.add_argument("--only", default=None, help="run only strategies whose name contains this")
     args = parser.parse_args()
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         profile = Path(tmp) / "profile.json"
         write_profile(profile, args.layer_ms)
         for name, strategy in STRATEGIES.items():
+            if args.only and args.only not in name:
+                continue
             clean = steps_per_s(strategy, profile, args.steps, straggler=False)
             slowed = steps_per_s(strategy, profile, args.steps, straggler=True)
             rows[name] = {"steps_per_s": clean, "with_straggler": slowed, "ratio": slowed / clean}

@@ -206,6 +206,8 @@ class ParameterServer:
 
     def _handle(self, sender: int, message: torch.Tensor, gradient: torch.Tensor | None) -> None:
         kind = message[0]
+        if kind == protocol.PUSH and not self.pushes:
+            self.started = time.perf_counter()  # rates count from the first gradient, not start-up
         if kind == protocol.PULL:
             self._reply(sender)
         elif kind == protocol.BYE:
