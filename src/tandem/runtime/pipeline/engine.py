@@ -75,6 +75,10 @@ class StageEngine:
         self.asynchronous, self.vertical_sync = asynchronous, vertical_sync
         self.trace, self.beat = trace, beat
         self.stash = WeightVersions(module, vertical_sync=vertical_sync) if asynchronous else None
+        self.unchanged_until_backward: set[int] = set()
+        """Minibatches with no weight update between their forward and backward on this worker
+        (PipeDream's last stage): they run on the live parameters, which is the same version."""
+        self.on_live: set[int] = set()
         self.receives: dict[tuple[int, int], tuple[Any, torch.Tensor, float]] = {}
         self.sends: list[tuple[int, Any, torch.Tensor]] = []
         """Posted sends: (step, work, tensor kept alive until the send completes)."""
@@ -204,7 +208,11 @@ class StageEngine:
             return tensor
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            if self.stash is not None:
+            if self.stash is not None and m in self.unchanged_until_backward and \
+                    version == self.stash.version:
+                self.on_live.add(m)
+                out = self.module(x)
+            elif self.stash is not None:
                 out = functional_call(self.module, self.stash.acquire(version), (x,))
             else:
                 out = self.module(x)
@@ -228,13 +236,16 @@ class StageEngine:
         x, out, version = self.saved.pop(m)
         start = time.perf_counter()
         if self.stash is not None:
-            params = list(self.stash.snapshots[version].values())
+            live = m in self.on_live
+            self.on_live.discard(m)
+            params = list(self.module.parameters() if live else self.stash.snapshots[version].values())
             wrt = params if self.first else [*params, x]
             grads = torch.autograd.grad(out, wrt, grad_outputs=grad, allow_unused=True)
             self.param_grads[m] = list(grads[: len(params)])
             if not self.first:
                 self.input_grads[m] = grads[-1]
-            self.stash.release(version)
+            if not live:
+                self.stash.release(version)
         else:
             out.backward(grad)
             if not self.first:

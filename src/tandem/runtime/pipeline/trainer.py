@@ -24,7 +24,7 @@ from tandem.runtime.pipeline.engine import Microbatch, StageEngine, StageShapes
 from tandem.runtime.pipeline.setup import pipeline_setup
 from tandem.runtime.trainer import EVAL_CHUNK, score
 from tandem.runtime.watchdog import Heartbeat
-from tandem.schedule import Action, Schedule
+from tandem.schedule import Action, Kind, Schedule
 from tandem.schedule.check import dry_run_times
 
 EVAL_TAG_BASE = 1 << 30
@@ -68,6 +68,20 @@ def step_chunks(schedule: Schedule, worker: int, num_steps: int) -> list[list[Ac
     return chunks
 
 
+def no_update_between(actions: list[Action] | tuple[Action, ...]) -> set[int]:
+    """Micro-batches whose forward and backward on this worker have no optimizer step between."""
+    pending: set[int] = set()
+    unchanged: set[int] = set()
+    for action in actions:
+        if action.kind is Kind.FORWARD:
+            pending.add(action.microbatch)  # type: ignore[arg-type]
+        elif action.kind is Kind.STEP:
+            pending.clear()
+        elif action.kind is Kind.BACKWARD and action.microbatch in pending:
+            unchanged.add(action.microbatch)
+    return unchanged
+
+
 class PipelineTrainer(BaseTrainer):
     """One stage (or stage replica) of a pipeline, executing its schedule with the engine."""
 
@@ -98,6 +112,8 @@ class PipelineTrainer(BaseTrainer):
         )
         self.chunks = (step_chunks(self.schedule, env.rank, config.steps)
                        if self.asynchronous else None)
+        if self.asynchronous:
+            self.engine.unchanged_until_backward = no_update_between(self.schedule.workers[env.rank])
 
     def _stage_groups(self) -> list[dist.ProcessGroup | None]:
         """A process group for each replicated stage (every rank creates every group)."""
