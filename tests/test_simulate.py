@@ -17,6 +17,7 @@ from tandem.planning.collectives import allreduce_s, branching, link_level, ring
 from tandem.planning.costs import boundary_bytes, stage_costs
 from tandem.planning.simulate import SimOptions, SimResult, data_parallel_plan, simulate
 from tandem.profile import LayerProfile, ModelProfile
+from tests.test_import_rule import assert_imports_without
 
 
 def profile(*layers: tuple[float, float, float, float], edges=None) -> ModelProfile:
@@ -249,28 +250,10 @@ def test_dag_boundary_carries_every_crossing_output() -> None:
 
 
 def test_planning_side_imports_no_torch() -> None:
-    """The simulator, search and scaling analysis are pure Python + numpy: not even ``torch``."""
-    import subprocess
-    import sys
-
-    modules = ["tandem.planning.simulate", "tandem.planning.replay", "tandem.planning.collectives",
-               "tandem.planning.costs", "tandem.planning.balance", "tandem.planning.search",
-               "tandem.planning.scaling"]
-    script = textwrap.dedent(f"""
-        import importlib, sys
-        class Block:
-            def find_spec(self, name, path=None, target=None):
-                if name == "torch" or name.startswith("torch."):
-                    raise ImportError("blocked: " + name)
-                return None
-        sys.meta_path.insert(0, Block())
-        for name in {modules!r}:
-            importlib.import_module(name)
-        print("ok")
-    """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "ok"
+    assert_imports_without(["tandem.planning.simulate", "tandem.planning.replay",
+                            "tandem.planning.collectives", "tandem.planning.costs",
+                            "tandem.planning.balance", "tandem.planning.search",
+                            "tandem.planning.scaling"], "torch")
 
 
 def test_allreduce_latency_override() -> None:
