@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from same_run import run_workers  # benchmarks/ is on sys.path when a script runs
+
 MODEL = "mlp:hidden=512,layers=4"
 DATA = "images:n=8192,size=16,channels=3"
 
@@ -95,13 +93,7 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           __file__, "--worker", *sys.argv[1:]]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if result.returncode != 0:
-        raise SystemExit(f"benchmark workers failed:\n{result.stderr[-3000:]}")
-    pairs = json.loads(result.stdout.strip().splitlines()[-1])["pairs"]
+    pairs = run_workers(__file__, sys.argv[1:])["pairs"]
     tandem_med = statistics.median(p[0] for p in pairs)
     plain_med = statistics.median(p[1] for p in pairs)
     ratio = statistics.median(p[0] / p[1] for p in pairs)

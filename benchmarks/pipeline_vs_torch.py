@@ -23,13 +23,12 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
+
+from same_run import run_workers  # benchmarks/ is on sys.path when a script runs
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
 MODEL = "mlp:hidden=512,layers=8"
 DATA = "images:n=5120,size=16,channels=3"
 """4096 training samples: every global batch of a power-of-two size is full (torch's stages
@@ -149,13 +148,7 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           __file__, "--worker", *sys.argv[1:]]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if result.returncode != 0:
-        raise SystemExit(f"benchmark workers failed:\n{result.stderr[-3000:]}")
-    results = json.loads(result.stdout.strip().splitlines()[-1])
+    results = run_workers(__file__, sys.argv[1:])
     figures: dict[str, Any] = {}
     print(f"{'schedule':10}{'tandem step':>13}{'torch step':>13}{'throughput ratio':>18}"
           f"{'tandem CPU':>13}{'torch CPU':>12}")
