@@ -43,3 +43,17 @@ def max_abs_diff(path_a: Path, path_b: Path) -> float:
 @pytest.fixture(autouse=True)
 def _one_thread() -> None:
     torch.set_num_threads(1)
+
+
+PROFILES = Path(__file__).parent / "data" / "profiles"
+"""PipeDream's published profiles (see the README there)."""
+VGG = str(PROFILES / "vgg16.graph.txt")
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """Run ``tandem ARGV`` in this process: exit status, stdout, stderr."""
+    from tandem.cli import main
+
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err

@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 

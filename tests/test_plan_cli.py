@@ -7,17 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from tandem.cli import main
 from tandem.plan import Plan, Stage, parse_config
+from tests.conftest import PROFILES, VGG, run_cli
 
-DATA = Path(__file__).parent / "data" / "profiles"
-VGG = str(DATA / "vgg16.graph.txt")
+DATA = PROFILES
 
 
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
+run = run_cli
 
 
 def test_json_contract(capsys, tmp_path) -> None:

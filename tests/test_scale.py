@@ -8,14 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from tandem.cli import main
 from tandem.cluster import parse_cluster
 from tandem.planning.scaling import ScaleOptions, device_counts, resized, scale
 from tandem.planning.simulate import SimOptions
 from tandem.profile import load_profile
+from tests.conftest import PROFILES, VGG, run_cli
 
-DATA = Path(__file__).parent / "data" / "profiles"
-VGG = str(DATA / "vgg16.graph.txt")
+DATA = PROFILES
 SERVERS = "8x300GB/s,128x25Gb/s"
 
 
@@ -72,10 +71,7 @@ def test_pipeline_and_hybrid_points(vgg_on_servers) -> None:  # type: ignore[no-
     assert sum(int(r) for r in hybrid[64].split("-")) <= 64
 
 
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
+run = run_cli
 
 
 def test_cli_table_json_and_plot(capsys, tmp_path: Path) -> None:

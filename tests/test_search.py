@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from tandem.cli import main
 from tandem.cluster import flat_cluster, parse_cluster
 from tandem.planning import make_plan
 from tandem.planning.search import SearchOptions, search
 from tandem.planning.simulate import SimOptions, simulate
 from tandem.profile import load_profile
+from tests.conftest import PROFILES, run_cli
 
-DATA = Path(__file__).parent / "data" / "profiles"
+DATA = PROFILES
 PROFILES = {name: load_profile(str(DATA / f"{name}.graph.txt")) for name in ("vgg16", "gnmt")}
 QUICK = SearchOptions(budget_s=60, max_iterations=60, seed=0)
 
@@ -69,10 +69,7 @@ def test_micro_batches_divide_a_known_batch() -> None:
     assert 96 % found.best.result.num_microbatches == 0
 
 
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
+run = run_cli
 
 
 def test_cli_json_and_best_plan_file(capsys, tmp_path: Path) -> None:
