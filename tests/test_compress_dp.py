@@ -126,10 +126,16 @@ def test_unknown_codec_exits_2_with_one_line() -> None:
 @pytest.mark.parametrize(("args", "message"), [
     (("--compress", "topk:k=0"), "ratio (k) must be in (0, 1] (got 0.0)"),
     (("--compress", "topk:ratio=1.01"), "ratio (k) must be in (0, 1] (got 1.01)"),
-    (("--compress", "fp16", "--strategy", "ps", "--nproc", "3"),
-     "--compress fp16 is not supported with --strategy ps yet; it works with --strategy dp"),
-    (("--compress", "sign", "--strategy", "gossip"), "not supported with --strategy gossip"),
-    (("--compress", "topk", "--strategy", "pipeline"), "not supported with --strategy pipeline"),
+    (("--compress", "fp16", "--strategy", "easgd"),
+     "--compress fp16 is not supported with --strategy easgd; it works with --strategy dp, ps, "
+     "gossip, pipeline"),
+    (("--compress", "powersgd", "--strategy", "ps", "--nproc", "3"),
+     "--compress powersgd cannot be used with --strategy ps (it is PyTorch's DDP communication "
+     "hook); use one of: bf16, fp16, qsgd, randk, sign, topk"),
+    (("--compress", "sign:ef=true", "--strategy", "gossip"),
+     "with --strategy gossip codecs run without error feedback"),
+    (("--compress", "topk:momentum=0.9", "--strategy", "pipeline"),
+     "not for --strategy pipeline; drop momentum="),
     (("--compress", "topk:momentum=0.9"), "add --momentum 0"),
 ])
 def test_bad_compression_is_one_line_and_status_2(capsys: pytest.CaptureFixture[str],

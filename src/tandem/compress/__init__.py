@@ -14,7 +14,7 @@ Usage::
 from tandem.compress.codec import Codec, Compression, Payload, payload_bytes
 from tandem.compress.feedback import ErrorFeedback
 from tandem.compress.meter import ByteMeter, ring_bytes
-from tandem.compress.registry import CODECS, build_compression, check_compress
+from tandem.compress.registry import CODECS, build_codec, build_compression, check_compress
 
 __all__ = ["CODECS", "ByteMeter", "Codec", "Compression", "ErrorFeedback", "Payload",
-           "build_compression", "check_compress", "payload_bytes", "ring_bytes"]
+           "build_codec", "build_compression", "check_compress", "payload_bytes", "ring_bytes"]

@@ -23,8 +23,24 @@ from tandem.compress.sparse import RandomK, TopK
 from tandem.errors import UsageError
 from tandem.options import fill_options, split_spec
 
-STRATEGIES_WITH_COMPRESSION = ("dp",)
-"""Strategies ``--compress`` applies to (ps, gossip and pipelines are still to come)."""
+STRATEGIES_WITH_COMPRESSION = ("dp", "ps", "gossip", "pipeline")
+"""Strategies ``--compress`` applies to: ``dp`` (gradient buckets, as DDP hooks), ``ps``
+(gradient pushes and parameter pulls), ``gossip`` (the parameters neighbours exchange) and
+``pipeline`` (activations and activation gradients between stages)."""
+
+STATELESS_STRATEGIES = {
+    "gossip": "CHOCO-gossip's public copies of the neighbours' parameters already carry what "
+              "compression drops",
+    "pipeline": "a residual would carry one micro-batch's activations into another's",
+}
+"""Strategies whose codecs run without error feedback, and why."""
+
+UNSUPPORTED: dict[str, dict[str, str]] = {
+    "ps": {"powersgd": "it is PyTorch's DDP communication hook"},
+    "gossip": {"powersgd": "it is PyTorch's DDP communication hook"},
+    "pipeline": {"powersgd": "it is PyTorch's DDP communication hook"},
+}
+"""Strategy -> codec -> why the strategy cannot use it."""
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -134,13 +150,30 @@ CODECS: dict[str, tuple[type, Callable[[Any], Compression], str]] = {
 """Name -> (options dataclass, builder, what it sends and how)."""
 
 
-def build_compression(spec: str) -> Compression:
-    """The compression ``spec`` names, e.g. ``topk:ratio=0.01``; ``UsageError`` if malformed."""
+def build_compression(spec: str, *, strategy: str = "dp") -> Compression:
+    """The compression ``spec`` names, e.g. ``topk:ratio=0.01``, as ``strategy`` uses it;
+    ``UsageError`` if malformed or if the strategy cannot use it."""
     name, raw = split_spec(spec, what="codec")
     if name not in CODECS:
         raise UsageError(f"unknown codec {name!r} in --compress {spec!r}; "
                          f"choose one of: {', '.join(sorted(CODECS))}")
     options_cls, build, _ = CODECS[name]
+    if strategy not in STRATEGIES_WITH_COMPRESSION:
+        raise UsageError(f"--compress {spec} is not supported with --strategy {strategy}; "
+                         f"it works with --strategy {', '.join(STRATEGIES_WITH_COMPRESSION)}")
+    why = UNSUPPORTED.get(strategy, {}).get(name)
+    if why is not None:
+        usable = sorted(set(CODECS) - set(UNSUPPORTED[strategy]))
+        raise UsageError(f"--compress {name} cannot be used with --strategy {strategy} ({why}); "
+                         f"use one of: {', '.join(usable)}")
+    if strategy in STATELESS_STRATEGIES and "ef" in options_cls.__dataclass_fields__:
+        if raw.get("ef", "false").lower() not in ("false", "0", "no", "off"):
+            raise UsageError(f"--compress {spec}: with --strategy {strategy} codecs run without "
+                             f"error feedback ({STATELESS_STRATEGIES[strategy]}); drop ef=")
+        if "momentum" in raw:
+            raise UsageError(f"--compress {spec}: momentum before compression is for gradients "
+                             f"with error feedback, not for --strategy {strategy}; drop momentum=")
+        raw["ef"] = "false"
     if "k" in raw and issubclass(options_cls, SparseOptions):
         if "ratio" in raw:
             raise UsageError(f"give k or ratio in --compress {spec!r}, not both (the same option)")
@@ -152,11 +185,15 @@ def build_compression(spec: str) -> Compression:
 
 def check_compress(spec: str, *, strategy: str, sgd_momentum: float) -> Compression:
     """Build ``spec`` and check that ``strategy`` and the optimizer can use it."""
-    compression = build_compression(spec)
-    if strategy not in STRATEGIES_WITH_COMPRESSION:
-        raise UsageError(f"--compress {spec} is not supported with --strategy {strategy} yet; "
-                         f"it works with --strategy {', '.join(STRATEGIES_WITH_COMPRESSION)}")
+    compression = build_compression(spec, strategy=strategy)
     if compression.momentum_correction and sgd_momentum:
         raise UsageError(f"--compress {spec} applies momentum itself, before compressing; "
                          f"add --momentum 0 so that SGD does not apply it again")
+    return compression
+
+
+def build_codec(spec: str, *, strategy: str) -> Codec:
+    """The per-tensor codec ``spec`` names, as ``strategy`` (not ``dp``) uses it."""
+    compression = build_compression(spec, strategy=strategy)
+    assert isinstance(compression, Codec), f"{spec} is not a per-tensor codec"
     return compression
