@@ -86,6 +86,7 @@ class BaseTrainer(abc.ABC):
         """False for strategies without global rounds: each worker logs its own loss."""
         self.local_predictions = 0
         self.logged = 0
+        self.logged_bytes = 0.0
         self.pending_log: tuple[Any, torch.Tensor, int, dict[str, Any]] | None = None
         self.reporter = Reporter(enabled=False, show_progress=False, metrics_path=None,
                                  total_steps=config.steps, first_step=0)
@@ -157,6 +158,11 @@ class BaseTrainer(abc.ABC):
             if done == last or (config.checkpoint_every and done % config.checkpoint_every == 0):
                 self.save_checkpoint(done)
 
+    def sent_bytes(self) -> float:
+        """Bytes this worker has sent to synchronize training so far (activations, gradients,
+        parameters; what the codec made of them with ``--compress``)."""
+        return 0.0
+
     def trace(self, name: str, start: float, end: float, step: int, *, num_bytes: int = 0,
               version: int = -1) -> None:
         """Record one action of this worker in the timeline (first ``MAX_TRACED_STEPS`` steps)."""
@@ -167,7 +173,8 @@ class BaseTrainer(abc.ABC):
             ))
 
     def _log(self, done: int, final: bool) -> None:
-        """Report the mean loss of the steps since the last report.
+        """Report the mean loss of the steps since the last report, and the bytes sent per step
+        (by all workers; by this worker where logging is not collective).
 
         The cross-worker sum runs in the background and is read at the next report (at once
         for the last step), so logging never makes the workers wait for one another — which
@@ -176,7 +183,12 @@ class BaseTrainer(abc.ABC):
         steps = range(self.logged, done)
         fields = {"step": done, "lr": self.scheduler.get_last_lr()[0],
                   "samples_per_s": self._samples_per_s(len(steps))}
-        total = self.loss_total.clone()
+        sent = self.sent_bytes()
+        total = torch.stack([self.loss_total.to(torch.float64),
+                             torch.tensor(sent - self.logged_bytes, dtype=torch.float64,
+                                          device=self.loss_total.device)])
+        fields["steps_logged"] = len(steps)
+        self.logged_bytes = sent
         if self.collective_logging:
             count = sum(len(self.sampler.global_indices(s)) for s in steps)
             count *= self.predictions_per_sample
@@ -197,7 +209,8 @@ class BaseTrainer(abc.ABC):
         work, total, count, fields = pending
         if work is not None:
             work.wait()
-        self.loss = float(total) / count
+        self.loss = float(total[0]) / count
+        fields["sent_bytes_per_step"] = float(total[1]) / max(1, fields.pop("steps_logged"))
         self.reporter.record(loss=self.loss, **fields)
 
     def _samples_per_s(self, num_steps: int) -> float:

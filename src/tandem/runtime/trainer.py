@@ -200,13 +200,20 @@ class Trainer(BaseTrainer):
             "scheduler": self.scheduler.state_dict(), "rng": rng_states,
         }, self.out / "checkpoint.pt")
 
+    def sent_bytes(self) -> float:
+        return self.strategy.sent_bytes()
+
     def summary_extra(self) -> dict[str, Any]:
+        """The model's size and the strategy's stats summed over workers; ``sent_bytes_per_step``
+        is what all workers sent per step of this run."""
         stats = self.strategy.stats()
         totals = torch.tensor([float(stats.get(key, 0.0)) for key in sorted(stats)] or [0.0],
                               dtype=torch.float64)
         dist.all_reduce(totals)
-        return {"parameters": sum(p.numel() for p in self.model.parameters()),
-                **{key: totals[i].item() for i, key in enumerate(sorted(stats))}}
+        summed = {key: totals[i].item() for i, key in enumerate(sorted(stats))}
+        if "sync_bytes" in summed:
+            summed["sent_bytes_per_step"] = summed["sync_bytes"] / max(1, len(self.step_times))
+        return {"parameters": sum(p.numel() for p in self.model.parameters()), **summed}
 
 
 class ParameterServerWorker(Trainer):

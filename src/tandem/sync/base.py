@@ -56,6 +56,10 @@ class SyncStrategy(abc.ABC):
     def record_loss(self, loss_sum: torch.Tensor, count: int) -> None:
         """This step's summed loss over ``count`` predictions, before :meth:`update`."""
 
+    def sent_bytes(self) -> float:
+        """Bytes this worker has sent to synchronize so far (its ``sync_bytes`` stat)."""
+        return float(self.stats().get("sync_bytes", 0.0))
+
     def stats(self) -> dict[str, float]:
         """Strategy counters for the run's summary (bytes sent, dropped updates, ...)."""
         return {}
