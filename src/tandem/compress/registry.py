@@ -38,7 +38,9 @@ STATELESS_STRATEGIES = {
 UNSUPPORTED: dict[str, dict[str, str]] = {
     "ps": {"powersgd": "it is PyTorch's DDP communication hook"},
     "gossip": {"powersgd": "it is PyTorch's DDP communication hook"},
-    "pipeline": {"powersgd": "it is PyTorch's DDP communication hook"},
+    "pipeline": {"powersgd": "it is PyTorch's DDP communication hook",
+                 "randk": "its positions are not sent, and the receiving stage cannot draw "
+                          "the sender's"},
 }
 """Strategy -> codec -> why the strategy cannot use it."""
 
