@@ -216,35 +216,83 @@ def local_link(tmp: Path) -> tuple[float, float]:
     return latency, (large - small) / max(transfer - latency, 1e-9)
 
 
-def allreduce_step_latency(num_workers: int, num_bytes: int, tmp: Path) -> float:
-    """Seconds per step of a gloo ring allreduce among ``num_workers`` local processes: the
-    median time of a small allreduce after a barrier, over its ``2 (n - 1)`` steps. With more
-    processes than cores every step waits for a process to be scheduled, so this grows with
-    ``n`` much faster than the point-to-point latency."""
-    script = tmp / "allreduce.py"
-    script.write_text(f"""
-import statistics, time, torch, torch.distributed as dist
-dist.init_process_group("gloo")
-buf, times = torch.zeros({num_bytes} // 4), []
-for _ in range(40):
-    dist.barrier()
-    start = time.perf_counter()
-    dist.all_reduce(buf)
-    times.append(time.perf_counter() - start)
-worst = torch.tensor([statistics.median(times)])
-dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-if dist.get_rank() == 0:
-    print("median", float(worst))
-dist.destroy_process_group()
-""")
+def _run_script(script: Path, num_workers: int) -> str:
+    """Run ``script`` on ``num_workers`` local gloo processes (torchrun); its stdout."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc-per-node", str(num_workers), str(script)],
                           capture_output=True, text=True, env=env, timeout=300)
     if done.returncode != 0:
         raise RuntimeError(done.stderr[-2000:])
-    seconds = float([x for x in done.stdout.splitlines() if x.startswith("median")][-1].split()[1])
-    return seconds / (2 * (num_workers - 1))
+    return done.stdout
+
+
+def _value(stdout: str, label: str) -> float:
+    return float([x for x in stdout.splitlines() if x.startswith(label)][-1].split()[1])
+
+
+COMPUTE_S = 0.05
+"""What the workers of a calibration loop do between exchanges: sleep this long, as an
+emulated layer does (the loops measure communication as training meets it, not in isolation)."""
+
+
+def allreduce_step_latency(num_workers: int, num_bytes: int, tmp: Path) -> float:
+    """Seconds per step of a gloo ring allreduce among ``num_workers`` local processes, as
+    training meets it: each iteration of a loop sleeps ``COMPUTE_S`` (compute) and then
+    allreduces; the median time from the end of a worker's sleep to the end of its allreduce,
+    over the ring's ``2 (n - 1)`` steps, the slowest worker's. Workers leave each allreduce at
+    different instants (with more processes than cores each wakes when the scheduler lets it),
+    so the next one starts skewed; a loop includes that skew, an allreduce timed alone after a
+    barrier does not."""
+    script = tmp / "allreduce.py"
+    script.write_text(f"""
+import statistics, time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+buf, times = torch.zeros({num_bytes} // 4), []
+dist.barrier()
+for _ in range(30):
+    time.sleep({COMPUTE_S})
+    slept = time.perf_counter()
+    dist.all_reduce(buf)
+    times.append(time.perf_counter() - slept)
+worst = torch.tensor([statistics.median(times[4:])])
+dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+if dist.get_rank() == 0:
+    print("median", float(worst))
+dist.destroy_process_group()
+""")
+    seconds = _value(_run_script(script, num_workers), "median")
+    return max(seconds, 0.0) / (2 * (num_workers - 1))
+
+
+def hop_latency(num_workers: int, tmp: Path) -> float:
+    """Latency of a small gloo message while ``num_workers`` local processes exchange at once,
+    as a pipeline's stages do: every iteration each worker sleeps ``COMPUTE_S``, sends to the
+    next worker of a ring and receives from the previous; the median time from the end of a
+    worker's sleep to its neighbour's message (which includes the neighbours' skew), the
+    slowest worker's."""
+    script = tmp / "ring.py"
+    script.write_text(f"""
+import statistics, time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+rank, n = dist.get_rank(), dist.get_world_size()
+buf, into, hops = torch.zeros(1024), torch.zeros(1024), []
+dist.barrier()
+for _ in range(30):
+    time.sleep({COMPUTE_S})
+    slept = time.perf_counter()
+    work = dist.isend(buf, (rank + 1) % n)
+    dist.recv(into, (rank - 1) % n)
+    work.wait()
+    now = time.perf_counter()
+    hops.append(now - slept)
+worst = torch.tensor([statistics.median(hops[4:])])
+dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+if rank == 0:
+    print("median", float(worst))
+dist.destroy_process_group()
+""")
+    return _value(_run_script(script, num_workers), "median")
 
 
 def local_cluster(num_devices: int, latency_s: float, bandwidth_Bps: float) -> Cluster:
@@ -445,6 +493,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--parts", default="emulated,ranking,real")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--cases", default="",
+                        help="only these emulated/ranking cases, by name, separated by ';' "
+                        "(e.g. 'dp 8;1f1b 8 stages, M=16')")
     parser.add_argument("--scale", type=float, default=2.0,
                         help="factor on VGG-16's profiled times (default 2: ~0.3-0.9 s steps)")
     args = parser.parse_args()
@@ -459,18 +510,27 @@ def main() -> None:
         profile = scaled_vgg(args.scale, tmp / "vgg.json")
         model = f"emulated:profile={tmp / 'vgg.json'},params=profiled,scale=1"
 
+        counts = sorted({case.workers for case in (*EMULATED, *RANKING, *REAL)} - {1})
+        hops = {n: min(hop_latency(n, tmp) for _ in range(REPEATS)) for n in counts}
+        print("message latency with every worker exchanging: " + ", ".join(
+            f"{n} workers {v * 1e3:.2f} ms" for n, v in hops.items()), file=sys.stderr)
+        summary["hop_latency_s"] = hops
+
         def cluster_for(n: int) -> Cluster:
+            return local_cluster(max(n, 2), hops.get(n, latency_s), bandwidth_Bps)
+
+        def bare_cluster_for(n: int) -> Cluster:
             return local_cluster(max(n, 2), latency_s, bandwidth_Bps)
 
         memo: dict[Case, float] = {}
         collective = {n: min(allreduce_step_latency(n, 55544, tmp) for _ in range(REPEATS))
-                      for n in (2, 3, 4, 8)}
+                      for n in counts}
         print("allreduce step latency here: " + ", ".join(
             f"{n} workers {v * 1e3:.2f} ms" for n, v in collective.items()), file=sys.stderr)
         summary["allreduce_step_latency_s"] = collective
         if "emulated" in parts or "ranking" in parts:
             overhead = action_overhead(profile, model, "digits", VGG_BATCH, args.steps,
-                                       cluster_for(1), tmp)
+                                       bare_cluster_for(1), tmp)
             print(f"runtime cost per forward/backward: {overhead * 1e3:.2f} ms", file=sys.stderr)
             summary["action_overhead_s"] = overhead
             options = SimOptions(compute_overhead_s=overhead, allreduce="ring", record=False)
@@ -479,12 +539,14 @@ def main() -> None:
             if part not in parts:
                 continue
             print(f"{part}:", file=sys.stderr)
-            rows = run_cases(cases, profile, model, "digits", VGG_BATCH, args.steps, cluster_for,
-                             options, bare, tmp, memo, collective)
+            chosen = [case for case in cases if not args.cases
+                      or any(name.strip() == case.name for name in args.cases.split(";"))]
+            rows = run_cases(chosen, profile, model, "digits", VGG_BATCH, args.steps, cluster_for,
+                             options, bare, tmp, memo, collective, bare_cluster_for)
             print_table(f"{part}: VGG-16 profile on the emulated model (times x{args.scale})", rows)
             summary[part] = rows
         if "real" in parts:
-            summary["real"] = real_part(args.steps, tmp, cluster_for, collective)
+            summary["real"] = real_part(args.steps, tmp, bare_cluster_for, collective)
     summary.update(_verdicts(summary))
     print(json.dumps(summary))
 
