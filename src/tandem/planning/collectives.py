@@ -1,9 +1,10 @@
-"""Cost of communication on a hierarchical cluster: links, ports and allreduce algorithms.
+"""Cost of communication on a hierarchical cluster: links, ports, allreduce and allgather algorithms.
 
 Usage::
 
     level = link_level(cluster, 3, 12)                       # 1: different servers
     seconds = allreduce_s(cluster, range(16), 553e6, "auto")
+    seconds = allgather_s(cluster, range(16), 17e6, "auto")  # 1-bit gradients, say
 
 Devices are numbered so that consecutive devices share the innermost unit (device ``d`` sits in
 server ``d // 8`` of ``8x300GB/s,4x25Gb/s``). Two devices talk over the outermost level at which
@@ -21,6 +22,16 @@ slowest level the group spans (Thakur, Rabenseifner and Gropp, 2005; NCCL's tree
   where ``n_l`` is how many units of level ``l`` the group has inside one unit of level
   ``l + 1``. The devices of a unit share its port, so each level moves ``S`` per unit;
 - ``auto``: the cheapest of the three, as NCCL's tuner would pick.
+
+Allgather of ``S`` bytes from each of ``n`` devices (every device ends with all ``n S``), which
+compression codecs whose payloads do not add up use:
+
+- ``ring``: ``(n - 1) (α + S / B)`` — ``n - 1`` steps, each forwarding one device's payload;
+- ``hierarchical``: level by level from the outermost, each device exchanging what it holds with
+  its peers in the other units: ``sum over levels l of (n_l - 1) (α_l + n S / (n_l B_l))`` (the
+  ``n / n_l`` payloads a unit's devices forward in a step share its port);
+- ``tree``: libraries have no tree allgather (NCCL's is a ring), so it is the ring;
+- ``auto``: the cheaper of ring and hierarchical.
 """
 
 from __future__ import annotations
@@ -81,18 +92,11 @@ def allreduce_s(cluster: Cluster, devices: Iterable[int], num_bytes: float,
     """Seconds to allreduce ``num_bytes`` over ``devices`` with ``algorithm``; ``latency_s``
     replaces every level's latency for the collective's steps when given (collective libraries
     often pay more per step than a point-to-point message does)."""
-    if algorithm not in ALGORITHMS:
-        raise UsageError(f"unknown allreduce algorithm {algorithm!r} (known: {', '.join(ALGORITHMS)})")
-    fanout = branching(cluster, devices)
-    n = math.prod(fanout)
-    if n <= 1 or num_bytes <= 0:
+    span = _span(cluster, devices, algorithm, latency_s)
+    if span is None or num_bytes <= 0:
         return 0.0
-    spanned = [level for level, count in enumerate(fanout) if count > 1]
-    latency = [cluster.levels[level].latency_s if latency_s is None else latency_s
-               for level in range(len(fanout))]
-    slowest = min(spanned, key=lambda level: cluster.levels[level].bandwidth_Bps)
-    alpha = max(latency[level] for level in spanned)
-    bandwidth = cluster.levels[slowest].bandwidth_Bps
+    fanout, latency, alpha, bandwidth = span
+    n = math.prod(fanout)
     costs = {
         "ring": ring_s(n, num_bytes, alpha, bandwidth),
         "tree": tree_s(n, num_bytes, alpha, bandwidth),
@@ -102,6 +106,53 @@ def allreduce_s(cluster: Cluster, devices: Iterable[int], num_bytes: float,
         ),
     }
     return min(costs.values()) if algorithm == "auto" else costs[algorithm]
+
+
+def allgather_s(cluster: Cluster, devices: Iterable[int], num_bytes: float,
+                algorithm: str = "auto", latency_s: float | None = None) -> float:
+    """Seconds to allgather ``num_bytes`` from each of ``devices`` with ``algorithm`` (``tree``
+    runs the ring; see the module docstring); ``latency_s`` as for :func:`allreduce_s`."""
+    span = _span(cluster, devices, algorithm, latency_s)
+    if span is None or num_bytes <= 0:
+        return 0.0
+    fanout, latency, alpha, bandwidth = span
+    n = math.prod(fanout)
+    ring = ring_allgather_s(n, num_bytes, alpha, bandwidth)
+    hierarchical = sum(
+        ring_allgather_s(count, num_bytes * n / count, latency[level],
+                         cluster.levels[level].bandwidth_Bps)
+        for level, count in enumerate(fanout) if count > 1
+    )
+    if algorithm == "hierarchical":
+        return hierarchical
+    return min(ring, hierarchical) if algorithm == "auto" else ring
+
+
+def collective_s(cluster: Cluster, collective: str, devices: Iterable[int], num_bytes: float,
+                 algorithm: str = "auto", latency_s: float | None = None) -> float:
+    """Seconds of an ``allreduce`` or ``allgather`` of ``num_bytes`` per device."""
+    if collective == "allreduce":
+        return allreduce_s(cluster, devices, num_bytes, algorithm, latency_s)
+    if collective == "allgather":
+        return allgather_s(cluster, devices, num_bytes, algorithm, latency_s)
+    raise ValueError(f"unknown collective {collective!r}; expected allreduce or allgather")
+
+
+def _span(cluster: Cluster, devices: Iterable[int], algorithm: str,
+          latency_s: float | None) -> tuple[list[int], list[float], float, float] | None:
+    """``(fanout per level, latency per level, α, B)`` of a collective over ``devices``: α the
+    largest latency and B the slowest bandwidth of the levels it spans; None for one device."""
+    if algorithm not in ALGORITHMS:
+        raise UsageError(f"unknown allreduce algorithm {algorithm!r} (known: {', '.join(ALGORITHMS)})")
+    fanout = branching(cluster, devices)
+    if math.prod(fanout) <= 1:
+        return None
+    spanned = [level for level, count in enumerate(fanout) if count > 1]
+    latency = [cluster.levels[level].latency_s if latency_s is None else latency_s
+               for level in range(len(fanout))]
+    slowest = min(spanned, key=lambda level: cluster.levels[level].bandwidth_Bps)
+    alpha = max(latency[level] for level in spanned)
+    return fanout, latency, alpha, cluster.levels[slowest].bandwidth_Bps
 
 
 def ring_s(n: int, num_bytes: float, latency_s: float, bandwidth_Bps: float) -> float:
@@ -116,3 +167,10 @@ def tree_s(n: int, num_bytes: float, latency_s: float, bandwidth_Bps: float) -> 
     if n <= 1:
         return 0.0
     return 2 * math.ceil(math.log2(n)) * latency_s + 2 * num_bytes / bandwidth_Bps
+
+
+def ring_allgather_s(n: int, num_bytes: float, latency_s: float, bandwidth_Bps: float) -> float:
+    """Ring allgather: ``n - 1`` steps, each forwarding ``S`` bytes (one device's payload)."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) * (latency_s + num_bytes / bandwidth_Bps)

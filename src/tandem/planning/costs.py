@@ -40,6 +40,9 @@ class StageCost:
     buckets: tuple[tuple[float, float], ...]
     """DDP gradient buckets in the order they fill: ``(backward seconds until the bucket's
     gradients are all computed, bucket bytes)``."""
+    bucket_tensors: tuple[tuple[float, ...], ...] = ()
+    """Per bucket of ``buckets``, the parameter bytes of each layer in it (a layer's
+    parameters counted as one tensor), for codecs whose payload is per tensor."""
 
 
 def check_plan(plan: Plan, profile: ModelProfile, cluster: Cluster) -> None:
@@ -91,14 +94,16 @@ def stage_costs(plan: Plan, profile: ModelProfile, *,
     costs = []
     for index in range(len(plan.stages)):
         layers = [profile.layers[i] for i in plan.stage_layers(index)]
+        buckets = _buckets([(layer.backward_s, layer.parameter_bytes) for layer in layers],
+                           bucket_bytes, first_bucket_bytes)
         costs.append(StageCost(
             forward_s=sum(layer.forward_s for layer in layers),
             backward_s=sum(layer.backward_s for layer in layers),
             parameter_bytes=sum(layer.parameter_bytes for layer in layers),
             activation_bytes=sum(layer.activation_bytes for layer in layers),
             output_bytes=crossing[index],
-            buckets=_buckets([(layer.backward_s, layer.parameter_bytes) for layer in layers],
-                             bucket_bytes, first_bucket_bytes),
+            buckets=tuple((ready, sum(sizes)) for ready, sizes in buckets),
+            bucket_tensors=tuple(sizes for _, sizes in buckets),
         ))
     return costs
 
@@ -121,19 +126,22 @@ def boundary_bytes(plan: Plan, profile: ModelProfile) -> list[float]:
 
 
 def _buckets(layers: list[tuple[float, float]], cap: float,
-             first_cap: float) -> tuple[tuple[float, float], ...]:
-    """DDP's buckets: gradients in reverse layer order (the order backward produces them),
-    a bucket closing once it holds ``cap`` bytes (``first_cap`` for the first)."""
-    buckets: list[tuple[float, float]] = []
-    elapsed = ready = size = 0.0
+             first_cap: float) -> list[tuple[float, tuple[float, ...]]]:
+    """DDP's buckets as ``(ready seconds, each layer's parameter bytes)``: gradients in reverse
+    layer order (the order backward produces them), a bucket closing once it holds ``cap``
+    bytes (``first_cap`` for the first)."""
+    buckets: list[tuple[float, tuple[float, ...]]] = []
+    elapsed = ready = 0.0
+    sizes: list[float] = []
     for backward_s, parameter_bytes in reversed(layers):
         elapsed += backward_s
         if parameter_bytes <= 0:
             continue
-        size, ready = size + parameter_bytes, elapsed
-        if size >= (first_cap if not buckets else cap):
-            buckets.append((ready, size))
-            size = 0.0
-    if size > 0:
-        buckets.append((ready, size))
-    return tuple(buckets)
+        sizes.append(parameter_bytes)
+        ready = elapsed
+        if sum(sizes) >= (first_cap if not buckets else cap):
+            buckets.append((ready, tuple(sizes)))
+            sizes = []
+    if sizes:
+        buckets.append((ready, tuple(sizes)))
+    return buckets
