@@ -30,10 +30,20 @@ class Compression(abc.ABC):
     momentum_correction: float = 0.0
     """Momentum the compression applies itself (DGC); the optimizer must then apply none."""
 
+    resumable: bool = True
+    """Whether :meth:`state_dict` captures everything a resumed run needs."""
+
     @abc.abstractmethod
     def ddp_hook(self, model: nn.Module, meter: ByteMeter) -> tuple[Any, Callable[..., Any]]:
         """``(state, hook)`` for ``DistributedDataParallel.register_comm_hook`` of ``model``
         (the module DDP wraps), counting into ``meter`` the bytes it sends."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """This worker's state (error-feedback residuals, random streams), for checkpoints."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s output (before the first step of a resumed run)."""
 
 
 class Codec(Compression):

@@ -15,6 +15,7 @@ was sent); for sign it is the blockwise EF-SGD with momentum of Zheng et al. (20
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -38,6 +39,8 @@ class ErrorFeedback(Codec):
     def encode(self, grad: torch.Tensor, key: str) -> Payload:
         update = self._velocity(grad, key) if self.momentum_correction else grad
         residual = self.residuals.get(key)
+        if residual is not None and residual.device != update.device:
+            residual = residual.to(update.device)  # restored from a checkpoint on the CPU
         corrected = update.clone() if residual is None else residual.add_(update)
         payload = self.inner.encode(corrected, key)
         sent = self.inner.decode(payload, corrected, key)
@@ -49,10 +52,21 @@ class ErrorFeedback(Codec):
     def _velocity(self, grad: torch.Tensor, key: str) -> torch.Tensor:
         """``u <- m u + g`` for ``key`` (a new tensor the first time: ``grad`` is not changed)."""
         velocity = self.velocities.get(key)
+        if velocity is not None and velocity.device != grad.device:
+            velocity = self.velocities[key] = velocity.to(grad.device)
         if velocity is None:
             velocity = self.velocities[key] = grad.clone()
             return velocity
         return velocity.mul_(self.momentum_correction).add_(grad)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"residuals": dict(self.residuals), "velocities": dict(self.velocities),
+                "inner": self.inner.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.residuals = {key: value.clone() for key, value in state["residuals"].items()}
+        self.velocities = {key: value.clone() for key, value in state["velocities"].items()}
+        self.inner.load_state_dict(state["inner"])
 
     def decode(self, payload: Sequence[torch.Tensor], like: torch.Tensor, key: str) -> torch.Tensor:
         return self.inner.decode(payload, like, key)

@@ -50,6 +50,10 @@ class PowerSGDOptions:
 class PowerSGD(Compression):
     """PyTorch's ``powerSGD_hook`` wrapped to count the elements it allreduces."""
 
+    resumable = False
+    """PyTorch keeps its residuals and warm-start factors per DDP bucket index, and a restarted
+    job builds its buckets anew (then rebuilds them after the first step)."""
+
     def __init__(self, options: PowerSGDOptions) -> None:
         self.options = options
 

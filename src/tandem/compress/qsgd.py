@@ -9,7 +9,9 @@ bits (``2 s + 1`` codes), norms take 4 bytes per chunk.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -26,11 +28,27 @@ class QSGD(Codec):
     def __init__(self, levels: int, chunk: int, norm: str, seed: int) -> None:
         self.levels, self.chunk, self.norm, self.seed = levels, chunk, norm, seed
         self.bits = bits.width_for(2 * levels + 1)
-        self.generator = torch.Generator().manual_seed(seed)
+        self.rank = 0
+        self.calls: dict[str, int] = {}
 
     def start(self, rank: int, world_size: int) -> None:
         # Workers draw independent roundings, so their errors average out instead of adding up.
-        self.generator = torch.Generator().manual_seed(self.seed * 1_000_003 + rank)
+        self.rank = rank
+
+    def _generator(self, key: str) -> torch.Generator:
+        """The rounding noise of this worker's next encoding of ``key``: seeded from the seed,
+        the rank, the key and the call, so it does not depend on the order tensors come in
+        (DDP reorders its buckets after the first step, also after a resume)."""
+        call = self.calls.get(key, 0)
+        self.calls[key] = call + 1
+        mixed = (self.seed * 1_000_003 + self.rank) * 7919 + zlib.crc32(key.encode())
+        return torch.Generator().manual_seed((mixed * 1_000_033 + call) % 2**63)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"calls": dict(self.calls)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.calls = dict(state["calls"])
 
     def _chunks(self, flat: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.pad(flat, (0, -flat.numel() % self.chunk)).view(-1, self.chunk)
@@ -42,7 +60,7 @@ class QSGD(Codec):
         else:
             norms = chunks.abs().amax(dim=1, keepdim=True)
         scaled = chunks.abs() / torch.where(norms > 0, norms, 1.0) * self.levels
-        noise = torch.rand(scaled.shape, generator=self.generator, dtype=scaled.dtype)
+        noise = torch.rand(scaled.shape, generator=self._generator(key), dtype=scaled.dtype)
         noise = noise.to(scaled.device)
         level = torch.floor(scaled + noise).clamp_(max=self.levels)
         codes = (torch.sign(chunks) * level + self.levels).to(torch.uint8)

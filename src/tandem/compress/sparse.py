@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -81,6 +82,12 @@ class RandomK(Codec):
         indices = indices.to(flat.device)
         self.indices[key] = indices
         return [flat[indices]]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"calls": dict(self.calls)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.calls = dict(state["calls"])
 
     def decode(self, payload: Sequence[torch.Tensor], like: torch.Tensor, key: str) -> torch.Tensor:
         """Needs this step's :meth:`encode` of ``key`` (the positions are not sent)."""

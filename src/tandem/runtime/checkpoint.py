@@ -10,7 +10,9 @@ import torch
 
 from tandem.errors import UsageError
 
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2
+"""2: every worker's own state (random stream, codec residuals; models of decentralized
+strategies) under ``ranks``."""
 
 
 def save_atomic(obj: Any, path: str | Path) -> None:

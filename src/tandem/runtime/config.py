@@ -52,6 +52,8 @@ class TrainConfig:
     """``gossip``: mixing weights, ``uniform`` or ``metropolis``."""
     asynchronous_gossip: bool = False
     """``gossip``: AD-PSGD — pairwise averaging with a random neighbour, no global rounds."""
+    gossip_step: float | None = None
+    """``gossip --compress``: CHOCO-gossip's consensus step size gamma, in (0, 1] (default 0.5)."""
     period: int = 4
     """``localsgd``: average every this many steps; ``easgd``: elastic update period (tau)."""
     rho: float = 1.0
@@ -134,6 +136,16 @@ class TrainConfig:
                 raise UsageError("give either --plan or --stages/--replicas, not both")
         if self.strategy == "ps":
             self._check_ps()
+        if (self.resume is not None or self.stop_after is not None or self.checkpoint_every) \
+                and (self.compress or "").partition(":")[0] == "powersgd":
+            raise UsageError(
+                "--compress powersgd cannot be resumed (PyTorch keeps its state per DDP bucket, "
+                "which a restarted job rebuilds); drop --resume/--stop-after/--checkpoint-every "
+                "or use another codec"
+            )
+        if self.gossip_step is not None and not 0 < self.gossip_step <= 1:
+            raise UsageError(f"--gossip-step must be in (0, 1] (got {self.gossip_step}); "
+                             f"e.g. 0.5, or 1 with a lossless codec")
         _at_least("--period", self.period, 1)
         if self.rho <= 0:
             raise UsageError(f"--rho must be positive (got {self.rho})")
@@ -196,7 +208,7 @@ class TrainConfig:
     def fingerprint(self) -> dict[str, Any]:
         """Settings a checkpoint must agree with to be resumed."""
         return {key: getattr(self, key) for key in ("model", "data", "strategy", "batch_size",
-                                                    "optimizer", "seed")}
+                                                    "optimizer", "seed", "compress")}
 
 
 def _at_least(flag: str, value: int, minimum: int) -> None:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from tandem.data import shard_sizes
+from tandem.errors import UsageError
 from tandem.models import build_model
 from tandem.runtime.base import BaseTrainer, loss_sum
 from tandem.runtime.checkpoint import CHECKPOINT_VERSION, load_checkpoint, save_atomic
@@ -127,12 +128,22 @@ class Trainer(BaseTrainer):
         return load_checkpoint(path, self.config.fingerprint())
 
     def _restore(self, checkpoint: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(checkpoint["optimizer"])
+        """Optimizer, schedule, step and this worker's own state (random stream, strategy state,
+        and its model and optimizer where workers' differ)."""
+        ranks = checkpoint["ranks"]
+        if len(ranks) != self.env.world_size:
+            if not self.strategy.replicas_agree or self.config.compress:
+                raise UsageError(f"the checkpoint holds the state of {len(ranks)} workers, each "
+                                 f"its own; resume with --nproc {len(ranks)}")
+            ranks = [{"rng": ranks[0]["rng"], "sync": {}}] * self.env.world_size
+        own = ranks[self.env.rank]
+        if "model" in own:
+            self.model.load_state_dict(own["model"])
+        self.optimizer.load_state_dict(own.get("optimizer", checkpoint["optimizer"]))
         self.scheduler.load_state_dict(checkpoint["scheduler"])
         self.first_step = int(checkpoint["step"])
-        rng_states = checkpoint["rng"]
-        if len(rng_states) == self.env.world_size:
-            torch.set_rng_state(rng_states[self.env.rank])
+        torch.set_rng_state(own["rng"])
+        self.strategy.load_state_dict(own["sync"])
 
     def train_step(self, step: int) -> torch.Tensor:
         """One optimizer step on this worker's share of global batch ``step``; returns its loss sum."""
@@ -190,14 +201,18 @@ class Trainer(BaseTrainer):
     def save_checkpoint(self, step: int) -> None:
         if self.out is None:
             return
-        rng_states: list[torch.Tensor | None] = [None] * self.env.world_size
-        dist.all_gather_object(rng_states, torch.get_rng_state())
+        own: dict[str, Any] = {"rng": torch.get_rng_state(), "sync": self.strategy.state_dict()}
+        if not self.strategy.replicas_agree:
+            own["model"] = self.model.state_dict()
+            own["optimizer"] = self.optimizer.state_dict()
+        ranks: list[dict[str, Any] | None] = [None] * self.env.world_size
+        dist.all_gather_object(ranks, own)
         if self.env.rank != 0:
             return
         save_atomic({
             "version": CHECKPOINT_VERSION, "step": step, "fingerprint": self.config.fingerprint(),
             "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(), "rng": rng_states,
+            "scheduler": self.scheduler.state_dict(), "ranks": ranks,
         }, self.out / "checkpoint.pt")
 
     def sent_bytes(self) -> float:

@@ -7,7 +7,7 @@ see :mod:`tandem.compress`.
 
 from __future__ import annotations
 
-from typing import ContextManager, cast
+from typing import Any, ContextManager, cast
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,14 @@ class AllReduce(SyncStrategy):
         if self.compression is not None:
             module.register_comm_hook(*self.compression.ddp_hook(model, self.meter))
         return module
+
+    def state_dict(self) -> dict[str, Any]:
+        """The codec's state (error-feedback residuals, random streams)."""
+        return {"codec": self.compression.state_dict()} if self.compression else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.compression is not None and "codec" in state:
+            self.compression.load_state_dict(state["codec"])
 
     def unwrap(self, module: nn.Module) -> nn.Module:
         return cast(DistributedDataParallel, module).module

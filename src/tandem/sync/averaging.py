@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -14,6 +16,7 @@ class LocalSGD(SyncStrategy):
     """Workers step on their own and average their parameters every ``period`` steps."""
 
     name = "localsgd"
+    replicas_agree = False
 
     def __init__(self, period: int) -> None:
         self.period = period
@@ -46,6 +49,7 @@ class ElasticAveraging(SyncStrategy):
     """
 
     name = "easgd"
+    replicas_agree = False
 
     def __init__(self, period: int, rho: float, lr: float) -> None:
         self.period = period
@@ -71,6 +75,13 @@ class ElasticAveraging(SyncStrategy):
             self.center += self.alpha * total
             self.bytes_sent += total.numel() * total.element_size()
         return False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"center": self.center}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        assert self.center is not None, "load_state_dict before wrap"
+        self.center.copy_(state["center"])
 
     def consensus(self, module: nn.Module) -> None:
         """The center variable is EASGD's model."""

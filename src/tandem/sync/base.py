@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from typing import ContextManager
+from typing import Any, ContextManager
 
 import torch
 from torch import nn
@@ -25,6 +25,9 @@ class SyncStrategy(abc.ABC):
     worker and nothing else is collective until training ends)."""
     local_optimizer: bool = True
     """Whether :meth:`update` steps the worker's own optimizer (and so its learning-rate schedule)."""
+    replicas_agree: bool = True
+    """Whether every worker holds the same model and optimizer state after each step (False:
+    checkpoints keep each worker's own)."""
 
     @abc.abstractmethod
     def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
@@ -55,6 +58,13 @@ class SyncStrategy(abc.ABC):
 
     def record_loss(self, loss_sum: torch.Tensor, count: int) -> None:
         """This step's summed loss over ``count`` predictions, before :meth:`update`."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """This worker's strategy state beyond its model and optimizer, for checkpoints."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s output (after :meth:`wrap`)."""
 
     def sent_bytes(self) -> float:
         """Bytes this worker has sent to synchronize so far (its ``sync_bytes`` stat)."""
