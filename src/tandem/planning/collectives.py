@@ -1,4 +1,4 @@
-"""Cost of communication on a hierarchical cluster: links, ports, allreduce and allgather algorithms.
+"""Cost of communication on a hierarchical cluster: links, ports and collective algorithms.
 
 Usage::
 

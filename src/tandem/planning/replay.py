@@ -14,6 +14,15 @@ sends to arrive (``finish_sends``) and starts the next step. With DDP's overlap 
 (``Workload.buckets``), a stage's allreduce is split into buckets that start as soon as the
 backward of every replica has produced their gradients, each after the previous bucket.
 
+With a gradient codec (``Workload.codec_s``, ``Workload.bucket_codec_s``) a sync also encodes
+before its collectives and decodes after them. Encoding and decoding are compute on the
+worker's device, which does one thing at a time (one stream, as DDP's hooks run on the stream of
+the backward), while collectives run beside it (as NCCL's own stream does): a bucket's encode
+runs as soon as its gradients are ready and pushes the rest of the backward back, its collective
+starts when the encode and the previous bucket's collective are done, and its decode runs when
+the collective ends, before any backward left (see :func:`overlapped_sync_s`). A blocking sync
+encodes, exchanges and decodes one after the other.
+
 Events are processed in time order (a heap of worker wake-up times), so ports are granted in
 the order transfers become ready.
 """
@@ -61,6 +70,11 @@ class Workload:
     """Device of each worker."""
     send_overhead_s: float = 0.0
     """Seconds a worker spends posting a send."""
+    codec_s: Sequence[tuple[float, float]] | None = None
+    """With a gradient codec: per stage, ``(encode, decode)`` seconds of a blocking sync."""
+    bucket_codec_s: Sequence[Sequence[tuple[float, float]]] | None = None
+    """With a gradient codec and DDP's overlap: per stage and bucket, ``(encode, decode)``
+    seconds."""
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -82,6 +96,8 @@ class Replay:
     """``pipedream``: time each minibatch's update ended on stage 0."""
     events: list[Event]
     """The timeline, when recorded."""
+    codec_s: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    """Per worker, encode and decode seconds of a gradient codec, keyed like ``busy_s``."""
 
 
 class _Stalled(RuntimeError):
@@ -129,6 +145,7 @@ class _Replayer:
             communication_s=[defaultdict(float) for _ in range(self.num_workers)],
             peak_activation_bytes=[0.0] * self.num_workers,
             peak_stashed_versions=[0] * self.num_workers, done_s={}, events=[],
+            codec_s=[defaultdict(float) for _ in range(self.num_workers)],
         )
 
     def run(self) -> Replay:
@@ -318,22 +335,72 @@ class _Replayer:
         if len(arrived) < self.schedule.replicas[stage]:
             return
         del self.collectives[key]
-        end, cost = self._collective_end(stage, arrived)
+        end, cost, codec = self._collective_end(stage, arrived)
         for worker, reached in arrived:
             finish = max(end, reached)
             self._event(worker, "AR", reached, finish, m)
             self.out.communication_s[worker][self._key(worker, m)] += cost
+            if codec:
+                self.out.codec_s[worker][self._key(worker, m)] += codec
             self._push(finish, worker)
 
-    def _collective_end(self, stage: int, arrived: list[tuple[int, float]]) -> tuple[float, float]:
-        """When the stage's allreduce ends and how long it ran (buckets with DDP's overlap)."""
+    def _collective_end(self, stage: int,
+                        arrived: list[tuple[int, float]]) -> tuple[float, float, float]:
+        """When the stage's gradient sync ends, how long its collectives ran (buckets with
+        DDP's overlap), and its encode and decode seconds."""
         last = max(reached for _, reached in arrived)
         if self.work.buckets is None:
             cost = self.work.allreduce_s[stage]
-            return last + cost, cost
-        end = cost = 0.0
+            encode, decode = self.work.codec_s[stage] if self.work.codec_s else (0.0, 0.0)
+            return last + encode + cost + decode, cost, encode + decode
         started = max(self.backward_start[worker] for worker, _ in arrived)
-        for offset_s, bucket_s in self.work.buckets[stage]:
+        buckets = self.work.buckets[stage]
+        cost = sum(bucket_s for _, bucket_s in buckets)
+        if self.work.bucket_codec_s is not None:
+            codec = self.work.bucket_codec_s[stage]
+            end = started + overlapped_sync_s(self.work.backward_s[stage], buckets, codec)
+            return end, cost, sum(encode + decode for encode, decode in codec)
+        end = 0.0
+        for offset_s, bucket_s in buckets:
             end = max(started + offset_s, end) + bucket_s
-            cost += bucket_s
-        return end, cost
+        return end, cost, 0.0
+
+
+def overlapped_sync_s(backward_s: float, buckets: Sequence[tuple[float, float]],
+                      codec: Sequence[tuple[float, float]]) -> float:
+    """Seconds from the start of a backward of ``backward_s`` until it is over and every
+    bucket is exchanged and decoded, with DDP's overlap and a codec.
+
+    ``buckets`` are ``(backward seconds until ready, collective seconds)`` and ``codec`` their
+    ``(encode, decode)`` seconds. The device runs one thing at a time: encodes and decodes take
+    it in the order they become due (an encode when the backward has produced its bucket, a
+    decode when its collective ends) and the backward fills the time between them;
+    collectives run one after another beside it.
+    """
+    due: list[tuple[float, int, float, int]] = []  # (since, order, seconds, bucket or -1 - bucket)
+    now = done = comm_free = 0.0
+    order = next_bucket = 0
+    while True:
+        while next_bucket < len(buckets) and done >= min(buckets[next_bucket][0], backward_s):
+            heapq.heappush(due, (now, order, codec[next_bucket][0], next_bucket))
+            order, next_bucket = order + 1, next_bucket + 1
+        if due and due[0][0] <= now:
+            _, _, seconds, task = heapq.heappop(due)
+            now += seconds
+            if task >= 0:  # an encode: its collective, then its decode
+                comm_free = max(now, comm_free) + buckets[task][1]
+                heapq.heappush(due, (comm_free, order, codec[task][1], -1 - task))
+                order += 1
+            continue
+        upcoming = due[0][0] if due else float("inf")
+        if done < backward_s:
+            target = buckets[next_bucket][0] if next_bucket < len(buckets) else backward_s
+            target = min(target, backward_s)
+            if upcoming - now < target - done:
+                done, now = done + (upcoming - now), upcoming
+            else:
+                done, now = target, now + (target - done)
+            continue
+        if not due:
+            return now
+        now = upcoming

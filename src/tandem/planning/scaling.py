@@ -14,6 +14,8 @@ and these strategies are simulated:
 
 - ``dp``: data parallelism on ``N`` devices (DDP's overlapped buckets);
 - ``dp+Rx``: the same with gradients compressed ``R`` times (fp16 is 2, 1-bit 32);
+- ``dp+CODEC``: the same with a gradient codec (``sign``, ``topk:ratio=0.01``, ...), its
+  collective and its encode/decode time modelled (:mod:`tandem.planning.codecs`);
 - ``pipeline``: a straight pipeline of ``min(N, layers)`` compute-balanced stages;
 - ``hybrid``: PipeDream's partitioner's plan for the ``N`` devices (replicated stages).
 
@@ -33,6 +35,7 @@ from tandem.cluster import Cluster, Level
 from tandem.errors import UsageError
 from tandem.plan import Plan
 from tandem.planning.balance import balanced_plan
+from tandem.planning.codecs import parse_codec
 from tandem.planning.partition import PartitionOptions
 from tandem.planning.planner import make_plan
 from tandem.planning.simulate import SimOptions, SimResult, data_parallel_plan, simulate
@@ -48,8 +51,9 @@ class ScaleOptions:
 
     max_devices: int = 1024
     """Largest device count; counts are the powers of two up to it (and it)."""
-    compressions: tuple[float, ...] = (2.0, 32.0)
-    """Gradient compression ratios to show for data parallelism."""
+    compressions: tuple[float | str, ...] = (2.0, 32.0)
+    """Gradient compressions to show for data parallelism: ratios, or codec specs
+    (``topk:ratio=0.01``)."""
     microbatches_per_stage: int = 4
     """Pipelines run this many micro-batches per stage and step (bubble ``(S-1)/(M+S-1)``)."""
     batch_samples: int | None = None
@@ -58,8 +62,12 @@ class ScaleOptions:
     def __post_init__(self) -> None:
         if not isinstance(self.max_devices, int) or self.max_devices < 1:
             raise UsageError(f"--max-devices must be at least 1 (got {self.max_devices})")
-        if any(not (r >= 1 and math.isfinite(r)) for r in self.compressions):
-            raise UsageError(f"compression ratios must be at least 1 (got {list(self.compressions)})")
+        ratios = [r for r in self.compressions if not isinstance(r, str)]
+        if any(not (r >= 1 and math.isfinite(r)) for r in ratios):
+            raise UsageError(f"compression ratios must be at least 1 (got {ratios})")
+        for spec in self.compressions:
+            if isinstance(spec, str):
+                parse_codec(spec)
         if self.microbatches_per_stage < 1:
             raise UsageError(f"micro-batches per stage must be at least 1 (got {self.microbatches_per_stage})")
 
@@ -159,6 +167,9 @@ def _strategies(profile: ModelProfile, cluster: Cluster, n: int, options: ScaleO
     dp = too_few or data_parallel_plan(profile, n)
     strategies: list[tuple[str, Plan | str, SimOptions]] = [("dp", dp, sim)]
     for ratio in options.compressions:
+        if isinstance(ratio, str):
+            strategies.append((f"dp+{ratio}", dp, dataclasses.replace(sim, compress=ratio)))
+            continue
         strategies.append((f"dp+{ratio:g}x", dp, dataclasses.replace(
             sim, gradient_compression=sim.gradient_compression * ratio)))
     stages = min(n, profile.num_layers)

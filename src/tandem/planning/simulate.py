@@ -13,10 +13,13 @@ activations and gradients cross the link between the two workers' devices, with 
 bandwidth, and wait for its ports; a replicated stage allreduces its gradients with the
 cluster's collective costs (:mod:`tandem.planning.collectives`) — after its last backward and
 blocking (pipelines, as the engine does), or in DDP's buckets overlapping the backward (a
-one-stage plan: data parallelism, as ``tandem train --strategy dp`` runs it). Flush schedules
-(GPipe, 1F1B, data parallelism) run ``num_steps`` steps back to back and the step time is the
-last one's on worker 0, as the runtime measures it; PipeDream's asynchronous schedule runs long
-enough to reach its steady state and the step time is the time per minibatch there.
+one-stage plan: data parallelism, as ``tandem train --strategy dp`` runs it). With a gradient
+codec (``SimOptions.compress``, :mod:`tandem.planning.codecs`) replicas exchange its payloads by
+allreduce or allgather and encode and decode them on the device (:mod:`tandem.planning.replay`
+says when). Flush schedules (GPipe, 1F1B, data parallelism) run ``num_steps`` steps back to
+back and the step time is the last one's on worker 0, as the runtime measures it; PipeDream's
+asynchronous schedule runs long enough to reach its steady state and the step time is the time
+per minibatch there.
 
 Memory per device: parameters, their gradients, optimizer state (``optimizer_state_factor`` ×
 parameters), weight versions stashed by PipeDream's schedule, and the activations of the
@@ -29,8 +32,8 @@ What it does not model:
   ``compute_overhead_s`` and ``send_overhead_s``; branches of a DAG inside a stage run one
   after another; stragglers and noise;
 - interference between communication and compute on one device (memory bandwidth, cores used
-  by the communication library), the reduction arithmetic of allreduces, and compression's
-  encode/decode time;
+  by the communication library), the reduction arithmetic of allreduces; compression's
+  encode/decode time unless a codec is named (``SimOptions.compress``; ratios cost nothing);
 - the network beyond one full-duplex port per unit and level: no switch topology, congestion
   control or TCP dynamics; collectives do not contend with point-to-point transfers or with
   each other;
@@ -44,12 +47,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from tandem.cluster import Cluster
 from tandem.errors import UsageError
 from tandem.plan import Plan, Stage
-from tandem.planning.collectives import ALGORITHMS, allreduce_s
+from tandem.planning.codecs import GRADIENT_ELEMENT_BYTES, CodecModel, CodecSpeed, parse_codec
+from tandem.planning.collectives import ALGORITHMS, allreduce_s, collective_s
 from tandem.planning.costs import (
     DDP_BUCKET_BYTES,
     DDP_FIRST_BUCKET_BYTES,
@@ -100,6 +105,17 @@ class SimOptions:
     """DDP bucket size."""
     record: bool = True
     """Build the timeline (searches turn it off for speed)."""
+    compress: str | None = None
+    """Gradient codec, ``CODEC[:k=v,...]`` as for ``tandem train --compress`` (e.g.
+    ``topk:ratio=0.01``): replicas exchange its payloads by its collective and pay its encode
+    and decode time (:mod:`tandem.planning.codecs`); it replaces a stage's ``compression`` for
+    gradients (not for activations). None: gradients go by allreduce, divided by the ratios."""
+    codec_speedup: float = 1.0
+    """Encode and decode this many times faster than ``codec_speed`` (on top of the cluster's
+    device speed): the defaults were measured on one CPU thread, so a GPU is some 10-100 times
+    faster (an assumption, not a measurement)."""
+    codec_speed: CodecSpeed | None = None
+    """The codec's encode and decode speed; None: its measured default."""
 
     def __post_init__(self) -> None:
         if self.allreduce not in ALGORITHMS:
@@ -112,6 +128,14 @@ class SimOptions:
             raise UsageError(f"allreduce latency must not be negative (got {self.allreduce_latency_s})")
         if self.num_steps < 1:
             raise UsageError(f"num_steps must be at least 1 (got {self.num_steps})")
+        if not (self.codec_speedup > 0 and math.isfinite(self.codec_speedup)):
+            raise UsageError(f"codec speed-up must be a positive number (got {self.codec_speedup})")
+        if self.compress is not None:
+            parse_codec(self.compress, self.codec_speed)
+            if self.gradient_compression != 1.0:
+                raise UsageError(
+                    f"give a gradient codec (--compress {self.compress}) or a compression "
+                    f"ratio (--compression {self.gradient_compression:g}), not both")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -125,10 +149,14 @@ class WorkerResult:
     busy_s: float
     """Forward, backward and optimizer-step seconds per step."""
     idle_s: float
-    """Step time minus busy time (waiting for inputs, allreduces, the pipeline's bubble)."""
+    """Step time minus busy and codec time (waiting for inputs, allreduces, the pipeline's
+    bubble)."""
     communication_s: float
     """Seconds of transfers this worker sent or received and of its allreduces, per step
     (overlapped with compute or not)."""
+    codec_s: float = 0.0
+    """Seconds of encoding and decoding a gradient codec per step (device compute, not in
+    ``busy_s``)."""
     weight_bytes: float
     gradient_bytes: float
     optimizer_bytes: float
@@ -158,6 +186,8 @@ class SimResult:
     """The busiest worker's compute seconds per step."""
     communication_s: float
     """The most communication seconds of any worker per step."""
+    codec_s: float = 0.0
+    """The most encode and decode seconds of any worker per step (with a gradient codec)."""
     peak_memory_bytes: float
     memory_limit_bytes: float | None
     workers: list[WorkerResult]
@@ -273,7 +303,7 @@ def build_workload(plan: Plan, costs: list[StageCost], cluster: Cluster, schedul
         return allreduce_s(cluster, group, num_bytes / ratio, options.allreduce,
                            options.allreduce_latency_s)
 
-    return Workload(
+    workload = Workload(
         forward_s=[c.forward_s * share / speed + options.compute_overhead_s for c in costs],
         backward_s=[c.backward_s * share / speed + options.compute_overhead_s for c in costs],
         step_s=[c.parameter_bytes / options.optimizer_Bps if options.optimizer_Bps else 0.0
@@ -287,6 +317,43 @@ def build_workload(plan: Plan, costs: list[StageCost], cluster: Cluster, schedul
         devices=devices,
         send_overhead_s=options.send_overhead_s,
     )
+    if options.compress is None:
+        return workload
+    codec = parse_codec(options.compress, options.codec_speed)
+    return with_codec(workload, codec, costs, groups, cluster, options)
+
+
+def with_codec(workload: Workload, codec: CodecModel, costs: list[StageCost],
+               groups: list[list[int]], cluster: Cluster, options: SimOptions) -> Workload:
+    """``workload`` with every stage's gradient sync done by ``codec``: its collectives' seconds
+    and its ``(encode, decode)`` seconds per stage (blocking) and per bucket (overlapped).
+
+    Gradients are float32 (4 bytes per element) and each layer's parameters are one tensor; a
+    stage on one device syncs nothing. Encoding and decoding run ``options.codec_speedup``
+    times the codec's speed on a device of the cluster's speed."""
+    speedup = options.codec_speedup * cluster.speed
+
+    def sync(group: list[int], tensors: Sequence[float]) -> tuple[float, tuple[float, float]]:
+        if len(set(group)) < 2:
+            return 0.0, (0.0, 0.0)
+        numels = [max(1, round(b / GRADIENT_ELEMENT_BYTES)) for b in tensors if b > 0]
+        seconds = sum(collective_s(cluster, collective, group, num_bytes, options.allreduce,
+                                   options.allreduce_latency_s)
+                      for collective, num_bytes in codec.rounds(numels))
+        return seconds, (codec.encode_s(numels, speedup=speedup),
+                         codec.decode_s(numels, len(group), speedup=speedup))
+
+    whole = [sync(g, [b for bucket in c.bucket_tensors for b in bucket])
+             for c, g in zip(costs, groups)]
+    changes: dict[str, Any] = {"allreduce_s": [seconds for seconds, _ in whole],
+                               "codec_s": [work for _, work in whole]}
+    if workload.buckets is not None:
+        synced = [[sync(g, tensors) for tensors in c.bucket_tensors]
+                  for c, g in zip(costs, groups)]
+        changes["buckets"] = [[(ready, seconds) for (ready, _), (seconds, _) in zip(old, new)]
+                              for old, new in zip(workload.buckets, synced)]
+        changes["bucket_codec_s"] = [[work for _, work in stage] for stage in synced]
+    return dataclasses.replace(workload, **changes)
 
 
 def _step_window(schedule: Schedule, run: Replay, options: SimOptions) -> tuple[float, list[int]]:
@@ -313,12 +380,14 @@ def _result(plan: Plan, profile: ModelProfile, cluster: Cluster, schedule: Sched
         params = costs[stage].parameter_bytes
         busy = sum(run.busy_s[w].get(k, 0.0) for k in keys) / len(keys)
         comm = sum(run.communication_s[w].get(k, 0.0) for k in keys) / len(keys)
+        codec = sum(run.codec_s[w].get(k, 0.0) for k in keys) / len(keys) if run.codec_s else 0.0
         stash = run.peak_stashed_versions[w] * params
         parts = (params, params, params * options.optimizer_state_factor, stash,
                  run.peak_activation_bytes[w])
         workers.append(WorkerResult(
             worker=w, stage=stage, replica=replica, device=workload.devices[w], busy_s=busy,
-            idle_s=max(0.0, step_s - busy), communication_s=comm, weight_bytes=params,
+            idle_s=max(0.0, step_s - busy - codec), communication_s=comm, codec_s=codec,
+            weight_bytes=params,
             gradient_bytes=params, optimizer_bytes=parts[2], stashed_weight_bytes=stash,
             activation_bytes=run.peak_activation_bytes[w], peak_memory_bytes=sum(parts)))
     total_busy = sum(worker.busy_s for worker in workers)
@@ -330,6 +399,7 @@ def _result(plan: Plan, profile: ModelProfile, cluster: Cluster, schedule: Sched
         bubble_fraction=max(0.0, 1.0 - total_busy / (len(workers) * step_s)) if step_s > 0 else 0.0,
         compute_s=max(worker.busy_s for worker in workers),
         communication_s=max(worker.communication_s for worker in workers),
+        codec_s=max(worker.codec_s for worker in workers),
         peak_memory_bytes=max(worker.peak_memory_bytes for worker in workers),
         memory_limit_bytes=cluster.memory_bytes, workers=workers,
         timeline=Timeline(events=run.events, source="simulator"),
