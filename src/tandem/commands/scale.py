@@ -10,7 +10,7 @@ from typing import Any
 
 from tandem.cluster import parse_cluster
 from tandem.commands.args import load_source, with_memory
-from tandem.commands.simulate import add_sim_args, sim_options
+from tandem.commands.simulate import add_codec_args, add_sim_args, sim_options
 from tandem.errors import UsageError
 from tandem.planning.scaling import ScaleOptions, ScaleResult, scale
 from tandem.profile import ModelProfile
@@ -42,24 +42,41 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="cluster spec giving each level's bandwidth and latency, innermost first "
                    "(e.g. 8x300GB/s,128x25Gb/s); the outermost level grows with the device count")
     p.add_argument("--max-devices", type=int, default=1024, help="largest device count (default 1024)")
-    p.add_argument("--compress", default="2,32", metavar="R,...",
-                   help="gradient compression ratios to show for data parallelism (default 2,32: "
-                   "fp16 and 1-bit)")
+    p.add_argument("--compress", default="2,32", metavar="R|CODEC,...",
+                   help="gradient compressions to show for data parallelism: ratios (default "
+                   "2,32: fp16 and 1-bit, bytes divided and nothing else) or codecs as for "
+                   "tandem train --compress (e.g. 2,sign,topk:ratio=0.01: their collective and "
+                   "encode/decode time modelled)")
     p.add_argument("--microbatches-per-stage", type=int, default=4, metavar="K",
                    help="pipelines: micro-batches per stage and step (default 4)")
     add_sim_args(p)
+    add_codec_args(p, compress=False)
     p.add_argument("--plot", default="scale.png", help="PNG of speedups and DP's compute vs "
                    "communication (default scale.png; 'none' for no plot)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.set_defaults(run=run)
 
 
-def _ratios(text: str) -> tuple[float, ...]:
-    try:
-        ratios = tuple(float(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise UsageError(f"--compress {text!r} is not a list of ratios like 2,32") from None
-    return ratios
+def _compressions(text: str) -> tuple[float | str, ...]:
+    """``2,32,topk:ratio=0.01,ef=false`` -> ``(2.0, 32.0, "topk:ratio=0.01,ef=false")``: an item
+    with ``=`` and no ``:`` continues the codec before it."""
+    items: list[str] = []
+    for part in (part.strip() for part in text.split(",")):
+        if "=" in part and ":" not in part and items and ":" in items[-1]:
+            items[-1] += "," + part
+        elif part:
+            items.append(part)
+    result: list[float | str] = []
+    for item in items:
+        try:
+            result.append(float(item))
+        except ValueError:
+            name = item.partition(":")[0]
+            if not name.isidentifier():
+                raise UsageError(f"--compress {text!r} is not a list of ratios or codecs like "
+                                 f"2,32,topk:ratio=0.01") from None
+            result.append(item)
+    return tuple(result)
 
 
 def _global_batch(args: argparse.Namespace, profile: ModelProfile) -> tuple[float, int | None]:
@@ -85,15 +102,16 @@ def _global_batch(args: argparse.Namespace, profile: ModelProfile) -> tuple[floa
 def format_scale(result: ScaleResult, describe: str, batch: str) -> str:
     """One row per device count: speedup of each strategy, and DP's compute and communication."""
     names = result.strategies()
-    header = f"{'devices':>7} " + " ".join(f"{name:>9}" for name in names)
+    widths = [max(9, len(name)) for name in names]
+    header = f"{'devices':>7} " + " ".join(f"{name:>{w}}" for name, w in zip(names, widths))
     lines = [f"cluster: {describe}; global minibatch {batch}; one device: "
              f"{result.single_step_s * 1e3:.1f} ms per step", "speedup vs one device:",
              header + f" {'dp compute ms':>14} {'dp comm ms':>11}"]
     for n in result.device_counts:
         cells = []
-        for name in names:
+        for name, w in zip(names, widths):
             point = next((p for p in result.series(name) if p.num_devices == n), None)
-            cells.append(f"{point.speedup:9.1f}" if point else f"{'-':>9}")
+            cells.append(f"{point.speedup:{w}.1f}" if point else f"{'-':>{w}}")
         dp = next((p for p in result.series("dp") if p.num_devices == n), None)
         tail = f" {dp.compute_s * 1e3:14.1f} {dp.communication_s * 1e3:11.1f}" if dp else ""
         lines.append(f"{n:>7} " + " ".join(cells) + tail)
@@ -158,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
                                              batch_size=None, data=args.data))
     batch_scale, samples = _global_batch(args, profile)
     sim = dataclasses.replace(sim_options(args, profile), batch_scale=batch_scale)
-    options = ScaleOptions(max_devices=args.max_devices, compressions=_ratios(args.compress),
+    options = ScaleOptions(max_devices=args.max_devices, compressions=_compressions(args.compress),
                            microbatches_per_stage=args.microbatches_per_stage,
                            batch_samples=samples)
     result = scale(profile, cluster, options, sim)

@@ -45,6 +45,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "with --model also the batch to profile at (default 32)", batch_default=None)
     add_cluster_args(p)
     add_sim_args(p)
+    add_codec_args(p)
     p.add_argument("--schedule", choices=SCHEDULE_KINDS, help="override the plan's schedule")
     p.add_argument("--microbatches", type=int, help="override the plan's micro-batches per step")
     p.add_argument("--trace", help="write the predicted timeline as a Chrome trace here")
@@ -76,6 +77,19 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
                    help="fixed framework seconds added to every forward and backward")
 
 
+def add_codec_args(p: argparse.ArgumentParser, *, compress: bool = True) -> None:
+    """``--compress CODEC`` (unless the command has its own) and ``--codec-speedup X``."""
+    if compress:
+        p.add_argument("--compress", dest="codec", metavar="CODEC[:k=v]",
+                       help="model a gradient codec as tandem train --compress runs it: fp16, "
+                       "bf16, qsgd:levels=7, sign, topk:ratio=0.01, randk:ratio=0.01, "
+                       "powersgd:rank=2 (its payloads by allreduce or allgather, its encode and "
+                       "decode time; see docs/simulator.md)")
+    p.add_argument("--codec-speedup", type=float, default=1.0, metavar="X",
+                   help="encode and decode X times faster than the defaults, which were measured "
+                   "on one CPU thread (e.g. 10-100 for a GPU; default 1)")
+
+
 def sim_options(args: argparse.Namespace, profile: ModelProfile, **changes: Any) -> SimOptions:
     """The :class:`SimOptions` of the shared arguments."""
     if args.overhead < 0:
@@ -90,6 +104,8 @@ def sim_options(args: argparse.Namespace, profile: ModelProfile, **changes: Any)
         optimizer_Bps=parse_bandwidth(args.optimizer_bandwidth) if args.optimizer_bandwidth else None,
         optimizer_state_factor=args.optimizer_state,
         compute_overhead_s=args.overhead,
+        compress=getattr(args, "codec", None),
+        codec_speedup=getattr(args, "codec_speedup", 1.0),
     )
     return dataclasses.replace(options, **changes)
 
@@ -128,9 +144,11 @@ def format_result(result: SimResult, cluster: Cluster) -> str:
     limit = ("no limit" if result.memory_limit_bytes is None else
              f"limit {result.memory_limit_bytes / 1e9:g} GB: "
              f"{'fits' if result.fits_memory else 'DOES NOT FIT'}")
+    codec = f", encode+decode {result.codec_s * 1e3:.3f} ms" if result.codec_s else ""
     lines.append(f"step {result.step_time_s * 1e3:.3f} ms ({rate}); bubble "
                  f"{result.bubble_fraction:.1%}; compute {result.compute_s * 1e3:.3f} ms, "
-                 f"communication {result.communication_s * 1e3:.3f} ms per step (busiest worker)")
+                 f"communication {result.communication_s * 1e3:.3f} ms{codec} per step "
+                 f"(busiest worker)")
     lines.append(f"peak memory {result.peak_memory_bytes / 1e9:.3f} GB per device ({limit})")
     return "\n".join(lines)
 
