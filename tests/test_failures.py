@@ -23,6 +23,9 @@ BAD_INPUTS = {
     "stop after beyond steps": (("--steps", "5", "--stop-after", "9"), "--stop-after 9"),
     "resume without checkpoint": (("--resume", "/nonexistent/ckpt.pt"), "no checkpoint at"),
     "not an int": (("--steps", "many"), "invalid int value"),
+    "pipeline option without pipeline": (
+        ("--stages", "2"), "--stages applies to --strategy pipeline only (this run has "
+                           "--strategy dp); add --strategy pipeline or drop it"),
 }
 
 

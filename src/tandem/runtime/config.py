@@ -59,7 +59,8 @@ class TrainConfig:
     rho: float = 1.0
     """``easgd``: elasticity; the moving rate is ``lr * rho``."""
     compress: str | None = None
-    """Gradient compression ``CODEC[:k=v,...]``, e.g. ``topk:ratio=0.01`` (``dp`` only for now)."""
+    """Compression ``CODEC[:k=v,...]``, e.g. ``topk:ratio=0.01``: of gradients (``dp``), pushes
+    and pulls (``ps``), exchanged parameters (``gossip``) or activations (``pipeline``)."""
     straggler: str | None = None
     """``RANK:FACTOR``: worker RANK takes FACTOR times as long for each step (experiments)."""
     nproc: int = 1
@@ -134,6 +135,8 @@ class TrainConfig:
                 raise UsageError("--accumulate does not apply to pipelines: use --microbatches")
             if self.plan is not None and (self.stages is not None or self.replicas is not None):
                 raise UsageError("give either --plan or --stages/--replicas, not both")
+        if self.strategy != "pipeline":
+            self._check_no_pipeline_options()
         if self.strategy == "ps":
             self._check_ps()
         if (self.resume is not None or self.stop_after is not None or self.checkpoint_every) \
@@ -152,6 +155,15 @@ class TrainConfig:
         self.straggler_factor()
         if self.resume is not None and self.resume == "auto" and self.out is None:
             raise UsageError("--resume without a path needs --out DIR (it resumes DIR/checkpoint.pt)")
+
+    def _check_no_pipeline_options(self) -> None:
+        given = {"--microbatches": self.microbatches, "--stages": self.stages,
+                 "--replicas": self.replicas, "--plan": self.plan,
+                 "--vertical-sync": self.vertical_sync or None}
+        for flag, value in given.items():
+            if value is not None:
+                raise UsageError(f"{flag} applies to --strategy pipeline only (this run has "
+                                 f"--strategy {self.strategy}); add --strategy pipeline or drop it")
 
     def _check_ps(self) -> None:
         _choice("--mode", self.ps_mode, PS_MODES)
