@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -113,6 +114,13 @@ def test_fp16_run_equals_uncompressed_within_fp16_tolerance(tmp_path: Path) -> N
     assert half["compressed_bytes_per_step"] * 2 == half["uncompressed_bytes_per_step"]
     assert half["uncompressed_bytes_per_step"] == 4 * half["parameters"]
     assert half["compression_ratio"] == 2.0
+    # Bytes sent per step, by both workers together: a ring allreduce of the fp16 gradient
+    # sends 2 (W - 1) / W of it from each worker; in the summary and on every metrics line.
+    sent = 2 * (2 * (2 - 1) / 2 * 2 * half["parameters"])
+    assert half["sent_bytes_per_step"] == sent
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    logged = [line["sent_bytes_per_step"] for line in lines if "loss" in line]
+    assert len(logged) == 2 and logged == [sent, sent]
 
 
 def test_unknown_codec_exits_2_with_one_line() -> None:
