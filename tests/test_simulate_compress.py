@@ -232,3 +232,21 @@ def test_scale_cli_with_codecs(capsys) -> None:
     assert code == 0, err
     strategies = {p["strategy"] for p in json.loads(out)["points"]}
     assert {"dp", "dp+2x", "dp+topk:ratio=0.01,ef=false"} <= strategies
+
+
+def test_search_cli_with_a_codec(capsys) -> None:
+    """The search costs every plan with the codec: its data-parallel reference is the
+    simulator's data-parallel step with that codec."""
+    argv = ["--profile", VGG, "--devices", "4", "--bandwidth", "10Gb/s", "--iterations", "5",
+            "--json"]
+    codec = ["--compress", "topk:ratio=0.01", "--codec-speedup", "100"]
+    code, out, err = run_cli(capsys, "search", *argv, *codec)
+    assert code == 0, err
+    found = json.loads(out)
+    code, out, err = run_cli(capsys, "simulate", "--plan", "dp", *argv[:6], *codec, "--json")
+    assert code == 0, err
+    simulated = json.loads(out)
+    assert found["data_parallel"]["result"]["step_time_s"] == pytest.approx(
+        simulated["step_time_s"])
+    code, out, err = run_cli(capsys, "search", *argv, "--compress", "zip")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "unknown codec 'zip'" in err

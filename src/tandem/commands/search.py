@@ -10,7 +10,7 @@ from typing import Any
 
 from tandem.cluster import Cluster
 from tandem.commands.args import add_cluster_args, add_source_args
-from tandem.commands.simulate import add_sim_args, planning_inputs, sim_options
+from tandem.commands.simulate import add_codec_args, add_sim_args, planning_inputs, sim_options
 from tandem.errors import UsageError
 from tandem.plan import Plan
 from tandem.planning import PartitionOptions, make_plan
@@ -35,6 +35,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "with --model also the batch to profile at (default 32)", batch_default=None)
     add_cluster_args(p)
     add_sim_args(p)
+    add_codec_args(p)
     p.add_argument("--budget", default="30s", help="search time, e.g. 30s or 2m (default 30s)")
     p.add_argument("--iterations", type=int, help="stop after this many proposals")
     p.add_argument("--seed", type=int, default=0, help="random seed of the search")
