@@ -5,9 +5,11 @@ point-to-point operations of one communicator in issue order, so sharing one bet
 activations going forward and the gradients coming back could deadlock a 1F1B schedule.
 Receives are posted (``irecv``) when their action comes and waited for only by the forward or
 backward that consumes them; sends are posted (``isend``) and completed at the end of a step,
-so communication overlaps compute wherever the schedule places it early. Flush schedules
-accumulate gradients into the live parameters; the asynchronous schedule binds a stashed
-weight version to each minibatch (see ``stash.py``).
+so communication overlaps compute wherever the schedule places it early. With ``--compress``
+every activation and activation gradient goes as one byte message of the codec (see
+``wire.py``), encoded when it is sent and decoded by the forward or backward that waits for it.
+Flush schedules accumulate gradients into the live parameters; the asynchronous schedule binds
+a stashed weight version to each minibatch (see ``stash.py``).
 """
 
 from __future__ import annotations
@@ -22,11 +24,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 
+from tandem.compress.meter import ring_bytes
 from tandem.runtime.base import loss_sum
 from tandem.runtime.pipeline.stash import WeightVersions
+from tandem.runtime.pipeline.wire import Traffic, Wire
 from tandem.schedule import Action, Kind
 
 ACT, GRAD, VERSION = 0, 1, 2
+KEYS = {ACT: "activation", GRAD: "gradient"}
+"""What the codec is told each channel's tensors are."""
 
 
 def tag(microbatch: int, channel: int) -> int:
@@ -57,6 +63,20 @@ class StageShapes:
     input_shape: tuple[int, ...]
     input_dtype: torch.dtype
     output_shape: tuple[int, ...]
+    output_dtype: torch.dtype = torch.float32
+    """Of the output, and so of the gradient that comes back for it."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Receive:
+    """A posted receive: the buffer its message lands in and the tensor it will stand for."""
+
+    work: Any
+    buffer: torch.Tensor
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    posted: float
+    """When it was posted (``time.perf_counter``)."""
 
 
 class StageEngine:
@@ -66,7 +86,7 @@ class StageEngine:
                  group: dist.ProcessGroup | None, links: dict[tuple[int, int], dist.ProcessGroup],
                  rank: int, num_replicas: int, optimizer: torch.optim.Optimizer,
                  scheduler: Any, device: torch.device, asynchronous: bool, vertical_sync: bool,
-                 trace: Callable[..., None], beat: Any) -> None:
+                 trace: Callable[..., None], beat: Any, wire: Wire | None = None) -> None:
         self.module, self.stage, self.device = module, stage, device
         self.first, self.last = stage == 0, stage == num_stages - 1
         self.shapes, self.group, self.num_replicas = shapes, group, num_replicas
@@ -74,12 +94,14 @@ class StageEngine:
         self.optimizer, self.scheduler = optimizer, scheduler
         self.asynchronous, self.vertical_sync = asynchronous, vertical_sync
         self.trace, self.beat = trace, beat
+        self.wire = wire if wire is not None else Wire()
+        self.traffic = Traffic()
         self.stash = WeightVersions(module, vertical_sync=vertical_sync) if asynchronous else None
         self.unchanged_until_backward: set[int] = set()
         """Minibatches with no weight update between their forward and backward on this worker
         (PipeDream's last stage): they run on the live parameters, which is the same version."""
         self.on_live: set[int] = set()
-        self.receives: dict[tuple[int, int], tuple[Any, torch.Tensor, float]] = {}
+        self.receives: dict[tuple[int, int], Receive] = {}
         self.sends: list[tuple[int, Any, torch.Tensor]] = []
         """Posted sends: (step, work, tensor kept alive until the send completes)."""
         self.saved: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
@@ -143,40 +165,51 @@ class StageEngine:
                 version = torch.zeros(1, dtype=torch.int64, device=self.device)
                 work = dist.irecv(version, src=action.peer, tag=tag(m, VERSION),
                                   group=self.links[(action.peer, self.rank)])
-                self.receives[(m, VERSION)] = (work, version, time.perf_counter())
+                self.receives[(m, VERSION)] = Receive(work, version, (1,), torch.int64,
+                                                      time.perf_counter())
         else:
-            shape, dtype, channel = self.shapes.output_shape, torch.float32, GRAD
-        buffer = torch.empty((micro.size, *shape), dtype=dtype, device=self.device)
+            shape, dtype, channel = self.shapes.output_shape, self.shapes.output_dtype, GRAD
+        shape = (micro.size, *shape)
+        buffer = self.wire.receive_buffer(shape, dtype, self.device)
         work = dist.irecv(buffer, src=action.peer, tag=tag(m, channel),
                           group=self.links[(action.peer, self.rank)])
-        self.receives[(m, channel)] = (work, buffer, time.perf_counter())
+        self.receives[(m, channel)] = Receive(work, buffer, shape, dtype, time.perf_counter())
 
     def _wait(self, microbatch: int, channel: int, step: int) -> torch.Tensor:
-        work, buffer, posted = self.receives.pop((microbatch, channel))
-        work.wait()
+        """The tensor of a posted receive, once it has arrived (decoded, for a codec)."""
+        receive = self.receives.pop((microbatch, channel))
+        receive.work.wait()
+        tensor = receive.buffer
+        if channel != VERSION:
+            tensor = self.wire.unpack(tensor, receive.shape, receive.dtype, KEYS[channel])
         name = {ACT: "RA", GRAD: "RG", VERSION: "RV"}[channel]
-        self.trace(f"{name}{microbatch}", posted, time.perf_counter(), step,
-                   num_bytes=buffer.numel() * buffer.element_size())
-        return buffer
+        self.trace(f"{name}{microbatch}", receive.posted, time.perf_counter(), step,
+                   num_bytes=receive.buffer.numel() * receive.buffer.element_size())
+        return tensor
 
     def _send(self, action: Action, batch: Callable[[int], Microbatch]) -> None:
         m = action.microbatch
         assert m is not None and action.peer is not None
         start = time.perf_counter()
         if action.kind is Kind.SEND_ACT:
-            tensor, channel = self.saved[m][1].detach().contiguous(), ACT
+            tensor, channel = self.saved[m][1].detach(), ACT
             if self.vertical_sync:
                 version = torch.tensor([self.versions[m]], dtype=torch.int64, device=self.device)
                 work = dist.isend(version, dst=action.peer, tag=tag(m, VERSION),
                                   group=self.links[(self.rank, action.peer)])
                 self.sends.append((batch(m).step, work, version))
+                self.traffic.other_bytes += version.numel() * version.element_size()
         else:
-            tensor, channel = self.input_grads.pop(m).contiguous(), GRAD
-        work = dist.isend(tensor, dst=action.peer, tag=tag(m, channel),
+            tensor, channel = self.input_grads.pop(m), GRAD
+        message = self.wire.pack(tensor, KEYS[channel])
+        work = dist.isend(message, dst=action.peer, tag=tag(m, channel),
                           group=self.links[(self.rank, action.peer)])
-        self.sends.append((batch(m).step, work, tensor))
+        self.sends.append((batch(m).step, work, message))
+        num_bytes = message.numel() * message.element_size()
+        self.traffic.activation_bytes += tensor.numel() * tensor.element_size()
+        self.traffic.message_bytes += num_bytes
         self.trace(f"{action.kind.value}{m}", start, time.perf_counter(), batch(m).step,
-                   num_bytes=tensor.numel() * tensor.element_size())
+                   num_bytes=num_bytes)
 
     # -- compute --------------------------------------------------------------------------------
 
@@ -275,7 +308,9 @@ class StageEngine:
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
-        self.trace("AR", start, time.perf_counter(), step, num_bytes=flat.numel() * flat.element_size())
+        num_bytes = flat.numel() * flat.element_size()
+        self.traffic.other_bytes += ring_bytes("allreduce", num_bytes, self.num_replicas)
+        self.trace("AR", start, time.perf_counter(), step, num_bytes=num_bytes)
 
     def _step(self, action: Action, batch: Callable[[int], Microbatch]) -> None:
         step = batch(action.microbatch).step if action.microbatch is not None else self.step

@@ -5,6 +5,8 @@ micro-batches whose gradients accumulate, the replicas of a stage sum theirs, an
 steps once — the same update as one process on the whole batch. PipeDream's asynchronous
 schedule spans the whole run (minibatch ``k`` is the global batch of step ``k``); it is cut into
 per-step chunks at consistent points of its dry run, so logging between chunks cannot deadlock.
+With ``--compress`` the activations and activation gradients between stages travel encoded
+(training and evaluation alike; see ``wire.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from tandem.runtime.config import TrainConfig
 from tandem.runtime.dist import WorkerEnv
 from tandem.runtime.pipeline.engine import Microbatch, StageEngine, StageShapes
 from tandem.runtime.pipeline.setup import pipeline_setup
+from tandem.runtime.pipeline.wire import Wire
 from tandem.runtime.trainer import EVAL_CHUNK, score
 from tandem.runtime.watchdog import Heartbeat
 from tandem.schedule import Action, Kind, Schedule
@@ -101,14 +104,15 @@ class PipelineTrainer(BaseTrainer):
         input_shape, input_dtype = ((tuple(self.train.inputs.shape[1:]), self.train.inputs.dtype)
                                     if start == 0 else shapes[start - 1])
         self.shapes = StageShapes(input_shape=input_shape, input_dtype=input_dtype,
-                                  output_shape=shapes[end - 1][0])
+                                  output_shape=shapes[end - 1][0], output_dtype=shapes[end - 1][1])
+        self.wire = Wire.build(config.compress, rank=env.rank, world_size=env.world_size)
         self.asynchronous = self.schedule.kind == "pipedream"
         self.engine = StageEngine(
             module=self.module, stage=self.stage, num_stages=self.layout.num_stages,
             shapes=self.shapes, group=self.groups[self.stage], links=self.links, rank=env.rank,
             num_replicas=self.layout.replicas[self.stage], optimizer=self.optimizer,
             scheduler=self.scheduler, device=env.device, asynchronous=self.asynchronous,
-            vertical_sync=config.vertical_sync, trace=self.trace, beat=beat,
+            vertical_sync=config.vertical_sync, trace=self.trace, beat=beat, wire=self.wire,
         )
         self.chunks = (step_chunks(self.schedule, env.rank, config.steps)
                        if self.asynchronous else None)
@@ -174,7 +178,11 @@ class PipelineTrainer(BaseTrainer):
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Forward the test split through the pipeline in chunks; the last stage scores them."""
+        """Forward the test split through the pipeline in chunks; the last stage scores them.
+
+        Activations go through the codec as in training (the model evaluated is the one that
+        was trained: stages and codec); these bytes are not counted in :meth:`sent_bytes`.
+        """
         self.beat.phase = "evaluate"
         self.module.eval()
         num_stages, replicas = self.layout.num_stages, self.layout.replicas
@@ -186,14 +194,15 @@ class PipelineTrainer(BaseTrainer):
             if self.stage == 0:
                 x = self.test.inputs[start:end]
             else:
-                x = torch.empty((end - start, *self.shapes.input_shape), dtype=self.shapes.input_dtype,
-                                device=self.env.device)
-                dist.recv(x, src=self.schedule.worker_for(self.stage - 1, chunk),
+                shape, dtype = (end - start, *self.shapes.input_shape), self.shapes.input_dtype
+                message = self.wire.receive_buffer(shape, dtype, self.env.device)
+                dist.recv(message, src=self.schedule.worker_for(self.stage - 1, chunk),
                           tag=EVAL_TAG_BASE + chunk)
+                x = self.wire.unpack(message, shape, dtype, "activation")
             if self.stage == num_stages - 1:
                 totals += score(self.module, x, self.test.targets[start:end])
             else:
-                dist.send(self.module(x).contiguous(),
+                dist.send(self.wire.pack(self.module(x), "activation"),
                           dst=self.schedule.worker_for(self.stage + 1, chunk),
                           tag=EVAL_TAG_BASE + chunk)
         self.module.train()
@@ -215,7 +224,22 @@ class PipelineTrainer(BaseTrainer):
             return None
         return {name: t for part in gathered if part for name, t in part.items()}
 
+    def sent_bytes(self) -> float:
+        """Bytes sent in training so far: messages between stages (compressed with
+        ``--compress``), weight versions and the replicas' allreduces."""
+        return self.engine.traffic.total_bytes
+
     def summary_extra(self) -> dict[str, Any]:
+        """The layout, schedule and per-worker memory, and the bytes all workers sent per step:
+        ``sent_bytes_per_step`` (everything), ``activation_bytes_per_step`` (activations and
+        their gradients as computed), ``compressed_activation_bytes_per_step`` (what was sent
+        for them) and ``activation_compression_ratio`` (the first over the second)."""
+        traffic = self.engine.traffic
+        totals = torch.tensor([traffic.total_bytes, traffic.activation_bytes,
+                               traffic.message_bytes], dtype=torch.float64, device=self.env.device)
+        dist.all_reduce(totals)
+        sent, activations, messages = (value / max(1, len(self.step_times))
+                                       for value in totals.tolist())
         stats = {
             "worker": self.env.rank, "stage": self.stage, "replica": self.replica,
             "layers": list(self.layout.bounds[self.stage]),
@@ -227,4 +251,8 @@ class PipelineTrainer(BaseTrainer):
         dist.all_gather_object(gathered, stats)
         return {"pipeline": self.layout.text(), "schedule": self.schedule.kind,
                 "microbatches": self.schedule.num_microbatches,
-                "vertical_sync": self.config.vertical_sync, "workers": gathered}
+                "vertical_sync": self.config.vertical_sync, "compress": self.config.compress,
+                "sent_bytes_per_step": sent, "activation_bytes_per_step": activations,
+                "compressed_activation_bytes_per_step": messages,
+                "activation_compression_ratio": activations / messages if messages else 1.0,
+                "workers": gathered}
