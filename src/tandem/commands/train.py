@@ -38,12 +38,15 @@ def add_train_arguments(parser: argparse.ArgumentParser, defaults: TrainConfig) 
     add("--weights", dest="mixing", default=defaults.mixing, help="gossip: uniform or metropolis")
     add("--async-gossip", dest="asynchronous_gossip", action="store_true",
         help="gossip: AD-PSGD, asynchronous pairwise averaging (needs a bipartite topology)")
+    add("--gossip-step", type=float, default=defaults.gossip_step, metavar="GAMMA",
+        help="gossip with --compress: CHOCO-gossip's consensus step size in (0, 1] "
+        "(default 0.1, or randk's ratio if smaller; see docs/compression.md)")
     add("--period", type=int, default=defaults.period,
         help="localsgd: average every H steps; easgd: elastic update period tau")
     add("--rho", type=float, default=defaults.rho, help="easgd: elasticity (moving rate lr*rho)")
     add("--compress", default=None, metavar="CODEC[:k=v]",
-        help="dp: gradient compression: fp16, bf16, qsgd:levels=7, sign, topk:ratio=0.01, "
-        "randk:ratio=0.01, powersgd:rank=2 (see docs/compression.md)")
+        help="dp, ps, gossip, pipeline: compression: fp16, bf16, qsgd:levels=7, sign, "
+        "topk:ratio=0.01, randk:ratio=0.01, powersgd:rank=2 (see docs/compression.md)")
     add("--straggler", default=None, help="RANK:FACTOR: slow one worker down FACTOR times")
     add("--nproc", type=int, default=defaults.nproc,
         help="local worker processes (ignored under torchrun)")
@@ -108,6 +111,7 @@ def check_config(config: TrainConfig) -> None:
 
         check_compress(config.compress, strategy=config.strategy,
                        sgd_momentum=config.momentum if config.optimizer == "sgd" else 0.0)
+    _check_gossip_compress(config)
     if not under_launcher():
         config.check_world(config.nproc)
         if config.strategy == "gossip":
@@ -125,6 +129,18 @@ def check_config(config: TrainConfig) -> None:
             pipeline_setup(config, model, config.nproc)
     if config.out is not None:
         _check_writable(Path(config.out))
+
+
+def _check_gossip_compress(config: TrainConfig) -> None:
+    """Compression is CHOCO-gossip, for synchronous gossip only; its step needs it."""
+    if config.strategy == "gossip" and config.asynchronous_gossip and config.compress:
+        raise UsageError(f"--compress {config.compress} cannot be used with --async-gossip: "
+                         f"AD-PSGD's pairwise averages exchange whole models; drop --async-gossip "
+                         f"(CHOCO-gossip compresses synchronous gossip) or --compress")
+    if config.gossip_step is not None and (config.strategy != "gossip" or not config.compress
+                                           or config.asynchronous_gossip):
+        raise UsageError("--gossip-step is the step size of compressed gossip; it needs "
+                         "--strategy gossip --compress CODEC (plain D-PSGD averages fully)")
 
 
 def _check_writable(out: Path) -> None:

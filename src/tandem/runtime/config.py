@@ -53,7 +53,8 @@ class TrainConfig:
     asynchronous_gossip: bool = False
     """``gossip``: AD-PSGD — pairwise averaging with a random neighbour, no global rounds."""
     gossip_step: float | None = None
-    """``gossip --compress``: CHOCO-gossip's consensus step size gamma, in (0, 1] (default 0.5)."""
+    """``gossip --compress``: CHOCO-gossip's consensus step size gamma, in (0, 1] (default 0.1,
+    or random-k's ratio if smaller)."""
     period: int = 4
     """``localsgd``: average every this many steps; ``easgd``: elastic update period (tau)."""
     rho: float = 1.0

@@ -12,11 +12,11 @@ from tandem.errors import UsageError
 from tandem.sync.allreduce import AllReduce
 from tandem.sync.averaging import ElasticAveraging, LocalSGD
 from tandem.sync.base import SyncStrategy
-from tandem.sync.gossip import AsyncGossip, Gossip, GossipMixer
+from tandem.sync.gossip import AsyncGossip, ChocoGossip, Gossip, GossipMixer
 from tandem.sync.parameter_server import ParameterServerClient
 
-__all__ = ["STRATEGIES", "AllReduce", "AsyncGossip", "ElasticAveraging", "Gossip", "LocalSGD",
-           "ParameterServerClient", "SyncStrategy", "build_strategy"]
+__all__ = ["STRATEGIES", "AllReduce", "AsyncGossip", "ChocoGossip", "ElasticAveraging", "Gossip",
+           "LocalSGD", "ParameterServerClient", "SyncStrategy", "build_strategy"]
 
 STRATEGIES = ("dp", "ps", "gossip", "easgd", "localsgd")
 
@@ -33,7 +33,10 @@ def build_strategy(config: "TrainConfig", rank: int, world_size: int) -> SyncStr
         graph = build_topology(config.topology, world_size)
         if config.asynchronous_gossip:
             return AsyncGossip(graph, rank, config.seed)
-        return Gossip(GossipMixer(graph, mixing_matrix(graph, config.mixing), rank))
+        matrix = mixing_matrix(graph, config.mixing)
+        if config.compress is not None:
+            return ChocoGossip(graph, matrix, rank, config.compress, config.gossip_step)
+        return Gossip(GossipMixer(graph, matrix, rank))
     if config.strategy == "easgd":
         return ElasticAveraging(config.period, config.rho, config.lr)
     if config.strategy == "localsgd":
