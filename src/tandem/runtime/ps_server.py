@@ -1,6 +1,10 @@
 """The server side of parameter-server training: hold a shard of the model and its optimizer,
 apply the workers' gradient pushes (synchronously, asynchronously or with bounded staleness),
 send parameters back, and at the end gather the model on server 0 to evaluate and save it.
+
+With ``--compress``, the server decodes compressed pushes and sends each worker compressed
+differences from the copy of the shard that worker holds (see :mod:`tandem.sync.ps_protocol`).
+Server 0 sums the traffic the workers report in their headers into the metrics and summary.
 """
 
 from __future__ import annotations
@@ -36,10 +40,12 @@ LIVENESS_EVERY_S = 0.5
 
 class Mailbox:
     """Receives the workers' messages on a background thread, so that the server can wait for
-    the next one with a timeout (a timed-out gloo receive cannot be resumed)."""
+    the next one with a timeout (a timed-out gloo receive cannot be resumed). It stops once
+    every one of ``num_workers`` workers has said goodbye."""
 
-    def __init__(self, payload_numel: int) -> None:
-        self.payload_numel = payload_numel
+    def __init__(self, body_bytes: int, num_workers: int) -> None:
+        self.body_bytes = body_bytes
+        self.num_workers = num_workers
         self.queue: queue.Queue[Any] = queue.Queue()
         self.thread = threading.Thread(target=self._run, name="tandem-ps-mailbox", daemon=True)
         self.thread.start()
@@ -49,20 +55,22 @@ class Mailbox:
         return self.queue.get(timeout=timeout)
 
     def _run(self) -> None:
-        while True:
+        goodbyes: set[int] = set()
+        while len(goodbyes) < self.num_workers:
             try:
-                self.queue.put(self._receive_one())
+                sender, message = self._receive_one()
             except BaseException as exc:  # noqa: BLE001 - handed to the main thread
                 self.queue.put(exc)
                 return
+            self.queue.put((sender, message))
+            if protocol.Header.decode(message).kind == protocol.BYE:
+                goodbyes.add(sender)
 
-    def _receive_one(self) -> tuple[int, torch.Tensor, torch.Tensor | None]:
-        message = protocol.empty(self.payload_numel)
+    def _receive_one(self) -> tuple[int, torch.Tensor]:
+        message = protocol.empty(self.body_bytes)
         work = dist.irecv(message, src=None, tag=protocol.TO_SERVER)
         work.wait()
-        header = message[: protocol.HEADER_SIZE].double()
-        has_gradient = header[0] == protocol.PUSH and self.payload_numel
-        return work._source_rank(), header, message[protocol.HEADER_SIZE :] if has_gradient else None
+        return work._source_rank(), message
 
 
 class ParameterServer:
@@ -74,11 +82,13 @@ class ParameterServer:
         self.data = build_dataset(config.data)
         torch.manual_seed(config.seed)
         self.model = build_model(config.model, self.data.info)
-        params = list(self.model.parameters())
-        ranges = protocol.shard_ranges([p.numel() for p in params], config.servers)
+        named = list(self.model.named_parameters())
+        ranges = protocol.shard_ranges([p.numel() for _, p in named], config.servers)
         self.ranges = ranges
         start, end = ranges[env.rank]
-        self.params = params[start:end]
+        self.params = [p for _, p in named[start:end]]
+        self.shapes = [p.shape for p in self.params]
+        self.keys = [name for name, _ in named[start:end]]
         self.optimizer = build_optimizer(config, self.params) if self.params else None
         self.workers = list(range(config.servers, env.world_size))
         self.required = len(self.workers) - config.backup
@@ -92,16 +102,29 @@ class ParameterServer:
         self.last_loss = float("nan")
         self.update_times: list[float] = []
         self.replies: dict[int, tuple[Any, torch.Tensor]] = {}
+        self.decoders: dict[int, protocol.ShardCodec] = {}
+        """Per worker: decodes its pushes (a codec of its own, for codecs with shared state)."""
+        self.encoders: dict[int, protocol.PullEncoder] = {}
+        """Per worker: its copy of this shard, and how replies to it are encoded."""
+        self.traffic: dict[int, protocol.Traffic] = {}
+        """Per worker: the traffic it reported last (all servers together)."""
+        self.logged_traffic = protocol.Traffic()
+        self.logged_version = 0
         self._resume()
-        self.mailbox = Mailbox(sum(p.numel() for p in self.params))
+        push_codec = self._codec(feedback=True)
+        self.mailbox = Mailbox(push_codec.body_bytes, len(self.workers))
+
+    def _codec(self, *, feedback: bool) -> protocol.ShardCodec:
+        return protocol.ShardCodec(self.config.compress, self.shapes, self.keys, feedback=feedback)
 
     # -- messages --------------------------------------------------------------------------------
 
-    def _receive(self, poll: bool) -> tuple[int, torch.Tensor, torch.Tensor | None] | None:
-        """The next message from any worker: (sender, header, gradient shard of a push).
+    def _receive(self, poll: bool) -> tuple[int, protocol.Header, torch.Tensor | None] | None:
+        """The next message from any worker: (sender, header, decoded gradient shard of a push).
 
-        With ``poll``, gives up after ``LIVENESS_EVERY_S`` to check which workers went silent,
-        and returns None.
+        Every push is decoded, in the order each worker sent them (codecs whose decoding has
+        state advance in step with the sender's). With ``poll``, gives up after
+        ``LIVENESS_EVERY_S`` to check which workers went silent, and returns None.
         """
         try:
             item = self.mailbox.get(timeout=LIVENESS_EVERY_S if poll else None)
@@ -110,7 +133,14 @@ class ParameterServer:
             return None
         if isinstance(item, BaseException):
             raise item
-        return item
+        sender, message = item
+        header = protocol.Header.decode(message)
+        self.traffic[sender] = header.traffic
+        if header.kind != protocol.PUSH or not self.params:
+            return sender, header, None
+        if sender not in self.decoders:
+            self.decoders[sender] = self._codec(feedback=False)
+        return sender, header, self.decoders[sender].decode(protocol.body(message))
 
     def _reply(self, worker: int, stop: bool = False) -> None:
         """Send the current parameters (without waiting: the previous reply to ``worker`` has
@@ -119,8 +149,12 @@ class ParameterServer:
             previous = self.replies.pop(worker, None)
             if previous is not None:
                 previous[0].wait()
-            payload = flatten(self.params) if self.params else 0
-            outgoing = protocol.message(protocol.PARAMS, payload, step=self.version, stop=stop)
+            if worker not in self.encoders:
+                self.encoders[worker] = protocol.PullEncoder(self._codec(feedback=False))
+            data = self.encoders[worker].encode(flatten(self.params) if self.params else
+                                                torch.zeros(0))
+            header = protocol.Header(kind=protocol.PARAMS, version=self.version, stop=stop)
+            outgoing = protocol.message(header, data)
             self.replies[worker] = (dist.isend(outgoing, dst=worker, tag=protocol.TO_WORKER),
                                     outgoing)
         except RuntimeError:
@@ -172,9 +206,9 @@ class ParameterServer:
         if self.config.checkpoint_every and self.version % self.config.checkpoint_every == 0:
             self._checkpoint()
 
-    def _count_loss(self, message: torch.Tensor) -> None:
-        self.loss[0] += float(message[3])
-        self.loss[1] += int(message[4])
+    def _count_loss(self, header: protocol.Header) -> None:
+        self.loss[0] += header.loss
+        self.loss[1] += header.count
 
     def _log(self) -> None:
         if self.version % self.config.log_every and self.version != self.config.steps:
@@ -185,8 +219,25 @@ class ParameterServer:
             elapsed = time.perf_counter() - self.started
             self.last_loss = self.loss[0] / self.loss[1]
             self.reporter.record(step=self.version, loss=self.last_loss,
-                                 samples_per_s=self._samples_per_s(elapsed))
+                                 samples_per_s=self._samples_per_s(elapsed),
+                                 **self._traffic_per_step())
         self.loss = [0.0, 0]
+
+    def _total_traffic(self) -> protocol.Traffic:
+        """All workers' traffic with all servers, as last reported to this server."""
+        return sum(self.traffic.values(), protocol.Traffic())
+
+    def _traffic_per_step(self) -> dict[str, float]:
+        """Bytes per update since the last metrics line (as far as the workers have reported:
+        a push's header counts the replies received before it), and the compression ratio."""
+        total = self._total_traffic()
+        window = total - self.logged_traffic
+        steps = max(1, self.version - self.logged_version)
+        self.logged_traffic, self.logged_version = total, self.version
+        return {"pushed_bytes_per_step": window.pushed_bytes / steps,
+                "pulled_bytes_per_step": window.pulled_bytes / steps,
+                "sent_bytes_per_step": window.sent_bytes / steps,
+                "compression_ratio": total.compression_ratio}
 
     def _samples_per_s(self, elapsed: float) -> float:
         local_batch = self.config.batch_size / len(self.workers)
@@ -204,8 +255,8 @@ class ParameterServer:
                 self._handle(*received)
         self._stop_all()
 
-    def _handle(self, sender: int, message: torch.Tensor, gradient: torch.Tensor | None) -> None:
-        kind = message[0]
+    def _handle(self, sender: int, header: protocol.Header, gradient: torch.Tensor | None) -> None:
+        kind = header.kind
         if kind == protocol.PUSH and not self.pushes:
             self.started = time.perf_counter()  # rates count from the first gradient, not start-up
         if kind == protocol.PULL:
@@ -213,22 +264,23 @@ class ParameterServer:
         elif kind == protocol.BYE:
             self.finished.add(sender)
         elif self.config.ps_mode == "sync":
-            self._handle_sync(sender, message, gradient)
+            self._handle_sync(sender, header, gradient)
         else:
             self.pushes[sender] += 1
-            self._count_loss(message)
-            self._apply(gradient, int(message[2]))
+            self._count_loss(header)
+            self._apply(gradient, header.version)
             self.waiting.append(sender)
             self._release_waiting()
 
-    def _handle_sync(self, sender: int, message: torch.Tensor, gradient: torch.Tensor | None) -> None:
+    def _handle_sync(self, sender: int, header: protocol.Header,
+                     gradient: torch.Tensor | None) -> None:
         """Average the first ``required`` pushes of the current step; late ones are dropped."""
-        if int(message[1]) < self.version:
+        if header.step < self.version:
             self.dropped += 1
             self._reply(sender)
             return
         self.pushes[sender] += 1
-        self._count_loss(message)
+        self._count_loss(header)
         if gradient is not None:
             self.gradient_sum = gradient if not self.waiting else self.gradient_sum + gradient
         self.waiting.append(sender)
@@ -263,11 +315,11 @@ class ParameterServer:
             received = self._receive(poll=self.config.ps_mode != "sync")
             if received is None:
                 continue
-            sender, message, _ = received
-            if message[0] == protocol.BYE:
+            sender, header, _ = received
+            if header.kind == protocol.BYE:
                 self.finished.add(sender)
-            elif message[0] in (protocol.PUSH, protocol.PULL):
-                self.dropped += int(message[0] == protocol.PUSH)
+            elif header.kind in (protocol.PUSH, protocol.PULL):
+                self.dropped += int(header.kind == protocol.PUSH)
                 self._reply(sender, stop=True)
         self._finish_replies()
 
@@ -350,9 +402,21 @@ class ParameterServer:
             "dropped_pushes": self.dropped, "dead_workers": sorted(self.dead),
             "pushes": {str(w): self.pushes[w] for w in self.workers},
             "mean_staleness": statistics.fmean(self.staleness) if self.staleness else 0.0,
-            "max_staleness": max(self.staleness, default=0),
+            "max_staleness": max(self.staleness, default=0), **self._traffic_summary(),
             "out": str(self.out) if self.out else None,
         }
+
+    def _traffic_summary(self) -> dict[str, float]:
+        """The run's bytes, both ways, from the workers' final reports (their goodbyes)."""
+        total, steps = self._total_traffic(), max(1, self.version)
+        return {"sync_bytes": total.sent_bytes,
+                "pushed_bytes": total.pushed_bytes, "pulled_bytes": total.pulled_bytes,
+                "pushed_bytes_per_step": total.pushed_bytes / steps,
+                "pulled_bytes_per_step": total.pulled_bytes / steps,
+                "sent_bytes_per_step": total.sent_bytes / steps,
+                "uncompressed_bytes_per_step":
+                    (total.raw_pushed_bytes + total.raw_pulled_bytes) / steps,
+                "compression_ratio": total.compression_ratio}
 
 
 def _split(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:

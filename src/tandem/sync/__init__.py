@@ -26,7 +26,8 @@ def build_strategy(config: "TrainConfig", rank: int, world_size: int) -> SyncStr
     if config.strategy == "dp":
         return AllReduce(config.compress)
     if config.strategy == "ps":
-        return ParameterServerClient(config.servers)
+        return ParameterServerClient(config.servers, config.compress, rank=rank,
+                                     num_workers=world_size)
     if config.strategy == "gossip":
         from tandem.topology import build_topology, mixing_matrix
 

@@ -5,9 +5,15 @@ Each worker pushes its gradient to every server (shard ``k`` to server ``k``) an
 the parameters the server sends back; when it sends them back depends on the mode (``sync``:
 after all (or, with backup workers, the first N - b) gradients of the step; ``async``: at
 once; ``ssp``: once the worker is at most ``staleness`` updates ahead of the slowest).
+
+With ``--compress CODEC``, pushes are the codec's payloads (with the registry's error feedback,
+one residual per parameter) and replies after the first are compressed differences from the
+parameters the worker holds (see :mod:`tandem.sync.ps_protocol`).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -15,30 +21,51 @@ from torch import nn
 
 from tandem.sync import ps_protocol as protocol
 from tandem.sync.base import SyncStrategy
-from tandem.sync.flat import flatten, unflatten_into
+from tandem.sync.flat import flatten
 
 
 class ParameterServerClient(SyncStrategy):
-    """A worker's strategy: the servers own the optimizer; the worker only computes gradients."""
+    """A worker's strategy: the servers own the optimizer; the worker only computes gradients.
+
+    Usage (inside a job whose ranks ``0 .. num_servers-1`` run ``ParameterServer``)::
+
+        client = ParameterServerClient(1, "topk:ratio=0.1", rank=0, num_workers=4)
+        module = client.wrap(model, device)      # pulls the servers' parameters
+    """
 
     name = "ps"
     local_optimizer = False
 
-    def __init__(self, num_servers: int) -> None:
+    def __init__(self, num_servers: int, compress: str | None = None, *, rank: int = 0,
+                 num_workers: int = 1) -> None:
         self.num_servers = num_servers
+        self.compress = compress
         self.versions: list[int] = [0] * num_servers
         """Parameter version (updates applied) of each server's shard in the worker's model."""
         self.next_step = 0
         """The step the servers are at: the next global batch this worker should take."""
         self.loss = (0.0, 0)
-        self.bytes_sent = 0
+        self.traffic = protocol.Traffic()
+        """Bytes of this worker's messages with all servers, both ways."""
         self.shards: list[list[torch.Tensor]] = []
+        self.pushes: list[protocol.ShardCodec] = []
+        self.pulls: list[protocol.PullDecoder] = []
+        self.rank, self.num_workers = rank, num_workers
+        """This worker's index among the workers, and their number (seed its codec's noise)."""
 
     def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
         model = model.to(device)
-        params = list(model.parameters())
-        ranges = protocol.shard_ranges([p.numel() for p in params], self.num_servers)
-        self.shards = [params[start:end] for start, end in ranges]
+        named = list(model.named_parameters())
+        ranges = protocol.shard_ranges([p.numel() for _, p in named], self.num_servers)
+        for start, end in ranges:
+            shapes = [p.shape for _, p in named[start:end]]
+            keys = [name for name, _ in named[start:end]]
+            self.shards.append([p for _, p in named[start:end]])
+            push = protocol.ShardCodec(self.compress, shapes, keys, feedback=True)
+            push.start(self.rank, self.num_workers)
+            self.pushes.append(push)
+            pull = protocol.ShardCodec(self.compress, shapes, keys, feedback=False)
+            self.pulls.append(protocol.PullDecoder(pull))
         self._exchange(protocol.PULL, step=0)
         return model
 
@@ -52,41 +79,54 @@ class ParameterServerClient(SyncStrategy):
         return stop
 
     def finish(self) -> None:
-        """Tell every server this worker is done."""
-        for server, params in enumerate(self.shards):
-            dist.send(protocol.message(protocol.BYE, _numel(params)), dst=server,
-                      tag=protocol.TO_SERVER)
+        """Tell every server this worker is done (with its final traffic, for the summary)."""
+        self._count_sent()
+        header = protocol.Header(kind=protocol.BYE, traffic=self.traffic)
+        for server, push in enumerate(self.pushes):
+            dist.send(protocol.message(header, push.body_bytes), dst=server, tag=protocol.TO_SERVER)
 
-    def _exchange(self, kind: float, step: int) -> bool:
+    def _exchange(self, kind: int, step: int) -> bool:
         """Send ``kind`` (with gradients for a push) to every server, then take back parameters."""
+        bodies: list[torch.Tensor | int] = [push.body_bytes for push in self.pushes]
+        if kind == protocol.PUSH:
+            bodies = [push.encode(_gradient(params))[0]
+                      for push, params in zip(self.pushes, self.shards)]
+        self._count_sent()
+        header = protocol.Header(kind=kind, step=step, loss=self.loss[0], count=self.loss[1],
+                                 traffic=self.traffic)
         sends = []
-        for server, params in enumerate(self.shards):
-            if kind == protocol.PUSH:
-                payload: torch.Tensor | int = flatten(
-                    p.grad if p.grad is not None else torch.zeros_like(p) for p in params
-                ) if params else 0
-                self.bytes_sent += _numel(params) * 4
-            else:
-                payload = _numel(params)
-            outgoing = protocol.message(kind, payload, step=step, version=self.versions[server],
-                                        loss=self.loss[0], count=self.loss[1])
+        for server, data in enumerate(bodies):
+            outgoing = protocol.message(
+                dataclasses.replace(header, version=self.versions[server]), data)
             sends.append((dist.isend(outgoing, dst=server, tag=protocol.TO_SERVER), outgoing))
         stop = False
-        for server, params in enumerate(self.shards):
-            reply = protocol.empty(_numel(params))
+        for server, (pull, params) in enumerate(zip(self.pulls, self.shards)):
+            reply = protocol.empty(pull.next_bytes)
             dist.recv(reply, src=server, tag=protocol.TO_WORKER)
-            if params:
-                unflatten_into(reply[protocol.HEADER_SIZE:], params)
-            self.versions[server] = int(reply[1])
-            stop = stop or bool(reply[5])
+            self.traffic.pulled_bytes += reply.numel()
+            self.traffic.raw_pulled_bytes += protocol.HEADER_BYTES + pull.codec.raw_bytes
+            pull.apply(protocol.body(reply), params)
+            header = protocol.Header.decode(reply)
+            self.versions[server] = header.version
+            stop = stop or header.stop
         for work, _ in sends:
             work.wait()
         self.next_step = self.versions[0]
         return stop
 
+    def _count_sent(self) -> None:
+        """Count one message to every server (all have a push's size)."""
+        for push in self.pushes:
+            self.traffic.pushed_bytes += protocol.HEADER_BYTES + push.body_bytes
+            self.traffic.raw_pushed_bytes += protocol.HEADER_BYTES + push.raw_bytes
+
     def stats(self) -> dict[str, float]:
-        return {"push_bytes": self.bytes_sent}
+        """``sync_bytes``: what this worker sent; ``pulled_bytes``: what the servers sent it."""
+        return {"sync_bytes": self.traffic.pushed_bytes, "pulled_bytes": self.traffic.pulled_bytes}
 
 
-def _numel(params: list[torch.Tensor]) -> int:
-    return sum(p.numel() for p in params)
+def _gradient(params: list[torch.Tensor]) -> torch.Tensor:
+    """The shard's gradient as one flat tensor (zeros for parameters without one)."""
+    if not params:
+        return torch.zeros(0)
+    return flatten(p.grad if p.grad is not None else torch.zeros_like(p) for p in params)
