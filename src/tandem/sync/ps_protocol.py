@@ -166,7 +166,8 @@ class ShardCodec:
         """Payloads of zeros from a codec of their own: their shapes and dtypes (which depend
         only on the tensors' shapes) without touching this codec's state."""
         scratch = plain(build_codec(spec, strategy="ps"))
-        return [scratch.encode(torch.zeros(shape), key) for shape, key in zip(self.shapes, self.keys)]
+        return [scratch.encode(torch.zeros(shape), key)
+                for shape, key in zip(self.shapes, self.keys)]
 
     def start(self, rank: int, world_size: int) -> None:
         """Seed per-sender randomness (quantization noise) of the encoding side."""
@@ -183,7 +184,8 @@ class ShardCodec:
         data = to_bytes(tensors) if tensors else torch.empty(0, dtype=torch.uint8)
         return data, payloads
 
-    def decode_payloads(self, payloads: Sequence[Payload], *, tracked: bool = False) -> torch.Tensor:
+    def decode_payloads(self, payloads: Sequence[Payload], *,
+                        tracked: bool = False) -> torch.Tensor:
         """The flat float32 shard that ``payloads`` (this side's own encoding) stand for; a
         ``tracked`` difference is scaled by :attr:`scales`."""
         assert self.codec is not None
@@ -269,4 +271,4 @@ def shard_ranges(sizes: Sequence[int], num_shards: int) -> list[tuple[int, int]]
     total = prefix[-1]
     cuts = [bisect.bisect_left(prefix, total * k / num_shards) for k in range(1, num_shards)]
     bounds = [0, *(min(cut, len(sizes)) for cut in cuts), len(sizes)]
-    return list(zip(bounds[:-1], bounds[1:]))
+    return list(itertools.pairwise(bounds))
