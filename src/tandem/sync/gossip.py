@@ -63,6 +63,7 @@ class Gossip(SyncStrategy):
     """D-PSGD: mix parameters with the neighbours, then take the local optimizer step."""
 
     name = "gossip"
+    replicas_agree = False
 
     def __init__(self, mixer: GossipMixer) -> None:
         self.mixer = mixer
@@ -268,6 +269,7 @@ class AsyncGossip(SyncStrategy):
     """
 
     name = "gossip"
+    replicas_agree = False
     synchronous = False
 
     def __init__(self, graph: Graph, rank: int, seed: int) -> None:
