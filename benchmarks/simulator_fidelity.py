@@ -415,6 +415,75 @@ print(count)
     return rate(num_workers) / alone
 
 
+def busy_allreduce_bandwidth(num_workers: int, num_bytes: int, step_latency_s: float,
+                             tmp: Path) -> float:
+    """Bandwidth of a gloo ring allreduce of ``num_bytes`` among ``num_workers`` local processes
+    that compute between allreduces (one thread of matrix products for 30 ms, as a backward
+    does): the median allreduce, the slowest worker's, less its ``2 (n - 1)`` step latencies,
+    for the ``2 (n - 1) / n`` of the bytes each worker sends. On a CPU this includes what the
+    simulator does not model: gloo's reduction arithmetic and copies, competing for the cores."""
+    script = tmp / "busy_allreduce.py"
+    script.write_text(f"""
+import statistics, time, torch, torch.distributed as dist
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+a, b = torch.randn(256, 1024), torch.randn(1024, 1024)
+buf, times = torch.zeros({num_bytes} // 4), []
+dist.barrier()
+for _ in range(12):
+    start = time.perf_counter()
+    while time.perf_counter() - start < 0.03:
+        a @ b
+    start = time.perf_counter()
+    dist.all_reduce(buf)
+    times.append(time.perf_counter() - start)
+worst = torch.tensor([statistics.median(times[2:])])
+dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+if dist.get_rank() == 0:
+    print("median", float(worst))
+dist.destroy_process_group()
+""")
+    seconds = _value(_run_script(script, num_workers), "median")
+    steps = 2 * (num_workers - 1)
+    sent = steps / num_workers * num_bytes
+    return sent / max(seconds - steps * step_latency_s, 1e-9)
+
+
+def exposed_allreduce(num_workers: int, num_bytes: int, tmp: Path) -> float:
+    """How much of an allreduce a concurrent computation fails to hide on this machine: the
+    time of (allreduce started asynchronously, then compute, then wait) minus the compute
+    alone, over the allreduce alone (0: fully hidden, as on a GPU with its own copy engines;
+    1: not at all, when gloo's threads and the computation share the same cores)."""
+    script = tmp / "overlap.py"
+    script.write_text(f"""
+import statistics, time, torch, torch.distributed as dist
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+a, b = torch.randn(256, 1024), torch.randn(1024, 1024)
+buf = torch.zeros({num_bytes} // 4)
+def compute():  # about as long as the allreduce, so that the difference is not lost in noise
+    for _ in range(4):
+        a @ b
+times = {{"compute": [], "allreduce": [], "both": []}}
+for _ in range(24):
+    dist.barrier()
+    start = time.perf_counter(); compute(); times["compute"].append(time.perf_counter() - start)
+    dist.barrier()
+    start = time.perf_counter(); dist.all_reduce(buf); times["allreduce"].append(time.perf_counter() - start)
+    dist.barrier()
+    start = time.perf_counter()
+    work = dist.all_reduce(buf, async_op=True)
+    compute()
+    work.wait()
+    times["both"].append(time.perf_counter() - start)
+m = {{key: statistics.median(value[2:]) for key, value in times.items()}}
+if dist.get_rank() == 0:
+    print("exposed", (m["both"] - m["compute"]) / m["allreduce"])
+dist.destroy_process_group()
+""")
+    return _value(_run_script(script, num_workers), "exposed")
+
+
 def optimizer_rate(profile: ModelProfile) -> float:
     """Parameter bytes per second an SGD-with-momentum step updates here (one thread)."""
     import torch
@@ -432,14 +501,16 @@ def optimizer_rate(profile: ModelProfile) -> float:
     return numel * 4 / statistics.median(times[2:])
 
 
-def real_part(steps: int, tmp: Path, cluster_for: Any,
-              collective: dict[int, float]) -> list[dict[str, Any]]:
+def real_part(steps: int, tmp: Path, cluster_for: Any, collective: dict[int, float],
+              cases: list[str]) -> list[dict[str, Any]]:
     """Each real case ``REPEATS`` times, each run right after a profile at its micro-batch and a
     measurement of how fast busy processes run at once; every quantity is then taken at its
     least loaded (fastest layer times, highest speed, fastest run) and the case simulated."""
     print("real:", file=sys.stderr)
     rows = []
     for case in REAL:
+        if cases and case.name not in cases:
+            continue
         micro = REAL_BATCH // (case.workers if case.kind == "dp" else case.microbatches or 1)
         profiles = [real_profile(micro, tmp)]
         plan = make_plan(case, profiles[0])
@@ -447,12 +518,19 @@ def real_part(steps: int, tmp: Path, cluster_for: Any,
         plan.save(str(plan_path))
         speeds: list[float] = []
         rates: list[float] = []
+        bandwidths: list[float] = []
+        exposed: list[float] = []
         measured: list[float] = []
         for repeat in range(REPEATS):
             if repeat:
                 profiles.append(real_profile(micro, tmp))
             speeds.append(1.0 if case.workers == 1 else contention_speed(case.workers, tmp))
             rates.append(optimizer_rate(profiles[-1]))
+            if case.kind == "dp":
+                gradient = int(sum(layer.parameter_bytes for layer in profiles[-1].layers))
+                bandwidths.append(busy_allreduce_bandwidth(
+                    case.workers, gradient, collective.get(case.workers, 0.0), tmp))
+                exposed.append(exposed_allreduce(case.workers, gradient, tmp))
             measured.append(measure(case, str(plan_path), REAL_MODEL, REAL_DATA, REAL_BATCH,
                                     steps, tmp))
             print(f"  {case.name}: profile {profiles[-1].total_compute_s() * 1e3:.1f} ms per "
@@ -460,8 +538,13 @@ def real_part(steps: int, tmp: Path, cluster_for: Any,
                   f"run {measured[-1] * 1e3:.1f} ms", file=sys.stderr, flush=True)
         profile = _fastest(profiles)
         cluster = dataclasses.replace(cluster_for(case.workers), speed=max(speeds))
+        if bandwidths:  # the allreduce's own bandwidth on this machine, measured
+            level = dataclasses.replace(cluster.levels[0], bandwidth_Bps=max(bandwidths))
+            cluster = dataclasses.replace(cluster, levels=(level,))
+        # DDP's overlap of the allreduce with the backward, as far as this machine allows it.
+        overlap = statistics.median(exposed) < 0.5 if exposed else None
         options = SimOptions(batch_scale=REAL_BATCH / micro, optimizer_Bps=max(rates),
-                             allreduce="ring", record=False,
+                             allreduce="ring", record=False, overlap_allreduce=overlap,
                              allreduce_latency_s=collective.get(case.workers))
         bare = SimOptions(batch_scale=REAL_BATCH / micro, record=False)
         predicted = simulate(plan, profile, cluster, options).step_time_s
@@ -472,7 +555,8 @@ def real_part(steps: int, tmp: Path, cluster_for: Any,
                      "simulated_bare_s": predicted_bare, "error_bare": predicted_bare / best - 1,
                      "speed": max(speeds), "optimizer_Bps": max(rates), "profile_batch": micro,
                      "profile_s": profile.total_compute_s(), "runs_s": measured,
-                     "speeds": speeds})
+                     "speeds": speeds, "allreduce_Bps": max(bandwidths, default=None),
+                     "exposed_allreduce": exposed})
     print_table(f"real: {REAL_MODEL} on the CPU, 1-2 workers of one thread", rows)
     return rows
 
@@ -482,11 +566,9 @@ def _profile_path(batch: int, tmp: Path) -> Path:
 
 
 def _fastest(profiles: list[ModelProfile]) -> ModelProfile:
-    """Every layer at its fastest over several profiles of the same model."""
-    layers = [dataclasses.replace(group[0], forward_s=min(l.forward_s for l in group),
-                                  backward_s=min(l.backward_s for l in group))
-              for group in zip(*(p.layers for p in profiles))]
-    return dataclasses.replace(profiles[0], layers=layers)
+    """The profile with the least total time (best of several, as runs are): a whole profile,
+    not each layer at its own minimum, which would add up the luckiest layers."""
+    return min(profiles, key=lambda profile: profile.total_compute_s())
 
 
 def main() -> None:
@@ -546,7 +628,8 @@ def main() -> None:
             print_table(f"{part}: VGG-16 profile on the emulated model (times x{args.scale})", rows)
             summary[part] = rows
         if "real" in parts:
-            summary["real"] = real_part(args.steps, tmp, bare_cluster_for, collective)
+            summary["real"] = real_part(args.steps, tmp, bare_cluster_for, collective,
+                                        [name.strip() for name in args.cases.split(";") if name])
     summary.update(_verdicts(summary))
     print(json.dumps(summary))
 
