@@ -39,11 +39,15 @@ def test_compressed_dp_resumes_exactly(tmp_path: Path, args: tuple[str, ...]) ->
     assert max_abs_diff(whole, resumed) <= 1e-6
 
 
-def test_decentralized_strategies_resume_each_workers_model(tmp_path: Path) -> None:
-    """EASGD stopped after step 7, mid-period: the workers' models (and momentum) differ, and
-    each gets its own back, and the center variable too."""
-    whole, resumed = interrupted_and_whole(tmp_path, "--strategy", "easgd", "--period", "4",
-                                           "--momentum", "0.9")
+@pytest.mark.parametrize("args", [
+    ("--strategy", "easgd", "--period", "4"),
+    ("--strategy", "gossip", "--topology", "ring"),
+], ids=["easgd", "gossip"])
+def test_decentralized_strategies_resume_each_workers_model(tmp_path: Path,
+                                                            args: tuple[str, ...]) -> None:
+    """Stopped after step 7: the workers' models (and momentum) differ (EASGD mid-period,
+    D-PSGD always), and each gets its own back, and EASGD's center variable too."""
+    whole, resumed = interrupted_and_whole(tmp_path, *args, "--momentum", "0.9")
     assert max_abs_diff(whole, resumed) <= 1e-6
 
 
