@@ -37,7 +37,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
 from tandem.cluster import flat_cluster
-from tandem.planning.codecs import CodecSpeed, parse_codec, wire_bytes
+from tandem.codec_spec import ring_bytes
+from tandem.planning.codecs import CodecSpeed, parse_codec
 from tandem.planning.simulate import SimOptions, SimResult, data_parallel_plan, simulate
 from tandem.profile import ModelProfile, load_profile
 
@@ -218,13 +219,13 @@ def sync_bytes(profile: ModelProfile, spec: str | None) -> tuple[float, float]:
     plan = data_parallel_plan(profile, WORKERS)
     if spec is None:
         total = sum(layer.parameter_bytes for layer in profile.layers)
-        return total, wire_bytes("allreduce", total, WORKERS)
+        return total, ring_bytes("allreduce", total, WORKERS)
     model = parse_codec(spec)
     payload = wire = 0.0
     for tensors in stage_costs(plan, profile)[0].bucket_tensors:
         for collective, num_bytes in model.rounds([max(1, round(b / 4)) for b in tensors]):
             payload += num_bytes
-            wire += wire_bytes(collective, num_bytes, WORKERS)
+            wire += ring_bytes(collective, num_bytes, WORKERS)
     return payload, wire
 
 

@@ -236,6 +236,35 @@ COMPUTE_S = 0.05
 emulated layer does (the loops measure communication as training meets it, not in isolation)."""
 
 
+def timed_allreduce_s(num_workers: int, num_bytes: int, compute: str, iterations: int,
+                      warmup: int, tmp: Path) -> float:
+    """Median seconds of a gloo allreduce of ``num_bytes`` among ``num_workers`` local processes
+    in a loop that runs the Python lines ``compute`` before each (with ``a`` and ``b``, two
+    matrices, at hand), from the end of the computation to the end of the allreduce; the first
+    ``warmup`` iterations left out; the slowest worker's."""
+    body = "\n".join("    " + line for line in compute.splitlines())
+    script = tmp / "timed_allreduce.py"
+    script.write_text(f"""
+import statistics, time, torch, torch.distributed as dist
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+a, b = torch.randn(256, 1024), torch.randn(1024, 1024)
+buf, times = torch.zeros({num_bytes} // 4), []
+dist.barrier()
+for _ in range({iterations}):
+{body}
+    start = time.perf_counter()
+    dist.all_reduce(buf)
+    times.append(time.perf_counter() - start)
+worst = torch.tensor([statistics.median(times[{warmup}:])])
+dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+if dist.get_rank() == 0:
+    print("median", float(worst))
+dist.destroy_process_group()
+""")
+    return _value(_run_script(script, num_workers), "median")
+
+
 def allreduce_step_latency(num_workers: int, num_bytes: int, tmp: Path) -> float:
     """Seconds per step of a gloo ring allreduce among ``num_workers`` local processes, as
     training meets it: each iteration of a loop sleeps ``COMPUTE_S`` (compute) and then
@@ -244,24 +273,7 @@ def allreduce_step_latency(num_workers: int, num_bytes: int, tmp: Path) -> float
     different instants (with more processes than cores each wakes when the scheduler lets it),
     so the next one starts skewed; a loop includes that skew, an allreduce timed alone after a
     barrier does not."""
-    script = tmp / "allreduce.py"
-    script.write_text(f"""
-import statistics, time, torch, torch.distributed as dist
-dist.init_process_group("gloo")
-buf, times = torch.zeros({num_bytes} // 4), []
-dist.barrier()
-for _ in range(30):
-    time.sleep({COMPUTE_S})
-    slept = time.perf_counter()
-    dist.all_reduce(buf)
-    times.append(time.perf_counter() - slept)
-worst = torch.tensor([statistics.median(times[4:])])
-dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-if dist.get_rank() == 0:
-    print("median", float(worst))
-dist.destroy_process_group()
-""")
-    seconds = _value(_run_script(script, num_workers), "median")
+    seconds = timed_allreduce_s(num_workers, num_bytes, f"time.sleep({COMPUTE_S})", 30, 4, tmp)
     return max(seconds, 0.0) / (2 * (num_workers - 1))
 
 
@@ -422,28 +434,10 @@ def busy_allreduce_bandwidth(num_workers: int, num_bytes: int, step_latency_s: f
     does): the median allreduce, the slowest worker's, less its ``2 (n - 1)`` step latencies,
     for the ``2 (n - 1) / n`` of the bytes each worker sends. On a CPU this includes what the
     simulator does not model: gloo's reduction arithmetic and copies, competing for the cores."""
-    script = tmp / "busy_allreduce.py"
-    script.write_text(f"""
-import statistics, time, torch, torch.distributed as dist
-torch.set_num_threads(1)
-dist.init_process_group("gloo")
-a, b = torch.randn(256, 1024), torch.randn(1024, 1024)
-buf, times = torch.zeros({num_bytes} // 4), []
-dist.barrier()
-for _ in range(12):
-    start = time.perf_counter()
-    while time.perf_counter() - start < 0.03:
-        a @ b
-    start = time.perf_counter()
-    dist.all_reduce(buf)
-    times.append(time.perf_counter() - start)
-worst = torch.tensor([statistics.median(times[2:])])
-dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-if dist.get_rank() == 0:
-    print("median", float(worst))
-dist.destroy_process_group()
-""")
-    seconds = _value(_run_script(script, num_workers), "median")
+    compute = ("start = time.perf_counter()\n"
+               "while time.perf_counter() - start < 0.03:\n"
+               "    a @ b")
+    seconds = timed_allreduce_s(num_workers, num_bytes, compute, 12, 2, tmp)
     steps = 2 * (num_workers - 1)
     sent = steps / num_workers * num_bytes
     return sent / max(seconds - steps * step_latency_s, 1e-9)

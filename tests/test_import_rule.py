@@ -8,7 +8,8 @@ import textwrap
 
 MODULES = ["tandem.cluster", "tandem.profile", "tandem.plan", "tandem.planning",
            "tandem.planning.antichain", "tandem.planning.levels", "tandem.planning.partition",
-           "tandem.planning.planner", "tandem.timeline", "tandem.topology"]  # fmt: skip
+           "tandem.planning.planner", "tandem.timeline", "tandem.topology",
+           "tandem.codec_spec", "tandem.planning.codecs"]  # fmt: skip
 SCHEDULE_MODULES = ["tandem.schedule", "tandem.schedule.action", "tandem.schedule.schedule",
                     "tandem.schedule.generators", "tandem.schedule.check"]  # fmt: skip
 

@@ -6,15 +6,9 @@ import functools
 
 import torch
 
-WIDTHS = (1, 2, 4, 8)
+from tandem.codec_spec import WIDTHS, width_for
 
-
-def width_for(num_values: int) -> int:
-    """The narrowest of :data:`WIDTHS` that holds ``num_values`` distinct codes."""
-    for bits in WIDTHS:
-        if num_values <= 1 << bits:
-            return bits
-    raise ValueError(f"{num_values} codes do not fit in 8 bits")
+__all__ = ["WIDTHS", "pack", "packed_size", "unpack", "width_for"]
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:

@@ -4,20 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-COLLECTIVES = ("allreduce", "allgather")
+from tandem.codec_spec import ring_bytes
 
-
-def ring_bytes(collective: str, payload_bytes: float, world_size: int) -> float:
-    """Bytes one worker sends in a ring ``collective`` of ``payload_bytes`` per worker.
-
-    A ring allreduce sends ``2 (W - 1) / W`` times the payload (reduce-scatter, then
-    allgather); a ring allgather forwards every other worker's payload, ``(W - 1)`` times it.
-    """
-    if collective == "allreduce":
-        return 2.0 * (world_size - 1) / world_size * payload_bytes
-    if collective == "allgather":
-        return float(world_size - 1) * payload_bytes
-    raise ValueError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
+__all__ = ["ByteMeter", "ring_bytes"]
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

@@ -7,7 +7,6 @@ warm start; tensors too small to gain ``min_rate`` (biases) and the first ``star
 through a plain allreduce.
 """
 
-import dataclasses
 from typing import Any, Callable
 
 import torch
@@ -15,36 +14,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
+from tandem.codec_spec import PowerSGDOptions
 from tandem.compress.codec import Compression
 from tandem.compress.meter import ByteMeter
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class PowerSGDOptions:
-    """Options of ``--compress powersgd:...``."""
-
-    rank: int = 2
-    """Rank of the approximation of each gradient matrix."""
-    start: int = 10
-    """Steps of plain allreduce before compressing (at least 2: DDP rebuilds its buckets
-    after the first step, and the hook's error feedback is kept per bucket)."""
-    min_rate: float = 2.0
-    """Compress a matrix only if that shrinks it at least this many times."""
-    warm: bool = True
-    """Start each step's power iteration from the last step's ``Q``."""
-    ef: bool = True
-    """Error feedback."""
-    seed: int = 0
-    """Seed of the random initial ``Q`` (the same on every worker)."""
-
-    def __post_init__(self) -> None:
-        if self.rank < 1:
-            raise ValueError(f"rank must be at least 1 (got {self.rank})")
-        if self.start < 2:
-            raise ValueError(f"start must be at least 2 (got {self.start}): DDP rebuilds its "
-                             f"buckets after the first step")
-        if not self.min_rate > 0:
-            raise ValueError(f"min_rate must be positive (got {self.min_rate})")
 
 
 class PowerSGD(Compression):

@@ -18,10 +18,6 @@ import torch
 from tandem.compress import bits
 from tandem.compress.codec import Codec, Payload
 
-MAX_LEVELS = 127
-"""Most levels per sign: ``2 s + 1`` codes must fit in a byte."""
-
-
 class QSGD(Codec):
     """Stochastic quantization; ``norm`` is ``l2`` (the paper's) or ``max`` (lower variance)."""
 

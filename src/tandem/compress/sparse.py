@@ -10,19 +10,14 @@ error feedback unless ``ef=false``.
 
 from __future__ import annotations
 
-import math
 import zlib
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from tandem.codec_spec import num_selected
 from tandem.compress.codec import Codec, Payload
-
-
-def num_selected(numel: int, ratio: float) -> int:
-    """Elements kept of ``numel`` at ``ratio``: at least one, at most all."""
-    return min(numel, max(1, math.ceil(ratio * numel)))
 
 
 class TopK(Codec):

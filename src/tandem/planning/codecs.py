@@ -8,9 +8,9 @@ Usage::
     codec.rounds([2_359_808, 512])               # [("allgather", bytes)]: one bucket's exchange
     codec.encode_s([2_359_808, 512]), codec.decode_s([2_359_808, 512], num_workers=16)
 
-A spec is written as for ``tandem train --compress`` (``CODEC[:key=value,...]``, the same names,
-options and defaults as :mod:`tandem.compress.registry`); this module mirrors them without
-importing torch, and a test checks that both agree, payload sizes included.
+A spec is written as for ``tandem train --compress`` and read by the same code
+(:mod:`tandem.codec_spec`, which imports no torch); a test checks the payload sizes against the
+real codecs'.
 
 Payloads are those of float32 gradients, per tensor of ``n`` elements (``k = ceil(ratio n)``):
 
@@ -55,11 +55,15 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from tandem.codec_spec import (
+    PowerSGDOptions,
+    QSGDOptions,
+    SignOptions,
+    num_selected,
+    read_codec_spec,
+    width_for,
+)
 from tandem.errors import UsageError
-from tandem.options import fill_options, split_spec
-
-COLLECTIVES = ("allreduce", "allgather")
-"""How workers exchange a codec's payloads."""
 
 GRADIENT_ELEMENT_BYTES = 4
 """Bytes of one gradient element: gradients are float32."""
@@ -88,119 +92,24 @@ class CodecSpeed:
 
 
 DEFAULT_SPEEDS: dict[str, CodecSpeed] = {
-    "fp16": CodecSpeed(encode_ns=1.03, decode_ns=0.58),
-    "bf16": CodecSpeed(encode_ns=1.01, decode_ns=0.64),
-    "qsgd": CodecSpeed(encode_ns=15.1, decode_ns=3.72),
-    "sign": CodecSpeed(encode_ns=5.78, decode_ns=2.18),
-    "topk": CodecSpeed(encode_ns=18.5, decode_ns=0.177),
-    "randk": CodecSpeed(encode_ns=1.71, decode_ns=0.505),
-    "powersgd": CodecSpeed(encode_ns=5.46, decode_ns=2.73),
+    "fp16": CodecSpeed(encode_ns=0.49, decode_ns=1.95),
+    "bf16": CodecSpeed(encode_ns=0.49, decode_ns=0.34),
+    "qsgd": CodecSpeed(encode_ns=7.32, decode_ns=2.00),
+    "sign": CodecSpeed(encode_ns=2.80, decode_ns=0.80),
+    "topk": CodecSpeed(encode_ns=8.45, decode_ns=0.082),
+    "randk": CodecSpeed(encode_ns=0.87, decode_ns=0.30),
+    "powersgd": CodecSpeed(encode_ns=2.56, decode_ns=1.28),
 }
 """Speeds per codec at its default options, measured by ``benchmarks/compression_sim.py`` on
-one CPU thread of this project's machine (two shared vCPUs, load average about 7 while
-measuring): VGG-16's convolutions, 14.7 M elements; decoding per message of 16 workers for the
-allgather codecs. A GPU is much faster: scale them with ``SimOptions.codec_speedup``."""
-
-
-# -- options: mirrors of tandem.compress.registry's (tests/test_simulate_compress.py compares) --
-
-@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
-class NoOptions:
-    """Options of a codec that takes none (fp16, bf16)."""
-
-
-def _check_momentum(momentum: float, ef: bool) -> None:
-    if not 0 <= momentum < 1:
-        raise ValueError(f"momentum must be in [0, 1) (got {momentum})")
-    if momentum and not ef:
-        raise ValueError("momentum before compression needs error feedback (ef=true)")
-
-
-@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
-class QSGDOptions:
-    """``qsgd:levels=7,chunk=512,norm=l2,ef=false,seed=0``."""
-
-    levels: int = 7
-    chunk: int = 512
-    norm: str = "l2"
-    ef: bool = False
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.levels <= 127:
-            raise ValueError(f"levels must be between 1 and 127 (got {self.levels})")
-        if self.chunk < 1:
-            raise ValueError(f"chunk must be at least 1 (got {self.chunk})")
-        if self.norm not in ("l2", "max"):
-            raise ValueError(f"norm must be l2 or max (got {self.norm!r})")
-
-
-@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
-class SignOptions:
-    """``sign:ef=true,momentum=0``."""
-
-    ef: bool = True
-    momentum: float = 0.0
-
-    def __post_init__(self) -> None:
-        _check_momentum(self.momentum, self.ef)
-
-
-@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
-class SparseOptions:
-    """``topk:ratio=0.01,ef=true,momentum=0`` (``k=`` is a synonym of ``ratio=``)."""
-
-    ratio: float = 0.01
-    ef: bool = True
-    momentum: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not 0 < self.ratio <= 1:
-            raise ValueError(f"ratio (k) must be in (0, 1] (got {self.ratio})")
-        _check_momentum(self.momentum, self.ef)
-
-
-@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
-class RandomKOptions(SparseOptions):
-    """``randk:ratio=0.01,ef=true,momentum=0,seed=0``."""
-
-    seed: int = 0
-
-
-@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
-class PowerSGDOptions:
-    """``powersgd:rank=2,start=10,min_rate=2,warm=true,ef=true,seed=0``."""
-
-    rank: int = 2
-    start: int = 10
-    min_rate: float = 2.0
-    warm: bool = True
-    ef: bool = True
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.rank < 1:
-            raise ValueError(f"rank must be at least 1 (got {self.rank})")
-        if self.start < 2:
-            raise ValueError(f"start must be at least 2 (got {self.start})")
-        if not self.min_rate > 0:
-            raise ValueError(f"min_rate must be positive (got {self.min_rate})")
+one CPU thread of this project's machine (two vCPUs, quiet: load average 1.5; the run in
+docs/benchmarks.md): VGG-16's convolutions, 14.7 M elements; decoding per message of 16 workers
+for the allgather codecs. A GPU is much faster: scale them with ``SimOptions.codec_speedup``."""
 
 
 # -- payloads -----------------------------------------------------------------------------------
 
-def num_selected(numel: int, ratio: float) -> int:
-    """Elements a sparse codec keeps of ``numel`` at ``ratio``: at least one, at most all."""
-    return min(numel, max(1, math.ceil(ratio * numel)))
-
-
-def code_bits(levels: int) -> int:
-    """Bits QSGD packs each code in: the narrowest of 1, 2, 4, 8 holding ``2 levels + 1``."""
-    return next(bits for bits in (1, 2, 4, 8) if 2 * levels + 1 <= 1 << bits)
-
-
 def _qsgd(o: QSGDOptions, n: int) -> float:
-    return -(-n * code_bits(o.levels) // 8) + GRADIENT_ELEMENT_BYTES * -(-n // o.chunk)
+    return -(-n * width_for(2 * o.levels + 1) // 8) + GRADIENT_ELEMENT_BYTES * -(-n // o.chunk)
 
 
 def _sign(o: SignOptions, n: int) -> float:
@@ -236,7 +145,6 @@ def _powersgd_rounds(o: PowerSGDOptions, numels: Sequence[int]) -> list[float]:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Kind:
-    options: type
     collective: str
     payload: Callable[[Any, int], float]
     """Bytes of one tensor of ``n`` elements (the sum of its rounds for PowerSGD)."""
@@ -245,16 +153,16 @@ class _Kind:
 
 
 CODEC_KINDS: dict[str, _Kind] = {
-    "fp16": _Kind(NoOptions, "allreduce", lambda o, n: 2.0 * n),
-    "bf16": _Kind(NoOptions, "allreduce", lambda o, n: 2.0 * n),
-    "qsgd": _Kind(QSGDOptions, "allgather", _qsgd),
-    "sign": _Kind(SignOptions, "allgather", _sign),
-    "topk": _Kind(SparseOptions, "allgather", lambda o, n: 8.0 * num_selected(n, o.ratio)),
-    "randk": _Kind(RandomKOptions, "allreduce", lambda o, n: 4.0 * num_selected(n, o.ratio)),
-    "powersgd": _Kind(PowerSGDOptions, "allreduce",
+    "fp16": _Kind("allreduce", lambda o, n: 2.0 * n),
+    "bf16": _Kind("allreduce", lambda o, n: 2.0 * n),
+    "qsgd": _Kind("allgather", _qsgd),
+    "sign": _Kind("allgather", _sign),
+    "topk": _Kind("allgather", lambda o, n: 8.0 * num_selected(n, o.ratio)),
+    "randk": _Kind("allreduce", lambda o, n: 4.0 * num_selected(n, o.ratio)),
+    "powersgd": _Kind("allreduce",
                       lambda o, n: sum(_powersgd_rounds(o, [n])), _powersgd_rounds),
 }
-"""Codec name -> its options, collective and payload (the names of ``tandem train --compress``)."""
+"""Codec name -> its collective and payload (the names of ``tandem train --compress``)."""
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
@@ -308,24 +216,5 @@ class CodecModel:
 def parse_codec(spec: str, speed: CodecSpeed | None = None) -> CodecModel:
     """The model of ``spec`` (e.g. ``topk:ratio=0.01``), with ``speed`` or the codec's default;
     :class:`UsageError` (one line) for an unknown codec or a bad option."""
-    name, raw = split_spec(spec, what="codec")
-    kind = CODEC_KINDS.get(name)
-    if kind is None:
-        raise UsageError(f"unknown codec {name!r} in --compress {spec!r}; "
-                         f"choose one of: {', '.join(sorted(CODEC_KINDS))}")
-    if "k" in raw and issubclass(kind.options, SparseOptions):
-        if "ratio" in raw:
-            raise UsageError(f"give k or ratio in --compress {spec!r}, not both (the same option)")
-        raw["ratio"] = raw.pop("k")
-    options = fill_options(kind.options, raw, spec=spec, what="codec")
+    name, options = read_codec_spec(spec)
     return CodecModel(spec=spec, name=name, options=options, speed=speed or DEFAULT_SPEEDS[name])
-
-
-def wire_bytes(collective: str, payload_bytes: float, num_workers: int) -> float:
-    """Bytes one worker sends in a ring ``collective`` of ``payload_bytes`` per worker:
-    ``2 (W - 1) / W`` times it for an allreduce, ``W - 1`` times it for an allgather."""
-    if collective == "allreduce":
-        return 2.0 * (num_workers - 1) / num_workers * payload_bytes
-    if collective == "allgather":
-        return float(num_workers - 1) * payload_bytes
-    raise ValueError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")

@@ -27,8 +27,6 @@ class AllReduce(SyncStrategy):
         self.compression: Compression | None = build_compression(compress) if compress else None
         self.meter = ByteMeter(world_size=1)
         self.steps = 0
-        self.last_step: dict[str, float] = {}
-        self._totals = (0, 0.0)
 
     def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
         model = model.to(device)
@@ -57,10 +55,6 @@ class AllReduce(SyncStrategy):
         if self.compression is None:
             self._count_plain_allreduce(module)
         self.steps += 1
-        totals = (self.meter.payload_bytes, self.meter.wire_bytes)
-        self.last_step = {"compressed_bytes": float(totals[0] - self._totals[0]),
-                          "wire_bytes": totals[1] - self._totals[1]}
-        self._totals = totals
         return super().update(module, optimizer, step)
 
     def _count_plain_allreduce(self, module: nn.Module) -> None:
@@ -88,7 +82,3 @@ class AllReduce(SyncStrategy):
             "uncompressed_wire_bytes_per_step": meter.uncompressed_wire_bytes / steps / world,
             "sync_bytes": meter.wire_bytes,
         }
-
-    def step_stats(self) -> dict[str, float]:
-        """This worker's ``compressed_bytes`` and ``wire_bytes`` in the last step."""
-        return dict(self.last_step)
