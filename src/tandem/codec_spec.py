@@ -181,3 +181,20 @@ def ring_bytes(collective: str, payload_bytes: float, world_size: int) -> float:
     if collective == "allgather":
         return float(world_size - 1) * payload_bytes
     raise ValueError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CodecSpec:
+    """A ``--compress`` spec parsed once: its text, the codec's name and its typed options."""
+
+    text: str
+    """The spec as written, e.g. ``topk:ratio=0.01`` (what a plan file records)."""
+    name: str
+    options: Any
+    """The codec's options dataclass (:data:`CODEC_OPTIONS`)."""
+
+    @classmethod
+    def parse(cls, text: str) -> CodecSpec:
+        """Read ``CODEC[:k=v,...]``; one-line :class:`UsageError` for an unknown codec or option."""
+        name, options = read_codec_spec(text)
+        return cls(text=text.strip(), name=name, options=options)

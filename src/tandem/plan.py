@@ -1,20 +1,37 @@
-"""Plans: pipeline stages as layer ranges with replica counts, predicted times, JSON, ``3-1`` text.
+"""Plans: the whole strategy of a run as data — layout, schedule, synchronization and codec.
+
+A plan says how many workers run what: pipeline stages as layer ranges with a replica count
+each (one stage replicated on every worker is data parallelism), a tensor degree, the schedule
+kind and its number of micro-batches, how the replicas synchronize (a typed spec of
+:mod:`tandem.sync_spec`) and the compression codec (a :class:`tandem.codec_spec.CodecSpec`).
+``tandem plan``, ``tandem search`` and the command-line flags of ``tandem train`` all build a
+``Plan``; the simulator and the runtime read it, and nothing else decides how workers cooperate.
 
 Stage ``s`` runs the layers ``plan.layers()[stage.start:stage.end]`` (``end`` exclusive). For an
 ``nn.Sequential`` profile ``layer_order`` is None and ``start``/``end`` are block indices; for a
 DAG profile ``layer_order`` lists layer indices in an order where every stage is contiguous.
+
+A plan is *pipelined* when it has more than one stage or runs GPipe's or PipeDream's schedule;
+otherwise it is data parallel: one stage on every worker, each step's global batch split into
+``num_microbatches`` micro-batches that the workers share round-robin (``--accumulate`` of them
+per worker, run one after another as 1F1B does on one stage).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.codec_spec import CodecSpec
 from tandem.errors import UsageError
+from tandem.schedule.schedule import SCHEDULE_KINDS
+from tandem.sync_spec import AllReduceSync, SyncSpec, sync_from_dict, sync_to_dict
 
-SCHEMA_VERSION = 1
-"""Version of the JSON layout written by :meth:`Plan.to_dict`."""
+SCHEMA_VERSION = 2
+"""Version of the JSON layout written by :meth:`Plan.to_dict` (1: stages and schedule only,
+still read: its sync is allreduce)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -38,9 +55,8 @@ class Stage:
     devices: list[int] | None = None
     """Device ranks assigned to this stage; None until the runtime assigns them."""
     compression: str | None = None
-    """Codec for this stage's gradients or activations (e.g. ``fp16``); None for none."""
-    sync: str = "allreduce"
-    """How the replicas of this stage synchronize."""
+    """Compression ratio the planner assumed for this stage's gradients (``fp16`` or a number);
+    the codec a run uses is the plan's ``compress``."""
 
     def __post_init__(self) -> None:
         if self.start < 0 or self.end <= self.start:
@@ -70,9 +86,21 @@ class Plan:
     level_configs: list[str] = field(default_factory=list)
     """PipeDream's text form per cluster level, innermost first (for hierarchical clusters)."""
     schedule: str = "1f1b"
-    """Schedule kind the runtime should use (``1f1b``, ``gpipe``, ``pipedream``...)."""
+    """Schedule kind the runtime runs: ``1f1b``, ``gpipe`` or ``pipedream``."""
     num_microbatches: int | None = None
-    """Micro-batches per minibatch; None lets the runtime choose."""
+    """Micro-batches per step; None: :func:`default_microbatches` (decided there only). Always
+    1 for ``pipedream`` (each minibatch is a whole global batch)."""
+    vertical_sync: bool = False
+    """``pipedream``: every stage uses the weight version stage 0 used for a minibatch."""
+    tensor_degree: int = 1
+    """Devices each layer is split across (intra-layer parallelism; 1: none)."""
+    sync: SyncSpec = field(default_factory=AllReduceSync)
+    """How the replicas of a stage synchronize (pipelines: allreduce only)."""
+    compress: CodecSpec | None = None
+    """Codec of what the workers exchange (gradients, pushes, parameters or activations)."""
+    predicted_schedule: str | None = None
+    """The schedule ``bottleneck_s`` assumes (PipeDream's planner: ``pipedream``, its steady
+    state); None when the plan predicts nothing."""
     solve_s: float = 0.0
     """Seconds spent solving."""
     options: dict[str, Any] = field(default_factory=dict)
@@ -88,8 +116,75 @@ class Plan:
             position = stage.end
         if position != self.num_layers:
             raise UsageError(f"stages cover {position} layers but the profile has {self.num_layers}")
-        if sum(stage.replicas for stage in self.stages) > self.num_devices:
-            raise UsageError(f"plan {self.config} uses more than its {self.num_devices} devices")
+        if self.num_workers > self.num_devices:
+            raise UsageError(f"plan {self.config} needs {self.num_workers} workers but has "
+                             f"{self.num_devices} devices")
+        if self.schedule not in SCHEDULE_KINDS:
+            raise UsageError(f"schedule {self.schedule!r} is not one of: {', '.join(SCHEDULE_KINDS)}")
+        if self.tensor_degree < 1:
+            raise UsageError(f"tensor degree must be at least 1 (got {self.tensor_degree})")
+        if self.num_microbatches is None:
+            self.num_microbatches = default_microbatches(self.replicas, self.schedule)
+        self._check_schedule()
+        if self.pipelined and not isinstance(self.sync, AllReduceSync):
+            raise UsageError(f"a pipeline's stage replicas synchronize by allreduce; sync method "
+                             f"{self.sync.method!r} needs a one-stage plan (no --strategy pipeline)")
+
+    def _check_schedule(self) -> None:
+        count = self.num_microbatches
+        if count is None or count < 1:
+            raise UsageError(f"--microbatches must be at least 1 (got {count})")
+        if self.schedule == "pipedream" and count != 1:
+            raise UsageError(f"the pipedream schedule runs whole minibatches: --microbatches "
+                             f"{count} does not apply; drop it or use --schedule 1f1b or gpipe")
+        if self.vertical_sync and self.schedule != "pipedream":
+            raise UsageError(f"--vertical-sync applies to --schedule pipedream only (the plan runs "
+                             f"{self.schedule}); drop it or use --schedule pipedream")
+        if not self.pipelined and count % self.stages[0].replicas:
+            replicas = self.stages[0].replicas
+            raise UsageError(f"a data-parallel plan shares its {count} micro-batches among "
+                             f"{replicas} workers round-robin: use a multiple of {replicas}")
+
+    @property
+    def replicas(self) -> list[int]:
+        """Replica count of each stage."""
+        return [stage.replicas for stage in self.stages]
+
+    @property
+    def pipelined(self) -> bool:
+        """More than one stage, or GPipe's or PipeDream's schedule (see the module docstring)."""
+        return len(self.stages) > 1 or self.schedule != "1f1b"
+
+    @property
+    def num_servers(self) -> int:
+        """Parameter-server processes besides the stages' workers."""
+        return getattr(self.sync, "servers", 0)
+
+    @property
+    def num_workers(self) -> int:
+        """Processes the plan runs on: every stage's replicas, and the parameter servers."""
+        return sum(self.replicas) * self.tensor_degree + self.num_servers
+
+    @property
+    def data_degree(self) -> int:
+        """Replicas of the (only) stage of a data-parallel plan; of the widest stage otherwise."""
+        return max(self.replicas)
+
+    @property
+    def accumulate(self) -> int:
+        """Data-parallel plans: micro-batches each worker runs per step."""
+        return int(self.num_microbatches or 1) // self.stages[0].replicas if not self.pipelined else 1
+
+    def rescheduled(self, schedule: str | None = None,
+                    num_microbatches: int | None = None) -> Plan:
+        """This plan with another schedule and/or micro-batch count (defaults re-decided)."""
+        changes: dict[str, Any] = {}
+        if schedule is not None:
+            changes["schedule"] = schedule
+            changes["num_microbatches"] = num_microbatches
+        if num_microbatches is not None:
+            changes["num_microbatches"] = num_microbatches
+        return dataclasses.replace(self, **changes)
 
     @property
     def config(self) -> str:
@@ -133,17 +228,30 @@ class Plan:
             "level_configs": self.level_configs,
             "schedule": self.schedule,
             "num_microbatches": self.num_microbatches,
+            "vertical_sync": self.vertical_sync,
+            "tensor_degree": self.tensor_degree,
+            "sync": sync_to_dict(self.sync),
+            "compress": self.compress.text if self.compress else None,
+            "predicted_schedule": self.predicted_schedule,
             "options": self.options,
         }
 
     @classmethod
     def from_dict(cls, data: Any) -> Plan:
         """Read :meth:`to_dict`'s layout."""
-        if not isinstance(data, dict) or data.get("schema_version") != SCHEMA_VERSION:
-            raise UsageError(f"not a tandem plan of schema_version {SCHEMA_VERSION}")
+        version = data.get("schema_version") if isinstance(data, dict) else None
+        if version not in (1, SCHEMA_VERSION):
+            raise UsageError(f"not a tandem plan of schema_version {SCHEMA_VERSION} (got "
+                             f"{version!r}); write it with tandem plan -o or tandem search -o")
         try:
             stages = [Stage(**{k: v for k, v in s.items() if k in _STAGE_KEYS}) for s in data["stages"]]
             keys = {k: data[k] for k in _PLAN_KEYS if k in data}
+            if version == 1:  # its predicted times were PipeDream's steady state
+                keys["predicted_schedule"] = "pipedream" if keys.get("bottleneck_s") else None
+            if "sync" in data:
+                keys["sync"] = sync_from_dict(data["sync"])
+            if data.get("compress") is not None:
+                keys["compress"] = CodecSpec.parse(str(data["compress"]))
             return cls(stages=stages, **keys)
         except (KeyError, TypeError) as exc:
             raise UsageError(f"malformed plan: {exc}") from None
@@ -165,9 +273,24 @@ class Plan:
 
 
 _STAGE_KEYS = ("start", "end", "replicas", "time_s", "compute_s", "parameter_bytes",
-               "memory_bytes", "devices", "compression", "sync")  # fmt: skip
+               "memory_bytes", "devices", "compression")  # fmt: skip
 _PLAN_KEYS = ("num_layers", "num_devices", "bottleneck_s", "single_s", "data_parallel_s",
-              "layer_order", "level_configs", "schedule", "num_microbatches", "solve_s", "options")  # fmt: skip
+              "layer_order", "level_configs", "schedule", "num_microbatches", "vertical_sync",
+              "tensor_degree", "predicted_schedule", "solve_s", "options")  # fmt: skip
+
+
+def default_microbatches(replicas: list[int], schedule: str) -> int:
+    """The number of micro-batches per step when none is given — decided here only.
+
+    ``pipedream``: 1 (a minibatch is a whole global batch). One stage under 1F1B (data
+    parallelism): one per worker. A pipeline: enough that every stage has one in flight and
+    every replica of every stage gets one, ``max(stages, most replicas)``.
+    """
+    if schedule == "pipedream":
+        return 1
+    if len(replicas) == 1 and schedule == "1f1b":
+        return replicas[0]
+    return max(len(replicas), max(replicas))
 
 
 def _stage_dict(stage: Stage) -> dict[str, Any]:

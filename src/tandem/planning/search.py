@@ -78,13 +78,18 @@ class Strategy:
     microbatches: int
 
     def plan(self, num_devices: int) -> Plan:
+        """The plan of this point; a one-stage 1F1B plan (data parallelism) gets its micro-batch
+        count rounded up to a multiple of its replicas, which share them round-robin."""
         starts = (0, *self.ends[:-1])
+        count = self.microbatches
+        if len(self.replicas) == 1 and self.schedule == "1f1b":
+            count = -(-count // self.replicas[0]) * self.replicas[0]
         identity = self.order == tuple(range(len(self.order)))
         return Plan(stages=[Stage(start=s, end=e, replicas=r)
                             for s, e, r in zip(starts, self.ends, self.replicas)],
                     num_layers=len(self.order), num_devices=num_devices,
                     layer_order=None if identity else list(self.order), schedule=self.schedule,
-                    num_microbatches=None if self.schedule == "pipedream" else self.microbatches)
+                    num_microbatches=None if self.schedule == "pipedream" else count)
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -221,12 +226,12 @@ class _Search:
     def _dp_strategy(self, order: tuple[int, ...]) -> Strategy:
         plan = data_parallel_plan(self.profile, self.num_devices)
         return Strategy(order=order, ends=(len(order),), replicas=(self.num_devices,),
-                        schedule="gpipe", microbatches=plan.num_microbatches or self.num_devices)
+                        schedule=plan.schedule, microbatches=plan.num_microbatches or self.num_devices)
 
     def _from_plan(self, plan: Plan) -> Strategy | None:
         replicas = tuple(stage.replicas for stage in plan.stages)
         schedule = plan.schedule if plan.schedule in self.options.schedules else self.options.schedules[0]
-        count = plan.num_microbatches or max(len(replicas), max(replicas))
+        count = plan.num_microbatches or 1
         return self._repair(Strategy(order=tuple(plan.layers()), ends=tuple(s.end for s in plan.stages),
                                      replicas=replicas, schedule=schedule, microbatches=count))
 

@@ -13,7 +13,7 @@ activations and gradients cross the link between the two workers' devices, with 
 bandwidth, and wait for its ports; a replicated stage allreduces its gradients with the
 cluster's collective costs (:mod:`tandem.planning.collectives`) — after its last backward and
 blocking (pipelines, as the engine does), or in DDP's buckets overlapping the backward (a
-one-stage plan: data parallelism, as ``tandem train --strategy dp`` runs it). With a gradient
+one-stage 1F1B plan: data parallelism, as ``tandem train --strategy dp`` runs it). With a gradient
 codec (``SimOptions.compress``, :mod:`tandem.planning.codecs`) replicas exchange its payloads by
 allreduce or allgather and encode and decode them on the device (:mod:`tandem.planning.replay`
 says when). Flush schedules (GPipe, 1F1B, data parallelism) run ``num_steps`` steps back to
@@ -85,8 +85,8 @@ class SimOptions:
     allreduce_latency_s: float | None = None
     """Latency of one step of an allreduce; None: the latency of the links it crosses."""
     overlap_allreduce: bool | None = None
-    """DDP's bucketed allreduce during the backward; None: for one-stage plans (data
-    parallelism), as the runtime does."""
+    """DDP's bucketed allreduce during the backward; None: for data-parallel plans (one stage under
+    1F1B), as the runtime does."""
     gradient_compression: float = 1.0
     """Divide the bytes of every allreduce by this ratio (on top of a stage's codec)."""
     activation_compression: float = 1.0
@@ -210,7 +210,7 @@ class SimResult:
 def data_parallel_plan(profile: ModelProfile, num_devices: int) -> Plan:
     """Data parallelism as a plan: one stage on every device, one micro-batch each."""
     return Plan(stages=[Stage(start=0, end=profile.num_layers, replicas=num_devices)],
-                num_layers=profile.num_layers, num_devices=num_devices, schedule="gpipe",
+                num_layers=profile.num_layers, num_devices=num_devices, schedule="1f1b",
                 num_microbatches=num_devices)
 
 
@@ -236,8 +236,7 @@ def plan_schedule(plan: Plan) -> Schedule:
         raise UsageError(f"the plan's schedule {plan.schedule!r} is not one of {', '.join(SCHEDULE_KINDS)}")
     if plan.schedule == "pipedream":
         return generate("pipedream", replicas, pipedream_length(replicas))
-    count = plan.num_microbatches or max(len(replicas), max(replicas))
-    return generate(plan.schedule, replicas, count)
+    return generate(plan.schedule, replicas, plan.num_microbatches)
 
 
 def pipedream_length(replicas: list[int]) -> int:
@@ -296,7 +295,7 @@ def build_workload(plan: Plan, costs: list[StageCost], cluster: Cluster, schedul
     ratios = [codec_ratio(stage.compression) * options.gradient_compression for stage in plan.stages]
     overlap = options.overlap_allreduce
     if overlap is None:
-        overlap = len(plan.stages) == 1 and schedule.kind != "pipedream"
+        overlap = not plan.pipelined
     speed = cluster.speed
 
     def reduce_s(group: list[int], num_bytes: float, ratio: float) -> float:

@@ -11,6 +11,12 @@ Text form: ``{stage}{kind}{microbatch}`` with an optional peer worker for commun
     0AR      stage 0's replicas allreduce their gradients (flush schedules)
     0AR5     ... after micro-batch 5's backward (asynchronous schedules)
     0ST      stage 0 takes an optimizer step; ``0ST5`` after micro-batch 5
+    0PU      a data-parallel worker pushes its gradients to the parameter servers (``0PU5``:
+             of step 5)
+    0PL      ... and pulls the parameters back
+    0GX      a gossip worker exchanges parameters with its neighbours (``0GX5``: in step 5)
+
+Data-parallel strategies are one-stage plans, so their actions carry stage 0.
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ class Kind(enum.Enum):
     RECV_GRAD = "RG"
     ALLREDUCE = "AR"
     STEP = "ST"
+    PUSH = "PU"
+    PULL = "PL"
+    EXCHANGE = "GX"
 
     @property
     def is_send(self) -> bool:
@@ -44,8 +53,13 @@ class Kind(enum.Enum):
     def is_compute(self) -> bool:
         return self in (Kind.FORWARD, Kind.BACKWARD)
 
+    @property
+    def optional_microbatch(self) -> bool:
+        """Whether the text form may leave the micro-batch out (synchronization actions)."""
+        return self in (Kind.ALLREDUCE, Kind.STEP, Kind.PUSH, Kind.PULL, Kind.EXCHANGE)
 
-_PATTERN = re.compile(r"(\d+)(F|B|SA|RA|SG|RG|AR|ST)(\d*)(?:([<>])(\d+))?")
+
+_PATTERN = re.compile(r"(\d+)(F|B|SA|RA|SG|RG|AR|ST|PU|PL|GX)(\d*)(?:([<>])(\d+))?")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -63,7 +77,7 @@ class Action:
     def __post_init__(self) -> None:
         needs_peer = self.kind.is_send or self.kind.is_recv
         assert needs_peer == (self.peer is not None), f"peer mismatch in {self!r}"
-        assert self.microbatch is not None or self.kind in (Kind.ALLREDUCE, Kind.STEP), (
+        assert self.microbatch is not None or self.kind.optional_microbatch, (
             f"{self.kind.name} needs a micro-batch"
         )
 
