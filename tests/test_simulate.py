@@ -7,6 +7,7 @@ start of the computation that consumes them); zero-length send posts are left ou
 
 from __future__ import annotations
 
+import re
 import textwrap
 
 import pytest
@@ -39,11 +40,13 @@ def pipeline(bounds: list[tuple[int, int, int]], schedule: str, microbatches: in
 
 
 def table(result: SimResult, step: int = 0) -> str:
-    """``worker action start end`` rows of one step, in time order per worker."""
+    """``worker action start end`` rows of one step, in time order per worker; actions are
+    drawn without their stage (the worker's) and peer (``1RA0<0`` as ``RA0``)."""
     rows = ["w  action  start  end"]
     events = [e for e in result.timeline.events if e.step == step and e.end_s > e.start_s]
     for e in sorted(events, key=lambda e: (e.worker, e.start_s, e.end_s, e.name)):
-        rows.append(f"{e.worker}  {e.name:<6}  {e.start_s:g}  {e.end_s:g}")
+        name = re.sub(r"^\d+|[<>]\d+$", "", e.name)
+        rows.append(f"{e.worker}  {name:<6}  {e.start_s:g}  {e.end_s:g}")
     return "\n".join(rows)
 
 
@@ -238,7 +241,7 @@ def test_transfer_between_servers_uses_the_slow_link() -> None:
     plan = pipeline([(0, 1, 1), (1, 2, 1)], "gpipe", 2, 8)
     plan.stages[1].devices = [4]
     result = simulate(plan, TWO, two_level(), SimOptions(num_steps=1))
-    ra0 = next(e for e in result.timeline.events if e.name == "RA0")
+    ra0 = next(e for e in result.timeline.events if e.name == "1RA0<0")
     assert ra0.end_s == pytest.approx(1.51)
 
 

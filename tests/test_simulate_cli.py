@@ -49,7 +49,7 @@ def test_json_trace_and_gantt(capsys, tmp_path: Path) -> None:
     assert "step" in err and "peak memory" in err
     timeline = Timeline.from_json(json.loads(trace.read_text()))
     assert timeline.source == "simulator" and timeline.num_workers == 4
-    assert {"F0", "B0", "RA0", "AR", "ST"} <= {e.name for e in timeline.events}
+    assert {"0F0", "0B0", "1RA0<0", "0AR", "0ST"} <= {e.name for e in timeline.events}
     assert gantt.read_bytes()[:4] == b"\x89PNG"
 
 

@@ -24,7 +24,9 @@ the collective ends, before any backward left (see :func:`overlapped_sync_s`). A
 encodes, exchanges and decodes one after the other.
 
 Events are processed in time order (a heap of worker wake-up times), so ports are granted in
-the order transfers become ready.
+the order transfers become ready. Each recorded event is named by its action's text (``1F3``,
+``2RA3<1``, ``0AR``), as the runtime's trace names them, so that predicted and measured
+timelines can be laid side by side.
 """
 
 from __future__ import annotations
@@ -36,13 +38,12 @@ from collections.abc import Sequence
 
 from tandem.cluster import Cluster
 from tandem.planning.collectives import link_level, port, unit_sizes
-from tandem.schedule import Kind, Schedule
+from tandem.schedule import Action, Kind, Schedule
 from tandem.timeline import Event
 
 _F, _B, _SA, _RA, _SG, _RG, _AR, _ST = range(8)
 _CODE = {Kind.FORWARD: _F, Kind.BACKWARD: _B, Kind.SEND_ACT: _SA, Kind.RECV_ACT: _RA,
          Kind.SEND_GRAD: _SG, Kind.RECV_GRAD: _RG, Kind.ALLREDUCE: _AR, Kind.STEP: _ST}
-_NAME = {_F: "F", _B: "B", _SA: "SA", _RA: "RA", _SG: "SG", _RG: "RG", _AR: "AR", _ST: "ST"}
 _ACT, _GRAD = 0, 1
 
 
@@ -121,6 +122,9 @@ class _Replayer:
         self.first_worker = [schedule.worker_of(s, 0) for s in range(schedule.num_stages)]
         self.actions = [[(_CODE[a.kind], a.microbatch, a.peer) for a in actions]
                         for actions in schedule.workers]
+        self.names = [[str(a) for a in actions] for actions in schedule.workers]
+        """Event names: each action's text, as the runtime's trace names them."""
+        self.receive_names: dict[tuple, str] = {}
         self.sizes = unit_sizes(cluster)
         self.heap: list[tuple[float, int, int]] = []
         self.counter = 0
@@ -191,13 +195,14 @@ class _Replayer:
                 self._compute(w, now, code, m)
                 return
             if code in (_RA, _RG):
-                self._post(w, now, (self.step[w], peer, w, _ACT if code == _RA else _GRAD, m),
-                           receiving=True)
+                key = (self.step[w], peer, w, _ACT if code == _RA else _GRAD, m)
+                self.receive_names[key] = self.names[w][self.pc[w]]
+                self._post(w, now, key, receiving=True)
             elif code in (_SA, _SG):
                 key = (self.step[w], w, peer, _ACT if code == _SA else _GRAD, m)
                 end = now + self.work.send_overhead_s
                 message = self._post(w, now, key, receiving=False)
-                self._event(w, _NAME[code] + str(m), now, end, m, message[3])
+                self._event(w, self.names[w][self.pc[w]], now, end, m, message[3])
                 if end > now:
                     self.pc[w] += 1
                     self._push(end, w)
@@ -208,7 +213,7 @@ class _Replayer:
                 return
             else:
                 end = now + self.work.step_s[self.stage_of[w]]
-                self._event(w, "ST" if m is None else f"ST{m}", now, end, m)
+                self._event(w, self.names[w][self.pc[w]], now, end, m)
                 self.out.busy_s[w][self._key(w, m)] += end - now
                 self._update_versions(w, m, end)
                 self.pc[w] += 1
@@ -247,12 +252,11 @@ class _Replayer:
                 return
             del self.messages[key]
             start = max(now, message[2])
-            self._event(w, ("RA" if code == _F else "RG") + str(m), message[1], start, m,
-                        message[3])
+            self._event(w, self.receive_names.pop(key), message[1], start, m, message[3])
         duration = (self.work.forward_s if code == _F else self.work.backward_s)[stage]
         end = start + duration
         version = self._pin(w, code, m)
-        self._event(w, _NAME[code] + str(m), start, end, m, version=version)
+        self._event(w, self.names[w][self.pc[w]], start, end, m, version=version)
         self.out.busy_s[w][self._key(w, m)] += duration
         if code == _F:
             self.activation[w] += self.work.stash_bytes[stage]
@@ -338,7 +342,7 @@ class _Replayer:
         end, cost, codec = self._collective_end(stage, arrived)
         for worker, reached in arrived:
             finish = max(end, reached)
-            self._event(worker, "AR", reached, finish, m)
+            self._event(worker, str(Action(stage, Kind.ALLREDUCE, m)), reached, finish, m)
             self.out.communication_s[worker][self._key(worker, m)] += cost
             if codec:
                 self.out.codec_s[worker][self._key(worker, m)] += codec
