@@ -52,7 +52,7 @@ def worker(args: argparse.Namespace) -> None:
     """Run under torchrun: every codec's trainer, in interleaved blocks, for each seed."""
     import torch.distributed as dist
 
-    from tandem.runtime.config import TrainConfig
+    from tandem.runtime.config import make_job
     from tandem.runtime.dist import init_worker
     from tandem.runtime.trainer import Trainer
     from tandem.runtime.watchdog import Heartbeat
@@ -63,8 +63,9 @@ def worker(args: argparse.Namespace) -> None:
     with Heartbeat(store, env.rank, env.world_size) as beat:
         for seed in args.seeds:
             trainers = {
-                label: Trainer(TrainConfig(
-                    model=MODEL, data=DATA, strategy="dp", compress=spec, steps=args.steps,
+                label: Trainer(make_job(
+                    "dp", {"--compress": spec} if spec else {}, nproc=env.world_size,
+                    model=MODEL, data=DATA, steps=args.steps,
                     batch_size=args.batch_size, lr=args.lr, momentum=momentum, seed=seed,
                     progress=False), env, beat)
                 for label, spec, momentum in RUNS

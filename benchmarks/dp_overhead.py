@@ -46,15 +46,15 @@ def worker(args: argparse.Namespace) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     from tandem.models import build_model
-    from tandem.runtime.config import TrainConfig
+    from tandem.runtime.config import make_job
     from tandem.runtime.dist import init_worker
     from tandem.runtime.trainer import Trainer
     from tandem.runtime.watchdog import Heartbeat
 
     total = args.blocks * args.block_steps
-    config = TrainConfig(model=MODEL, data=DATA, strategy="dp", steps=total, lr=args.lr,
-                         batch_size=args.batch_size, progress=False)
     env = init_worker(backend="gloo", timeout_s=120, threads=1)
+    config = make_job("dp", nproc=env.world_size, model=MODEL, data=DATA, steps=total, lr=args.lr,
+                      batch_size=args.batch_size, progress=False)
     store = dist.distributed_c10d._get_default_store()
     with Heartbeat(store, env.rank, env.world_size) as beat:
         trainer = Trainer(config, env, beat)

@@ -92,7 +92,7 @@ def worker(args: argparse.Namespace) -> None:
     """Run under torchrun: for each schedule, alternate blocks of tandem and torch steps."""
     import torch.distributed as dist
 
-    from tandem.runtime.config import TrainConfig
+    from tandem.runtime.config import make_job
     from tandem.runtime.dist import init_worker
     from tandem.runtime.pipeline.trainer import PipelineTrainer
     from tandem.runtime.watchdog import Heartbeat
@@ -105,10 +105,11 @@ def worker(args: argparse.Namespace) -> None:
     with Heartbeat(store, env.rank, env.world_size) as beat:
         runners = {}
         for kind in SCHEDULES:
-            config = TrainConfig(model=args.model, data=args.data, strategy="pipeline", schedule=kind,
-                                 microbatches=args.microbatches, stages=2, nproc=2, steps=total,
-                                 batch_size=args.batch_size, lr=args.lr, progress=False)
-            tandem = PipelineTrainer(config, env, beat)
+            job = make_job("pipeline", {"--schedule": kind, "--microbatches": args.microbatches,
+                                        "--stages": 2},
+                           model=args.model, data=args.data, nproc=2, steps=total,
+                           batch_size=args.batch_size, lr=args.lr, progress=False)
+            tandem = PipelineTrainer(job, env, beat)
             runners[kind] = (tandem, TorchPipeline(kind, tandem, args))
         for block in range(args.blocks):
             first, last = block * args.block_steps, (block + 1) * args.block_steps

@@ -14,8 +14,8 @@ import torch
 from tandem.data import GlobalBatchSampler, build_dataset
 from tandem.models import build_model
 from tandem.plan import Plan, Stage
-from tandem.runtime.pipeline.layout import even_bounds
-from tandem.timeline import Timeline
+from tandem.strategy import even_bounds
+from tandem.timeline import Timeline, event_action
 from tests.conftest import max_abs_diff, run_cli, run_json
 
 COMMON = ("--model", "mlp", "--data", "digits", "--steps", "20", "--batch-size", "32",
@@ -104,7 +104,7 @@ def test_half_precision_stays_close_and_halves_the_bytes(plain: dict[str, Path],
     assert summary["activation_compression_ratio"] == 2.0
     assert metrics_bytes(tmp_path) == {uncompressed / 2}
     timeline = Timeline.from_json(json.loads((tmp_path / "trace.json").read_text()))
-    sends = {e.bytes for e in timeline.events if e.name[:2] in ("SA", "SG")}
+    sends = {e.bytes for e in timeline.events if (a := event_action(e.name)) and a.kind.is_send}
     assert sends == {8 * width * 2}
 
 

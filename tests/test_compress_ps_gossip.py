@@ -1,7 +1,7 @@
 """``--compress`` with parameter servers (pushes and tracked pulls) and gossip (CHOCO-gossip).
 
 Whole jobs run in a few gloo processes, one after another in the same process group, through
-the runtime's own trainers (``make_trainer``), so each process group is started only once.
+the runtime's own workers (``make_worker``), so each process group is started only once.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tandem.runtime.config import TrainConfig
+from tandem.runtime.config import make_job
 from tandem.runtime.dist import WorkerEnv
-from tandem.runtime.trainer import make_trainer
+from tandem.runtime.trainer import make_worker
 from tandem.runtime.watchdog import Heartbeat
 from tandem.sync import ps_protocol as protocol
 from tandem.sync.flat import flatten
@@ -40,14 +40,17 @@ def _jobs(rank: int, world_size: int, jobs: dict[str, dict[str, Any]], root: str
     store = dist.distributed_c10d._get_default_store()
     seen = {}
     for name, options in jobs.items():
-        settings = {key: value for key, value in options.items() if key != "dir"}
+        settings = {key: value for key, value in options.items()
+                    if key not in ("dir", "strategy") and not key.startswith("--")}
+        flags = {key: value for key, value in options.items() if key.startswith("--")}
         out = f"{root}/{options.get('dir', name)}"
-        config = TrainConfig(**{**COMMON, **settings}, nproc=world_size, out=out)
-        Path(config.out).mkdir(exist_ok=True)
+        job = make_job(options["strategy"], flags, **{**COMMON, **settings}, nproc=world_size,
+                       out=out)
+        Path(out).mkdir(exist_ok=True)
         with Heartbeat(store, rank, world_size) as beat:
-            trainer = make_trainer(config, env, beat)
+            trainer = make_worker(job, env, beat)
             before: list[torch.Tensor] = []
-            if config.strategy == "gossip":
+            if options["strategy"] == "gossip":
                 _record_before_consensus(trainer.strategy, before)
             summary = trainer.run()
         seen[name] = _observe(trainer, summary, before)
@@ -98,21 +101,21 @@ def _tensors(seen: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 PS_MODES = {
     "sync": {},
-    "backup": {"backup": 1},
-    "async": {"ps_mode": "async", "optimizer": "adam", "lr": 0.003},
-    "ssp": {"ps_mode": "ssp", "staleness": 1, "optimizer": "adam", "lr": 0.003},
+    "backup": {"--backup": 1},
+    "async": {"--mode": "async", "optimizer": "adam", "lr": 0.003},
+    "ssp": {"--mode": "ssp", "--staleness": 1, "optimizer": "adam", "lr": 0.003},
 }
 ONE_SERVER = {
     "none": {},
-    "topk1": {"compress": "topk:ratio=1,ef=false"},
-    "topk1-ef": {"compress": "topk:ratio=1"},
-    "fp16": {"compress": "fp16"},
-    **{f"topk10-{mode}": {"compress": "topk:ratio=0.1", **options}
+    "topk1": {"--compress": "topk:ratio=1,ef=false"},
+    "topk1-ef": {"--compress": "topk:ratio=1"},
+    "fp16": {"--compress": "fp16"},
+    **{f"topk10-{mode}": {"--compress": "topk:ratio=0.1", **options}
        for mode, options in PS_MODES.items()},
-    "randk": {"compress": "randk:ratio=0.1"},
-    "qsgd": {"compress": "qsgd", "momentum": 0.0},
+    "randk": {"--compress": "randk:ratio=0.1"},
+    "qsgd": {"--compress": "qsgd", "momentum": 0.0},
     "none-long": {"steps": 150, "batch_size": 64},
-    "topk10-long": {"steps": 150, "batch_size": 64, "compress": "topk:ratio=0.1"},
+    "topk10-long": {"steps": 150, "batch_size": 64, "--compress": "topk:ratio=0.1"},
 }
 
 
@@ -124,20 +127,20 @@ def one_server(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dic
     return root, _tensors(run_distributed(_jobs, 3, jobs, str(root), timeout_s=240))
 
 
-GOSSIP = {"strategy": "gossip", "topology": "ring"}
+GOSSIP = {"strategy": "gossip", "--topology": "ring"}
 TWO_SERVERS_AND_GOSSIP = {
-    "ps-none": {"strategy": "ps", "servers": 2},
-    "ps-topk1": {"strategy": "ps", "servers": 2, "compress": "topk:ratio=1,ef=false"},
-    "ps-topk10": {"strategy": "ps", "servers": 2, "compress": "topk:ratio=0.1"},
+    "ps-none": {"strategy": "ps", "--servers": 2},
+    "ps-topk1": {"strategy": "ps", "--servers": 2, "--compress": "topk:ratio=1,ef=false"},
+    "ps-topk10": {"strategy": "ps", "--servers": 2, "--compress": "topk:ratio=0.1"},
     "dpsgd": GOSSIP,
-    "choco-lossless": {**GOSSIP, "compress": "topk:ratio=1", "gossip_step": 1.0},
-    "choco-fp16": {**GOSSIP, "compress": "fp16", "gossip_step": 1.0},
-    "choco-topk10": {**GOSSIP, "compress": "topk:ratio=0.1"},
-    "choco-cut": {**GOSSIP, "compress": "topk:ratio=0.1", "stop_after": 10, "dir": "resumed"},
-    "choco-resumed": {**GOSSIP, "compress": "topk:ratio=0.1", "resume": "auto", "dir": "resumed"},
+    "choco-lossless": {**GOSSIP, "--compress": "topk:ratio=1", "--gossip-step": 1.0},
+    "choco-fp16": {**GOSSIP, "--compress": "fp16", "--gossip-step": 1.0},
+    "choco-topk10": {**GOSSIP, "--compress": "topk:ratio=0.1"},
+    "choco-cut": {**GOSSIP, "--compress": "topk:ratio=0.1", "stop_after": 10, "dir": "resumed"},
+    "choco-resumed": {**GOSSIP, "--compress": "topk:ratio=0.1", "resume": "auto", "dir": "resumed"},
     "dpsgd-long": {**GOSSIP, "steps": 300, "batch_size": 64},
-    "choco-topk10-long": {**GOSSIP, "steps": 300, "batch_size": 64, "compress": "topk:ratio=0.1",
-                          "gossip_step": 0.3},
+    "choco-topk10-long": {**GOSSIP, "steps": 300, "batch_size": 64, "--compress": "topk:ratio=0.1",
+                          "--gossip-step": 0.3},
 }
 
 

@@ -13,8 +13,8 @@ from torch.nn import functional as F
 
 from tandem.data import GlobalBatchSampler, build_dataset
 from tandem.models import build_model
-from tandem.runtime.pipeline.layout import even_bounds
-from tandem.timeline import Timeline
+from tandem.strategy import even_bounds
+from tandem.timeline import Timeline, event_action
 
 from tests.conftest import max_abs_diff, run_json, run_tandem
 from tests.test_train_dp import reference_training
@@ -96,8 +96,9 @@ def pipedream_reference(num_stages: int, steps: int, vertical_sync: bool) -> dic
 def _versions(trace: Path) -> dict[tuple[int, str, int], int]:
     """(worker, 'F' or 'B', minibatch) -> weight version, from a run's trace."""
     timeline = Timeline.from_json(json.loads(trace.read_text()))
-    return {(e.worker, e.name[0], int(e.name[1:])): e.version for e in timeline.events
-            if e.name[0] in "FB" and e.name[1:].isdigit()}
+    actions = [(e, event_action(e.name)) for e in timeline.events]
+    return {(e.worker, a.kind.value, a.microbatch): e.version for e, a in actions
+            if a is not None and a.kind.is_compute and a.microbatch is not None}
 
 
 @pytest.mark.parametrize("vertical_sync", [False, True])

@@ -26,7 +26,8 @@ from typing import Any
 
 from tandem.codec_spec import CodecSpec
 from tandem.errors import UsageError
-from tandem.schedule.schedule import SCHEDULE_KINDS
+from tandem.schedule.generators import generate
+from tandem.schedule.schedule import SCHEDULE_KINDS, Schedule
 from tandem.sync_spec import AllReduceSync, SyncSpec, sync_from_dict, sync_to_dict
 
 SCHEMA_VERSION = 2
@@ -90,6 +91,9 @@ class Plan:
     num_microbatches: int | None = None
     """Micro-batches per step; None: :func:`default_microbatches` (decided there only). Always
     1 for ``pipedream`` (each minibatch is a whole global batch)."""
+    schedule_text: str | None = None
+    """A schedule written by hand (``Schedule.text`` form) that the run executes instead of the
+    generated one; ``schedule`` and ``num_microbatches`` are its own."""
     vertical_sync: bool = False
     """``pipedream``: every stage uses the weight version stage 0 used for a minibatch."""
     tensor_degree: int = 1
@@ -126,6 +130,8 @@ class Plan:
         if self.num_microbatches is None:
             self.num_microbatches = default_microbatches(self.replicas, self.schedule)
         self._check_schedule()
+        if self.schedule_text is not None:
+            self.build_schedule()
         if self.pipelined and not isinstance(self.sync, AllReduceSync):
             raise UsageError(f"a pipeline's stage replicas synchronize by allreduce; sync method "
                              f"{self.sync.method!r} needs a one-stage plan (no --strategy pipeline)")
@@ -175,6 +181,26 @@ class Plan:
         """Data-parallel plans: micro-batches each worker runs per step."""
         return int(self.num_microbatches or 1) // self.stages[0].replicas if not self.pipelined else 1
 
+    def build_schedule(self, num_minibatches: int = 1) -> Schedule:
+        """The schedule this plan runs: its hand-written one, or generated from its replicas and
+        micro-batches; PipeDream's asynchronous schedule spans ``num_minibatches`` minibatches
+        (the whole run). :class:`UsageError` for a hand-written one of another layout."""
+        if self.schedule_text is None:
+            count = num_minibatches if self.schedule == "pipedream" else self.num_microbatches
+            return generate(self.schedule, self.replicas, int(count or 1))
+        try:
+            schedule = Schedule.parse(self.schedule_text)
+        except ValueError as exc:
+            raise UsageError(f"the plan's schedule is not in tandem's text form ({exc})") from None
+        if list(schedule.replicas) != self.replicas:
+            raise UsageError(f"the schedule is for replicas {'-'.join(map(str, schedule.replicas))} "
+                             f"but the pipeline is {self.config}; write it for this layout")
+        if (schedule.kind, schedule.num_microbatches) != (self.schedule, self.num_microbatches):
+            raise UsageError(f"the plan says {self.schedule} with {self.num_microbatches} "
+                             f"micro-batches but its schedule is {schedule.kind} with "
+                             f"{schedule.num_microbatches}")
+        return schedule
+
     def rescheduled(self, schedule: str | None = None,
                     num_microbatches: int | None = None) -> Plan:
         """This plan with another schedule and/or micro-batch count (defaults re-decided)."""
@@ -217,8 +243,8 @@ class Plan:
             "config": self.config,
             "stages": [_stage_dict(stage) for stage in self.stages],
             "bottleneck_s": self.bottleneck_s,
-            "speedup_vs_single": self.speedup_vs_single,
-            "speedup_vs_dp": self.speedup_vs_dp,
+            "speedup_vs_single": self.speedup_vs_single if self.bottleneck_s > 0 else None,
+            "speedup_vs_dp": self.speedup_vs_dp if self.bottleneck_s > 0 else None,
             "solve_s": self.solve_s,
             "single_s": self.single_s,
             "data_parallel_s": self.data_parallel_s,
@@ -228,6 +254,7 @@ class Plan:
             "level_configs": self.level_configs,
             "schedule": self.schedule,
             "num_microbatches": self.num_microbatches,
+            "schedule_text": self.schedule_text,
             "vertical_sync": self.vertical_sync,
             "tensor_degree": self.tensor_degree,
             "sync": sync_to_dict(self.sync),
@@ -275,7 +302,8 @@ class Plan:
 _STAGE_KEYS = ("start", "end", "replicas", "time_s", "compute_s", "parameter_bytes",
                "memory_bytes", "devices", "compression")  # fmt: skip
 _PLAN_KEYS = ("num_layers", "num_devices", "bottleneck_s", "single_s", "data_parallel_s",
-              "layer_order", "level_configs", "schedule", "num_microbatches", "vertical_sync",
+              "layer_order", "level_configs", "schedule", "num_microbatches", "schedule_text",
+              "vertical_sync",
               "tensor_degree", "predicted_schedule", "solve_s", "options")  # fmt: skip
 
 

@@ -3,23 +3,27 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from typing import Any
 
 from tandem.commands.train import print_summary, run_training
-from tandem.runtime.config import TrainConfig
+from tandem.runtime.config import Job, RunConfig
+from tandem.strategy import plan_from_flags, strategy_of
 
-DEMO = TrainConfig(model="mlp:hidden=128,layers=4", data="digits", strategy="dp", nproc=2,
-                   steps=600, batch_size=64, lr=0.05, momentum=0.9, eval_every=200)
+DEMO = RunConfig(model="mlp:hidden=128,layers=4", data="digits", nproc=2, steps=600,
+                 batch_size=64, lr=0.05, momentum=0.9, eval_every=200)
 
 
 def run(args: argparse.Namespace) -> int:
-    config = TrainConfig(**{**{f: getattr(DEMO, f) for f in DEMO.__dataclass_fields__},
-                            "out": args.out, "progress": args.progress and not args.json})
+    config = dataclasses.replace(DEMO, out=args.out, progress=args.progress and not args.json)
+    plan = plan_from_flags("dp", {}, num_processes=config.nproc, num_blocks=4)
     print(f"tandem demo: {config.model} on {config.data}, {config.nproc} workers, strategy "
-          f"{config.strategy}, {config.steps} steps of {config.batch_size} samples", file=sys.stderr)
-    summary = run_training(config)
-    assert summary is not None, "rank 0 returns the summary of a local run"
+          f"{strategy_of(plan)}, {config.steps} steps of {config.batch_size} samples",
+          file=sys.stderr)
+    summary = run_training(Job(run=config, plan=plan))
+    if summary is None:
+        raise RuntimeError("rank 0 of a local run returned no summary")
     print_summary(summary, args.json)
     return 0
 

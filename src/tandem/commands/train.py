@@ -12,61 +12,69 @@ from typing import Any
 from tandem.data import build_dataset
 from tandem.errors import UsageError
 from tandem.models import build_model
-from tandem.runtime.config import BACKENDS, OPTIMIZERS, SCHEDULES, TrainConfig
-from tandem.runtime.dist import under_launcher
-from tandem.sync import STRATEGIES
+from tandem.plan import Plan
+from tandem.runtime.config import BACKENDS, OPTIMIZERS, SCHEDULES, Job, RunConfig, make_job
+from tandem.runtime.dist import under_launcher, world_size
+from tandem.strategy import PLAN_FLAGS, STRATEGIES, plan_with_flags, strategy_of
+from tandem.sync_spec import GossipSync
 
 
-def add_train_arguments(parser: argparse.ArgumentParser, defaults: TrainConfig) -> None:
-    """Arguments shared by ``train`` and ``demo``."""
+def add_train_arguments(parser: argparse.ArgumentParser, defaults: RunConfig) -> None:
+    """Arguments shared by ``train`` and ``demo``.
+
+    The flags that describe the plan default to None, so that the ones the user gave are known
+    (a flag of another strategy is an error); their defaults live in the plan's types.
+    """
     add = parser.add_argument
     add("--model", default=defaults.model, help="model spec, e.g. mlp, gpt:layers=4,dim=128, "
         "resnet:depth=50, vgg:width=0.25, or package.module:function")
     add("--data", default=defaults.data, help="dataset spec: digits, images:n=4096,size=32, "
         "tokens:seq=64,vocab=128")
-    add("--servers", type=int, default=defaults.servers,
-        help="ps: parameter-server processes, counted within --nproc")
-    add("--mode", dest="ps_mode", default=defaults.ps_mode, help="ps: sync, async or ssp")
-    add("--staleness", type=int, default=defaults.staleness,
-        help="ps --mode ssp: updates a worker may run ahead of the slowest")
-    add("--staleness-lr", action="store_true",
+    add("--plan", default=None, metavar="FILE",
+        help="run this plan (tandem plan -o / tandem search -o): strategy, layout, schedule, "
+        "micro-batches, sync options and codec; --nproc defaults to its workers")
+    add("--strategy", default=None,
+        help=f"one of: {', '.join(STRATEGIES)} (default dp)")
+    add("--servers", type=int, help="ps: parameter-server processes, counted within --nproc "
+        "(default 1)")
+    add("--mode", help="ps: sync, async or ssp (default sync)")
+    add("--staleness", type=int, help="ps --mode ssp: updates a worker may run ahead of the "
+        "slowest (default 2)")
+    add("--staleness-lr", action="store_true", default=None,
         help="ps async/ssp: scale each update's learning rate by 1/staleness")
-    add("--backup", type=int, default=defaults.backup,
+    add("--backup", type=int,
         help="ps --mode sync: backup workers (apply the first workers-b gradients per step)")
-    add("--topology", default=defaults.topology,
-        help="gossip: ring, torus, exponential, complete, custom:0-1,1-2,...")
-    add("--weights", dest="mixing", default=defaults.mixing, help="gossip: uniform or metropolis")
-    add("--async-gossip", dest="asynchronous_gossip", action="store_true",
+    add("--topology", help="gossip: ring, torus, exponential, complete, custom:0-1,1-2,... "
+        "(default ring)")
+    add("--weights", help="gossip: uniform or metropolis (default metropolis)")
+    add("--async-gossip", action="store_true", default=None,
         help="gossip: AD-PSGD, asynchronous pairwise averaging (needs a bipartite topology)")
-    add("--gossip-step", type=float, default=defaults.gossip_step, metavar="GAMMA",
+    add("--gossip-step", type=float, metavar="GAMMA",
         help="gossip with --compress: CHOCO-gossip's consensus step size in (0, 1] "
         "(default 0.1, or randk's ratio if smaller; see docs/compression.md)")
-    add("--period", type=int, default=defaults.period,
-        help="localsgd: average every H steps; easgd: elastic update period tau")
-    add("--rho", type=float, default=defaults.rho, help="easgd: elasticity (moving rate lr*rho)")
+    add("--period", type=int,
+        help="localsgd: average every H steps; easgd: elastic update period tau (default 4)")
+    add("--rho", type=float, help="easgd: elasticity, moving rate lr*rho (default 1)")
     add("--compress", default=None, metavar="CODEC[:k=v]",
         help="dp, ps, gossip, pipeline: compression: fp16, bf16, qsgd:levels=7, sign, "
         "topk:ratio=0.01, randk:ratio=0.01, powersgd:rank=2 (see docs/compression.md)")
     add("--straggler", default=None, help="RANK:FACTOR: slow one worker down FACTOR times")
-    add("--nproc", type=int, default=defaults.nproc,
-        help="local worker processes (ignored under torchrun)")
-    add("--strategy", default=defaults.strategy,
-        help=f"one of: {', '.join((*STRATEGIES, 'pipeline'))}")
+    add("--nproc", type=int, default=None,
+        help="local worker processes (default: the plan's, else 1; ignored under torchrun)")
     add("--steps", type=int, default=defaults.steps, help="optimizer steps")
-    add("--schedule", default=defaults.schedule,
-        help="pipeline schedule: gpipe, 1f1b (flush per step) or pipedream (asynchronous)")
-    add("--microbatches", type=int, default=None,
-        help="micro-batches per step of a pipeline (default: number of stages)")
-    add("--stages", type=int, default=None,
+    add("--schedule", help="pipeline schedule: gpipe, 1f1b (flush per step), pipedream "
+        "(asynchronous) or a schedule file (default 1f1b)")
+    add("--microbatches", type=int,
+        help="micro-batches per step of a pipeline (default: max(stages, replicas))")
+    add("--stages", type=int,
         help="pipeline stages, an even split of the model's blocks (default: one per worker)")
-    add("--replicas", default=None, help="replicas of each pipeline stage, e.g. 2,1")
-    add("--plan", default=None, help="stages and replicas from a `tandem plan -o` JSON file")
-    add("--vertical-sync", action="store_true",
+    add("--replicas", help="replicas of each pipeline stage, e.g. 2,1")
+    add("--vertical-sync", action="store_true", default=None,
         help="pipedream schedule: every stage uses the weight version stage 0 used")
     add("--batch-size", type=int, default=defaults.batch_size,
         help="global minibatch (all workers together)")
-    add("--accumulate", type=int, default=defaults.accumulate,
-        help="gradient-accumulation micro-steps per optimizer step")
+    add("--accumulate", type=int,
+        help="data parallelism: gradient-accumulation micro-steps per optimizer step (default 1)")
     add("--optimizer", default=defaults.optimizer, help=f"one of: {', '.join(OPTIMIZERS)}")
     add("--lr", type=float, default=defaults.lr, help="learning rate")
     add("--momentum", type=float, default=defaults.momentum, help="SGD momentum")
@@ -75,7 +83,7 @@ def add_train_arguments(parser: argparse.ArgumentParser, defaults: TrainConfig) 
     add("--lr-schedule", default=defaults.lr_schedule, help=f"one of: {', '.join(SCHEDULES)}")
     add("--seed", type=int, default=defaults.seed)
     add("--out", default=defaults.out,
-        help="directory for final.pt, metrics.jsonl, trace.json, checkpoint.pt")
+        help="directory for final.pt, metrics.jsonl, trace.json, plan.json, checkpoint.pt")
     add("--resume", nargs="?", const="auto", default=None,
         help="resume from a checkpoint (default: OUT/checkpoint.pt)")
     add("--checkpoint-every", type=int, default=defaults.checkpoint_every)
@@ -91,56 +99,51 @@ def add_train_arguments(parser: argparse.ArgumentParser, defaults: TrainConfig) 
     add("--json", action="store_true", help="print the summary as one JSON object on stdout")
 
 
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """The ``TrainConfig`` of parsed arguments."""
-    fields = TrainConfig.__dataclass_fields__
-    return TrainConfig(**{key: value for key, value in vars(args).items() if key in fields})
+def given_plan_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The plan's flags the user gave, e.g. ``{"--servers": 2}``."""
+    values = {flag: getattr(args, flag.lstrip("-").replace("-", "_"), None) for flag in PLAN_FLAGS}
+    return {flag: value for flag, value in values.items() if value is not None}
 
 
-def check_config(config: TrainConfig) -> None:
+def job_from_args(args: argparse.Namespace) -> Job:
+    """The run's settings and its plan: read from ``--plan``, or built from the flags."""
+    given = given_plan_flags(args)
+    processes = world_size() if under_launcher() else args.nproc
+    fields = RunConfig.__dataclass_fields__
+    settings = {key: value for key, value in vars(args).items() if key in fields and key != "nproc"}
+    if args.plan is None:
+        return make_job(args.strategy or "dp", given, nproc=processes or 1, **settings)
+    plan = plan_with_flags(Plan.load(args.plan), args.strategy, given, args.plan)
+    return Job(run=RunConfig(**settings, nproc=processes or plan.num_workers), plan=plan)
+
+
+def check_job(job: Job) -> None:
     """Catch the user's mistakes before any worker starts."""
-    data = build_dataset(config.data)
-    model = build_model(config.model, data.info)
-    if config.strategy not in (*STRATEGIES, "pipeline"):
-        raise UsageError(
-            f"unknown strategy {config.strategy!r}; "
-            f"choose one of: {', '.join(sorted((*STRATEGIES, 'pipeline')))}"
-        )
-    if config.compress is not None:
+    run, plan = job.run, job.plan
+    data = build_dataset(run.data)
+    model = build_model(run.model, data.info)
+    if plan.compress is not None:
         from tandem.compress import check_compress
 
-        check_compress(config.compress, strategy=config.strategy,
-                       sgd_momentum=config.momentum if config.optimizer == "sgd" else 0.0)
-    _check_gossip_compress(config)
+        check_compress(plan.compress.text, strategy=strategy_of(plan),
+                       sgd_momentum=run.momentum if run.optimizer == "sgd" else 0.0)
     if not under_launcher():
-        config.check_world(config.nproc)
-        if config.strategy == "gossip":
+        job.check_world(run.nproc)
+        if isinstance(plan.sync, GossipSync):
             from tandem.topology import build_topology, mixing_matrix
 
-            graph = build_topology(config.topology, config.nproc)
-            mixing_matrix(graph, config.mixing)
-            if config.asynchronous_gossip:
+            graph = build_topology(plan.sync.topology, run.nproc)
+            mixing_matrix(graph, plan.sync.weights)
+            if plan.sync.asynchronous:
                 from tandem.sync.gossip import two_colouring
 
                 two_colouring(graph)
-        if config.strategy == "pipeline":
+        if plan.pipelined:
             from tandem.runtime.pipeline.setup import pipeline_setup
 
-            pipeline_setup(config, model, config.nproc)
-    if config.out is not None:
-        _check_writable(Path(config.out))
-
-
-def _check_gossip_compress(config: TrainConfig) -> None:
-    """Compression is CHOCO-gossip, for synchronous gossip only; its step needs it."""
-    if config.strategy == "gossip" and config.asynchronous_gossip and config.compress:
-        raise UsageError(f"--compress {config.compress} cannot be used with --async-gossip: "
-                         f"AD-PSGD's pairwise averages exchange whole models; drop --async-gossip "
-                         f"(CHOCO-gossip compresses synchronous gossip) or --compress")
-    if config.gossip_step is not None and (config.strategy != "gossip" or not config.compress
-                                           or config.asynchronous_gossip):
-        raise UsageError("--gossip-step is the step size of compressed gossip; it needs "
-                         "--strategy gossip --compress CODEC (plain D-PSGD averages fully)")
+            pipeline_setup(job, model)
+    if run.out is not None:
+        _check_writable(Path(run.out))
 
 
 def _check_writable(out: Path) -> None:
@@ -154,13 +157,13 @@ def _check_writable(out: Path) -> None:
         ) from None
 
 
-def run_training(config: TrainConfig) -> dict[str, Any] | None:
+def run_training(job: Job) -> dict[str, Any] | None:
     """Check, launch and return rank 0's summary (None on the other ranks of a torchrun job)."""
     from tandem.runtime.launch import launch
     from tandem.runtime.trainer import train_worker
 
-    check_config(config)
-    return launch(train_worker, config, nproc=config.nproc, threads=config.threads)
+    check_job(job)
+    return launch(train_worker, job, nproc=job.run.nproc, threads=job.run.threads)
 
 
 def print_summary(summary: dict[str, Any], as_json: bool) -> None:
@@ -180,7 +183,7 @@ def print_summary(summary: dict[str, Any], as_json: bool) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    summary = run_training(config_from_args(args))
+    summary = run_training(job_from_args(args))
     if summary is not None:
         print_summary(summary, args.json)
     return 0
@@ -192,5 +195,5 @@ def add_parser(subparsers: Any) -> None:
         description="Train a model with a distributed strategy. Without torchrun, --nproc N "
         "starts N local workers; under torchrun this process is one worker of the job.",
     )
-    add_train_arguments(parser, TrainConfig())
+    add_train_arguments(parser, RunConfig())
     parser.set_defaults(run=run)

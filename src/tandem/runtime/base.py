@@ -21,10 +21,12 @@ from torch.nn import functional as F
 
 from tandem.data import DataBundle, GlobalBatchSampler, Split, build_dataset
 from tandem.runtime.checkpoint import save_atomic
-from tandem.runtime.config import TrainConfig
+from tandem.plan import Plan
+from tandem.runtime.config import Job, RunConfig
 from tandem.runtime.dist import WorkerEnv
 from tandem.runtime.reporting import Reporter
 from tandem.runtime.watchdog import Heartbeat
+from tandem.strategy import strategy_of
 from tandem.timeline import Event, Timeline, plot_gantt
 
 MAX_TRACED_STEPS = 1000
@@ -38,7 +40,7 @@ def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
 
 
-def build_optimizer(config: TrainConfig, params: Any) -> torch.optim.Optimizer:
+def build_optimizer(config: RunConfig, params: Any) -> torch.optim.Optimizer:
     """The optimizer named in ``config``."""
     if config.optimizer == "sgd":
         return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum,
@@ -47,7 +49,7 @@ def build_optimizer(config: TrainConfig, params: Any) -> torch.optim.Optimizer:
     return cls(params, lr=config.lr, weight_decay=config.weight_decay)
 
 
-def lr_factor(config: TrainConfig, step: int) -> float:
+def lr_factor(config: RunConfig, step: int) -> float:
     """Learning-rate multiplier at ``step``: linear warm-up, then constant or cosine decay."""
     if step < config.warmup_steps:
         return (step + 1) / config.warmup_steps
@@ -62,10 +64,42 @@ def to_device(split: Split, device: torch.device) -> Split:
     return Split(inputs=split.inputs.to(device), targets=split.targets.to(device))
 
 
-class BaseTrainer(abc.ABC):
+def plan_summary(plan: Plan) -> dict[str, Any]:
+    """What every run's summary says of its plan: strategy, layout, schedule, micro-batches."""
+    return {"strategy": strategy_of(plan), "plan": plan.config, "schedule": plan.schedule,
+            "microbatches": plan.num_microbatches,
+            "compress": plan.compress.text if plan.compress else None}
+
+
+def write_run_files(job: Job, out: Path) -> None:
+    """``config.json`` (the run's settings and its plan) and ``plan.json`` (the plan alone, which
+    ``tandem train --plan`` and ``tandem simulate --plan`` read back)."""
+    settings = {"run": dataclasses.asdict(job.run), "plan": job.plan.to_dict()}
+    (out / "config.json").write_text(json.dumps(settings, indent=2))
+    job.plan.save(str(out / "plan.json"))
+
+
+class Worker(abc.ABC):
+    """One process of a job, built from the job, its place in it and its heartbeat; every
+    implementation (a trainer of a sync method, a pipeline stage, a parameter server) runs the
+    whole job with :meth:`run`."""
+
+    @abc.abstractmethod
+    def __init__(self, job: Job, env: WorkerEnv, beat: Heartbeat) -> None:
+        """Build this worker's part of the job (collective where it needs to be)."""
+
+    @abc.abstractmethod
+    def run(self) -> dict[str, Any] | None:
+        """Run the job to its end; rank 0 returns the summary, the others None."""
+
+
+class BaseTrainer(Worker):
     """State of one worker's run; :meth:`run` trains, evaluates and writes the outputs."""
 
-    def __init__(self, config: TrainConfig, env: WorkerEnv, beat: Heartbeat) -> None:
+    def __init__(self, job: Job, env: WorkerEnv, beat: Heartbeat) -> None:
+        config = job.run
+        self.job = job
+        self.plan = job.plan
         self.config = config
         self.env = env
         self.beat = beat
@@ -242,9 +276,9 @@ class BaseTrainer(abc.ABC):
         shown = sorted({event.step for event in events if event.step >= 0})[-GANTT_STEPS:]
         steps = f", steps {shown[0]}-{shown[-1]}" if shown else ""
         plot_gantt(timeline, self.out / "gantt.png", steps=set(shown) or None,
-                   title=f"{self.config.strategy}, {self.config.model.partition(':')[0]}, "
+                   title=f"{strategy_of(self.plan)}, {self.config.model.partition(':')[0]}, "
                          f"{self.env.world_size} workers{steps} (measured)")
-        (self.out / "config.json").write_text(json.dumps(dataclasses.asdict(self.config), indent=2))
+        write_run_files(self.job, self.out)
         if state is not None:
             save_atomic(state, self.out / "final.pt")
 
@@ -253,7 +287,7 @@ class BaseTrainer(abc.ABC):
         timed = self.step_times[min(len(self.step_times) - 1, 2):]
         train_s = sum(self.step_times)
         return {
-            "strategy": self.config.strategy, "model": self.config.model, "data": self.config.data,
+            **plan_summary(self.plan), "model": self.config.model, "data": self.config.data,
             "world_size": self.env.world_size, "backend": self.env.backend,
             "steps": last_step, "finished": finished, "global_batch_size": self.config.batch_size,
             "final_loss": self.loss, **evaluation,

@@ -28,6 +28,11 @@ def under_launcher() -> bool:
     return all(key in os.environ for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
+def world_size() -> int:
+    """The job's number of processes under ``torchrun`` (``WORLD_SIZE``)."""
+    return int(os.environ["WORLD_SIZE"])
+
+
 def choose_backend(requested: str) -> str:
     """Resolve ``auto`` to NCCL when CUDA is available and gloo otherwise."""
     if requested == "auto":

@@ -25,14 +25,15 @@ import torch.distributed as dist
 from tandem.data import build_dataset
 from tandem.errors import WorkerFailure
 from tandem.models import build_model
-from tandem.runtime.base import build_optimizer, lr_factor
+from tandem.runtime.base import Worker, build_optimizer, lr_factor, plan_summary, write_run_files
 from tandem.runtime.checkpoint import CHECKPOINT_VERSION, load_checkpoint, save_atomic
-from tandem.runtime.config import TrainConfig
+from tandem.runtime.config import Job
 from tandem.runtime.dist import WorkerEnv
 from tandem.runtime.reporting import Reporter
 from tandem.runtime.trainer import score
 from tandem.runtime.watchdog import Heartbeat
 from tandem.sync import ps_protocol as protocol
+from tandem.sync_spec import ParameterServerSync
 from tandem.sync.flat import flatten, unflatten_into
 
 LIVENESS_EVERY_S = 0.5
@@ -73,25 +74,30 @@ class Mailbox:
         return work._source_rank(), message
 
 
-class ParameterServer:
-    """Server ``rank`` of ``config.servers``: serves pushes until ``config.steps`` updates."""
+class ParameterServer(Worker):
+    """Server ``rank`` of the plan's ``sync.servers``: serves pushes until ``config.steps``
+    updates."""
 
-    def __init__(self, config: TrainConfig, env: WorkerEnv, beat: Heartbeat) -> None:
-        self.config, self.env, self.beat = config, env, beat
+    def __init__(self, job: Job, env: WorkerEnv, beat: Heartbeat) -> None:
+        config = job.run
+        if not isinstance(job.plan.sync, ParameterServerSync):
+            raise TypeError(f"a parameter server needs a ps plan, not {job.plan.sync!r}")
+        self.job, self.config, self.sync, self.env, self.beat = job, config, job.plan.sync, env, beat
+        self.codec_text = job.plan.compress.text if job.plan.compress else None
         self.out = Path(config.out) if config.out else None
         self.data = build_dataset(config.data)
         torch.manual_seed(config.seed)
         self.model = build_model(config.model, self.data.info)
         named = list(self.model.named_parameters())
-        ranges = protocol.shard_ranges([p.numel() for _, p in named], config.servers)
+        ranges = protocol.shard_ranges([p.numel() for _, p in named], self.sync.servers)
         self.ranges = ranges
         start, end = ranges[env.rank]
         self.params = [p for _, p in named[start:end]]
         self.shapes = [p.shape for p in self.params]
         self.keys = [name for name, _ in named[start:end]]
         self.optimizer = build_optimizer(config, self.params) if self.params else None
-        self.workers = list(range(config.servers, env.world_size))
-        self.required = len(self.workers) - config.backup
+        self.workers = list(range(self.sync.servers, env.world_size))
+        self.required = len(self.workers) - self.sync.backup
         self.version = 0
         self.staleness: list[int] = []
         self.dropped = 0
@@ -115,7 +121,7 @@ class ParameterServer:
         self.mailbox = Mailbox(push_codec.body_bytes, len(self.workers))
 
     def _codec(self, *, feedback: bool) -> protocol.ShardCodec:
-        return protocol.ShardCodec(self.config.compress, self.shapes, self.keys, feedback=feedback)
+        return protocol.ShardCodec(self.codec_text, self.shapes, self.keys, feedback=feedback)
 
     # -- messages --------------------------------------------------------------------------------
 
@@ -158,7 +164,7 @@ class ParameterServer:
             self.replies[worker] = (dist.isend(outgoing, dst=worker, tag=protocol.TO_WORKER),
                                     outgoing)
         except RuntimeError:
-            if self.config.ps_mode == "sync":
+            if self.sync.mode == "sync":
                 raise
             self.dead.add(worker)
 
@@ -193,7 +199,7 @@ class ParameterServer:
             for p, g in zip(self.params, _split(gradient, self.params)):
                 p.grad = g
             factor = lr_factor(self.config, self.version)
-            if self.config.staleness_lr:
+            if self.sync.staleness_lr:
                 factor /= max(1, staleness)
             for group in self.optimizer.param_groups:
                 group["lr"] = self.config.lr * factor
@@ -250,7 +256,7 @@ class ParameterServer:
         self.started = time.perf_counter()
         self.waiting: list[int] = []
         while self.version < self.config.steps:
-            received = self._receive(poll=self.config.ps_mode != "sync")
+            received = self._receive(poll=self.sync.mode != "sync")
             if received is not None:
                 self._handle(*received)
         self._stop_all()
@@ -263,7 +269,7 @@ class ParameterServer:
             self._reply(sender)
         elif kind == protocol.BYE:
             self.finished.add(sender)
-        elif self.config.ps_mode == "sync":
+        elif self.sync.mode == "sync":
             self._handle_sync(sender, header, gradient)
         else:
             self.pushes[sender] += 1
@@ -294,14 +300,14 @@ class ParameterServer:
 
     def _release_waiting(self) -> None:
         """Reply to waiting workers that bounded staleness lets go on (all of them in async)."""
-        if self.config.ps_mode == "sync":
+        if self.sync.mode == "sync":
             return
         live = [w for w in self.workers if w not in self.dead and w not in self.finished]
         slowest = min((self.pushes[w] for w in live), default=0)
         stop = self.version >= self.config.steps
         still = []
         for worker in self.waiting:
-            bound = self.config.staleness if self.config.ps_mode == "ssp" else None
+            bound = self.sync.staleness if self.sync.mode == "ssp" else None
             if stop or bound is None or self.pushes[worker] - slowest <= bound:
                 self._reply(worker, stop=stop)
             else:
@@ -312,7 +318,7 @@ class ParameterServer:
         """After the last update: answer every remaining message with 'stop' until all are done."""
         self._release_waiting()
         while set(self.workers) - self.finished - self.dead:
-            received = self._receive(poll=self.config.ps_mode != "sync")
+            received = self._receive(poll=self.sync.mode != "sync")
             if received is None:
                 continue
             sender, header, _ = received
@@ -345,7 +351,7 @@ class ParameterServer:
 
     def _gather(self) -> None:
         """Servers send their shards to server 0 (server groups only; workers are done)."""
-        for server in range(1, self.config.servers):
+        for server in range(1, self.sync.servers):
             start, end = self.ranges[server]
             shard = list(self.model.parameters())[start:end]
             if not shard:
@@ -367,7 +373,7 @@ class ParameterServer:
             return
         save_atomic({
             "version": CHECKPOINT_VERSION, "step": self.version,
-            "fingerprint": self.config.fingerprint(), "shard": [p.detach() for p in self.params],
+            "fingerprint": self.job.fingerprint(), "shard": [p.detach() for p in self.params],
             "optimizer": self.optimizer.state_dict() if self.optimizer else None,
         }, self.out / f"server-{self.env.rank}.pt")
 
@@ -376,7 +382,7 @@ class ParameterServer:
             return
         path = (self.out / f"server-{self.env.rank}.pt" if self.config.resume == "auto" and self.out
                 else Path(str(self.config.resume)).with_name(f"server-{self.env.rank}.pt"))
-        state = load_checkpoint(path, self.config.fingerprint())
+        state = load_checkpoint(path, self.job.fingerprint())
         for p, saved in zip(self.params, state["shard"]):
             p.data.copy_(saved)
         if self.optimizer is not None and state["optimizer"] is not None:
@@ -388,13 +394,12 @@ class ParameterServer:
         if self.out:
             state = {n: t.detach().cpu() for n, t in self.model.state_dict().items()}
             save_atomic(state, self.out / "final.pt")
-            (self.out / "config.json").write_text(
-                json.dumps(dataclasses.asdict(self.config), indent=2))
+            write_run_files(self.job, self.out)
         return {
-            "strategy": "ps", "mode": self.config.ps_mode, "model": self.config.model,
+            **plan_summary(self.job.plan), "mode": self.sync.mode, "model": self.config.model,
             "data": self.config.data, "world_size": self.env.world_size,
-            "servers": self.config.servers, "workers": len(self.workers),
-            "backup": self.config.backup, "steps": self.version, "finished": True,
+            "servers": self.sync.servers, "workers": len(self.workers),
+            "backup": self.sync.backup, "steps": self.version, "finished": True,
             "global_batch_size": self.config.batch_size, "final_loss": self.last_loss,
             **evaluation, "samples_per_s": self._samples_per_s(wall),
             "updates_per_s": self.version / max(wall, 1e-9),

@@ -1,7 +1,9 @@
 """Data-parallel training: every worker holds the whole model; a sync strategy keeps them equal.
 
-Every worker runs :func:`train_worker` with the same ``TrainConfig``; rank 0 returns the run's
-summary and writes the outputs. The loss of each step is the mean over the *global* batch, so
+Every worker runs :func:`train_worker` with the same :class:`~tandem.runtime.config.Job`; the
+registry :data:`WORKERS` picks its implementation from the type of the plan's sync spec (a
+pipelined plan runs the pipeline trainer). Rank 0 returns the run's summary and writes the
+outputs. The loss of each step is the mean over the *global* batch, so
 any number of workers computes the same update as one process on the same data.
 """
 
@@ -13,7 +15,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -21,12 +23,19 @@ import torch.distributed as dist
 from tandem.data import shard_sizes
 from tandem.errors import UsageError
 from tandem.models import build_model
-from tandem.runtime.base import BaseTrainer, loss_sum
+from tandem.runtime.base import BaseTrainer, Worker, loss_sum
 from tandem.runtime.checkpoint import CHECKPOINT_VERSION, load_checkpoint, save_atomic
-from tandem.runtime.config import TrainConfig
+from tandem.runtime.config import Job
 from tandem.runtime.dist import WorkerEnv, init_worker
 from tandem.runtime.watchdog import Heartbeat, is_communication_error
 from tandem.sync import ParameterServerClient, SyncStrategy, build_strategy
+from tandem.sync_spec import (
+    AllReduceSync,
+    ElasticAveragingSync,
+    GossipSync,
+    LocalSGDSync,
+    ParameterServerSync,
+)
 
 EVAL_CHUNK = 1024
 
@@ -34,18 +43,19 @@ EVAL_CHUNK = 1024
 SUPERVISED = "TANDEM_SUPERVISED"
 
 
-def train_worker(config: TrainConfig) -> dict[str, Any] | None:
+def train_worker(job: Job) -> dict[str, Any] | None:
     """Run the whole training job as this worker; rank 0 returns the summary."""
-    if _fault_tolerant_worker(config):
-        return _supervise(config)
+    if _fault_tolerant_worker(job):
+        return _supervise(job)
+    config = job.run
     start = time.perf_counter()
     env = init_worker(backend=config.backend, timeout_s=config.timeout_s, threads=config.threads)
     store = dist.distributed_c10d._get_default_store()
     try:
-        config.check_world(env.world_size)
+        job.check_world(env.world_size)
         with Heartbeat(store, env.rank, env.world_size) as beat:
             try:
-                summary = make_trainer(config, env, beat).run()
+                summary = make_worker(job, env, beat).run()
             except RuntimeError as exc:
                 if is_communication_error(exc):
                     raise beat.diagnose(exc) from exc
@@ -57,16 +67,17 @@ def train_worker(config: TrainConfig) -> dict[str, Any] | None:
         dist.destroy_process_group()
 
 
-def _fault_tolerant_worker(config: TrainConfig) -> bool:
+def _fault_tolerant_worker(job: Job) -> bool:
     """Workers of asynchronous parameter-server training may die without stopping the job."""
-    return (config.strategy == "ps" and config.ps_mode != "sync" and SUPERVISED not in os.environ
-            and int(os.environ.get("RANK", "0")) >= config.servers)
+    sync = job.plan.sync
+    return (isinstance(sync, ParameterServerSync) and sync.mode != "sync"
+            and SUPERVISED not in os.environ and int(os.environ.get("RANK", "0")) >= sync.servers)
 
 
-def _supervise(config: TrainConfig) -> None:
+def _supervise(job: Job) -> None:
     """Run this worker in a child process; if it dies, say so and let the job go on."""
     os.environ[SUPERVISED] = "1"
-    child = multiprocessing.get_context("spawn").Process(target=train_worker, args=(config,))
+    child = multiprocessing.get_context("spawn").Process(target=train_worker, args=(job,))
     child.start()
     child.join()
     if child.exitcode != 0:
@@ -76,30 +87,35 @@ def _supervise(config: TrainConfig) -> None:
               f"goes on without it", file=sys.stderr, flush=True)
 
 
-def make_trainer(config: TrainConfig, env: WorkerEnv, beat: Heartbeat) -> BaseTrainer:
-    """The trainer of ``config.strategy``: pipelined, or data parallel with a sync strategy."""
-    if config.strategy == "pipeline":
+def make_worker(job: Job, env: WorkerEnv, beat: Heartbeat) -> Worker:
+    """This rank's implementation of ``job``: a pipeline stage for a pipelined plan, else the
+    registered worker of the plan's sync spec."""
+    if job.plan.pipelined:
         from tandem.runtime.pipeline.trainer import PipelineTrainer
 
-        return PipelineTrainer(config, env, beat)
-    if config.strategy == "ps":
-        if env.rank < config.servers:
-            from tandem.runtime.ps_server import ParameterServer
+        return PipelineTrainer(job, env, beat)
+    return WORKERS[type(job.plan.sync)](job, env, beat)
 
-            return ParameterServer(config, env, beat)  # type: ignore[return-value]
-        return ParameterServerWorker(config, env, beat)
-    return Trainer(config, env, beat)
+
+def _parameter_server_role(job: Job, env: WorkerEnv, beat: Heartbeat) -> Worker:
+    """Ranks below the plan's server count serve; the others compute gradients."""
+    if env.rank < job.plan.num_servers:
+        from tandem.runtime.ps_server import ParameterServer
+
+        return ParameterServer(job, env, beat)
+    return ParameterServerWorker(job, env, beat)
 
 
 class Trainer(BaseTrainer):
     """Data-parallel worker: the whole model, wrapped by a synchronization strategy."""
 
-    def __init__(self, config: TrainConfig, env: WorkerEnv, beat: Heartbeat) -> None:
-        super().__init__(config, env, beat)
+    def __init__(self, job: Job, env: WorkerEnv, beat: Heartbeat) -> None:
+        super().__init__(job, env, beat)
+        config = job.run
         torch.manual_seed(config.seed)
         model = build_model(config.model, self.data.info)
         self.data_rank, self.data_world = self._data_position()
-        self.strategy: SyncStrategy = build_strategy(config, self.data_rank, self.data_world)
+        self.strategy: SyncStrategy = build_strategy(job, self.data_rank, self.data_world)
         straggler = config.straggler_factor()
         self.slowdown = straggler[1] if straggler and straggler[0] == env.rank else 1.0
         self.stopped = False
@@ -115,24 +131,24 @@ class Trainer(BaseTrainer):
             self._restore(checkpoint)
 
     def _data_position(self) -> tuple[int, int]:
-        """This worker's index among the workers that share each global batch, and their count."""
-        if self.config.strategy == "ps":
-            return self.env.rank - self.config.servers, self.env.world_size - self.config.servers
-        return self.env.rank, self.env.world_size
+        """This worker's index among the workers that share each global batch, and their count
+        (parameter servers' ranks come first and take no share)."""
+        servers = self.plan.num_servers
+        return self.env.rank - servers, self.env.world_size - servers
 
     def _load_checkpoint(self) -> dict[str, Any] | None:
-        if self.config.resume is None or self.config.strategy == "ps":
+        if self.config.resume is None:
             return None
         path = self.out / "checkpoint.pt" if self.config.resume == "auto" and self.out else Path(
             str(self.config.resume))
-        return load_checkpoint(path, self.config.fingerprint())
+        return load_checkpoint(path, self.job.fingerprint())
 
     def _restore(self, checkpoint: dict[str, Any]) -> None:
         """Optimizer, schedule, step and this worker's own state (random stream, strategy state,
         and its model and optimizer where workers' differ)."""
         ranks = checkpoint["ranks"]
         if len(ranks) != self.env.world_size:
-            if not self.strategy.replicas_agree or self.config.compress:
+            if not self.strategy.replicas_agree or self.plan.compress:
                 raise UsageError(f"the checkpoint holds the state of {len(ranks)} workers, each "
                                  f"its own; resume with --nproc {len(ranks)}")
             ranks = [{"rng": ranks[0]["rng"], "sync": {}}] * self.env.world_size
@@ -150,8 +166,8 @@ class Trainer(BaseTrainer):
         global_count = len(self.sampler.global_indices(step)) * self.predictions_per_sample
         indices = self.sampler.local_indices(step, rank=self.data_rank, world_size=self.data_world)
         scale = self.data_world / global_count
-        inputs = self.train.inputs[indices].tensor_split(self.config.accumulate)
-        targets = self.train.targets[indices].tensor_split(self.config.accumulate)
+        inputs = self.train.inputs[indices].tensor_split(self.plan.accumulate)
+        targets = self.train.targets[indices].tensor_split(self.plan.accumulate)
         loss_total = torch.zeros((), device=self.env.device)
         for micro_index, (x, y) in enumerate(zip(inputs, targets)):
             last = micro_index == len(inputs) - 1
@@ -210,7 +226,7 @@ class Trainer(BaseTrainer):
         if self.env.rank != 0:
             return
         save_atomic({
-            "version": CHECKPOINT_VERSION, "step": step, "fingerprint": self.config.fingerprint(),
+            "version": CHECKPOINT_VERSION, "step": step, "fingerprint": self.job.fingerprint(),
             "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(), "ranks": ranks,
         }, self.out / "checkpoint.pt")
@@ -234,12 +250,17 @@ class Trainer(BaseTrainer):
 class ParameterServerWorker(Trainer):
     """A worker of a parameter-server job: computes gradients until a server says stop.
 
-    It takes no part in collectives: servers log, evaluate and save (from rank 0).
+    It takes no part in collectives: servers log, evaluate and save (from rank 0), and resume
+    from their own checkpoints, so a worker loads none.
     """
+
+    def _load_checkpoint(self) -> dict[str, Any] | None:
+        return None
 
     def run(self) -> dict[str, Any] | None:
         client = self.strategy
-        assert isinstance(client, ParameterServerClient)
+        if not isinstance(client, ParameterServerClient):
+            raise TypeError(f"a parameter-server worker needs a ps client, not {client!r}")
         step = client.next_step
         while not self.stopped:
             self.train_step(step)
@@ -263,3 +284,11 @@ def score(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -
         totals[2] += y.numel()
     model.train(was_training)
     return totals
+
+
+WORKERS: dict[type, Callable[[Job, WorkerEnv, Heartbeat], Worker]] = {
+    AllReduceSync: Trainer, GossipSync: Trainer, ElasticAveragingSync: Trainer,
+    LocalSGDSync: Trainer, ParameterServerSync: _parameter_server_role,
+}
+"""Sync-spec type -> the worker that runs a data-parallel plan with it (the strategy inside a
+:class:`Trainer` comes from :data:`tandem.sync.SYNC_STRATEGIES`)."""

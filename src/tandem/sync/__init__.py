@@ -1,45 +1,66 @@
-"""Synchronization strategies of data-parallel training, by name.
+"""Synchronization strategies of data-parallel training, by the type of the plan's sync spec.
 
 Usage::
 
-    strategy = build_strategy(config, rank=0, world_size=4)
+    strategy = build_strategy(job, rank=0, world_size=4)
     module = strategy.wrap(model, device)
 """
 
 from __future__ import annotations
 
-from tandem.errors import UsageError
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 from tandem.sync.allreduce import AllReduce
 from tandem.sync.averaging import ElasticAveraging, LocalSGD
 from tandem.sync.base import SyncStrategy
 from tandem.sync.gossip import AsyncGossip, ChocoGossip, Gossip, GossipMixer
 from tandem.sync.parameter_server import ParameterServerClient
+from tandem.sync_spec import (
+    AllReduceSync,
+    ElasticAveragingSync,
+    GossipSync,
+    LocalSGDSync,
+    ParameterServerSync,
+)
 
-__all__ = ["STRATEGIES", "AllReduce", "AsyncGossip", "ChocoGossip", "ElasticAveraging", "Gossip",
+if TYPE_CHECKING:
+    from tandem.runtime.config import Job
+
+__all__ = ["SYNC_STRATEGIES", "AllReduce", "AsyncGossip", "ChocoGossip", "ElasticAveraging", "Gossip",
            "LocalSGD", "ParameterServerClient", "SyncStrategy", "build_strategy"]
 
-STRATEGIES = ("dp", "ps", "gossip", "easgd", "localsgd")
+def _gossip(job: Job, rank: int, world_size: int) -> SyncStrategy:
+    from tandem.topology import build_topology, mixing_matrix
+
+    sync = job.plan.sync
+    if not isinstance(sync, GossipSync):
+        raise TypeError(f"gossip needs a gossip sync spec, not {sync!r}")
+    graph = build_topology(sync.topology, world_size)
+    if sync.asynchronous:
+        return AsyncGossip(graph, rank, job.run.seed)
+    matrix = mixing_matrix(graph, sync.weights)
+    if job.plan.compress is not None:
+        return ChocoGossip(graph, matrix, rank, job.plan.compress.text, sync.step)
+    return Gossip(GossipMixer(graph, matrix, rank))
 
 
-def build_strategy(config: "TrainConfig", rank: int, world_size: int) -> SyncStrategy:  # noqa: F821
-    """The synchronization strategy ``config.strategy`` for ``rank`` of ``world_size``."""
-    if config.strategy == "dp":
-        return AllReduce(config.compress)
-    if config.strategy == "ps":
-        return ParameterServerClient(config.servers, config.compress, rank=rank,
-                                     num_workers=world_size)
-    if config.strategy == "gossip":
-        from tandem.topology import build_topology, mixing_matrix
+def _codec(job: Job) -> str | None:
+    return job.plan.compress.text if job.plan.compress else None
 
-        graph = build_topology(config.topology, world_size)
-        if config.asynchronous_gossip:
-            return AsyncGossip(graph, rank, config.seed)
-        matrix = mixing_matrix(graph, config.mixing)
-        if config.compress is not None:
-            return ChocoGossip(graph, matrix, rank, config.compress, config.gossip_step)
-        return Gossip(GossipMixer(graph, matrix, rank))
-    if config.strategy == "easgd":
-        return ElasticAveraging(config.period, config.rho, config.lr)
-    if config.strategy == "localsgd":
-        return LocalSGD(config.period)
-    raise UsageError(f"unknown strategy {config.strategy!r}; choose one of: {', '.join(STRATEGIES)}")
+
+SYNC_STRATEGIES: dict[type, Callable[[Job, int, int], SyncStrategy]] = {
+    AllReduceSync: lambda job, rank, world: AllReduce(_codec(job)),
+    ParameterServerSync: lambda job, rank, world: ParameterServerClient(
+        job.plan.num_servers, _codec(job), rank=rank, num_workers=world),
+    GossipSync: _gossip,
+    ElasticAveragingSync: lambda job, rank, world: ElasticAveraging(
+        job.plan.sync.period, job.plan.sync.rho, job.run.lr),  # type: ignore[union-attr]
+    LocalSGDSync: lambda job, rank, world: LocalSGD(job.plan.sync.period),  # type: ignore[union-attr]
+}
+"""Sync-spec type -> the strategy a data-parallel worker runs for it."""
+
+
+def build_strategy(job: Job, rank: int, world_size: int) -> SyncStrategy:
+    """The synchronization strategy of ``job``'s plan for worker ``rank`` of ``world_size``."""
+    return SYNC_STRATEGIES[type(job.plan.sync)](job, rank, world_size)

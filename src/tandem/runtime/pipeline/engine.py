@@ -10,10 +10,17 @@ every activation and activation gradient goes as one byte message of the codec (
 ``wire.py``), encoded when it is sent and decoded by the forward or backward that waits for it.
 Flush schedules accumulate gradients into the live parameters; the asynchronous schedule binds
 a stashed weight version to each minibatch (see ``stash.py``).
+
+The trace names every action the schedule's way (``str(action)``: ``1F3``, ``1SA3>2``,
+``2RA3<1``, ``0AR``, ``0ST5``), one event per action in the order they run, so a worker's
+event names are its action list. A receive's event spans from its post to its message's
+arrival as seen by the computation that waits for it (under vertical sync, the weight version's
+message too); a send's, its post. Events wait in a queue until every earlier action's has ended.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
@@ -67,6 +74,21 @@ class StageShapes:
     """Of the output, and so of the gradient that comes back for it."""
 
 
+@dataclasses.dataclass(slots=True)
+class Record:
+    """The trace event of one action, written once it and every earlier action have ended."""
+
+    name: str
+    """The action's text (``2RA3<1``)."""
+    start: float
+    step: int
+    end: float = 0.0
+    num_bytes: int = 0
+    version: int = -1
+    waits: int = 0
+    """Messages of a receive not yet waited for; the event ends when the last one is in."""
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Receive:
     """A posted receive: the buffer its message lands in and the tensor it will stand for."""
@@ -75,8 +97,8 @@ class Receive:
     buffer: torch.Tensor
     shape: tuple[int, ...]
     dtype: torch.dtype
-    posted: float
-    """When it was posted (``time.perf_counter``)."""
+    record: Record
+    """The trace event of the receive action that posted it."""
 
 
 class StageEngine:
@@ -102,6 +124,8 @@ class StageEngine:
         (PipeDream's last stage): they run on the live parameters, which is the same version."""
         self.on_live: set[int] = set()
         self.receives: dict[tuple[int, int], Receive] = {}
+        self.records: collections.deque[Record] = collections.deque()
+        """Trace events in action order, the first ones waiting for their receive to end."""
         self.sends: list[tuple[int, Any, torch.Tensor]] = []
         """Posted sends: (step, work, tensor kept alive until the send completes)."""
         self.saved: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
@@ -159,33 +183,53 @@ class StageEngine:
         m = action.microbatch
         assert m is not None and action.peer is not None
         micro = batch(m)
+        record = Record(str(action), time.perf_counter(), micro.step, waits=1)
+        self.records.append(record)
         if action.kind is Kind.RECV_ACT:
             shape, dtype, channel = self.shapes.input_shape, self.shapes.input_dtype, ACT
             if self.vertical_sync:
                 version = torch.zeros(1, dtype=torch.int64, device=self.device)
                 work = dist.irecv(version, src=action.peer, tag=tag(m, VERSION),
                                   group=self.links[(action.peer, self.rank)])
-                self.receives[(m, VERSION)] = Receive(work, version, (1,), torch.int64,
-                                                      time.perf_counter())
+                self.receives[(m, VERSION)] = Receive(work, version, (1,), torch.int64, record)
+                record.waits += 1
         else:
             shape, dtype, channel = self.shapes.output_shape, self.shapes.output_dtype, GRAD
         shape = (micro.size, *shape)
         buffer = self.wire.receive_buffer(shape, dtype, self.device)
         work = dist.irecv(buffer, src=action.peer, tag=tag(m, channel),
                           group=self.links[(action.peer, self.rank)])
-        self.receives[(m, channel)] = Receive(work, buffer, shape, dtype, time.perf_counter())
+        self.receives[(m, channel)] = Receive(work, buffer, shape, dtype, record)
+        record.num_bytes = buffer.numel() * buffer.element_size()
 
-    def _wait(self, microbatch: int, channel: int, step: int) -> torch.Tensor:
+    def _wait(self, microbatch: int, channel: int) -> torch.Tensor:
         """The tensor of a posted receive, once it has arrived (decoded, for a codec)."""
         receive = self.receives.pop((microbatch, channel))
         receive.work.wait()
         tensor = receive.buffer
         if channel != VERSION:
             tensor = self.wire.unpack(tensor, receive.shape, receive.dtype, KEYS[channel])
-        name = {ACT: "RA", GRAD: "RG", VERSION: "RV"}[channel]
-        self.trace(f"{name}{microbatch}", receive.posted, time.perf_counter(), step,
-                   num_bytes=receive.buffer.numel() * receive.buffer.element_size())
+        record = receive.record
+        record.end = max(record.end, time.perf_counter())
+        record.waits -= 1
+        self._flush()
         return tensor
+
+    # -- trace ----------------------------------------------------------------------------------
+
+    def _record(self, action: Action, start: float, step: int, *, num_bytes: int = 0,
+                version: int = -1) -> None:
+        """Trace ``action`` as having run from ``start`` until now."""
+        self.records.append(Record(str(action), start, step, time.perf_counter(),
+                                   num_bytes=num_bytes, version=version))
+        self._flush()
+
+    def _flush(self) -> None:
+        """Write the events of the actions that have ended, up to the first that has not."""
+        while self.records and not self.records[0].waits:
+            record = self.records.popleft()
+            self.trace(record.name, record.start, record.end, record.step,
+                       num_bytes=record.num_bytes, version=record.version)
 
     def _send(self, action: Action, batch: Callable[[int], Microbatch]) -> None:
         m = action.microbatch
@@ -208,16 +252,15 @@ class StageEngine:
         num_bytes = message.numel() * message.element_size()
         self.traffic.activation_bytes += tensor.numel() * tensor.element_size()
         self.traffic.message_bytes += num_bytes
-        self.trace(f"{action.kind.value}{m}", start, time.perf_counter(), batch(m).step,
-                   num_bytes=num_bytes)
+        self._record(action, start, batch(m).step, num_bytes=num_bytes)
 
     # -- compute --------------------------------------------------------------------------------
 
-    def _weights_version(self, m: int, step: int) -> int:
+    def _weights_version(self, m: int) -> int:
         """The weight version minibatch ``m`` uses here (stage 0's under vertical sync)."""
         assert self.stash is not None
         if self.vertical_sync and not self.first:
-            version = int(self._wait(m, VERSION, step))
+            version = int(self._wait(m, VERSION))
             self.stash.keep_from(version)
             return version
         return self.stash.version
@@ -230,9 +273,9 @@ class StageEngine:
         if self.first:
             x = micro.inputs
         else:
-            x = self._wait(m, ACT, micro.step).requires_grad_(True)
+            x = self._wait(m, ACT).requires_grad_(True)
         assert x is not None
-        version = self._weights_version(m, micro.step) if self.stash else -1
+        version = self._weights_version(m) if self.stash else -1
         start = time.perf_counter()
         saved = [0]
 
@@ -258,14 +301,14 @@ class StageEngine:
         self.versions[m] = version
         self.saved_bytes[m] = saved[0]
         self.peak_activation_bytes = max(self.peak_activation_bytes, sum(self.saved_bytes.values()))
-        self.trace(f"F{m}", start, time.perf_counter(), micro.step, version=version)
+        self._record(action, start, micro.step, version=version)
 
     def _backward(self, action: Action, batch: Callable[[int], Microbatch]) -> None:
         m = action.microbatch
         assert m is not None
         micro = batch(m)
         self.beat.step, self.beat.phase = micro.step, "backward"
-        grad = None if self.last else self._wait(m, GRAD, micro.step)
+        grad = None if self.last else self._wait(m, GRAD)
         x, out, version = self.saved.pop(m)
         start = time.perf_counter()
         if self.stash is not None:
@@ -286,14 +329,15 @@ class StageEngine:
                 self.input_grads[m] = x.grad
         del self.saved_bytes[m]
         self.versions.pop(m, None)
-        self.trace(f"B{m}", start, time.perf_counter(), micro.step, version=version)
+        self._record(action, start, micro.step, version=version)
 
     # -- synchronization and update --------------------------------------------------------------
 
     def _allreduce(self, action: Action, batch: Callable[[int], Microbatch]) -> None:
-        if self.group is None:
-            return
         step = batch(action.microbatch).step if action.microbatch is not None else self.step
+        if self.group is None:  # a stage with one replica: nothing to average
+            self._record(action, time.perf_counter(), step)
+            return
         self.beat.phase = "step"
         start = time.perf_counter()
         if action.microbatch is None:
@@ -310,7 +354,7 @@ class StageEngine:
             offset += g.numel()
         num_bytes = flat.numel() * flat.element_size()
         self.traffic.other_bytes += ring_bytes("allreduce", num_bytes, self.num_replicas)
-        self.trace("AR", start, time.perf_counter(), step, num_bytes=num_bytes)
+        self._record(action, start, step, num_bytes=num_bytes)
 
     def _step(self, action: Action, batch: Callable[[int], Microbatch]) -> None:
         step = batch(action.microbatch).step if action.microbatch is not None else self.step
@@ -324,4 +368,4 @@ class StageEngine:
         self.scheduler.step()
         if self.stash is not None:
             self.stash.advance()
-        self.trace("ST", start, time.perf_counter(), step)
+        self._record(action, start, step)

@@ -20,7 +20,7 @@ from torch import nn
 
 from tandem.models import build_model
 from tandem.runtime.base import BaseTrainer
-from tandem.runtime.config import TrainConfig
+from tandem.runtime.config import Job
 from tandem.runtime.dist import WorkerEnv
 from tandem.runtime.pipeline.engine import Microbatch, StageEngine, StageShapes
 from tandem.runtime.pipeline.setup import pipeline_setup
@@ -88,11 +88,12 @@ def no_update_between(actions: list[Action] | tuple[Action, ...]) -> set[int]:
 class PipelineTrainer(BaseTrainer):
     """One stage (or stage replica) of a pipeline, executing its schedule with the engine."""
 
-    def __init__(self, config: TrainConfig, env: WorkerEnv, beat: Heartbeat) -> None:
-        super().__init__(config, env, beat)
+    def __init__(self, job: Job, env: WorkerEnv, beat: Heartbeat) -> None:
+        super().__init__(job, env, beat)
+        config = job.run
         torch.manual_seed(config.seed)
         model = build_model(config.model, self.data.info)
-        self.layout, self.schedule = pipeline_setup(config, model, env.world_size)
+        self.layout, self.schedule = pipeline_setup(job, model)
         self.stage, self.replica = self.schedule.stage_of(env.rank)
         start, end = self.layout.bounds[self.stage]
         shapes = block_shapes(model, self.data.train.inputs[:1])
@@ -105,14 +106,15 @@ class PipelineTrainer(BaseTrainer):
                                     if start == 0 else shapes[start - 1])
         self.shapes = StageShapes(input_shape=input_shape, input_dtype=input_dtype,
                                   output_shape=shapes[end - 1][0], output_dtype=shapes[end - 1][1])
-        self.wire = Wire.build(config.compress, rank=env.rank, world_size=env.world_size)
+        self.wire = Wire.build(job.plan.compress.text if job.plan.compress else None,
+                               rank=env.rank, world_size=env.world_size)
         self.asynchronous = self.schedule.kind == "pipedream"
         self.engine = StageEngine(
             module=self.module, stage=self.stage, num_stages=self.layout.num_stages,
             shapes=self.shapes, group=self.groups[self.stage], links=self.links, rank=env.rank,
             num_replicas=self.layout.replicas[self.stage], optimizer=self.optimizer,
             scheduler=self.scheduler, device=env.device, asynchronous=self.asynchronous,
-            vertical_sync=config.vertical_sync, trace=self.trace, beat=beat, wire=self.wire,
+            vertical_sync=job.plan.vertical_sync, trace=self.trace, beat=beat, wire=self.wire,
         )
         self.chunks = (step_chunks(self.schedule, env.rank, config.steps)
                        if self.asynchronous else None)
@@ -249,9 +251,7 @@ class PipelineTrainer(BaseTrainer):
         }
         gathered: list[Any] = [None] * self.env.world_size
         dist.all_gather_object(gathered, stats)
-        return {"pipeline": self.layout.text(), "schedule": self.schedule.kind,
-                "microbatches": self.schedule.num_microbatches,
-                "vertical_sync": self.config.vertical_sync, "compress": self.config.compress,
+        return {"pipeline": self.layout.text(), "vertical_sync": self.plan.vertical_sync,
                 "sent_bytes_per_step": sent, "activation_bytes_per_step": activations,
                 "compressed_activation_bytes_per_step": messages,
                 "activation_compression_ratio": activations / messages if messages else 1.0,

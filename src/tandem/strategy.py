@@ -1,0 +1,247 @@
+"""The ``--strategy`` names and their flags, turned into the one :class:`~tandem.plan.Plan` a run
+executes (no torch).
+
+Usage::
+
+    plan = plan_from_flags("ps", {"--servers": 2, "--mode": "async"}, num_processes=6,
+                           num_blocks=4)
+    strategy_of(plan)                       # "ps"
+
+This is the only place that compares strategy names: each name stands for a sync-spec class
+(and ``pipeline`` for a pipelined plan), each flag belongs to the strategies that use it, and a
+flag given with a strategy it does not belong to is an error naming both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from tandem.codec_spec import CodecSpec
+from tandem.errors import UsageError
+from tandem.plan import Plan, Stage
+from tandem.schedule.schedule import SCHEDULE_KINDS, Schedule
+from tandem.sync_spec import (
+    AllReduceSync,
+    ElasticAveragingSync,
+    GossipSync,
+    LocalSGDSync,
+    ParameterServerSync,
+    SyncSpec,
+)
+
+PIPELINE = "pipeline"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StrategyKind:
+    """What a ``--strategy`` name stands for."""
+
+    sync: type
+    """The sync-spec class its plans carry."""
+    pipelined: bool = False
+    """Whether its plans are pipelines (stages across workers)."""
+
+
+STRATEGIES: dict[str, StrategyKind] = {
+    "dp": StrategyKind(AllReduceSync), "ps": StrategyKind(ParameterServerSync),
+    "gossip": StrategyKind(GossipSync), "easgd": StrategyKind(ElasticAveragingSync),
+    "localsgd": StrategyKind(LocalSGDSync), PIPELINE: StrategyKind(AllReduceSync, pipelined=True),
+}
+"""``--strategy`` name -> what it stands for."""
+
+PIPELINE_FLAGS = ("--schedule", "--microbatches", "--stages", "--replicas", "--vertical-sync")
+"""Flags that shape a pipeline (``pipeline`` only)."""
+
+DATA_PARALLEL_FLAGS = {"--accumulate": ("dp", "gossip", "easgd", "localsgd")}
+"""Flags of the data-parallel trainer, by the strategies that take them."""
+
+PLAN_FLAGS = (*PIPELINE_FLAGS, *DATA_PARALLEL_FLAGS, "--compress",
+              *(flag for kind in STRATEGIES.values() for flag in kind.sync.FLAGS))
+"""Every flag a plan file fixes (so it cannot be given with ``--plan``)."""
+
+
+def owners(flag: str) -> tuple[str, ...]:
+    """The strategies ``flag`` applies to (empty: it applies to every strategy)."""
+    if flag in PIPELINE_FLAGS:
+        return (PIPELINE,)
+    if flag in DATA_PARALLEL_FLAGS:
+        return DATA_PARALLEL_FLAGS[flag]
+    return tuple(name for name, kind in STRATEGIES.items()
+                 if not kind.pipelined and flag in kind.sync.FLAGS)
+
+
+def check_strategy(name: str) -> None:
+    """:class:`UsageError` for an unknown strategy name."""
+    if name not in STRATEGIES:
+        raise UsageError(f"unknown strategy {name!r}; choose one of: {', '.join(sorted(STRATEGIES))}")
+
+
+def check_applicable(strategy: str, given: Mapping[str, Any]) -> None:
+    """One line naming the first flag in ``given`` that ``strategy`` does not use and the
+    strategy it belongs to."""
+    for flag in given:
+        belongs = owners(flag)
+        if belongs and strategy not in belongs:
+            choices = ", ".join(belongs[:-1]) + (" or " if len(belongs) > 1 else "") + belongs[-1]
+            raise UsageError(f"{flag} applies to --strategy {choices} only (this run has "
+                             f"--strategy {strategy}); add --strategy {belongs[0]} or drop it")
+
+
+def strategy_of(plan: Plan) -> str:
+    """The ``--strategy`` name that builds ``plan``."""
+    if plan.pipelined:
+        return PIPELINE
+    return next(name for name, kind in STRATEGIES.items()
+                if not kind.pipelined and isinstance(plan.sync, kind.sync))
+
+
+def even_bounds(num_blocks: int, num_stages: int) -> list[tuple[int, int]]:
+    """Split ``num_blocks`` blocks into ``num_stages`` contiguous ranges of near-equal length."""
+    if num_stages > num_blocks:
+        raise UsageError(
+            f"more stages ({num_stages}) than layers ({num_blocks}) in the model; "
+            f"use --stages {num_blocks} or fewer, or a model with more blocks"
+        )
+    base, extra = divmod(num_blocks, num_stages)
+    bounds, start = [], 0
+    for stage in range(num_stages):
+        end = start + base + (1 if stage < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def parse_replicas(text: str) -> tuple[int, ...]:
+    """``2,1`` (or ``2-1``) into ``(2, 1)``."""
+    try:
+        replicas = tuple(int(part) for part in text.replace("-", ",").split(",") if part.strip())
+    except ValueError:
+        raise UsageError(f"--replicas {text!r} is not a list of integers like 2,1") from None
+    if not replicas or min(replicas) < 1:
+        raise UsageError(f"--replicas {text!r}: every stage needs at least 1 replica, e.g. 2,1")
+    return replicas
+
+
+def build_sync(strategy: str, given: Mapping[str, Any]) -> SyncSpec:
+    """The sync spec of ``strategy`` with the options of its flags in ``given``."""
+    cls = STRATEGIES[strategy].sync
+    sync = cls(**{cls.FLAGS[flag]: value for flag, value in given.items() if flag in cls.FLAGS})
+    if isinstance(sync, ParameterServerSync):
+        sync.check_given(dict(given))
+    return sync
+
+
+def plan_from_flags(strategy: str, given: Mapping[str, Any], *, num_processes: int,
+                    num_blocks: int | None) -> Plan:
+    """The plan the command-line flags ``given`` (only those the user set) describe for a job
+    of ``num_processes`` processes and a model of ``num_blocks`` blocks (None: not an
+    ``nn.Sequential``, so it cannot be cut into stages)."""
+    check_strategy(strategy)
+    check_applicable(strategy, given)
+    if num_processes < 1:
+        raise UsageError(f"--nproc must be at least 1 (got {num_processes})")
+    compress = CodecSpec.parse(given["--compress"]) if given.get("--compress") else None
+    sync = build_sync(strategy, given)
+    _check_gossip(sync, compress)
+    if STRATEGIES[strategy].pipelined:
+        return _pipeline_plan(given, num_processes, num_blocks, compress)
+    servers = getattr(sync, "servers", 0)
+    workers = num_processes - servers
+    if workers < 1:
+        raise UsageError(
+            f"--servers {servers} leaves no workers in --nproc {num_processes}; servers count "
+            f"within --nproc, e.g. --nproc {servers + 4} --servers {servers}"
+        )
+    if isinstance(sync, ParameterServerSync) and sync.backup >= workers:
+        raise UsageError(f"--backup {sync.backup} must be between 0 and {workers - 1}: there are "
+                         f"{workers} workers and each step needs at least one gradient")
+    accumulate = int(given.get("--accumulate") or 1)
+    if accumulate < 1:
+        raise UsageError(f"--accumulate must be at least 1 (got {accumulate})")
+    layers = num_blocks or 1
+    return Plan(stages=[Stage(start=0, end=layers, replicas=workers)], num_layers=layers,
+                num_devices=num_processes, schedule="1f1b", num_microbatches=workers * accumulate,
+                sync=sync, compress=compress)
+
+
+def _check_gossip(sync: SyncSpec, compress: CodecSpec | None) -> None:
+    """Compression is CHOCO-gossip, for synchronous gossip only; its step needs it."""
+    if not isinstance(sync, GossipSync):
+        return
+    if sync.asynchronous and compress is not None:
+        raise UsageError(f"--compress {compress.text} cannot be used with --async-gossip: "
+                         f"AD-PSGD's pairwise averages exchange whole models; drop --async-gossip "
+                         f"(CHOCO-gossip compresses synchronous gossip) or --compress")
+    if sync.step is not None and (compress is None or sync.asynchronous):
+        raise UsageError("--gossip-step is the step size of compressed gossip; it needs "
+                         "--strategy gossip --compress CODEC (plain D-PSGD averages fully)")
+
+
+def _pipeline_plan(given: Mapping[str, Any], num_processes: int, num_blocks: int | None,
+                   compress: CodecSpec | None) -> Plan:
+    if num_blocks is None:
+        raise UsageError("--strategy pipeline needs a model that is an nn.Sequential of blocks; "
+                         "use --strategy dp for this model")
+    replicas = parse_replicas(given["--replicas"]) if given.get("--replicas") else None
+    num_stages = given.get("--stages") or (len(replicas) if replicas else num_processes)
+    if num_stages < 1:
+        raise UsageError(f"--stages must be at least 1 (got {num_stages})")
+    chosen = replicas or (1,) * num_stages
+    if len(chosen) != num_stages:
+        raise UsageError(f"--replicas gives {len(chosen)} stages but --stages is {num_stages}; "
+                         f"give one replica count per stage")
+    if sum(chosen) != num_processes:
+        raise UsageError(
+            f"the stages' replicas ({'-'.join(map(str, chosen))}) add up to {sum(chosen)} "
+            f"workers but the job has {num_processes}; use --nproc {sum(chosen)} or change "
+            f"--replicas")
+    schedule, count, text = given.get("--schedule") or "1f1b", given.get("--microbatches"), None
+    if schedule not in SCHEDULE_KINDS:
+        written = read_schedule_file(schedule)
+        if written.kind == "pipedream":
+            raise UsageError(f"--schedule {schedule}: a hand-written schedule must be a flush "
+                             f"schedule (gpipe or 1f1b); use --schedule pipedream for PipeDream's")
+        if count is not None:
+            raise UsageError(f"--microbatches conflicts with --schedule {schedule}, which has "
+                             f"{written.num_microbatches}; drop --microbatches")
+        schedule, count, text = written.kind, written.num_microbatches, written.text()
+    plan = Plan(stages=[Stage(start=start, end=end, replicas=count) for (start, end), count
+                        in zip(even_bounds(num_blocks, num_stages), chosen)],
+                num_layers=num_blocks, num_devices=num_processes, schedule=schedule,
+                num_microbatches=count, schedule_text=text,
+                vertical_sync=bool(given.get("--vertical-sync")), compress=compress)
+    if not plan.pipelined:  # one stage under 1F1B would be data parallelism: say so
+        raise UsageError("a one-stage 1F1B pipeline is data parallelism: use --strategy dp "
+                         "(or --schedule gpipe/pipedream, or more --stages)")
+    return plan
+
+
+def read_schedule_file(path: str) -> Schedule:
+    """A schedule written in its text form (``Schedule.text``) by hand or by a tool."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return Schedule.parse(handle.read())
+    except OSError as exc:
+        raise UsageError(
+            f"--schedule {path!r} is neither gpipe, 1f1b, pipedream nor a readable schedule "
+            f"file ({exc.strerror})"
+        ) from None
+    except (ValueError, AssertionError) as exc:
+        raise UsageError(f"--schedule {path}: not a schedule in tandem's text form ({exc})") from None
+
+
+def plan_with_flags(plan: Plan, strategy: str | None, given: Mapping[str, Any],
+                    path: str) -> Plan:
+    """``plan`` read from ``--plan path``; flags that the plan fixes are errors."""
+    if strategy is not None:
+        check_strategy(strategy)
+        if strategy_of(plan) != strategy:
+            raise UsageError(f"--strategy {strategy} contradicts --plan {path}, which is a "
+                             f"{strategy_of(plan)} plan; drop --strategy")
+    for flag in given:
+        if flag in PLAN_FLAGS:
+            raise UsageError(f"{flag} conflicts with --plan {path}, which fixes the strategy; "
+                             f"drop {flag} or edit the plan")
+    return plan
