@@ -38,7 +38,7 @@ from typing import Any
 
 from tandem.profile import ModelProfile, load_profile
 from tandem.schedule import Kind, Schedule, generate
-from tandem.timeline import Timeline
+from tandem.timeline import Timeline, event_action
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILE = ROOT / "tests" / "data" / "profiles" / "vgg16.graph.txt"
@@ -109,7 +109,8 @@ def steady_rate(trace: Path, num_minibatches: int) -> float:
     """Minibatches per second over the middle half of an asynchronous run: stage 0's backward
     of a minibatch is the last thing done for it."""
     events = Timeline.from_json(json.loads(trace.read_text())).events
-    done = {int(e.name[1:]): e.end_s for e in events if e.worker == 0 and e.name.startswith("B")}
+    backwards = [(event_action(e.name), e) for e in events if e.worker == 0]
+    done = {a.microbatch: e.end_s for a, e in backwards if a and a.kind is Kind.BACKWARD}
     first, last = num_minibatches // 4, 3 * num_minibatches // 4
     return (last - first) / (done[last] - done[first])
 

@@ -56,6 +56,8 @@ from tandem.plan import Plan  # noqa: E402
 from tandem.planning.balance import balanced_plan  # noqa: E402
 from tandem.planning.simulate import SimOptions, data_parallel_plan, simulate  # noqa: E402
 from tandem.profile import ModelProfile, load_profile  # noqa: E402
+from tandem.schedule import Kind  # noqa: E402
+from tandem.timeline import event_action  # noqa: E402
 
 VGG = ROOT / "tests" / "data" / "profiles" / "vgg16.graph.txt"
 VGG_BATCH = 128
@@ -158,7 +160,8 @@ def pipedream_minibatch_s(trace: Path, stage0_workers: int, rounds: int, steps: 
     third of the run, whole rounds), as the simulator measures it."""
     events = json.loads(trace.read_text())["traceEvents"]
     done = {e["args"]["step"]: (e["ts"] + e["dur"]) / 1e6 for e in events
-            if e.get("ph") == "X" and e["name"].startswith("ST") and e["pid"] < stage0_workers}
+            if e.get("ph") == "X" and e["pid"] < stage0_workers
+            and getattr(event_action(e["name"]), "kind", None) is Kind.STEP}
     first = max(rounds, steps // 3 // rounds * rounds)
     last = max(first + rounds, 2 * steps // 3 // rounds * rounds)
     return (done[last] - done[first]) / (last - first)

@@ -10,6 +10,8 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
+from tandem.schedule.action import Action, Kind
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Event:
@@ -18,7 +20,9 @@ class Event:
     worker: int
     """Global rank of the worker."""
     name: str
-    """Action name, e.g. ``forward``, ``backward``, ``step``, ``F3``, ``ALLREDUCE``."""
+    """What the worker did: a schedule action's text in pipelines and the simulator (``1F3``,
+    ``1SA3>2``, ``2RA3<1``, ``0AR``, ``0ST``; see :func:`event_action`), ``forward``,
+    ``backward`` or ``step`` in data-parallel runs."""
     start_s: float
     end_s: float
     step: int = -1
@@ -78,25 +82,49 @@ class Timeline:
 
 # -- Gantt chart ---------------------------------------------------------------------------------
 
-_COMPUTE = re.compile(r"(?P<kind>F|B|ST|forward|backward|step)(?P<micro>\d*)")
-_COMPUTE_KIND = {"forward": "F", "backward": "B", "step": "ST"}
+_LEGACY = re.compile(r"(?P<kind>F|B|ST|forward|backward|step)(?P<micro>\d*)")
+"""Names of compute events in data-parallel runs and in traces written before events were
+named by their schedule action (``F3``, ``SA3``, ``RV1``, ``AR``)."""
+_LEGACY_KIND = {"forward": "F", "backward": "B", "step": "ST"}
 _COLOURS = {
     "F": "#4c72b0", "B": "#55a868", "ST": "#8c8c8c",
     "send": "#dd8452", "receive": "#c44e52", "collective": "#8172b3",
 }
 _LEGEND = {
     "F": "forward", "B": "backward", "ST": "optimizer step", "send": "send (post)",
-    "receive": "receive (post to wait)", "collective": "allreduce",
+    "receive": "receive (post to arrival)", "collective": "allreduce / exchange",
+}
+_ACTION_KIND = {
+    Kind.FORWARD: "F", Kind.BACKWARD: "B", Kind.STEP: "ST",
+    Kind.SEND_ACT: "send", Kind.SEND_GRAD: "send", Kind.PUSH: "send",
+    Kind.RECV_ACT: "receive", Kind.RECV_GRAD: "receive", Kind.PULL: "receive",
+    Kind.ALLREDUCE: "collective", Kind.EXCHANGE: "collective",
 }
 
 
+def event_action(name: str) -> Action | None:
+    """The schedule action an event is named after (``2RA3<1``), or None for other names
+    (``forward``, ``step``)."""
+    try:
+        return Action.parse(name)
+    except ValueError:
+        return None
+
+
 def event_kind(name: str) -> tuple[str, str]:
-    """``(lane colour key, label)`` of an event name: ``("F", "3")`` for ``F3``,
-    ``("send", "")`` for ``SA3``, ``("receive", "")`` for ``RG3``, ``("collective", "")``."""
-    match = _COMPUTE.fullmatch(name)
+    """``(lane colour key, label)`` of an event name: ``("F", "3")`` for ``1F3``,
+    ``("send", "")`` for ``1SA3>2``, ``("receive", "")`` for ``2RG3<3``, ``("collective", "")``
+    for ``0AR``; data-parallel names (``forward``, ``step``) and older ones (``F3``, ``SA3``)
+    too."""
+    action = event_action(name)
+    if action is not None:
+        kind = _ACTION_KIND[action.kind]
+        compute = kind in ("F", "B", "ST") and action.microbatch is not None
+        return kind, str(action.microbatch) if compute else ""
+    match = _LEGACY.fullmatch(name)
     if match:
         kind = match["kind"]
-        return _COMPUTE_KIND.get(kind, kind), match["micro"]
+        return _LEGACY_KIND.get(kind, kind), match["micro"]
     if name.startswith("S"):
         return "send", ""
     if name.startswith("R"):
