@@ -38,7 +38,7 @@ from collections.abc import Sequence
 
 from tandem.cluster import Cluster
 from tandem.planning.collectives import link_level, port, unit_sizes
-from tandem.schedule import Action, Kind, Schedule
+from tandem.schedule import Kind, Schedule
 from tandem.timeline import Event
 
 _F, _B, _SA, _RA, _SG, _RG, _AR, _ST = range(8)
@@ -342,7 +342,9 @@ class _Replayer:
         end, cost, codec = self._collective_end(stage, arrived)
         for worker, reached in arrived:
             finish = max(end, reached)
-            self._event(worker, str(Action(stage, Kind.ALLREDUCE, m)), reached, finish, m)
+            index = self.pc[worker] - 1  # the worker's own AR (replicas pair k-th with k-th)
+            self._event(worker, self.names[worker][index], reached, finish,
+                        self.actions[worker][index][1])
             self.out.communication_s[worker][self._key(worker, m)] += cost
             if codec:
                 self.out.codec_s[worker][self._key(worker, m)] += codec
