@@ -11,6 +11,7 @@ from tandem.commands.args import add_cluster_args, add_source_args, build_cluste
 from tandem.plan import Plan
 from tandem.planning import PartitionOptions, make_plan
 from tandem.profile import ModelProfile
+from tandem.schedule import SCHEDULE_KINDS
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -33,6 +34,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="ignore activation transfer, as PipeDream's optimizer does by default")
     p.add_argument("--straight", action="store_true", help="one device per stage, no replication")
     p.add_argument("--allow-idle", action="store_true", help="leave devices idle when faster")
+    p.add_argument("--schedule", choices=SCHEDULE_KINDS, default=None,
+                   help="schedule the plan runs (default 1f1b; the predicted times are PipeDream's "
+                   "steady state whatever it is: tandem simulate --plan predicts the schedule)")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="micro-batches per step the plan runs (default: max(stages, replicas))")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.add_argument("-o", "--output", help="write the plan JSON here")
     p.set_defaults(run=run)
@@ -64,6 +70,9 @@ def format_plan(plan: Plan, profile: ModelProfile, cluster: Cluster) -> str:
                  f"speedup {plan.speedup_vs_single:.2f}x vs one device, "
                  f"{plan.speedup_vs_dp:.2f}x vs data parallel on {plan.num_devices} "
                  f"(solved in {plan.solve_s:.3f} s)")  # fmt: skip
+    lines.append(f"runs {plan.schedule} with {plan.num_microbatches} micro-batches per step; the "
+                 f"times above are {plan.predicted_schedule}'s steady state (tandem simulate "
+                 f"--plan predicts the schedule it runs)")
     return "\n".join(lines)
 
 
@@ -72,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     cluster = build_cluster(args)
     options = _options(args)
     profile = load_source(args)
-    plan = make_plan(profile, cluster, options)
+    plan = make_plan(profile, cluster, options).rescheduled(args.schedule, args.microbatches)
     human = sys.stderr if args.json else sys.stdout
     print(format_plan(plan, profile, cluster), file=human)
     if args.output:

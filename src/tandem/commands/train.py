@@ -112,9 +112,11 @@ def job_from_args(args: argparse.Namespace) -> Job:
     fields = RunConfig.__dataclass_fields__
     settings = {key: value for key, value in vars(args).items() if key in fields and key != "nproc"}
     if args.plan is None:
-        return make_job(args.strategy or "dp", given, nproc=processes or 1, **settings)
+        return make_job(args.strategy or "dp", given,
+                        nproc=1 if processes is None else processes, **settings)
     plan = plan_with_flags(Plan.load(args.plan), args.strategy, given, args.plan)
-    return Job(run=RunConfig(**settings, nproc=processes or plan.num_workers), plan=plan)
+    return Job(run=RunConfig(**settings, nproc=plan.num_workers if processes is None else processes),
+               plan=plan)
 
 
 def check_job(job: Job) -> None:

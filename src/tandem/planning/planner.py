@@ -36,6 +36,7 @@ def make_plan(
         data_parallel_s=solved.data_parallel_s,
         layer_order=None if order == list(range(profile.num_layers)) else order,
         level_configs=list(solved.level_configs),
+        predicted_schedule="pipedream",
         solve_s=solve_s,
         options={
             "activation_compression": options.activation_compression,

@@ -1,0 +1,187 @@
+"""The plan is the strategy: flags, plan files and runs describe and run the same thing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tandem.codec_spec import CodecSpec
+from tandem.errors import UsageError
+from tandem.plan import Plan, Stage
+from tandem.strategy import STRATEGIES, owners, plan_from_flags, strategy_of
+from tandem.sync_spec import (
+    ElasticAveragingSync,
+    GossipSync,
+    LocalSGDSync,
+    ParameterServerSync,
+    sync_from_dict,
+)
+from tests.conftest import ROOT, max_abs_diff, run_cli, run_json, run_tandem
+
+INAPPLICABLE = {
+    "dp --mode": (("--mode", "async"), "--mode applies to --strategy ps only (this run has "
+                                       "--strategy dp); add --strategy ps or drop it"),
+    "dp --backup": (("--backup", "1"), "--backup applies to --strategy ps only"),
+    "dp --topology": (("--topology", "ring"), "--topology applies to --strategy gossip only"),
+    "dp --rho": (("--rho", "0.5"), "--rho applies to --strategy easgd only"),
+    "dp --period": (("--period", "3"), "--period applies to --strategy easgd or localsgd only"),
+    "dp --servers": (("--servers", "1"), "--servers applies to --strategy ps only"),
+    "dp --schedule": (("--schedule", "gpipe"), "--schedule applies to --strategy pipeline only"),
+    "dp --vertical-sync": (("--vertical-sync",), "--vertical-sync applies to --strategy pipeline"),
+    "dp --async-gossip": (("--async-gossip",), "--async-gossip applies to --strategy gossip only"),
+    "gossip --servers": (("--strategy", "gossip", "--nproc", "4", "--servers", "2"),
+                         "--servers applies to --strategy ps only (this run has --strategy gossip)"),
+    "ps --topology": (("--strategy", "ps", "--nproc", "3", "--topology", "torus"),
+                      "--topology applies to --strategy gossip only (this run has --strategy ps)"),
+    "ps --stages": (("--strategy", "ps", "--nproc", "3", "--stages", "2"),
+                    "--stages applies to --strategy pipeline only (this run has --strategy ps)"),
+    "ps --accumulate": (("--strategy", "ps", "--nproc", "3", "--accumulate", "2"),
+                        "--accumulate applies to --strategy dp, gossip, easgd or localsgd only"),
+    "ps sync --staleness": (("--strategy", "ps", "--nproc", "3", "--staleness", "3"),
+                            "--staleness applies to --mode ssp only (got --mode sync)"),
+    "ps sync --staleness-lr": (("--strategy", "ps", "--nproc", "3", "--staleness-lr"),
+                               "--staleness-lr applies to --mode async or ssp only"),
+    "localsgd --rho": (("--strategy", "localsgd", "--nproc", "2", "--rho", "2"),
+                       "--rho applies to --strategy easgd only (this run has --strategy localsgd)"),
+    "easgd --weights": (("--strategy", "easgd", "--nproc", "2", "--weights", "uniform"),
+                        "--weights applies to --strategy gossip only"),
+    "pipeline --mode": (("--strategy", "pipeline", "--nproc", "2", "--mode", "sync"),
+                        "--mode applies to --strategy ps only (this run has --strategy pipeline)"),
+    "pipeline --accumulate": (("--strategy", "pipeline", "--nproc", "2", "--accumulate", "2"),
+                              "(this run has --strategy pipeline)"),
+    "1f1b --vertical-sync": (("--strategy", "pipeline", "--nproc", "2", "--vertical-sync"),
+                             "--vertical-sync applies to --schedule pipedream only"),
+    "pipedream --microbatches": (("--strategy", "pipeline", "--nproc", "2", "--schedule",
+                                  "pipedream", "--microbatches", "4"),
+                                 "--microbatches 4 does not apply"),
+    "gossip --gossip-step without codec": (("--strategy", "gossip", "--nproc", "2",
+                                            "--gossip-step", "0.5"), "--gossip-step is the step"),
+    "one-stage pipeline": (("--strategy", "pipeline", "--nproc", "1"),
+                           "a one-stage 1F1B pipeline is data parallelism"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(INAPPLICABLE))
+def test_an_option_of_another_strategy_is_one_line_and_status_2(
+        capsys: pytest.CaptureFixture[str], case: str) -> None:
+    args, expected = INAPPLICABLE[case]
+    code, out, err = run_cli(capsys, "train", "--steps", "1", "--no-progress", *args)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and expected in err, err
+
+
+def test_every_plan_flag_belongs_to_a_strategy() -> None:
+    """The table the errors come from: each strategy's own flags, and nobody else's."""
+    assert owners("--servers") == ("ps",)
+    assert owners("--period") == ("easgd", "localsgd")
+    assert owners("--microbatches") == ("pipeline",)
+    assert owners("--compress") == ()
+    assert set(STRATEGIES) == {"dp", "ps", "gossip", "easgd", "localsgd", "pipeline"}
+
+
+@pytest.mark.parametrize(("strategy", "flags", "processes", "sync"), [
+    ("dp", {}, 4, None),
+    ("ps", {"--servers": 2, "--mode": "ssp", "--staleness": 3}, 6,
+     ParameterServerSync(servers=2, mode="ssp", staleness=3)),
+    ("gossip", {"--topology": "torus", "--weights": "uniform"}, 4,
+     GossipSync(topology="torus", weights="uniform")),
+    ("easgd", {"--rho": 0.5, "--period": 2}, 4, ElasticAveragingSync(rho=0.5, period=2)),
+    ("localsgd", {"--period": 8}, 4, LocalSGDSync(period=8)),
+    ("pipeline", {"--replicas": "2,1", "--schedule": "gpipe", "--microbatches": 6}, 3, None),
+])
+def test_flags_build_one_plan_that_round_trips(strategy: str, flags: dict, processes: int,
+                                               sync: object) -> None:
+    plan = plan_from_flags(strategy, {**flags, "--compress": "fp16"}, num_processes=processes,
+                           num_blocks=4)
+    assert strategy_of(plan) == strategy and plan.num_workers == processes
+    if sync is not None:
+        assert plan.sync == sync
+    assert plan.compress == CodecSpec.parse("fp16")
+    again = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    assert again == plan and strategy_of(again) == strategy
+
+
+def test_micro_batch_defaults_are_decided_by_the_plan() -> None:
+    """One stage: one micro-batch per worker (times --accumulate); a pipeline: max(stages,
+    most replicas); PipeDream: one whole minibatch."""
+    def count(strategy: str, flags: dict, processes: int) -> int | None:
+        return plan_from_flags(strategy, flags, num_processes=processes,
+                               num_blocks=4).num_microbatches
+    assert count("dp", {}, 4) == 4 and count("dp", {"--accumulate": 3}, 2) == 6
+    assert count("ps", {"--servers": 1}, 5) == 4
+    assert count("pipeline", {}, 4) == 4 and count("pipeline", {"--replicas": "3,1"}, 4) == 3
+    assert count("pipeline", {"--schedule": "pipedream"}, 2) == 1
+
+
+def test_malformed_plans_are_one_line_errors(tmp_path: Path) -> None:
+    good = plan_from_flags("ps", {}, num_processes=3, num_blocks=4).to_dict()
+    with pytest.raises(UsageError, match="no option 'shards'"):
+        Plan.from_dict({**good, "sync": {"method": "ps", "shards": 2}})
+    with pytest.raises(UsageError, match="needs a method"):
+        sync_from_dict({"method": "paxos"})
+    with pytest.raises(UsageError, match="schedule_version|schema_version"):
+        Plan.from_dict({**good, "schema_version": 7})
+    with pytest.raises(UsageError, match="pipeline's stage replicas synchronize by allreduce"):
+        Plan(stages=[Stage(start=0, end=2, replicas=1), Stage(start=2, end=4, replicas=1)],
+             num_layers=4, num_devices=3, sync=ParameterServerSync())
+    with pytest.raises(UsageError, match="unknown codec"):
+        Plan.from_dict({**good, "compress": "zip"})
+
+
+def test_a_schema_1_plan_file_is_still_read() -> None:
+    """Plans written before the sync spec existed: allreduce, their predictions PipeDream's."""
+    old = {"schema_version": 1, "stages": [{"start": 0, "end": 3, "replicas": 2, "sync": "allreduce"},
+                                           {"start": 3, "end": 4, "replicas": 1}],
+           "num_layers": 4, "num_devices": 3, "bottleneck_s": 0.1, "schedule": "1f1b",
+           "num_microbatches": None}
+    plan = Plan.from_dict(old)
+    assert strategy_of(plan) == "pipeline" and plan.num_microbatches == 2
+    assert plan.predicted_schedule == "pipedream"
+
+
+def test_a_gpipe_plan_with_8_micro_batches_runs_exactly_that(tmp_path: Path) -> None:
+    """``tandem plan --schedule gpipe --microbatches 8 -o`` then ``train --plan``: the summary,
+    the recorded plan and the trace (8 forwards per worker per step) all say GPipe with 8."""
+    plan_file = tmp_path / "plan.json"
+    written = run_tandem("plan", "--model", "mlp", "--data", "digits", "--devices", "2",
+                         "--bandwidth", "10Gb/s", "--schedule", "gpipe", "--microbatches", "8",
+                         "-o", str(plan_file))
+    assert written.returncode == 0, written.stderr
+    recorded = json.loads(plan_file.read_text())
+    assert (recorded["schedule"], recorded["num_microbatches"]) == ("gpipe", 8)
+    assert recorded["predicted_schedule"] == "pipedream"
+    out = tmp_path / "run"
+    summary = run_json("train", "--plan", str(plan_file), "--steps", "2", "--batch-size", "32",
+                       "--out", str(out))
+    assert (summary["strategy"], summary["schedule"], summary["microbatches"]) == ("pipeline", "gpipe", 8)
+    assert summary["world_size"] == 2  # --nproc comes from the plan
+    assert Plan.load(str(out / "plan.json")) == Plan.load(str(plan_file))
+    events = json.loads((out / "trace.json").read_text())["traceEvents"]
+    for worker in (0, 1):
+        forwards = [e for e in events if e.get("pid") == worker and e.get("ph") == "X"
+                    and e["name"].lstrip("0123456789").startswith("F")]
+        assert len(forwards) == 2 * 8, [e["name"] for e in forwards]
+        # GPipe: within a step every forward comes before every backward
+        names = [e["name"].lstrip("0123456789") for e in events
+                 if e.get("pid") == worker and e.get("ph") == "X" and e["args"]["step"] == 1]
+        compute = [name[0] for name in names if name[:1] in ("F", "B") and name[1:2].isdigit()]
+        assert compute == ["F"] * 8 + ["B"] * 8, names
+
+
+def test_a_run_reruns_from_its_own_plan_file(tmp_path: Path) -> None:
+    """``plan.json`` of a run is its strategy: running it again gives the same model."""
+    common = ("--steps", "4", "--batch-size", "32", "--seed", "5")
+    run_json("train", *common, "--strategy", "ps", "--nproc", "3", "--out", str(tmp_path / "a"))
+    summary = run_json("train", *common, "--plan", str(tmp_path / "a" / "plan.json"),
+                       "--out", str(tmp_path / "b"))
+    assert summary["strategy"] == "ps" and summary["world_size"] == 3
+    assert max_abs_diff(tmp_path / "a" / "final.pt", tmp_path / "b" / "final.pt") == 0.0
+
+
+def test_no_strategy_name_is_compared_outside_the_registry() -> None:
+    found = subprocess.run(["grep", "-rn", "strategy ==", str(ROOT / "src")],
+                           capture_output=True, text=True)
+    assert found.stdout == ""
