@@ -83,7 +83,8 @@ def test_cli_table_json_and_plot(capsys, tmp_path: Path) -> None:
     data = json.loads(out)
     assert data["batch_samples"] == 512 and data["batch_scale"] == 4
     assert data["device_counts"] == [1, 2, 4, 8, 16, 32]
-    assert {"dp", "dp+2x", "dp+32x", "pipeline", "hybrid"} == {p["strategy"] for p in data["points"]}
+    assert {"dp", "dp+2x", "dp+32x", "pipeline", "hybrid", "ps", "gossip",
+            "localsgd"} == {p["strategy"] for p in data["points"]}
     assert "communication overtakes compute" in err and "dp compute ms" in err
     assert plot.read_bytes()[:4] == b"\x89PNG"
 

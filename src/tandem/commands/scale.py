@@ -12,7 +12,7 @@ from tandem.cluster import parse_cluster
 from tandem.commands.args import load_source, with_memory
 from tandem.commands.simulate import add_codec_args, add_sim_args, sim_options
 from tandem.errors import UsageError
-from tandem.planning.scaling import ScaleOptions, ScaleResult, scale
+from tandem.planning.scaling import FAMILIES, ScaleOptions, ScaleResult, scale
 from tandem.profile import ModelProfile
 
 DEFAULT_MINIBATCHES = 8
@@ -23,11 +23,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``tandem scale``."""
     p = subparsers.add_parser(
         "scale",
-        help="predicted speedup vs device count for data parallelism, pipelines and hybrids",
+        help="predicted speedup vs device count for data parallelism, pipelines, hybrids, "
+        "parameter servers, gossip and local SGD",
         description="Simulate one global minibatch (fixed: strong scaling) on 1, 2, 4, ... "
         "devices of a cluster for data parallelism (plain and with compressed gradients), a "
         "straight pipeline and the partitioner's hybrid plan; print speedups, compute and "
-        "communication per step, and the device count where communication overtakes compute.",
+        "communication per step, and the device count where communication overtakes compute; "
+        "also synchronous parameter servers, D-PSGD on a ring and local SGD (--families).",
     )
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help="profile this model spec locally first (e.g. vgg)")
@@ -49,6 +51,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    "encode/decode time modelled)")
     p.add_argument("--microbatches-per-stage", type=int, default=4, metavar="K",
                    help="pipelines: micro-batches per stage and step (default 4)")
+    p.add_argument("--families", default=",".join(FAMILIES),
+                   help=f"synchronization families to draw beside dp and pipelines (default "
+                   f"{','.join(FAMILIES)}; 'none' for none): synchronous parameter servers, "
+                   f"D-PSGD on a ring, local SGD")
+    p.add_argument("--ps-servers", type=int, default=1, metavar="S",
+                   help="parameter servers of the ps curve (default 1; the rest train)")
+    p.add_argument("--period", type=int, default=4, metavar="H",
+                   help="local SGD's averaging period (default 4)")
     add_sim_args(p)
     add_codec_args(p, compress=False)
     p.add_argument("--plot", default="scale.png", help="PNG of speedups and DP's compute vs "
@@ -77,6 +87,13 @@ def _compressions(text: str) -> tuple[float | str, ...]:
                                  f"2,32,topk:ratio=0.01") from None
             result.append(item)
     return tuple(result)
+
+
+def _families(text: str) -> tuple[str, ...]:
+    """``ps,gossip`` -> ``("ps", "gossip")``; ``none`` -> ``()``."""
+    if text.strip() == "none":
+        return ()
+    return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
 def _global_batch(args: argparse.Namespace, profile: ModelProfile) -> tuple[float, int | None]:
@@ -178,7 +195,8 @@ def run(args: argparse.Namespace) -> int:
     sim = dataclasses.replace(sim_options(args, profile), batch_scale=batch_scale)
     options = ScaleOptions(max_devices=args.max_devices, compressions=_compressions(args.compress),
                            microbatches_per_stage=args.microbatches_per_stage,
-                           batch_samples=samples)
+                           batch_samples=samples, families=_families(args.families),
+                           ps_servers=args.ps_servers, period=args.period)
     result = scale(profile, cluster, options, sim)
     batch = f"{batch_scale:g} profile minibatches" + (f" ({samples} samples)" if samples else "")
     human = sys.stderr if args.json else sys.stdout

@@ -23,6 +23,13 @@ from tandem.planning.collectives import ALGORITHMS
 from tandem.planning.simulate import SimOptions, SimResult, data_parallel_plan, simulate
 from tandem.profile import ModelProfile
 from tandem.schedule import SCHEDULE_KINDS
+from tandem.sync_spec import (
+    AllReduceSync,
+    ElasticAveragingSync,
+    GossipSync,
+    LocalSGDSync,
+    ParameterServerSync,
+)
 from tandem.timeline import plot_gantt
 
 MAX_WORKER_ROWS = 32
@@ -39,19 +46,66 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "throughput, busy and idle time and peak memory per device.",
     )
     p.add_argument("--plan", required=True,
-                   help="a plan JSON (tandem plan -o / tandem search -o), or 'dp' for data "
-                   "parallelism on every device")
+                   help="a plan JSON (tandem plan -o / tandem search -o), or one stage on every "
+                   "device synchronized by: dp (allreduce), ps (parameter servers: the first "
+                   "--servers devices), gossip, localsgd or easgd, with the options below")
     add_source_args(p, batch_help="global minibatch in samples (default: the profile's); "
                     "with --model also the batch to profile at (default 32)", batch_default=None)
     add_cluster_args(p)
     add_sim_args(p)
     add_codec_args(p)
+    add_sync_args(p)
     p.add_argument("--schedule", choices=SCHEDULE_KINDS, help="override the plan's schedule")
     p.add_argument("--microbatches", type=int, help="override the plan's micro-batches per step")
     p.add_argument("--trace", help="write the predicted timeline as a Chrome trace here")
     p.add_argument("--gantt", help="draw the predicted timeline as a Gantt chart (PNG) here")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.set_defaults(run=run)
+
+
+SYNC_SHORTCUTS: dict[str, type] = {"dp": AllReduceSync, "ps": ParameterServerSync,
+                                   "gossip": GossipSync, "localsgd": LocalSGDSync,
+                                   "easgd": ElasticAveragingSync}
+"""``--plan NAME`` -> the sync spec of a one-stage plan on every device."""
+
+
+def add_sync_args(p: argparse.ArgumentParser) -> None:
+    """The options of the sync specs, as ``tandem train`` spells them (each spec's ``FLAGS``)."""
+    group = p.add_argument_group("synchronization (with --plan ps, gossip, localsgd or easgd)")
+    group.add_argument("--servers", type=int, help="ps: server processes (default 1)")
+    group.add_argument("--mode", help="ps: sync, async or ssp (default sync)")
+    group.add_argument("--staleness", type=int, help="ps --mode ssp: bound on how far ahead")
+    group.add_argument("--staleness-lr", action="store_true", default=None,
+                       help="ps: scale stale updates' learning rate (no effect on time)")
+    group.add_argument("--backup", type=int, help="ps --mode sync: backup workers")
+    group.add_argument("--topology", help="gossip: ring, torus, exponential, complete, custom:...")
+    group.add_argument("--weights", help="gossip: uniform or metropolis (no effect on time)")
+    group.add_argument("--async-gossip", action="store_true", default=None,
+                       help="gossip: AD-PSGD (pairwise averaging, no global rounds)")
+    group.add_argument("--gossip-step", type=float, help="gossip: CHOCO step (no effect on time)")
+    group.add_argument("--period", type=int, help="localsgd, easgd: steps between averagings")
+    group.add_argument("--rho", type=float, help="easgd: elasticity (no effect on time)")
+
+
+def sync_from_args(method: str, args: argparse.Namespace) -> Any:
+    """The sync spec of ``--plan METHOD`` and the flags given; a flag of another method is an
+    error naming it."""
+    cls = SYNC_SHORTCUTS[method]
+    given = {flag: getattr(args, flag[2:].replace("-", "_"), None) for flag in ALL_SYNC_FLAGS}
+    given = {flag: value for flag, value in given.items() if value is not None}
+    foreign = [flag for flag in given if flag not in cls.FLAGS]
+    if foreign:
+        owners = [name for name, other in SYNC_SHORTCUTS.items() if foreign[0] in other.FLAGS]
+        raise UsageError(f"{foreign[0]} applies to --plan {' or '.join(owners)}, not --plan "
+                         f"{method}; drop it or change --plan")
+    spec = cls(**{cls.FLAGS[flag]: value for flag, value in given.items()})
+    if hasattr(spec, "check_given"):
+        spec.check_given(given)
+    return spec
+
+
+ALL_SYNC_FLAGS = tuple(dict.fromkeys(flag for cls in SYNC_SHORTCUTS.values() for flag in cls.FLAGS))
+"""Every flag of every sync spec."""
 
 
 def add_sim_args(p: argparse.ArgumentParser) -> None:
@@ -116,18 +170,30 @@ def planning_inputs(args: argparse.Namespace) -> tuple[ModelProfile, Cluster]:
     return load_source(args), cluster
 
 
-def load_plan(text: str, profile: ModelProfile, cluster: Cluster) -> Plan:
-    """``--plan``: a plan file, or ``dp`` for data parallelism on every device."""
-    if text == "dp":
-        return data_parallel_plan(profile, cluster.num_devices)
-    return Plan.load(text)
+def load_plan(text: str, profile: ModelProfile, cluster: Cluster,
+              args: argparse.Namespace | None = None) -> Plan:
+    """``--plan``: a plan file, or a method of :data:`SYNC_SHORTCUTS` on every device (the
+    parameter servers on the first ``--servers`` of them, the workers on the rest)."""
+    if text not in SYNC_SHORTCUTS:
+        given = [flag for flag in ALL_SYNC_FLAGS if args is not None
+                 and getattr(args, flag[2:].replace("-", "_"), None) is not None]
+        if given:
+            raise UsageError(f"{given[0]} applies to --plan {'|'.join(SYNC_SHORTCUTS)}; the plan "
+                             f"file {text!r} carries its own sync (drop {given[0]})")
+        return Plan.load(text)
+    sync = sync_from_args(text, args) if args is not None else SYNC_SHORTCUTS[text]()
+    workers = cluster.num_devices - getattr(sync, "servers", 0)
+    if workers < 1:
+        raise UsageError(f"--servers {getattr(sync, 'servers', 0)} leaves no worker on "
+                         f"{cluster.num_devices} devices; use fewer servers or more devices")
+    plan = data_parallel_plan(profile, workers)
+    return dataclasses.replace(plan, num_devices=cluster.num_devices, sync=sync)
 
 
 def format_result(result: SimResult, cluster: Cluster) -> str:
     """A per-worker table and the headline figures."""
     lines = [f"cluster: {cluster.describe()}",
-             f"plan {result.config}, {result.schedule}, {result.num_microbatches} "
-             f"{'minibatches simulated' if result.schedule == 'pipedream' else 'micro-batches per step'}",
+             _plan_line(result),
              f"{'worker':>6} {'stage':>5} {'device':>6} {'busy ms':>10} {'idle ms':>10} "
              f"{'comm ms':>10} {'act MB':>9} {'stash MB':>9} {'peak MB':>9}"]
     shown = result.workers
@@ -135,7 +201,7 @@ def format_result(result: SimResult, cluster: Cluster) -> str:
         lines.append(f"({len(shown)} workers: the first replica of each stage)")
         shown = [w for w in result.workers if w.replica == 0]
     for w in shown:
-        lines.append(f"{w.worker:>6} {w.stage:>5} {w.device:>6} {w.busy_s * 1e3:10.3f} "
+        lines.append(f"{w.worker:>6} {'srv' if w.role == 'server' else w.stage:>5} {w.device:>6} {w.busy_s * 1e3:10.3f} "
                      f"{w.idle_s * 1e3:10.3f} {w.communication_s * 1e3:10.3f} "
                      f"{w.activation_bytes / 1e6:9.1f} {w.stashed_weight_bytes / 1e6:9.1f} "
                      f"{w.peak_memory_bytes / 1e6:9.1f}")
@@ -150,7 +216,20 @@ def format_result(result: SimResult, cluster: Cluster) -> str:
                  f"communication {result.communication_s * 1e3:.3f} ms{codec} per step "
                  f"(busiest worker)")
     lines.append(f"peak memory {result.peak_memory_bytes / 1e9:.3f} GB per device ({limit})")
+    if result.step_meaning:
+        updates = f"; {result.updates_per_s:.3f} updates/s" if result.updates_per_s else ""
+        lines.append(f"step = {result.step_meaning}{updates}")
     return "\n".join(lines)
+
+
+def _plan_line(result: SimResult) -> str:
+    if result.method != "allreduce":
+        servers = sum(w.role == "server" for w in result.workers)
+        return (f"plan {result.config}, synchronized by {result.method}"
+                + (f" with {servers} server(s)" if servers else "")
+                + f", {result.num_microbatches} micro-batches per step")
+    unit = 'minibatches simulated' if result.schedule == 'pipedream' else 'micro-batches per step'
+    return f"plan {result.config}, {result.schedule}, {result.num_microbatches} {unit}"
 
 
 def gantt_steps(result: SimResult) -> set[int] | None:
@@ -165,7 +244,7 @@ def gantt_steps(result: SimResult) -> set[int] | None:
 def run(args: argparse.Namespace) -> int:
     """Simulate, print a table (stderr with --json) or JSON, and write the trace and chart."""
     profile, cluster = planning_inputs(args)
-    plan = load_plan(args.plan, profile, cluster)
+    plan = load_plan(args.plan, profile, cluster, args)
     if args.schedule:
         plan.schedule = args.schedule
     if args.microbatches is not None:

@@ -17,7 +17,15 @@ and these strategies are simulated:
 - ``dp+CODEC``: the same with a gradient codec (``sign``, ``topk:ratio=0.01``, ...), its
   collective and its encode/decode time modelled (:mod:`tandem.planning.codecs`);
 - ``pipeline``: a straight pipeline of ``min(N, layers)`` compute-balanced stages;
-- ``hybrid``: PipeDream's partitioner's plan for the ``N`` devices (replicated stages).
+- ``hybrid``: PipeDream's partitioner's plan for the ``N`` devices (replicated stages);
+- ``ps``: synchronous parameter servers: ``ps_servers`` of the ``N`` devices serve, the rest
+  train (from 2 devices on);
+- ``gossip``: D-PSGD on a ring of the ``N`` devices;
+- ``localsgd``: local SGD averaging every ``period`` steps (its step: the mean over a period).
+
+``families`` picks which of the last three are drawn. Their step times are times, not
+convergence: gossip and local SGD workers disagree between averagings, so they usually need
+more steps than a synchronous method (see :mod:`tandem.planning.decentralized`).
 
 Pipelines run 1F1B (synchronous, like data parallelism) with ``microbatches_per_stage``
 micro-batches per stage, or per replica of the widest stage if that is more.
@@ -40,6 +48,10 @@ from tandem.planning.partition import PartitionOptions
 from tandem.planning.planner import make_plan
 from tandem.planning.simulate import SimOptions, SimResult, data_parallel_plan, simulate
 from tandem.profile import ModelProfile
+from tandem.sync_spec import GossipSync, LocalSGDSync, ParameterServerSync
+
+FAMILIES = ("ps", "gossip", "localsgd")
+"""Synchronization families the analysis can draw."""
 
 MAX_MICROBATCHES = 2048
 """Most micro-batches per step a pipeline is simulated with."""
@@ -58,8 +70,22 @@ class ScaleOptions:
     """Pipelines run this many micro-batches per stage and step (bubble ``(S-1)/(M+S-1)``)."""
     batch_samples: int | None = None
     """Global minibatch in samples, when known: no device or micro-batch gets less than one."""
+    families: tuple[str, ...] = ("ps", "gossip", "localsgd")
+    """Synchronization families drawn beside data parallelism and pipelines."""
+    ps_servers: int = 1
+    """Parameter servers of the ``ps`` curve."""
+    period: int = 4
+    """Local SGD's averaging period."""
 
     def __post_init__(self) -> None:
+        unknown = sorted(set(self.families) - set(FAMILIES))
+        if unknown:
+            raise UsageError(f"--families {unknown[0]!r} is not one of: {', '.join(FAMILIES)} "
+                             f"(or none)")
+        if self.ps_servers < 1:
+            raise UsageError(f"--ps-servers must be at least 1 (got {self.ps_servers})")
+        if self.period < 1:
+            raise UsageError(f"--period must be at least 1 (got {self.period})")
         if not isinstance(self.max_devices, int) or self.max_devices < 1:
             raise UsageError(f"--max-devices must be at least 1 (got {self.max_devices})")
         ratios = [r for r in self.compressions if not isinstance(r, str)]
@@ -180,7 +206,22 @@ def _strategies(profile: ModelProfile, cluster: Cluster, n: int, options: ScaleO
     except UsageError as exc:
         hybrid = str(exc)
     strategies.append(("hybrid", hybrid, sim))
+    strategies += [(name, _family(name, profile, n, options), sim) for name in options.families]
     return strategies
+
+
+def _family(name: str, profile: ModelProfile, n: int, options: ScaleOptions) -> Plan | str:
+    """A one-stage plan on ``n`` devices synchronized by ``name`` (or why it cannot run)."""
+    servers = options.ps_servers if name == "ps" else 0
+    workers = n - servers
+    if workers < 1:
+        return f"{servers} server(s) leave no worker"
+    if options.batch_samples is not None and options.batch_samples < workers:
+        return f"fewer samples ({options.batch_samples}) than workers"
+    sync = {"ps": lambda: ParameterServerSync(servers=servers),
+            "gossip": lambda: GossipSync(topology="ring"),
+            "localsgd": lambda: LocalSGDSync(period=options.period)}[name]()
+    return dataclasses.replace(data_parallel_plan(profile, workers), num_devices=n, sync=sync)
 
 
 def _micro(plan: Plan, options: ScaleOptions) -> Plan | str:

@@ -21,6 +21,12 @@ back and the step time is the last one's on worker 0, as the runtime measures it
 asynchronous schedule runs long enough to reach its steady state and the step time is the time
 per minibatch there.
 
+One-stage plans that synchronize otherwise (``plan.sync`` a parameter server, gossip, local SGD
+or EASGD spec) are simulated by :mod:`tandem.planning.servers` and
+:mod:`tandem.planning.decentralized`, chosen by ``type(plan.sync)``; their results say what
+their step time means (``SimResult.step_meaning``: a global step, a period's mean, or a
+worker's time between updates for asynchronous methods) and count ``updates_per_s``.
+
 Memory per device: parameters, their gradients, optimizer state (``optimizer_state_factor`` ×
 parameters), weight versions stashed by PipeDream's schedule, and the activations of the
 micro-batches in flight (the outputs of the stage's layers, from a forward to its backward).
@@ -30,17 +36,26 @@ What it does not model:
 - compute that does not scale linearly with the micro-batch (small batches run less
   efficiently on GPUs), per-kernel launch costs, and framework overhead per action beyond
   ``compute_overhead_s`` and ``send_overhead_s``; branches of a DAG inside a stage run one
-  after another; stragglers and noise;
+  after another; stragglers, noise and any variability between workers, so backup workers
+  (``ParameterServerSync.backup``) only change who waits at the servers' ports, and
+  asynchronous methods (async and SSP parameter servers, AD-PSGD) run in lock-step
+  steady states that real runs reach only on average;
 - interference between communication and compute on one device (memory bandwidth, cores used
   by the communication library), the reduction arithmetic of allreduces; compression's
   encode/decode time unless a codec is named (``SimOptions.compress``; ratios cost nothing);
 - the network beyond one full-duplex port per unit and level: no switch topology, congestion
   control or TCP dynamics; collectives do not contend with point-to-point transfers or with
-  each other;
+  each other; gossip's simultaneous exchanges share ports as a fluid (each port moves all its
+  bytes at full bandwidth, every edge ends when its busier port is done), not packet by packet;
 - memory beyond the parts above: no workspace, temporary communication buffers, fragmentation
   or receive buffers, and the parts' peaks are added as if they coincided;
 - data loading, the loss, logging, evaluation and checkpoints; vertical sync's version
-  messages.
+  messages; parameter servers' message headers, their first (exact) replies, the goodbyes and
+  liveness checks; a parameter server's own arithmetic beyond ``server_message_s`` per message
+  and an optimizer step per update (its summing of pushes, Python's per-message cost unless
+  ``server_message_s`` says it); AD-PSGD's passive side contending with its own training for
+  the device; convergence: a method's step time says nothing of how many steps it needs
+  (asynchronous updates are stale, local SGD and gossip workers disagree).
 """
 
 from __future__ import annotations
@@ -65,6 +80,13 @@ from tandem.planning.costs import (
 from tandem.planning.replay import Replay, Workload, replay
 from tandem.profile import ModelProfile
 from tandem.schedule import SCHEDULE_KINDS, Schedule, generate
+from tandem.sync_spec import (
+    AllReduceSync,
+    ElasticAveragingSync,
+    GossipSync,
+    LocalSGDSync,
+    ParameterServerSync,
+)
 from tandem.timeline import Timeline
 
 CODEC_RATIOS = {"fp16": 2.0, "bf16": 2.0, "int8": 4.0, "sign": 32.0, "1bit": 32.0}
@@ -116,6 +138,9 @@ class SimOptions:
     faster (an assumption, not a measurement)."""
     codec_speed: CodecSpeed | None = None
     """The codec's encode and decode speed; None: its measured default."""
+    server_message_s: float = 0.0
+    """Parameter servers: seconds a server spends on each push it handles besides decoding and
+    its optimizer step (receiving into Python, summing, bookkeeping)."""
 
     def __post_init__(self) -> None:
         if self.allreduce not in ALGORITHMS:
@@ -128,6 +153,9 @@ class SimOptions:
             raise UsageError(f"allreduce latency must not be negative (got {self.allreduce_latency_s})")
         if self.num_steps < 1:
             raise UsageError(f"num_steps must be at least 1 (got {self.num_steps})")
+        if not (self.server_message_s >= 0 and math.isfinite(self.server_message_s)):
+            raise UsageError(f"server message time must be a non-negative number of seconds "
+                             f"(got {self.server_message_s})")
         if not (self.codec_speedup > 0 and math.isfinite(self.codec_speedup)):
             raise UsageError(f"codec speed-up must be a positive number (got {self.codec_speedup})")
         if self.compress is not None:
@@ -165,6 +193,8 @@ class WorkerResult:
     activation_bytes: float
     """Most activation bytes held at once."""
     peak_memory_bytes: float
+    role: str = "worker"
+    """``worker``, or ``server`` for a parameter server (its figures per update)."""
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -192,6 +222,13 @@ class SimResult:
     memory_limit_bytes: float | None
     workers: list[WorkerResult]
     timeline: Timeline
+    method: str = "allreduce"
+    """The plan's synchronization method (``allreduce``, ``ps``, ``gossip``, ...)."""
+    step_meaning: str = ""
+    """What ``step_time_s`` measures, when it is not one synchronous step of the schedule."""
+    updates_per_s: float | None = None
+    """Updates of the model per second, all workers' together (None for schedules whose
+    step is the update: 1 / ``step_time_s``)."""
 
     @property
     def fits_memory(self) -> bool:
@@ -220,6 +257,8 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
     not fit the profile or the cluster."""
     options = options or SimOptions()
     check_plan(plan, profile, cluster)
+    if not plan.pipelined and not isinstance(plan.sync, AllReduceSync):
+        return simulate_family(plan, profile, cluster, options)
     costs = stage_costs(plan, profile, bucket_bytes=options.bucket_bytes,
                         first_bucket_bytes=min(DDP_FIRST_BUCKET_BYTES, options.bucket_bytes))
     schedule = plan_schedule(plan)
@@ -227,6 +266,17 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
     steps = 1 if schedule.kind == "pipedream" else options.num_steps
     run = replay(schedule, workload, cluster, num_steps=steps, record=options.record)
     return _result(plan, profile, cluster, schedule, costs, run, workload, options)
+
+
+def simulate_family(plan: Plan, profile: ModelProfile, cluster: Cluster,
+                    options: SimOptions) -> SimResult:
+    """A one-stage plan whose sync is not allreduce, by the model of ``type(plan.sync)``."""
+    from tandem.planning.decentralized import simulate_averaging, simulate_gossip
+    from tandem.planning.servers import simulate_ps
+
+    models = {ParameterServerSync: simulate_ps, GossipSync: simulate_gossip,
+              LocalSGDSync: simulate_averaging, ElasticAveragingSync: simulate_averaging}
+    return models[type(plan.sync)](plan, profile, cluster, options)
 
 
 def plan_schedule(plan: Plan) -> Schedule:
