@@ -10,9 +10,11 @@ from tandem.errors import UsageError
 from tandem.profile import ModelProfile, load_profile
 
 
-def add_source_args(p: argparse.ArgumentParser, *, batch_help: str, batch_default: int | None) -> None:
-    """``--model`` or ``--profile`` (one required), ``--batch-size`` and ``--data``."""
-    source = p.add_mutually_exclusive_group(required=True)
+def add_source_args(p: argparse.ArgumentParser, *, batch_help: str, batch_default: int | None,
+                    required: bool = True) -> None:
+    """``--model`` or ``--profile`` (one of them ``required``: otherwise the command checks),
+    ``--batch-size`` and ``--data``."""
+    source = p.add_mutually_exclusive_group(required=required)
     source.add_argument("--model", help="profile this model spec locally first (e.g. vgg)")
     source.add_argument("--profile", help="profile file: tandem JSON or PipeDream graph.txt")
     p.add_argument("--batch-size", type=int, default=batch_default, help=batch_help)

@@ -45,12 +45,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "compute, link bandwidth and latency, collectives) and print the predicted step time, "
         "throughput, busy and idle time and peak memory per device.",
     )
-    p.add_argument("--plan", required=True,
+    p.add_argument("--against", metavar="RUN_DIR",
+                   help="predict a finished run (tandem train --out RUN_DIR) on this machine and "
+                   "print predicted next to measured step times (tandem.commands.against)")
+    p.add_argument("--plan",
                    help="a plan JSON (tandem plan -o / tandem search -o), or one stage on every "
                    "device synchronized by: dp (allreduce), ps (parameter servers: the first "
                    "--servers devices), gossip, localsgd or easgd, with the options below")
     add_source_args(p, batch_help="global minibatch in samples (default: the profile's); "
-                    "with --model also the batch to profile at (default 32)", batch_default=None)
+                    "with --model also the batch to profile at (default 32)", batch_default=None,
+                    required=False)
     add_cluster_args(p)
     add_sim_args(p)
     add_codec_args(p)
@@ -243,6 +247,12 @@ def gantt_steps(result: SimResult) -> set[int] | None:
 
 def run(args: argparse.Namespace) -> int:
     """Simulate, print a table (stderr with --json) or JSON, and write the trace and chart."""
+    if args.against is not None:
+        from tandem.commands.against import run_against
+
+        return run_against(args)
+    if args.plan is None or (args.model is None and args.profile is None):
+        raise UsageError("give --plan with --model or --profile, or --against RUN_DIR")
     profile, cluster = planning_inputs(args)
     plan = load_plan(args.plan, profile, cluster, args)
     if args.schedule:
