@@ -192,3 +192,74 @@ def test_wrong_peer() -> None:
         w2: 1RA1<0 1F1 1B1 1SG1>0 1AR 1ST
     """)
     assert "- 0SA0>0 on w0 names w0, which does not run stage 1" in message
+
+
+def test_a_flush_schedule_steps_once_after_the_last_backward() -> None:
+    # 1F1B on 2 workers with w0's 0ST deleted runs without hanging, and stage 0 never trains.
+    message = rejected("""
+        1f1b replicas=1-1 microbatches=2
+        w0: 0F0 0SA0>1 0RG0<1 0F1 0SA1>1 0RG1<1 0B0 0B1
+        w1: 1RA0<0 1F0 1RA1<0 1B0 1SG0>0 1F1 1B1 1SG1>0 1ST
+    """)
+    assert "- w0 never takes its optimizer step: add 0ST after its last backward" in message
+    message = rejected("""
+        1f1b replicas=1-1 microbatches=2
+        w0: 0F0 0SA0>1 0RG0<1 0F1 0SA1>1 0RG1<1 0B0 0ST 0B1
+        w1: 1RA0<0 1F0 1RA1<0 1B0 1SG0>0 1F1 1B1 1SG1>0 1ST 1ST
+    """)
+    assert "- 0ST on w0 comes before the last backward 0B1: move it to the end" in message
+    assert ("- w1 takes 2 optimizer steps; a 1f1b schedule steps once, after the last "
+            "backward: keep one 1ST") in message
+    assert "*1ST*" in message
+    message = rejected("""
+        gpipe replicas=1 microbatches=2
+        w0: 0F0 0F1 0B0 0B1 0ST1
+    """)
+    assert ("- 0ST1 on w0: a gpipe schedule updates once per step, after every micro-batch; "
+            "write 0ST without a micro-batch") in message
+
+
+def test_replicas_of_a_flush_schedule_allreduce_between_backward_and_step() -> None:
+    message = rejected("""
+        gpipe replicas=2-1 microbatches=2
+        w0: 0F0 0SA0>2 0RG0<2 0B0 0ST
+        w1: 0F1 0SA1>2 0RG1<2 0B1 0ST
+        w2: 1RA0<0 1RA1<1 1F0 1F1 1B0 1SG0>0 1B1 1SG1>1 1ST
+    """)
+    assert ("- w0 never averages its gradients with stage 0's other replicas: add 0AR between "
+            "its last backward and 0ST") in message
+    message = rejected("""
+        gpipe replicas=2-1 microbatches=2
+        w0: 0F0 0SA0>2 0RG0<2 0B0 0ST 0AR
+        w1: 0F1 0SA1>2 0RG1<2 0B1 0ST 0AR
+        w2: 1RA0<0 1RA1<1 1F0 1F1 1B0 1SG0>0 1B1 1SG1>1 1ST
+    """)
+    assert ("- 0AR on w1 comes after the step 0ST, which would use this replica's gradients "
+            "alone: move it before") in message
+
+
+def test_pipedream_steps_after_each_minibatch() -> None:
+    good = generate("pipedream", [2, 1], 2)
+    assert good.text().splitlines()[1:] == [
+        "w0: 0RG0<2 0F0 0SA0>2 0B0 0AR0 0ST0",
+        "w1: 0RG1<2 0F1 0SA1>2 0B1 0AR1 0ST1",
+        "w2: 1RA0<0 1F0 1RA1<1 1B0 1SG0>0 1ST0 1F1 1B1 1SG1>1 1ST1",
+    ]
+    message = rejected("""
+        pipedream replicas=2-1 microbatches=2
+        w0: 0RG0<2 0F0 0SA0>2 0B0 0AR0 0ST0
+        w1: 0RG1<2 0F1 0SA1>2 0B1 0ST1 0AR1
+        w2: 1RA0<0 1F0 1RA1<1 1B0 1SG0>0 1F1 1B1 1SG1>1 1ST1 1ST
+    """)
+    assert ("- 0ST1 on w1 steps before stage 0's replicas average minibatch 1's gradients: put "
+            "0AR1 between 0B1 and it") in message
+    assert ("- 1ST on w2: pipedream updates after each minibatch's backward; write "
+            "1ST<minibatch>, e.g. 1ST0") in message
+    assert "- w2 never steps after 1B0: add 1ST0 after it" in message
+    message = rejected("""
+        pipedream replicas=1-1 microbatches=2
+        w0: 0RG0<1 0F0 0SA0>1 0ST1 0RG1<1 0F1 0SA1>1 0B0 0ST0 0B1 0ST1 0ST1
+        w1: 1RA0<0 1F0 1RA1<0 1B0 1SG0>0 1ST0 1F1 1B1 1SG1>0 1ST1
+    """)
+    assert "- 0ST1 on w0 comes before (or without) the backward 0B1 on that worker" in message
+    assert "- 0ST1 on w0 is there twice for minibatch 1" in message

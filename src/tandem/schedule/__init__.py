@@ -12,7 +12,7 @@ Usage::
     print(grid(schedule))      # the dry run, one row per step, one column per worker
 """
 
-from tandem.schedule.action import Action, Kind
+from tandem.schedule.action import Action, Kind, ScheduleParseError
 from tandem.schedule.check import ScheduleError, check, dry_run_times, grid
 from tandem.schedule.generators import (
     GENERATORS,
@@ -31,7 +31,8 @@ from tandem.schedule.schedule import (
 )
 
 __all__ = [
-    "GENERATORS", "SCHEDULE_KINDS", "Action", "Kind", "Schedule", "ScheduleError", "check",
+    "GENERATORS", "SCHEDULE_KINDS", "Action", "Kind", "Schedule", "ScheduleError",
+    "ScheduleParseError", "check",
     "dry_run_times",
     "generate", "gpipe", "grid", "make_schedule", "num_in_flight", "one_f_one_b", "pipedream",
     "worker_for", "worker_of",

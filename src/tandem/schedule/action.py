@@ -25,6 +25,13 @@ import dataclasses
 import enum
 import re
 
+from tandem.errors import UsageError
+
+
+class ScheduleParseError(UsageError):
+    """A schedule or action that is not written in the text form; the message names the bad
+    text and shows how it should look."""
+
 
 class Kind(enum.Enum):
     """What an action does; the value is its code in the text form."""
@@ -59,6 +66,15 @@ class Kind(enum.Enum):
         return self in (Kind.ALLREDUCE, Kind.STEP, Kind.PUSH, Kind.PULL, Kind.EXCHANGE)
 
 
+_DESCRIPTION = {
+    Kind.FORWARD: "forward", Kind.BACKWARD: "backward", Kind.SEND_ACT: "send of an activation",
+    Kind.RECV_ACT: "receive of an activation", Kind.SEND_GRAD: "send of a gradient",
+    Kind.RECV_GRAD: "receive of a gradient", Kind.ALLREDUCE: "allreduce",
+    Kind.STEP: "optimizer step", Kind.PUSH: "push", Kind.PULL: "pull",
+    Kind.EXCHANGE: "gossip exchange",
+}
+"""What each kind of action is called in error messages."""
+
 _PATTERN = re.compile(r"(\d+)(F|B|SA|RA|SG|RG|AR|ST|PU|PL|GX)(\d*)(?:([<>])(\d+))?")
 
 
@@ -75,11 +91,28 @@ class Action:
     """Worker index sent to or received from (communication actions only)."""
 
     def __post_init__(self) -> None:
+        problem = self._problem()
+        if problem:
+            raise ScheduleParseError(problem)
+
+    def _problem(self) -> str | None:
+        """What makes this action impossible to run, in one line, or None."""
         needs_peer = self.kind.is_send or self.kind.is_recv
-        assert needs_peer == (self.peer is not None), f"peer mismatch in {self!r}"
-        assert self.microbatch is not None or self.kind.optional_microbatch, (
-            f"{self.kind.name} needs a micro-batch"
-        )
+        fields = (("stage", self.stage), ("micro-batch", self.microbatch), ("peer", self.peer))
+        name = _DESCRIPTION[self.kind]
+        for field, value in fields:
+            if value is not None and (not isinstance(value, int) or value < 0):
+                return (f"the {field} of a {name} must be a whole number of 0 or more "
+                        f"(got {value!r})")
+        if needs_peer and self.peer is None:
+            arrow = ">" if self.kind.is_send else "<"
+            return f"action '{self}': a {name} needs its peer worker (e.g. {self}{arrow}1)"
+        if not needs_peer and self.peer is not None:
+            return (f"a {name} of stage {self.stage} takes no peer (peer: {self.peer}); "
+                    "only sends and receives name one")
+        if self.microbatch is None and not self.kind.optional_microbatch:
+            return f"action '{self}': a {name} needs a micro-batch (e.g. {self}0)"
+        return None
 
     def __str__(self) -> str:
         text = f"{self.stage}{self.kind.value}{'' if self.microbatch is None else self.microbatch}"
@@ -89,13 +122,16 @@ class Action:
 
     @classmethod
     def parse(cls, text: str) -> Action:
-        """The action written as ``text`` (inverse of ``str``)."""
+        """The action written as ``text`` (inverse of ``str``); :class:`ScheduleParseError`
+        (a ``ValueError``) naming the text otherwise."""
         match = _PATTERN.fullmatch(text.strip())
         if not match:
-            raise ValueError(f"not a schedule action: {text!r} (expected e.g. 2F0, 1SA3>2, 0ST)")
+            raise ScheduleParseError(f"not a schedule action: {text!r} (expected e.g. 2F0, "
+                                     "1SA3>2, 2RA3<1, 0AR, 0ST)")
         stage, code, microbatch, arrow, peer = match.groups()
         kind = Kind(code)
         if (arrow == ">") != kind.is_send or (arrow == "<") != kind.is_recv:
-            raise ValueError(f"action {text!r}: sends take '>peer', receives '<peer', others none")
+            raise ScheduleParseError(f"action {text!r}: sends take '>peer' (1SA3>2), receives "
+                                     "'<peer' (2RA3<1), other actions none")
         return cls(stage=int(stage), kind=kind, microbatch=int(microbatch) if microbatch else None,
                    peer=int(peer) if peer else None)

@@ -16,6 +16,10 @@ local. Sends and receives between two workers match in the order they are issued
 gloo match them), separately for each direction. Each step of the dry run, every worker whose
 next action can run runs it (an action that a step enables runs at the next step).
 
+Besides hangs it rejects schedules that would run and train wrongly: a worker that never
+steps, steps twice, or steps before its replicas have averaged their gradients (the rules are in
+``updates.py``).
+
 What it does not model: time (a step is not a duration: the simulator gives durations),
 memory, and buffering limits. NCCL serializes the point-to-point operations between two ranks
 on one stream whatever their direction, so an engine on NCCL must keep the two directions on
@@ -31,6 +35,7 @@ from collections.abc import Callable
 from tandem.errors import UsageError
 from tandem.schedule.action import Action, Kind
 from tandem.schedule.schedule import Schedule
+from tandem.schedule.updates import update_problems
 
 Site = tuple[int, int]
 """``(worker, index)`` of one action in a schedule."""
@@ -116,6 +121,8 @@ def _analyze(schedule: Schedule) -> _Analysis:
     analysis = _Analysis()
     for worker in range(schedule.num_workers):
         _walk_worker(schedule, worker, analysis)
+        for message, marks in update_problems(schedule, worker):
+            analysis.add(message, *marks)
     _match_pairs(schedule, analysis)
     _count_computes(schedule, analysis)
     _match_collectives(schedule, analysis)

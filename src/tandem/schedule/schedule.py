@@ -8,11 +8,15 @@ PipeDream).
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Sequence
 
-from tandem.schedule.action import Action
+from tandem.schedule.action import Action, ScheduleParseError
 
 SCHEDULE_KINDS = ("gpipe", "1f1b", "pipedream")
+_HEADER = re.compile(r"(\S+)\s+replicas=(\d+(?:-\d+)*)\s+microbatches=(\d+)")
+_HEADER_EXAMPLE = "'1f1b replicas=2-1 microbatches=4'"
+_WORKER = re.compile(r"w(\d+)\s*:(.*)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -30,8 +34,21 @@ class Schedule:
     """Actions of each worker, in order."""
 
     def __post_init__(self) -> None:
-        assert self.kind in SCHEDULE_KINDS, self.kind
-        assert len(self.workers) == self.num_workers, "one action list per worker"
+        if self.kind not in SCHEDULE_KINDS:
+            raise ScheduleParseError(f"unknown schedule kind {self.kind!r} (known: "
+                                     f"{', '.join(SCHEDULE_KINDS)})")
+        replicas = "-".join(map(str, self.replicas))
+        if not self.replicas or any(not isinstance(r, int) or r < 1 for r in self.replicas):
+            raise ScheduleParseError(f"every stage needs at least one replica (replicas: "
+                                     f"{replicas or 'none'}); write e.g. replicas=2-1")
+        if not isinstance(self.num_microbatches, int) or self.num_microbatches < 1:
+            raise ScheduleParseError(f"a schedule needs at least one micro-batch "
+                                     f"(microbatches: {self.num_microbatches})")
+        if len(self.workers) != self.num_workers:
+            raise ScheduleParseError(
+                f"replicas {replicas} make {self.num_workers} workers but the schedule lists "
+                f"{len(self.workers)}; write one line per worker, w0 to w{self.num_workers - 1}"
+            )
 
     @property
     def num_stages(self) -> int:
@@ -65,17 +82,32 @@ class Schedule:
 
     @classmethod
     def parse(cls, text: str) -> Schedule:
-        """The schedule written by :meth:`text`."""
-        header, *lines = [line for line in text.strip().splitlines() if line.strip()]
-        kind, replicas_field, microbatches_field = header.split()
-        replicas = tuple(int(r) for r in replicas_field.removeprefix("replicas=").split("-"))
-        workers = tuple(
-            tuple(Action.parse(item) for item in line.split(":", 1)[1].split())
-            for line in lines
-        )
-        return cls(kind=kind, replicas=replicas,
-                   num_microbatches=int(microbatches_field.removeprefix("microbatches=")),
-                   workers=workers)
+        """The schedule written by :meth:`text`; :class:`ScheduleParseError` (a ``ValueError``)
+        naming the bad line and how it should look otherwise."""
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        if not lines:
+            raise ScheduleParseError(f"empty schedule: its first line must be like "
+                                     f"{_HEADER_EXAMPLE}, then one line per worker")
+        header = _HEADER.fullmatch(lines[0])
+        if not header:
+            raise ScheduleParseError(f"schedule header {lines[0]!r} is not like "
+                                     f"{_HEADER_EXAMPLE}")
+        kind, replicas, microbatches = header.groups()
+        workers = tuple(_parse_worker(index, line) for index, line in enumerate(lines[1:]))
+        return cls(kind=kind, replicas=tuple(int(r) for r in replicas.split("-")),
+                   num_microbatches=int(microbatches), workers=workers)
+
+
+def _parse_worker(index: int, line: str) -> tuple[Action, ...]:
+    """The actions of the line ``w{index}: ...``."""
+    match = _WORKER.fullmatch(line)
+    if not match or int(match[1]) != index:
+        raise ScheduleParseError(f"schedule line {line[:60]!r} should be worker {index}'s: "
+                                 f"'w{index}: ' and its actions, e.g. 'w{index}: 0F0 0B0 0ST'")
+    try:
+        return tuple(Action.parse(item) for item in match[2].split())
+    except ScheduleParseError as error:
+        raise ScheduleParseError(f"w{index}: {error}") from None
 
 
 def worker_of(replicas: Sequence[int], stage: int, replica: int) -> int:
