@@ -1,4 +1,5 @@
-"""Simulator fidelity: predicted vs measured step time for GPipe, 1F1B, PipeDream and DP.
+"""Simulator fidelity: predicted vs measured step time for GPipe, 1F1B, PipeDream, DP, parameter
+servers and gossip.
 
 Every measurement is a real run of the command line (``tandem train ... --json``, whose
 ``step_time_s`` is rank 0's median step after two warm-up steps; for PipeDream's schedule the
@@ -8,7 +9,11 @@ every prediction simulates the same plan on a cluster model of this machine
 
 - ``emulated``: PipeDream's VGG-16 profile played by the emulated model (each block sleeps its
   profiled time, so 2-8 workers on this 2-core machine behave like devices: sleeping workers do
-  not compete for the CPU). Target: every simulated step within 5% of the measured one.
+  not compete for the CPU). Target: every simulated step within 5% of the measured one; for
+  the parameter servers (one server and 4 workers, sync and async) and D-PSGD on a ring of 4,
+  within 10%. A sync server's step is the run's time per update (server 0's wall / updates);
+  an async one's is a worker's time between its own updates (that, times the workers); a
+  gossip step is rank 0's median step.
 - ``ranking``: six plans of that model on four devices, in the order the simulator ranks them;
   target: the measured order is the same.
 - ``real``: a real MLP on the CPU with one and two workers of one thread each (target 15%),
@@ -56,6 +61,7 @@ from tandem.plan import Plan  # noqa: E402
 from tandem.planning.balance import balanced_plan  # noqa: E402
 from tandem.planning.simulate import SimOptions, data_parallel_plan, simulate  # noqa: E402
 from tandem.profile import ModelProfile, load_profile  # noqa: E402
+from tandem.sync_spec import GossipSync, ParameterServerSync  # noqa: E402
 from tandem.schedule import Kind  # noqa: E402
 from tandem.timeline import event_action  # noqa: E402
 
@@ -79,13 +85,20 @@ class Case:
 
     name: str
     kind: str
-    """``gpipe``, ``1f1b``, ``pipedream`` or ``dp``."""
+    """``gpipe``, ``1f1b``, ``pipedream``, ``dp``, ``ps`` or ``gossip``."""
     replicas: tuple[int, ...]
     microbatches: int | None = None
+    mode: str = ""
+    """``ps``: its mode (one server); ``gossip``: its topology."""
+
+    @property
+    def servers(self) -> int:
+        return 1 if self.kind == "ps" else 0
 
     @property
     def workers(self) -> int:
-        return sum(self.replicas)
+        """Processes of the run (parameter servers included)."""
+        return sum(self.replicas) + self.servers
 
 
 EMULATED = [
@@ -100,6 +113,9 @@ EMULATED = [
     Case("1f1b 8 stages, M=16", "1f1b", (1,) * 8, 16),
     Case("pipedream 8 stages", "pipedream", (1,) * 8),
     Case("dp 8", "dp", (8,)),
+    Case("ps sync 1+4", "ps", (4,), mode="sync"),
+    Case("ps async 1+4", "ps", (4,), mode="async"),
+    Case("gossip ring 4", "gossip", (4,), mode="ring"),
 ]
 RANKING = [
     Case("dp 4", "dp", (4,)),
@@ -137,6 +153,10 @@ def train_args(case: Case, plan_path: str, model: str, data: str, batch: int, st
               "--log-every", str(steps)]
     if case.kind == "dp":
         return [*common, "--strategy", "dp"]
+    if case.kind == "ps":
+        return [*common, "--strategy", "ps", "--servers", "1", "--mode", case.mode]
+    if case.kind == "gossip":
+        return [*common, "--strategy", "gossip", "--topology", case.mode]
     extra = ["--microbatches", str(case.microbatches)] if case.microbatches else []
     return [*common, "--strategy", "pipeline", "--plan", plan_path, "--schedule", case.kind, *extra]
 
@@ -145,6 +165,10 @@ def measure(case: Case, plan_path: str, model: str, data: str, batch: int, steps
             tmp: Path) -> float:
     """Measured step time of ``case``: rank 0's median step (flush schedules, DP), or for
     PipeDream the steady-state time per minibatch on stage 0, from the run's trace."""
+    if case.kind == "ps":  # time per update over the run: a worker's step is that x workers
+        out = tandem(*train_args(case, plan_path, model, data, batch, 3 * steps))
+        per_update = float(json.loads(out.strip().splitlines()[-1])["step_time_s"])
+        return per_update * (sum(case.replicas) if case.mode != "sync" else 1)
     if case.kind != "pipedream":
         out = tandem(*train_args(case, plan_path, model, data, batch, steps))
         return float(json.loads(out.strip().splitlines()[-1])["step_time_s"])
@@ -168,6 +192,11 @@ def pipedream_minibatch_s(trace: Path, stage0_workers: int, rounds: int, steps: 
 
 
 def make_plan(case: Case, profile: ModelProfile) -> Plan:
+    if case.kind in ("ps", "gossip"):
+        sync = (ParameterServerSync(servers=1, mode=case.mode) if case.kind == "ps"
+                else GossipSync(topology=case.mode))
+        plan = data_parallel_plan(profile, sum(case.replicas))
+        return dataclasses.replace(plan, num_devices=case.workers, sync=sync)
     if case.kind == "dp":
         return data_parallel_plan(profile, case.workers)
     return balanced_plan(profile, list(case.replicas), schedule=case.kind,
@@ -636,6 +665,10 @@ def _verdicts(summary: dict[str, Any]) -> dict[str, Any]:
     if "emulated" in summary:
         verdict["emulated_max_error"] = max(abs(r["error"]) for r in summary["emulated"])
         verdict["emulated_within_5pct"] = verdict["emulated_max_error"] <= 0.05
+        families = [r for r in summary["emulated"] if r["case"].startswith(("ps ", "gossip "))]
+        if families:
+            verdict["families_max_error"] = max(abs(r["error"]) for r in families)
+            verdict["families_within_10pct"] = verdict["families_max_error"] <= 0.10
     if "ranking" in summary:
         rows = summary["ranking"]
         by_sim = [r["case"] for r in sorted(rows, key=lambda r: r["simulated_s"])]

@@ -14,6 +14,7 @@ from tandem.commands.simulate import add_codec_args, add_sim_args, planning_inpu
 from tandem.errors import UsageError
 from tandem.plan import Plan
 from tandem.planning import PartitionOptions, make_plan
+from tandem.planning.family_search import FAMILIES, best_of_families, describe_sync
 from tandem.planning.search import Candidate, SearchOptions, SearchResult, search
 from tandem.profile import ModelProfile
 from tandem.schedule import SCHEDULE_KINDS
@@ -29,7 +30,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="search stages, replicas, schedule and micro-batches with the simulator",
         description="Metropolis-Hastings over plans (stage boundaries, replicas per stage, "
         "schedule, micro-batches) with the simulator as cost and device memory as a "
-        "constraint, started from data parallelism and from the partitioner's plan.",
+        "constraint, started from data parallelism and from the partitioner's plan; then the "
+        "fastest plan of each other synchronization family (parameter servers, gossip, local "
+        "SGD, EASGD), reported apart.",
     )
     add_source_args(p, batch_help="global minibatch in samples (default: the profile's); "
                     "with --model also the batch to profile at (default 32)", batch_default=None)
@@ -43,6 +46,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="schedules to consider (default: gpipe,1f1b,pipedream)")
     p.add_argument("--max-microbatches", type=int, default=64, metavar="M",
                    help="most micro-batches per step to consider (default 64)")
+    p.add_argument("--families", default=",".join(FAMILIES),
+                   help=f"synchronization families whose best plan is reported beside the "
+                   f"search's (default {','.join(FAMILIES)}; 'none' for none); they are "
+                   f"compared on time per step, not convergence")
+    p.add_argument("--pick", default="allreduce", metavar="METHOD",
+                   help="whose best plan -o writes and the run line shows: allreduce (the "
+                   "search's, default) or one of the families")
     p.add_argument("-o", "--output", help="write the best plan JSON here")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.set_defaults(run=run)
@@ -117,6 +127,31 @@ def _candidate_dict(candidate: Candidate | None) -> dict[str, Any] | None:
     return {"plan": candidate.plan.to_dict(), "result": candidate.result.to_dict()}
 
 
+def family_command(plan: Plan) -> str:
+    """The ``tandem train`` line of a family's one-stage plan (its spec's flags, from ``FLAGS``)."""
+    sync = plan.sync
+    default = type(sync)()
+    flags = []
+    for flag, name in sync.FLAGS.items():
+        value = getattr(sync, name)
+        if value != getattr(default, name) or flag in ("--servers", "--mode", "--topology", "--period"):
+            flags.append(flag if value is True else f"{flag} {value}")
+    return (f"tandem train --strategy {sync.method} {' '.join(flags)} "
+            f"--nproc {plan.num_workers} ...")
+
+
+def format_families(families: dict[str, Candidate], best_s: float) -> str:
+    """One line per family: its fastest plan, step and speed relative to the search's best."""
+    lines = ["best of each synchronization family (time per step, not convergence):"]
+    for method, candidate in families.items():
+        result = candidate.result
+        workers = candidate.plan.stages[0].replicas
+        lines.append(f"  {method:<9} {describe_sync(candidate.plan.sync, workers):<40} "
+                     f"{result.step_time_s * 1e3:10.3f} ms  ({best_s / result.step_time_s:.2f}x "
+                     f"the search's best speed)")
+    return "\n".join(lines)
+
+
 def result_dict(found: SearchResult) -> dict[str, Any]:
     """The JSON output of ``tandem search``."""
     step = found.best.result.step_time_s
@@ -148,14 +183,31 @@ def run(args: argparse.Namespace) -> int:
     sim = sim_options(args, profile)
     partitioner, error = _partitioner(profile, cluster)
     found = search(profile, cluster, options, sim, partitioner)
-    best = found.best.plan
-    best.bottleneck_s = found.best.result.step_time_s
-    best.options = {"found_by": "tandem search", "seed": args.seed}
+    methods = () if args.families.strip() == "none" else tuple(
+        m.strip() for m in args.families.split(",") if m.strip())
+    if args.pick != "allreduce" and args.pick not in methods:
+        raise UsageError(f"--pick {args.pick!r} is not allreduce or one of --families "
+                         f"{','.join(methods) or 'none'}; e.g. --pick ps")
+    families = best_of_families(profile, cluster, sim, methods, _batch_samples(args, profile))
+    chosen = found.best if args.pick == "allreduce" else families.get(args.pick)
+    if chosen is None:
+        raise UsageError(f"no {args.pick} plan fits in memory on this cluster; pick another family")
+    best = chosen.plan
+    best.bottleneck_s = chosen.result.step_time_s
+    best.options = {"found_by": "tandem search", "seed": args.seed, "pick": args.pick}
     human = sys.stderr if args.json else sys.stdout
     print(format_search(found, profile, cluster, error, args.output), file=human)
+    if families:
+        print(format_families(families, found.best.result.step_time_s), file=human)
+    if args.pick != "allreduce":
+        print(f"run {args.pick}'s: {family_command(best)}", file=human)
     if args.output:
         best.save(args.output)
-        print(f"wrote {args.output}", file=human)
+        print(f"wrote {args.output} ({args.pick})", file=human)
     if args.json:
-        print(json.dumps(result_dict(found)))
+        data = result_dict(found)
+        data["families"] = {m: _candidate_dict(c) for m, c in families.items()}
+        data["families_step_time_s"] = {m: c.result.step_time_s for m, c in families.items()}
+        data["pick"] = args.pick
+        print(json.dumps(data))
     return 0
