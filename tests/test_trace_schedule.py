@@ -1,0 +1,101 @@
+"""A pipeline run's trace speaks the schedule's language: every worker's events, in the order
+they were recorded, are named exactly as its actions (``1F3``, ``1SA3>2``, ``2RA3<1``, ``0AR``,
+``0ST5``), once each; the simulator names its predicted events the same way.
+
+The runs are the real command line on a tiny model for a few steps. Starting workers is what
+costs time here, so the runs share the layouts out: the flush schedules on 2 workers (GPipe)
+and on replicas 2-1 (1F1B, with its allreduce), PipeDream on 4 workers and on 2-1; the
+simulator, which costs nothing, is checked on every schedule and layout.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+from pathlib import Path
+
+import pytest
+
+from tandem.cluster import Cluster, Level
+from tandem.planning.replay import Workload, replay
+from tandem.schedule import Action, Schedule, generate
+from tandem.timeline import Event, Timeline, event_action, event_kind
+from tests.conftest import run_json
+
+COMMON = ("--model", "mlp", "--data", "digits", "--batch-size", "16", "--strategy", "pipeline")
+FLUSH_STEPS, PIPEDREAM_STEPS, MICROBATCHES = 3, 4, 4
+LAYOUTS = [(1, 1), (1, 1, 1, 1), (2, 1)]
+ALL_CASES = [(kind, replicas) for kind in ("gpipe", "1f1b", "pipedream") for replicas in LAYOUTS]
+RUN_CASES = [("gpipe", (1, 1)), ("1f1b", (2, 1)), ("pipedream", (1, 1, 1, 1)),
+             ("pipedream", (2, 1))]
+
+
+def case_id(case: tuple[str, tuple[int, ...]]) -> str:
+    return f"{case[0]}-{'-'.join(map(str, case[1]))}"
+
+
+def expected_actions(kind: str, replicas: tuple[int, ...]) -> list[list[Action]]:
+    """Per worker, every action of the run: a flush schedule's per-step list once per step,
+    PipeDream's single schedule over all the run's minibatches."""
+    if kind == "pipedream":
+        return [list(actions) for actions in generate(kind, replicas, PIPEDREAM_STEPS).workers]
+    schedule = generate(kind, replicas, MICROBATCHES)
+    return [list(actions) * FLUSH_STEPS for actions in schedule.workers]
+
+
+def run_flags(kind: str, replicas: tuple[int, ...]) -> tuple[str, ...]:
+    flags = ("--schedule", kind, "--nproc", str(sum(replicas)))
+    if kind == "pipedream":
+        flags += ("--steps", str(PIPEDREAM_STEPS))
+    else:
+        flags += ("--steps", str(FLUSH_STEPS), "--microbatches", str(MICROBATCHES))
+    if any(r > 1 for r in replicas):
+        flags += ("--replicas", ",".join(map(str, replicas)))
+    return flags
+
+
+def worker_events(events: list[Event], worker: int) -> list[Event]:
+    """``worker``'s events in the order it recorded them."""
+    return [e for e in events if e.worker == worker]
+
+
+@pytest.mark.parametrize(("kind", "replicas"), RUN_CASES, ids=map(case_id, RUN_CASES))
+def test_trace_names_every_executed_action_once_in_order(tmp_path: Path, kind: str,
+                                                         replicas: tuple[int, ...]) -> None:
+    summary = run_json("train", *COMMON, *run_flags(kind, replicas), "--out", str(tmp_path),
+                       timeout_s=120)
+    assert summary["schedule"] == kind and summary["pipeline"] == "-".join(map(str, replicas))
+    events = Timeline.from_json(json.loads((tmp_path / "trace.json").read_text())).events
+    for worker, actions in enumerate(expected_actions(kind, replicas)):
+        traced = worker_events(events, worker)
+        assert [e.name for e in traced] == [str(a) for a in actions], f"worker {worker}"
+        starts = [e.start_s for e in traced]
+        assert starts == sorted(starts), f"worker {worker}: events out of execution order"
+        assert all(e.end_s >= e.start_s for e in traced)
+        per_step = len(actions) // FLUSH_STEPS
+        for index, (event, action) in enumerate(zip(traced, actions)):
+            step = action.microbatch if kind == "pipedream" else index // per_step
+            if step is not None:
+                assert event.step == step, f"worker {worker}: {event}"
+            if action.kind.is_compute:
+                assert event_kind(event.name) == (action.kind.value, str(action.microbatch))
+
+
+@pytest.mark.parametrize(("kind", "replicas"), ALL_CASES, ids=map(case_id, ALL_CASES))
+def test_simulator_names_its_events_like_the_runtime(kind: str,
+                                                     replicas: tuple[int, ...]) -> None:
+    """The predicted timeline has one event per executed action, under the same names."""
+    count = PIPEDREAM_STEPS if kind == "pipedream" else MICROBATCHES
+    schedule: Schedule = generate(kind, replicas, count)
+    stages, workers = len(replicas), schedule.num_workers
+    workload = Workload(forward_s=[1.0] * stages, backward_s=[2.0] * stages,
+                        step_s=[0.5] * stages, output_bytes=[100.0] * stages,
+                        stash_bytes=[100.0] * stages, allreduce_s=[1.0] * stages,
+                        devices=list(range(workers)))
+    cluster = Cluster(levels=(Level(num_units=workers, bandwidth_Bps=100.0, latency_s=0.0),))
+    num_steps = 1 if kind == "pipedream" else FLUSH_STEPS
+    predicted = replay(schedule, workload, cluster, num_steps=num_steps).events
+    for worker, actions in enumerate(expected_actions(kind, replicas)):
+        names = collections.Counter(e.name for e in predicted if e.worker == worker)
+        assert names == collections.Counter(str(a) for a in actions), f"worker {worker}"
+        assert all(event_action(name) is not None for name in names)
