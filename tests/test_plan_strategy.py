@@ -185,3 +185,27 @@ def test_no_strategy_name_is_compared_outside_the_registry() -> None:
     found = subprocess.run(["grep", "-rn", "strategy ==", str(ROOT / "src")],
                            capture_output=True, text=True)
     assert found.stdout == ""
+
+
+DATA_PARALLEL_TRACES = {
+    # strategy flags: each worker's actions in step 1, as the one-stage schedule names them
+    ("dp", "--nproc", "2", "--accumulate", "2"): {
+        0: "0F0 0B0 0F2 0B2 0AR 0ST", 1: "0F1 0B1 0F3 0B3 0AR 0ST"},
+    ("ps", "--nproc", "3"): {0: "0ST", 1: "0F0 0B0 0PU 0PL", 2: "0F1 0B1 0PU 0PL"},
+    ("gossip", "--nproc", "2"): {0: "0F0 0B0 0GX 0ST", 1: "0F1 0B1 0GX 0ST"},
+    ("easgd", "--nproc", "2", "--period", "2"): {0: "0F0 0B0 0ST 0AR", 1: "0F1 0B1 0ST 0AR"},
+    ("localsgd", "--nproc", "2", "--period", "2"): {0: "0F0 0B0 0ST 0AR", 1: "0F1 0B1 0ST 0AR"},
+}
+
+
+@pytest.mark.parametrize("flags", list(DATA_PARALLEL_TRACES), ids=lambda flags: flags[0])
+def test_data_parallel_traces_use_the_schedule_vocabulary(tmp_path: Path, flags: tuple) -> None:
+    """Micro-batch ``m`` of a one-stage plan runs on worker ``m % workers`` (the generator's
+    round-robin); the sync method's own actions follow: allreduce, push/pull, exchange, step."""
+    run_json("train", "--strategy", *flags, "--steps", "2", "--batch-size", "32",
+             "--out", str(tmp_path))
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    seen = {worker: " ".join(e["name"] for e in events if e.get("ph") == "X"
+                             and e["pid"] == worker and e["args"]["step"] == 1)
+            for worker in DATA_PARALLEL_TRACES[flags]}
+    assert seen == DATA_PARALLEL_TRACES[flags]

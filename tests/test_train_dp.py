@@ -86,14 +86,16 @@ def test_resume_gives_the_uninterrupted_result(single: Path, tmp_path: Path) -> 
 
 
 def test_outputs_and_summary(single: Path) -> None:
-    summary = json.loads((single / "config.json").read_text())
-    assert summary["model"] == "mlp"
+    settings = json.loads((single / "config.json").read_text())
+    assert settings["run"]["model"] == "mlp" and settings["plan"]["sync"] == {"method": "allreduce"}
     lines = [json.loads(line) for line in (single / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines if "loss" in line] == [10, 20]
     assert "test_accuracy" in lines[-1]
     timeline = Timeline.from_json(json.loads((single / "trace.json").read_text()))
-    assert {event.name for event in timeline.events} == {"forward", "backward", "step"}
-    assert len([e for e in timeline.events if e.name == "step"]) == 20
+    # the one-stage schedule's actions: forward, backward, DDP's allreduce (during the
+    # backward) and the optimizer step
+    assert {event.name for event in timeline.events} == {"0F0", "0B0", "0AR", "0ST"}
+    assert len([e for e in timeline.events if e.name == "0ST"]) == 20
     assert all(event.end_s >= event.start_s for event in timeline.events)
 
 

@@ -79,6 +79,36 @@ def write_run_files(job: Job, out: Path) -> None:
     job.plan.save(str(out / "plan.json"))
 
 
+WORKER_TRACE = "trace-rank{rank}.json"
+"""A worker's own events, for runs whose workers meet in no collective (parameter servers)."""
+
+
+def save_worker_trace(out: Path, rank: int, clock_start: float, events: list[Event]) -> None:
+    """Write ``events`` (timed from ``clock_start``, a ``perf_counter`` reading) with the wall
+    clock time of ``clock_start``, so that :func:`merge_worker_traces` can align them."""
+    epoch_start = time.time() - (time.perf_counter() - clock_start)
+    payload = {"epoch_start_s": epoch_start, "events": [dataclasses.asdict(e) for e in events]}
+    (out / WORKER_TRACE.format(rank=rank)).write_text(json.dumps(payload))
+
+
+def merge_worker_traces(out: Path, ranks: list[int], clock_start: float,
+                        events: list[Event]) -> Timeline:
+    """``events`` of this process and those saved by the workers ``ranks``, on this process's
+    clock (good to the machines' wall-clock agreement); the saved files are removed."""
+    epoch_start = time.time() - (time.perf_counter() - clock_start)
+    merged = list(events)
+    for rank in ranks:
+        path = out / WORKER_TRACE.format(rank=rank)
+        if not path.exists():  # a worker that died before writing it
+            continue
+        saved = json.loads(path.read_text())
+        shift = saved["epoch_start_s"] - epoch_start
+        merged += [dataclasses.replace(Event(**event), start_s=event["start_s"] + shift,
+                                       end_s=event["end_s"] + shift) for event in saved["events"]]
+        path.unlink()
+    return Timeline(events=merged)
+
+
 class Worker(abc.ABC):
     """One process of a job, built from the job, its place in it and its heartbeat; every
     implementation (a trainer of a sync method, a pipeline stage, a parameter server) runs the

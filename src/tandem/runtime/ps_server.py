@@ -25,7 +25,17 @@ import torch.distributed as dist
 from tandem.data import build_dataset
 from tandem.errors import WorkerFailure
 from tandem.models import build_model
-from tandem.runtime.base import Worker, build_optimizer, lr_factor, plan_summary, write_run_files
+from tandem.runtime.base import (
+    GANTT_STEPS,
+    MAX_TRACED_STEPS,
+    Worker,
+    build_optimizer,
+    lr_factor,
+    merge_worker_traces,
+    plan_summary,
+    save_worker_trace,
+    write_run_files,
+)
 from tandem.runtime.checkpoint import CHECKPOINT_VERSION, load_checkpoint, save_atomic
 from tandem.runtime.config import Job
 from tandem.runtime.dist import WorkerEnv
@@ -34,6 +44,7 @@ from tandem.runtime.trainer import score
 from tandem.runtime.watchdog import Heartbeat
 from tandem.sync import ps_protocol as protocol
 from tandem.sync_spec import ParameterServerSync
+from tandem.timeline import Event, plot_gantt
 from tandem.sync.flat import flatten, unflatten_into
 
 LIVENESS_EVERY_S = 0.5
@@ -116,6 +127,9 @@ class ParameterServer(Worker):
         """Per worker: the traffic it reported last (all servers together)."""
         self.logged_traffic = protocol.Traffic()
         self.logged_version = 0
+        self.clock_start = time.perf_counter()
+        self.events: list[Event] = []
+        """This server's updates (``0ST``), for ``trace.json``."""
         self._resume()
         push_codec = self._codec(feedback=True)
         self.mailbox = Mailbox(push_codec.body_bytes, len(self.workers))
@@ -206,7 +220,11 @@ class ParameterServer(Worker):
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
-        self.update_times.append(time.perf_counter() - start)
+        end = time.perf_counter()
+        self.update_times.append(end - start)
+        if self.version <= MAX_TRACED_STEPS:
+            self.events.append(Event(worker=self.env.rank, name="0ST", start_s=start - self.clock_start,
+                                     end_s=end - self.clock_start, step=self.version - 1))
         self.beat.step = self.version
         self._log()
         if self.config.checkpoint_every and self.version % self.config.checkpoint_every == 0:
@@ -341,6 +359,8 @@ class ParameterServer(Worker):
         )
         with self.reporter:
             self.serve()
+            if self.out is not None and not rank0:  # before the gather server 0 waits for
+                save_worker_trace(self.out, self.env.rank, self.clock_start, self.events)
             self._gather()
             if not rank0:
                 return None
@@ -348,6 +368,19 @@ class ParameterServer(Worker):
             self.reporter.record(step=self.version, **evaluation)
         self._checkpoint()
         return self._summary(evaluation)
+
+    def _write_trace(self) -> None:
+        """``trace.json`` and ``gantt.png``: every process's actions (workers' ``0F``, ``0B``,
+        ``0PU``, ``0PL``; servers' ``0ST`` updates), from the files they saved."""
+        if self.out is None:
+            return
+        others = [rank for rank in range(1, self.env.world_size)]
+        timeline = merge_worker_traces(self.out, others, self.clock_start, self.events)
+        timeline.write(self.out / "trace.json")
+        shown = sorted({e.step for e in timeline.events if e.step >= 0})[-GANTT_STEPS:]
+        plot_gantt(timeline, self.out / "gantt.png", steps=set(shown) or None,
+                   title=f"ps {self.sync.mode}, {self.config.model.partition(':')[0]}, "
+                         f"{self.env.world_size} processes (measured)")
 
     def _gather(self) -> None:
         """Servers send their shards to server 0 (server groups only; workers are done)."""
@@ -395,6 +428,7 @@ class ParameterServer(Worker):
             state = {n: t.detach().cpu() for n, t in self.model.state_dict().items()}
             save_atomic(state, self.out / "final.pt")
             write_run_files(self.job, self.out)
+            self._write_trace()
         return {
             **plan_summary(self.job.plan), "mode": self.sync.mode, "model": self.config.model,
             "data": self.config.data, "world_size": self.env.world_size,

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from tandem.data import shard_sizes
 from tandem.errors import UsageError
 from tandem.models import build_model
-from tandem.runtime.base import BaseTrainer, Worker, loss_sum
+from tandem.runtime.base import BaseTrainer, Worker, loss_sum, save_worker_trace
 from tandem.runtime.checkpoint import CHECKPOINT_VERSION, load_checkpoint, save_atomic
 from tandem.runtime.config import Job
 from tandem.runtime.dist import WorkerEnv, init_worker
@@ -124,6 +124,9 @@ class Trainer(BaseTrainer):
         if checkpoint is not None:
             model.load_state_dict(checkpoint["model"])
         self.module = self.strategy.wrap(model, env.device)
+        self.current_step = 0
+        self.strategy.recorder = lambda code, start, end: self.trace(
+            f"0{code}", start, end, self.current_step)
         self.module.train()
         self.model = self.strategy.unwrap(self.module)
         self.setup_optimizer(self.module.parameters())
@@ -162,7 +165,14 @@ class Trainer(BaseTrainer):
         self.strategy.load_state_dict(own["sync"])
 
     def train_step(self, step: int) -> torch.Tensor:
-        """One optimizer step on this worker's share of global batch ``step``; returns its loss sum."""
+        """One optimizer step on this worker's share of global batch ``step``; returns its loss sum.
+
+        Its trace follows the plan's one-stage schedule: ``0F{m}``/``0B{m}`` for each micro-batch
+        ``m = data_rank + data_world * k`` (the workers share the global batch's micro-batches
+        round-robin), then the strategy's actions (``0AR``, ``0PU``/``0PL``, ``0GX``, ``0ST``);
+        DDP's ``0AR`` spans the last backward, during which its buckets are reduced.
+        """
+        self.current_step = step
         global_count = len(self.sampler.global_indices(step)) * self.predictions_per_sample
         indices = self.sampler.local_indices(step, rank=self.data_rank, world_size=self.data_world)
         scale = self.data_world / global_count
@@ -179,18 +189,20 @@ class Trainer(BaseTrainer):
                 self.beat.phase = "backward"
                 (loss * scale).backward()
             loss_total += loss.detach()
-            self.trace("forward", t0, t1, step)
-            self.trace("backward", t1, time.perf_counter(), step)
+            t_end = time.perf_counter()
+            m = self.data_rank + self.data_world * micro_index
+            self.trace(f"0F{m}", t0, t1, step)
+            self.trace(f"0B{m}", t1, t_end, step)
+            if last and self.strategy.overlapped_allreduce:
+                self.trace("0AR", t1, t_end, step)
             if self.slowdown > 1.0:
                 time.sleep((self.slowdown - 1.0) * (time.perf_counter() - t0))
-        t2 = time.perf_counter()
         self.beat.phase = "step"
         self.local_predictions += len(indices) * self.predictions_per_sample
         self.strategy.record_loss(loss_total, len(indices) * self.predictions_per_sample)
         self.stopped = self.strategy.update(self.module, self.optimizer, step)
         if self.strategy.local_optimizer:
             self.scheduler.step()
-        self.trace("step", t2, time.perf_counter(), step)
         return loss_total
 
     @torch.no_grad()
@@ -265,6 +277,8 @@ class ParameterServerWorker(Trainer):
         while not self.stopped:
             self.train_step(step)
             step = client.next_step
+        if self.out is not None:  # before saying goodbye: server 0 merges it after the last one
+            save_worker_trace(self.out, self.env.rank, self.clock_start, self.events)
         client.finish()
         return None
 

@@ -21,6 +21,8 @@ from tandem.sync.base import SyncStrategy
 class AllReduce(SyncStrategy):
     """DDP: gradients are averaged in buckets during backward, overlapping with compute."""
 
+    overlapped_allreduce = True
+
     name = "dp"
 
     def __init__(self, compress: str | None = None) -> None:

@@ -26,10 +26,10 @@ class LocalSGD(SyncStrategy):
         return model.to(device)
 
     def update(self, module: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> bool:
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        self.step_optimizer(optimizer)
         if (step + 1) % self.period == 0:
-            self.bytes_sent += average_parameters(module)
+            with self.action("AR"):
+                self.bytes_sent += average_parameters(module)
         return False
 
     def consensus(self, module: nn.Module) -> None:
@@ -63,14 +63,14 @@ class ElasticAveraging(SyncStrategy):
         return model
 
     def update(self, module: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> bool:
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        self.step_optimizer(optimizer)
         if (step + 1) % self.period == 0:
             assert self.center is not None
             params = list(module.parameters())
             difference = flatten(params) - self.center
             total = difference.clone()
-            dist.all_reduce(total)
+            with self.action("AR"):
+                dist.all_reduce(total)
             unflatten_into(flatten(params) - self.alpha * difference, params)
             self.center += self.alpha * total
             self.bytes_sent += total.numel() * total.element_size()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import time
+from collections.abc import Callable, Iterator
 from typing import Any, ContextManager
 
 import torch
@@ -28,6 +30,26 @@ class SyncStrategy(abc.ABC):
     replicas_agree: bool = True
     """Whether every worker holds the same model and optimizer state after each step (False:
     checkpoints keep each worker's own)."""
+    overlapped_allreduce: bool = False
+    """Whether gradients are allreduced during the last backward (DDP's buckets), so the
+    schedule's ``AR`` spans that backward rather than following it."""
+    recorder: Callable[[str, float, float], None] | None = None
+    """Where :meth:`action` reports the actions of :meth:`update` (set by the trainer)."""
+
+    @contextlib.contextmanager
+    def action(self, code: str) -> Iterator[None]:
+        """Time the body as one action of this step's schedule: ``AR``, ``ST``, ``PU``, ``PL``
+        or ``GX`` (see :mod:`tandem.schedule.action`), reported to :attr:`recorder`."""
+        start = time.perf_counter()
+        yield
+        if self.recorder is not None:
+            self.recorder(code, start, time.perf_counter())
+
+    def step_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Apply the gradients and clear them: the schedule's ``ST``."""
+        with self.action("ST"):
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
 
     @abc.abstractmethod
     def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
@@ -46,8 +68,7 @@ class SyncStrategy(abc.ABC):
 
         The default steps the local optimizer (gradients already agree, e.g. through DDP).
         """
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        self.step_optimizer(optimizer)
         return False
 
     def finish(self) -> None:

@@ -73,9 +73,9 @@ class Gossip(SyncStrategy):
 
     def update(self, module: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> bool:
         params = list(module.parameters())
-        unflatten_into(self.mixer.mix(flatten(params)), params)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        with self.action("GX"):
+            unflatten_into(self.mixer.mix(flatten(params)), params)
+        self.step_optimizer(optimizer)
         return False
 
     def consensus(self, module: nn.Module) -> None:
@@ -173,9 +173,9 @@ class ChocoGossip(SyncStrategy):
 
     def update(self, module: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> bool:
         params = list(module.parameters())
-        unflatten_into(self.mix(flatten(params)), params)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        with self.action("GX"):
+            unflatten_into(self.mix(flatten(params)), params)
+        self.step_optimizer(optimizer)
         return False
 
     def mix(self, flat: torch.Tensor) -> torch.Tensor:
@@ -302,17 +302,17 @@ class AsyncGossip(SyncStrategy):
             peer = self.random.choice(self.neighbours)
             mine = flatten(self.params)
             theirs = torch.empty_like(mine)
-            dist.send(torch.tensor([_REQUEST], dtype=torch.float64), peer, group=self.group,
-                      tag=_TAG_HEADER)
-            dist.send(mine, peer, group=self.group, tag=_TAG_MINE)
-            dist.recv(theirs, peer, group=self.group, tag=_TAG_THEIRS)
+            with self.action("GX"):
+                dist.send(torch.tensor([_REQUEST], dtype=torch.float64), peer, group=self.group,
+                          tag=_TAG_HEADER)
+                dist.send(mine, peer, group=self.group, tag=_TAG_MINE)
+                dist.recv(theirs, peer, group=self.group, tag=_TAG_THEIRS)
             self.bytes_sent += mine.numel() * mine.element_size()
             with self.lock:
                 unflatten_into(flatten(self.params) + (theirs - mine) / 2, self.params)
                 self.averages += 1
         with self.lock:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+            self.step_optimizer(optimizer)
         return False
 
     def _serve(self) -> None:

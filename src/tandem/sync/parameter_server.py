@@ -95,10 +95,20 @@ class ParameterServerClient(SyncStrategy):
         header = protocol.Header(kind=kind, step=step, loss=self.loss[0], count=self.loss[1],
                                  traffic=self.traffic)
         sends = []
-        for server, data in enumerate(bodies):
-            outgoing = protocol.message(
-                dataclasses.replace(header, version=self.versions[server]), data)
-            sends.append((dist.isend(outgoing, dst=server, tag=protocol.TO_SERVER), outgoing))
+        with self.action("PU"):
+            for server, data in enumerate(bodies):
+                outgoing = protocol.message(
+                    dataclasses.replace(header, version=self.versions[server]), data)
+                sends.append((dist.isend(outgoing, dst=server, tag=protocol.TO_SERVER), outgoing))
+        with self.action("PL"):
+            stop = self._pull()
+        for work, _ in sends:
+            work.wait()
+        self.next_step = self.versions[0]
+        return stop
+
+    def _pull(self) -> bool:
+        """Take back every server's reply (the parameters); True when a server says stop."""
         stop = False
         for server, (pull, params) in enumerate(zip(self.pulls, self.shards)):
             reply = protocol.empty(pull.next_bytes)
@@ -109,9 +119,6 @@ class ParameterServerClient(SyncStrategy):
             header = protocol.Header.decode(reply)
             self.versions[server] = header.version
             stop = stop or header.stop
-        for work, _ in sends:
-            work.wait()
-        self.next_step = self.versions[0]
         return stop
 
     def _count_sent(self) -> None:
