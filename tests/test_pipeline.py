@@ -51,13 +51,13 @@ def test_flush_schedules_match_single_process(single: Path, tmp_path: Path, sche
 def test_pipeline_from_a_plan(single: Path, tmp_path: Path) -> None:
     plan = tmp_path / "plan.json"
     result = run_tandem("plan", "--model", "mlp", "--devices", "3", "--bandwidth", "10Gb/s",
-                        "-o", str(plan), "--json")
+                        "--schedule", "gpipe", "--microbatches", "4", "-o", str(plan), "--json")
     assert result.returncode == 0, result.stderr
     config = json.loads(result.stdout)["config"]
-    summary = run_json("train", *COMMON, "--strategy", "pipeline", "--schedule", "gpipe",
-                       "--microbatches", "4", "--nproc", "3", "--plan", str(plan),
+    summary = run_json("train", *COMMON, "--strategy", "pipeline", "--plan", str(plan),
                        "--out", str(tmp_path))
-    assert summary["pipeline"] == config
+    assert summary["pipeline"] == config and summary["world_size"] == 3
+    assert (summary["schedule"], summary["microbatches"]) == ("gpipe", 4)
     assert max_abs_diff(single, tmp_path / "final.pt") <= 1e-5
 
 

@@ -192,6 +192,11 @@ class Plan:
             schedule = Schedule.parse(self.schedule_text)
         except ValueError as exc:
             raise UsageError(f"the plan's schedule is not in tandem's text form ({exc})") from None
+        foreign = next((action for actions in schedule.workers for action in actions
+                        if action.kind.value in _DATA_PARALLEL_ONLY), None)
+        if foreign is not None:
+            raise UsageError(f"the schedule's action {foreign} is not a pipeline's (pipelines run "
+                             f"F, B, SA, RA, SG, RG, AR and ST); remove it")
         if list(schedule.replicas) != self.replicas:
             raise UsageError(f"the schedule is for replicas {'-'.join(map(str, schedule.replicas))} "
                              f"but the pipeline is {self.config}; write it for this layout")
@@ -305,6 +310,10 @@ _PLAN_KEYS = ("num_layers", "num_devices", "bottleneck_s", "single_s", "data_par
               "layer_order", "level_configs", "schedule", "num_microbatches", "schedule_text",
               "vertical_sync",
               "tensor_degree", "predicted_schedule", "solve_s", "options")  # fmt: skip
+
+
+_DATA_PARALLEL_ONLY = ("PU", "PL", "GX")
+"""Action codes of parameter servers and gossip, which no pipeline schedule may contain."""
 
 
 def default_microbatches(replicas: list[int], schedule: str) -> int:
