@@ -129,8 +129,12 @@ class ScaleResult:
         """Strategy names in the order they were analysed."""
         return list(dict.fromkeys(point.strategy for point in self.points))
 
-    def series(self, strategy: str) -> list[ScalePoint]:
-        return [point for point in self.points if point.strategy == strategy]
+    def series(self, label: str) -> list[ScalePoint]:
+        """The points of one curve (a strategy's label, e.g. ``dp`` or ``ps``), in order."""
+        curves: dict[str, list[ScalePoint]] = {}
+        for point in self.points:
+            curves.setdefault(point.strategy, []).append(point)
+        return curves.get(label, [])
 
     @property
     def crossover(self) -> dict[str, int | None]:
