@@ -3,25 +3,25 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from typing import Any
 
 from tandem.commands.train import print_summary, run_training
-from tandem.runtime.config import Job, RunConfig
-from tandem.strategy import plan_from_flags, strategy_of
+from tandem.runtime.config import make_job
+from tandem.strategy import strategy_of
 
-DEMO = RunConfig(model="mlp:hidden=128,layers=4", data="digits", nproc=2, steps=600,
-                 batch_size=64, lr=0.05, momentum=0.9, eval_every=200)
+DEMO = {"model": "mlp:hidden=128,layers=4", "data": "digits", "nproc": 2, "steps": 600,
+        "batch_size": 64, "lr": 0.05, "momentum": 0.9, "eval_every": 200}
+"""The demo's run settings; its strategy is ``dp``."""
 
 
 def run(args: argparse.Namespace) -> int:
-    config = dataclasses.replace(DEMO, out=args.out, progress=args.progress and not args.json)
-    plan = plan_from_flags("dp", {}, num_processes=config.nproc, num_blocks=4)
+    job = make_job("dp", **DEMO, out=args.out, progress=args.progress and not args.json)
+    config = job.run
     print(f"tandem demo: {config.model} on {config.data}, {config.nproc} workers, strategy "
-          f"{strategy_of(plan)}, {config.steps} steps of {config.batch_size} samples",
+          f"{strategy_of(job.plan)}, {config.steps} steps of {config.batch_size} samples",
           file=sys.stderr)
-    summary = run_training(Job(run=config, plan=plan))
+    summary = run_training(job)
     if summary is None:
         raise RuntimeError("rank 0 of a local run returned no summary")
     print_summary(summary, args.json)
