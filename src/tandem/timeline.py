@@ -142,19 +142,31 @@ def plot_gantt(timeline: Timeline, path: str | Path, *, title: str = "",
     events of those optimizer steps (a run of hundreds of steps is unreadable as one chart).
     """
     from matplotlib.figure import Figure
+
+    workers = {e.worker for e in timeline.events if steps is None or e.step in steps}
+    fig = Figure(figsize=(width_in, 1.2 + 0.55 * max(1, len(workers))), dpi=110)
+    draw_gantt(fig.add_subplot(), timeline, title=title, steps=steps)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def draw_gantt(ax: Any, timeline: Timeline, *, title: str = "",
+               steps: Collection[int] | None = None, span_ms: float | None = None) -> None:
+    """Draw ``timeline`` on the matplotlib axes ``ax`` as :func:`plot_gantt` does, its time
+    axis from the first event shown to ``span_ms`` later (default: the last event's end), so
+    that charts drawn with the same ``span_ms`` share a scale."""
     from matplotlib.patches import Patch
 
     events = [e for e in timeline.events if steps is None or e.step in steps]
     workers = sorted({e.worker for e in events})
-    fig = Figure(figsize=(width_in, 1.2 + 0.55 * max(1, len(workers))), dpi=110)
-    ax = fig.add_subplot()
     if not events:
         ax.text(0.5, 0.5, "no events", ha="center", va="center", transform=ax.transAxes)
-        fig.savefig(path)
+        ax.set_title(title or f"{timeline.source} timeline", fontsize=10)
         return
     origin = min(e.start_s for e in events)
-    span_ms = max(max(e.end_s for e in events) - origin, 1e-9) * 1e3
-    px_per_ms = width_in * fig.dpi * 0.8 / span_ms
+    span_ms = span_ms or max(max(e.end_s for e in events) - origin, 1e-9) * 1e3
+    fig = ax.figure
+    px_per_ms = fig.get_figwidth() * fig.dpi * 0.8 / span_ms
     row_of = {worker: index for index, worker in enumerate(workers)}
     for event in events:
         kind, micro = event_kind(event.name)
@@ -178,5 +190,3 @@ def plot_gantt(timeline: Timeline, path: str | Path, *, title: str = "",
               frameon=False)
     ax.set_title(title or f"{timeline.source} timeline", fontsize=10, pad=22)
     ax.grid(axis="x", linewidth=0.3, alpha=0.5)
-    fig.tight_layout()
-    fig.savefig(path)

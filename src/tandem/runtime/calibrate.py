@@ -1,0 +1,210 @@
+"""Calibration of this machine for the simulator: what gloo messages, allreduces and busy
+processes cost here, measured in a few seconds on local worker processes.
+
+Usage::
+
+    calibration = calibrate(num_workers=2)
+    cluster = calibration.cluster(num_devices=2)
+    options = SimOptions(allreduce="ring",
+                         allreduce_latency_s=calibration.allreduce_step_latency_s)
+
+One launch of ``num_workers`` local gloo processes (at least 2, one thread each) measures, in
+order (the quantities of ``benchmarks/simulator_fidelity.py``, with fewer repetitions):
+
+- the one-way latency and bandwidth of a message between ranks 0 and 1 (ping-pong of 4 KB and
+  4 MB, the fastest of each);
+- the latency of a small message while every worker exchanges at once, as pipeline stages do
+  (each sleeps ``compute_s``, then sends to the next worker of a ring and receives from the
+  previous; the time from the end of its sleep to its neighbour's message includes the
+  neighbours' wake-up skew), the slowest worker's median: the cluster's link latency;
+- the latency of one step of a ring allreduce as training meets it (sleep, then allreduce a
+  small buffer; the median over ``2 (n - 1)`` ring steps, the slowest worker's);
+- the speed of each of ``num_workers`` single-thread processes computing at once relative to
+  one computing alone (matrix products counted for a short while): the devices' ``speed``
+  when workers share this machine's cores.
+
+What it does not measure: the runtime's own cost per forward or backward (the benchmark runs a
+training for it), how much of an allreduce a concurrent computation hides, and gloo's reduction
+arithmetic on large gradients; a GPU's NCCL links.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tandem.cluster import Cluster, Level
+
+SMALL_BYTES = 4096
+LARGE_BYTES = 4 * 2**20
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Calibration:
+    """What communication and computation cost on this machine, as measured by :func:`calibrate`."""
+
+    num_workers: int
+    """Processes the measurements ran on."""
+    latency_s: float
+    """One-way latency of a small gloo message between two otherwise idle processes."""
+    bandwidth_Bps: float
+    """Bandwidth of a large gloo message between two processes."""
+    hop_latency_s: float
+    """Latency of a small message while every worker exchanges at once (wake-up skew included)."""
+    allreduce_step_latency_s: float
+    """Seconds per step of a ring allreduce of a small buffer, in a training-like loop."""
+    speed: float
+    """Speed of each of ``num_workers`` busy single-thread processes relative to one alone."""
+
+    def cluster(self, num_devices: int, *, contended: bool = True) -> Cluster:
+        """This machine as a flat cluster of ``num_devices`` devices: the hop latency and the
+        message bandwidth; ``speed`` when ``contended`` (workers that compute on the shared
+        cores), else 1 (workers that wait, such as the emulated model's)."""
+        level = Level(num_units=max(num_devices, 2), bandwidth_Bps=self.bandwidth_Bps,
+                      latency_s=self.hop_latency_s)
+        return Cluster(levels=(level,), speed=self.speed if contended else 1.0,
+                       name="this machine (calibrated)")
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dictionary."""
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Settings:
+    iterations: int
+    compute_s: float
+    spin_s: float
+
+
+def calibrate(num_workers: int, *, iterations: int = 16, compute_s: float = 0.02,
+              spin_s: float = 0.3) -> Calibration:
+    """Measure this machine on ``num_workers`` local gloo processes (at least 2); about
+    ``2 * iterations * compute_s + 2 * spin_s`` seconds after the processes start."""
+    from tandem.runtime.launch import launch
+
+    settings = _Settings(iterations=iterations, compute_s=compute_s, spin_s=spin_s)
+    result = launch(_measure, settings, nproc=max(2, num_workers), threads=1)
+    assert result is not None, "rank 0 returns the calibration"
+    return result
+
+
+def optimizer_Bps(num_bytes: float, optimizer: str = "sgd", *, repeats: int = 10) -> float:
+    """Parameter bytes per second a step of ``optimizer`` (``sgd`` with momentum, ``adam``,
+    ``adamw``) updates here on one flat tensor of ``num_bytes``, in this process's threads."""
+    numel = max(1, int(num_bytes // 4))
+    param = torch.nn.Parameter(torch.zeros(numel))
+    param.grad = torch.ones(numel)
+    if optimizer == "sgd":
+        opt: torch.optim.Optimizer = torch.optim.SGD([param], lr=0.01, momentum=0.9)
+    else:
+        opt = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[optimizer]([param], lr=0.01)
+    times = []
+    for _ in range(repeats + 2):
+        start = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - start)
+    return numel * 4 / max(statistics.median(times[2:]), 1e-9)
+
+
+# -- inside the workers ------------------------------------------------------------------------
+
+def _measure(settings: _Settings) -> Calibration:
+    from tandem.runtime.dist import init_worker
+
+    env = init_worker(backend="gloo", timeout_s=120, threads=1)
+    try:
+        latency_s, bandwidth_Bps = _ping_pong(env.rank, settings.iterations)
+        hop_s = _slowest(_ring_hops(env.rank, env.world_size, settings))
+        per_allreduce = _slowest(_allreduces(settings))
+        speed = _speed(env.rank, settings.spin_s)
+    finally:
+        dist.destroy_process_group()
+    return Calibration(num_workers=env.world_size, latency_s=latency_s,
+                       bandwidth_Bps=bandwidth_Bps, hop_latency_s=hop_s,
+                       allreduce_step_latency_s=per_allreduce / (2 * (env.world_size - 1)),
+                       speed=speed)
+
+
+def _ping_pong(rank: int, iterations: int) -> tuple[float, float]:
+    """Latency and bandwidth between ranks 0 and 1 (the others wait), from the fastest round
+    trips (other processes' load only ever slows a message down); rank 0's figures."""
+    fastest = []
+    for size in (SMALL_BYTES, LARGE_BYTES):
+        buf, times = torch.zeros(size // 4), []
+        dist.barrier()
+        for _ in range(iterations + 2 if rank < 2 else 0):
+            start = time.perf_counter()
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            else:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+            times.append((time.perf_counter() - start) / 2)
+        fastest.append(min(times[2:]) if times else 0.0)
+    dist.barrier()
+    small, large = fastest
+    if large <= small:  # noise at a tiny latency: the large message's rate alone
+        return small, LARGE_BYTES / max(large, 1e-9)
+    return small, (LARGE_BYTES - SMALL_BYTES) / (large - small)
+
+
+def _ring_hops(rank: int, world_size: int, settings: _Settings) -> float:
+    """This worker's median time from the end of its computation to its neighbour's message."""
+    buf, into, hops = torch.zeros(256), torch.zeros(256), []
+    dist.barrier()
+    for _ in range(settings.iterations + 2):
+        time.sleep(settings.compute_s)
+        slept = time.perf_counter()
+        work = dist.isend(buf, (rank + 1) % world_size)
+        dist.recv(into, (rank - 1) % world_size)
+        work.wait()
+        hops.append(time.perf_counter() - slept)
+    return statistics.median(hops[2:])
+
+
+def _allreduces(settings: _Settings) -> float:
+    """This worker's median allreduce of a small buffer, each after a computation."""
+    buf, times = torch.zeros(SMALL_BYTES * 4 // 4), []
+    dist.barrier()
+    for _ in range(settings.iterations + 2):
+        time.sleep(settings.compute_s)
+        start = time.perf_counter()
+        dist.all_reduce(buf)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[2:])
+
+
+def _slowest(value: float) -> float:
+    """The largest of every worker's ``value``."""
+    worst = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return float(worst)
+
+
+def _speed(rank: int, spin_s: float) -> float:
+    """Matrix products per second of every worker at once over rank 0's alone (1 on a machine
+    with a core per worker)."""
+    a, b = torch.randn(128, 512), torch.randn(512, 512)
+
+    def spin() -> float:
+        count, start = 0, time.perf_counter()
+        while time.perf_counter() - start < spin_s:
+            a @ b
+            count += 1
+        return count / (time.perf_counter() - start)
+
+    spin()  # warm-up, all at once
+    dist.barrier()
+    together = torch.tensor([spin()], dtype=torch.float64)
+    dist.all_reduce(together)
+    dist.barrier()
+    alone = spin() if rank == 0 else 0.0
+    dist.barrier()
+    return float(together) / dist.get_world_size() / alone if rank == 0 else 0.0
