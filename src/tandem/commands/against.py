@@ -179,7 +179,8 @@ def format_comparison(run: RecordedRun, comparison: Comparison, cluster: Cluster
              f"measured: median over steps {steps[0]}-{steps[-1]} (earlier ones are warm-up)",
              f"{'worker':>6} {'stage':>5} {'predicted ms':>13} {'measured ms':>12} {'error':>8}"]
     for row in comparison.workers:
-        lines.append(f"{row.worker:>6} {row.stage:>5} {row.predicted_step_s * 1e3:13.3f} "
+        stage = "srv" if row.role == "server" else row.stage
+        lines.append(f"{row.worker:>6} {stage:>5} {row.predicted_step_s * 1e3:13.3f} "
                      f"{row.measured_step_s * 1e3:12.3f} {row.error:+8.1%}")
     whole = comparison.overall
     lines.append(f"{'all':>6} {'':>5} {whole.predicted_step_s * 1e3:13.3f} "

@@ -46,6 +46,8 @@ class StepComparison:
     stage: int
     predicted_step_s: float
     measured_step_s: float
+    role: str = "worker"
+    """``worker``, or ``server`` for a parameter server."""
 
     @property
     def error(self) -> float:
@@ -125,7 +127,7 @@ def compare(result: SimResult, measured: Timeline, *, skip_steps: int) -> Compar
         predicted = step_times(result.timeline, worker=worker.worker,
                                skip_steps=simulated_skip(result))
         rows.append(StepComparison(
-            worker=worker.worker, stage=worker.stage,
+            worker=worker.worker, stage=worker.stage, role=worker.role,
             predicted_step_s=statistics.median(predicted.values()) if predicted else result.step_time_s,
             measured_step_s=statistics.median(times.values()) if times else float("nan")))
     whole = StepComparison(worker=-1, stage=-1, predicted_step_s=result.step_time_s,

@@ -15,13 +15,16 @@ order (the quantities of ``benchmarks/simulator_fidelity.py``, with fewer repeti
   4 MB, the fastest of each);
 - the latency of a small message while every worker exchanges at once, as pipeline stages do
   (each sleeps ``compute_s``, then sends to the next worker of a ring and receives from the
-  previous; the time from the end of its sleep to its neighbour's message includes the
-  neighbours' wake-up skew), the slowest worker's median: the cluster's link latency;
+  previous; from the later of the send and the receive to the arrival, so that a worker's
+  late wake-up, which the profile's times already hold, is not counted), the slowest worker's
+  median (the least of three such loops): the cluster's link latency;
 - the latency of one step of a ring allreduce as training meets it (sleep, then allreduce a
-  small buffer; the median over ``2 (n - 1)`` ring steps, the slowest worker's);
+  small buffer, from the last worker's start to the end; the median over ``2 (n - 1)`` ring
+  steps, the slowest worker's, the least of three loops);
 - the speed of each of ``num_workers`` single-thread processes computing at once relative to
   one computing alone (matrix products counted for a short while): the devices' ``speed``
-  when workers share this machine's cores.
+  when workers share this machine's cores (at most 1: a burst of other load during the
+  measurement alone must not make them faster together than alone).
 
 What it does not measure: the runtime's own cost per forward or backward (the benchmark runs a
 training for it), how much of an allreduce a concurrent computation hides, and gloo's reduction
@@ -55,7 +58,7 @@ class Calibration:
     bandwidth_Bps: float
     """Bandwidth of a large gloo message between two processes."""
     hop_latency_s: float
-    """Latency of a small message while every worker exchanges at once (wake-up skew included)."""
+    """Latency of a small message while every worker exchanges at once."""
     allreduce_step_latency_s: float
     """Seconds per step of a ring allreduce of a small buffer, in a training-like loop."""
     speed: float
@@ -77,18 +80,22 @@ class Calibration:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Settings:
+    repeats: int
     iterations: int
     compute_s: float
     spin_s: float
 
 
-def calibrate(num_workers: int, *, iterations: int = 16, compute_s: float = 0.02,
-              spin_s: float = 0.3) -> Calibration:
+def calibrate(num_workers: int, *, repeats: int = 3, iterations: int = 12,
+              compute_s: float = 0.02, spin_s: float = 0.3) -> Calibration:
     """Measure this machine on ``num_workers`` local gloo processes (at least 2); about
-    ``2 * iterations * compute_s + 2 * spin_s`` seconds after the processes start."""
+    ``2 * repeats * iterations * compute_s + 3 * spin_s`` seconds after the processes start.
+    The loops' latencies are the least of ``repeats`` runs: other users' load only ever slows
+    this machine down, and the simulator predicts a machine of one's own."""
     from tandem.runtime.launch import launch
 
-    settings = _Settings(iterations=iterations, compute_s=compute_s, spin_s=spin_s)
+    settings = _Settings(repeats=repeats, iterations=iterations, compute_s=compute_s,
+                         spin_s=spin_s)
     result = launch(_measure, settings, nproc=max(2, num_workers), threads=1)
     assert result is not None, "rank 0 returns the calibration"
     return result
@@ -120,8 +127,9 @@ def _measure(settings: _Settings) -> Calibration:
     env = init_worker(backend="gloo", timeout_s=120, threads=1)
     try:
         latency_s, bandwidth_Bps = _ping_pong(env.rank, settings.iterations)
-        hop_s = _slowest(_ring_hops(env.rank, env.world_size, settings))
-        per_allreduce = _slowest(_allreduces(settings))
+        hop_s = min(_slowest(_ring_hops(env.rank, env.world_size, settings))
+                    for _ in range(settings.repeats))
+        per_allreduce = min(_slowest(_allreduces(settings)) for _ in range(settings.repeats))
         speed = _speed(env.rank, settings.spin_s)
     finally:
         dist.destroy_process_group()
@@ -156,29 +164,38 @@ def _ping_pong(rank: int, iterations: int) -> tuple[float, float]:
 
 
 def _ring_hops(rank: int, world_size: int, settings: _Settings) -> float:
-    """This worker's median time from the end of its computation to its neighbour's message."""
-    buf, into, hops = torch.zeros(256), torch.zeros(256), []
+    """This worker's median time from the later of its neighbour's send and its own receive to
+    the message's arrival (``perf_counter`` is one clock for all processes of a machine), so
+    that neither worker's lateness counts as the link's."""
+    buf = torch.zeros(64, dtype=torch.float64)
+    into = torch.zeros(64, dtype=torch.float64)
+    hops = []
     dist.barrier()
     for _ in range(settings.iterations + 2):
         time.sleep(settings.compute_s)
-        slept = time.perf_counter()
+        buf[0] = time.perf_counter()
         work = dist.isend(buf, (rank + 1) % world_size)
+        posted = time.perf_counter()
         dist.recv(into, (rank - 1) % world_size)
+        arrived = time.perf_counter()
         work.wait()
-        hops.append(time.perf_counter() - slept)
+        hops.append(arrived - max(float(into[0]), posted))
     return statistics.median(hops[2:])
 
 
 def _allreduces(settings: _Settings) -> float:
-    """This worker's median allreduce of a small buffer, each after a computation."""
-    buf, times = torch.zeros(SMALL_BYTES * 4 // 4), []
+    """This worker's median allreduce of a small buffer, each after a computation, from the
+    last worker's start to this worker's end (one clock for all local processes)."""
+    buf, starts, ends = torch.zeros(SMALL_BYTES // 4), [], []
     dist.barrier()
     for _ in range(settings.iterations + 2):
         time.sleep(settings.compute_s)
-        start = time.perf_counter()
+        starts.append(time.perf_counter())
         dist.all_reduce(buf)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[2:])
+        ends.append(time.perf_counter())
+    latest = torch.tensor(starts, dtype=torch.float64)
+    dist.all_reduce(latest, op=dist.ReduceOp.MAX)
+    return statistics.median(end - float(first) for end, first in zip(ends[2:], latest[2:]))
 
 
 def _slowest(value: float) -> float:
@@ -207,4 +224,4 @@ def _speed(rank: int, spin_s: float) -> float:
     dist.barrier()
     alone = spin() if rank == 0 else 0.0
     dist.barrier()
-    return float(together) / dist.get_world_size() / alone if rank == 0 else 0.0
+    return min(1.0, float(together) / dist.get_world_size() / alone) if rank == 0 else 0.0
