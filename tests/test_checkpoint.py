@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.errors import UsageError
+from tandem.errors import UsageError, WorkerFailure
 from tandem.runtime import checkpoint
 from tandem.runtime.checkpoint import CHECKPOINT_VERSION, load_checkpoint, save_atomic
 
@@ -26,10 +26,11 @@ def test_crash_mid_save_keeps_the_last_good_checkpoint(tmp_path: Path,
         raise OSError("disk full")
 
     monkeypatch.setattr(checkpoint.torch, "save", crash)
-    with pytest.raises(OSError):
+    with pytest.raises(WorkerFailure, match=f"cannot write {path}: disk full"):
         save_atomic(_state(20), path)
     monkeypatch.undo()
     assert load_checkpoint(path, {"seed": 0})["step"] == 10
+    assert list(tmp_path.iterdir()) == [path]
 
 
 def test_load_errors(tmp_path: Path) -> None:

@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.codec_spec import CodecSpec
+from tandem import strict_json
 from tandem.errors import UsageError
+from tandem.output_files import write_text
 from tandem.schedule.generators import generate
 from tandem.schedule.schedule import SCHEDULE_KINDS, Schedule
 from tandem.sync_spec import AllReduceSync, SyncSpec, sync_from_dict, sync_to_dict
@@ -289,10 +291,8 @@ class Plan:
             raise UsageError(f"malformed plan: {exc}") from None
 
     def save(self, path: str) -> None:
-        """Write the plan as JSON."""
-        with open(path, "w", encoding="utf-8") as handle:
-            json.dump(self.to_dict(), handle, indent=1)
-            handle.write("\n")
+        """Write the plan as strict JSON, atomically."""
+        write_text(path, strict_json.dumps(self.to_dict(), indent=1) + "\n")
 
     @classmethod
     def load(cls, path: str) -> Plan:

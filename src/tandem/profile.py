@@ -16,7 +16,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem import strict_json
 from tandem.errors import UsageError
+from tandem.output_files import write_text
 
 SCHEMA_VERSION = 1
 """Version of the JSON layout written by :meth:`ModelProfile.to_dict`."""
@@ -134,10 +136,8 @@ class ModelProfile:
         )
 
     def save(self, path: str) -> None:
-        """Write the profile as JSON."""
-        with open(path, "w", encoding="utf-8") as handle:
-            json.dump(self.to_dict(), handle, indent=1)
-            handle.write("\n")
+        """Write the profile as strict JSON, atomically."""
+        write_text(path, strict_json.dumps(self.to_dict(), indent=1) + "\n")
 
     @classmethod
     def load(cls, path: str) -> ModelProfile:

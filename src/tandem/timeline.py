@@ -4,12 +4,13 @@ and drawn as a Gantt chart."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
+from tandem import strict_json
+from tandem.output_files import atomic, write_text
 from tandem.schedule.action import Action, Kind
 
 
@@ -63,8 +64,8 @@ class Timeline:
         return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"source": self.source}}
 
     def write(self, path: str | Path) -> None:
-        """Write the Chrome trace to ``path``."""
-        Path(path).write_text(json.dumps(self.to_json()))
+        """Write the Chrome trace to ``path`` (strict JSON, atomically)."""
+        write_text(path, strict_json.dumps(self.to_json()))
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Timeline:
@@ -147,7 +148,8 @@ def plot_gantt(timeline: Timeline, path: str | Path, *, title: str = "",
     fig = Figure(figsize=(width_in, 1.2 + 0.55 * max(1, len(workers))), dpi=110)
     draw_gantt(fig.add_subplot(), timeline, title=title, steps=steps)
     fig.tight_layout()
-    fig.savefig(path)
+    with atomic(path) as tmp:
+        fig.savefig(tmp)
 
 
 def draw_gantt(ax: Any, timeline: Timeline, *, title: str = "",

@@ -38,6 +38,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tandem import strict_json
 from tandem.cluster import Cluster, parse_latency
 from tandem.commands.args import build_cluster
 from tandem.errors import UsageError
@@ -241,9 +242,9 @@ def run_against(args: argparse.Namespace) -> int:
         result.timeline.write(args.trace)
         print(f"wrote {args.trace}", file=human)
     if args.json:
-        print(json.dumps({**comparison.to_dict(), "run": str(run.path),
-                          "strategy": strategy_of(run.plan), "plan": run.plan.config,
-                          "schedule": run.plan.schedule, "micro_batch": run.micro_batch,
-                          "batch_scale": options.batch_scale, "warmup_steps": skip,
-                          "cluster": cluster.describe(), **measured, "gantt": gantt}))
+        print(strict_json.dumps({**comparison.to_dict(), "run": str(run.path),
+                                 "strategy": strategy_of(run.plan), "plan": run.plan.config,
+                                 "schedule": run.plan.schedule, "micro_batch": run.micro_batch,
+                                 "batch_scale": options.batch_scale, "warmup_steps": skip,
+                                 "cluster": cluster.describe(), **measured, "gantt": gantt}))
     return 0

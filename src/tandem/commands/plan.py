@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
+from tandem import strict_json
 from tandem.cluster import Cluster, format_bandwidth, parse_size
 from tandem.commands.args import add_cluster_args, add_source_args, build_cluster, load_source
 from tandem.plan import Plan
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         plan.save(args.output)
         print(f"wrote {args.output}", file=human)
     if args.json:
-        print(json.dumps(plan.to_dict()))
+        print(strict_json.dumps(plan.to_dict()))
     return 0
 
 

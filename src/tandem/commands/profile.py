@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
+from tandem import strict_json
 from tandem.errors import UsageError
 from tandem.profile import ModelProfile
 
@@ -82,5 +82,5 @@ def run(args: argparse.Namespace) -> int:
         profile.save(args.output)
         print(f"wrote {args.output}", file=human)
     if args.json:
-        print(json.dumps(profile.to_dict()))
+        print(strict_json.dumps(profile.to_dict()))
     return 0

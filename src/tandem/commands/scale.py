@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from typing import Any
 
+from tandem import strict_json
 from tandem.cluster import parse_cluster
 from tandem.commands.args import load_source, with_memory
 from tandem.commands.simulate import add_codec_args, add_sim_args, sim_options
@@ -206,5 +206,5 @@ def run(args: argparse.Namespace) -> int:
                    f"{args.cluster}, global minibatch {batch}")
         print(f"wrote {args.plot}", file=human)
     if args.json:
-        print(json.dumps(result_dict(result, batch_scale, samples)))
+        print(strict_json.dumps(result_dict(result, batch_scale, samples)))
     return 0

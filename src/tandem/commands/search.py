@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from typing import Any
 
+from tandem import strict_json
 from tandem.cluster import Cluster
 from tandem.commands.args import add_cluster_args, add_source_args
 from tandem.commands.simulate import add_codec_args, add_sim_args, planning_inputs, sim_options
@@ -209,5 +209,5 @@ def run(args: argparse.Namespace) -> int:
         data["families"] = {m: _candidate_dict(c) for m, c in families.items()}
         data["families_step_time_s"] = {m: c.result.step_time_s for m, c in families.items()}
         data["pick"] = args.pick
-        print(json.dumps(data))
+        print(strict_json.dumps(data))
     return 0

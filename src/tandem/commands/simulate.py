@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from typing import Any
 
+from tandem import strict_json
 from tandem.cluster import Cluster, parse_bandwidth, parse_latency
 from tandem.commands.args import (
     add_cluster_args,
@@ -272,5 +272,5 @@ def run(args: argparse.Namespace) -> int:
                    title=f"plan {result.config}, {result.schedule} on {cluster.describe()} (simulated)")
         print(f"wrote {args.gantt}", file=human)
     if args.json:
-        print(json.dumps(result.to_dict()))
+        print(strict_json.dumps(result.to_dict()))
     return 0

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 import numpy as np
 
+from tandem import strict_json
 from tandem.topology import WEIGHTS, build_topology, mixing_matrix, spectral_gap
 
 
@@ -16,9 +16,9 @@ def run(args: argparse.Namespace) -> int:
     matrix = mixing_matrix(graph, args.weights)
     gap = spectral_gap(matrix)
     if args.json:
-        print(json.dumps({"kind": args.kind, "n": args.n, "weights": args.weights,
-                          "spectral_gap": gap, "matrix": matrix.tolist(),
-                          "neighbours": [sorted(n) for n in graph]}))
+        print(strict_json.dumps({"kind": args.kind, "n": args.n, "weights": args.weights,
+                                 "spectral_gap": gap, "matrix": matrix.tolist(),
+                                 "neighbours": [sorted(n) for n in graph]}))
         return 0
     with np.printoptions(precision=3, suppress=True, linewidth=200):
         print(f"{args.kind} on {args.n} workers, {args.weights} weights: "

@@ -19,7 +19,9 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
+from tandem import strict_json
 from tandem.data import DataBundle, GlobalBatchSampler, Split, build_dataset
+from tandem.output_files import write_text
 from tandem.runtime.checkpoint import save_atomic
 from tandem.plan import Plan
 from tandem.runtime.config import Job, RunConfig
@@ -75,7 +77,7 @@ def write_run_files(job: Job, out: Path) -> None:
     """``config.json`` (the run's settings and its plan) and ``plan.json`` (the plan alone, which
     ``tandem train --plan`` and ``tandem simulate --plan`` read back)."""
     settings = {"run": dataclasses.asdict(job.run), "plan": job.plan.to_dict()}
-    (out / "config.json").write_text(json.dumps(settings, indent=2))
+    write_text(out / "config.json", strict_json.dumps(settings, indent=2))
     job.plan.save(str(out / "plan.json"))
 
 
@@ -88,7 +90,7 @@ def save_worker_trace(out: Path, rank: int, clock_start: float, events: list[Eve
     clock time of ``clock_start``, so that :func:`merge_worker_traces` can align them."""
     epoch_start = time.time() - (time.perf_counter() - clock_start)
     payload = {"epoch_start_s": epoch_start, "events": [dataclasses.asdict(e) for e in events]}
-    (out / WORKER_TRACE.format(rank=rank)).write_text(json.dumps(payload))
+    write_text(out / WORKER_TRACE.format(rank=rank), strict_json.dumps(payload))
 
 
 def merge_worker_traces(out: Path, ranks: list[int], clock_start: float,

@@ -1,4 +1,4 @@
-"""Checkpoints written atomically (write, flush, rename) and read back with clear errors."""
+"""Checkpoints written atomically (write, fsync, rename) and read back with clear errors."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from tandem.errors import UsageError
+from tandem.output_files import atomic, write_all
 
 CHECKPOINT_VERSION = 2
 """2: every worker's own state (random stream, codec residuals; models of decentralized
@@ -16,23 +17,49 @@ strategies) under ``ranks``."""
 
 
 def save_atomic(obj: Any, path: str | Path) -> None:
-    """Save ``obj`` to ``path`` so that a crash leaves either the old file or the new one."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    with open(tmp, "wb") as handle:
-        torch.save(obj, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
+    """Save ``obj`` to ``path`` so that a crash leaves either the old file or the new one.
+
+    A failed write (disk full, permissions) is one line naming ``path`` and the cause
+    (:func:`~tandem.output_files.write_failure`), and leaves no temporary file.
+    """
+    with atomic(path) as tmp:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        writer = _WholeWrites(fd)
+        try:
+            torch.save(obj, writer)
+        except RuntimeError:
+            if writer.error is None:
+                raise
+            raise writer.error from None  # torch's own error on the way out hides it
+        finally:
+            os.close(fd)
 
 
-def load_checkpoint(path: str | Path, fingerprint: dict[str, Any]) -> dict[str, Any]:
-    """Load a checkpoint and check that it belongs to a run with the same ``fingerprint``."""
+class _WholeWrites:
+    """A file for ``torch.save`` whose writes are never short and whose failure is kept: torch
+    reports a short or failed write as ``RuntimeError: [enforce fail at inline_container.cc]``,
+    with neither the path nor the cause; this keeps the ``OSError`` (``ENOSPC``) it is."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.error: OSError | None = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            write_all(self.fd, data)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+        return memoryview(data).nbytes
+
+    def flush(self) -> None:
+        """Nothing is buffered here."""
+
+
+def load_checkpoint(path: str | Path, fingerprint: dict[str, Any], *, steps: int | None = None,
+                    stop_after: int | None = None) -> dict[str, Any]:
+    """Load a checkpoint and check that it belongs to a run with the same ``fingerprint`` and,
+    given this run's ``--steps`` (and ``--stop-after``), that it was not saved after more."""
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"no checkpoint at {path}; run without --resume first, or pass its path")
@@ -48,4 +75,8 @@ def load_checkpoint(path: str | Path, fingerprint: dict[str, Any]) -> dict[str, 
                 f"checkpoint {path} was made with {key}={state['fingerprint'].get(key)!r}, "
                 f"this run has {key}={value!r}; resume with the same settings"
             )
+    for flag, limit in (("--steps", steps), ("--stop-after", stop_after)):
+        if limit is not None and int(state["step"]) > limit:
+            raise UsageError(f"checkpoint {path} was saved after {state['step']} steps, but this "
+                             f"run has {flag} {limit}; resume with {flag} {state['step']} or more")
     return state

@@ -1,8 +1,8 @@
-"""What rank 0 shows and writes while training: a progress bar and ``metrics.jsonl``."""
+"""What rank 0 shows and writes while training: a progress bar and ``metrics.jsonl`` (strict
+JSON, one whole line at a time; a failed write stops the run with one line naming the file)."""
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from types import TracebackType
@@ -13,6 +13,9 @@ from rich.progress import (
     BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn,
 )
 
+from tandem import strict_json
+from tandem.output_files import AppendLog
+
 
 class Reporter:
     """Progress bar (stderr) and metrics file of rank 0; other ranks get a silent one."""
@@ -20,7 +23,7 @@ class Reporter:
     def __init__(self, *, enabled: bool, show_progress: bool, metrics_path: Path | None,
                  total_steps: int, first_step: int) -> None:
         self.enabled = enabled
-        self._metrics = open(metrics_path, "a") if enabled and metrics_path else None
+        self._metrics = AppendLog(metrics_path) if enabled and metrics_path else None
         self._progress = Progress(
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]} samples/s"),
@@ -53,8 +56,7 @@ class Reporter:
             return
         fields["time_s"] = round(time.perf_counter() - self._start, 4)
         if self._metrics:
-            self._metrics.write(json.dumps(fields) + "\n")
-            self._metrics.flush()
+            self._metrics.write_line(strict_json.dumps(fields))
         if "loss" in fields:
             self._progress.update(self._task, loss=f"{fields['loss']:.4f}",
                                   rate=f"{fields.get('samples_per_s', 0):.0f}")
