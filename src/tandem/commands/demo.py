@@ -16,7 +16,8 @@ DEMO = {"model": "mlp:hidden=128,layers=4", "data": "digits", "nproc": 2, "steps
 
 
 def run(args: argparse.Namespace) -> int:
-    job = make_job("dp", **DEMO, out=args.out, progress=args.progress and not args.json)
+    job = make_job("dp", **DEMO, out=args.out, overwrite=True,
+                   progress=args.progress and not args.json)
     config = job.run
     print(f"tandem demo: {config.model} on {config.data}, {config.nproc} workers, strategy "
           f"{strategy_of(job.plan)}, {config.steps} steps of {config.batch_size} samples",
@@ -34,7 +35,8 @@ def add_parser(subparsers: Any) -> None:
         description="Train an MLP on the 8x8 handwritten digits with 2 local workers and "
         "synchronous data parallelism, then print accuracy, time and throughput.",
     )
-    parser.add_argument("--out", default=None, help="also write final.pt, metrics and trace here")
+    parser.add_argument("--out", default=None, help="also write final.pt, metrics and trace here "
+                        "(replacing an earlier run's)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
     parser.add_argument("--no-progress", action="store_false", dest="progress",
                         help="hide the progress bar")

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from tandem import strict_json
 from tandem.data import build_dataset
 from tandem.errors import UsageError
 from tandem.models import build_model
@@ -86,6 +86,8 @@ def add_train_arguments(parser: argparse.ArgumentParser, defaults: RunConfig) ->
         help="directory for final.pt, metrics.jsonl, trace.json, plan.json, checkpoint.pt")
     add("--resume", nargs="?", const="auto", default=None,
         help="resume from a checkpoint (default: OUT/checkpoint.pt)")
+    add("--overwrite", action="store_true", default=defaults.overwrite,
+        help="start over in an --out that holds another run's outputs (they are removed)")
     add("--checkpoint-every", type=int, default=defaults.checkpoint_every)
     add("--stop-after", type=int, default=None,
         help="stop (with a checkpoint) after this many steps; finish later with --resume")
@@ -160,18 +162,21 @@ def _check_writable(out: Path) -> None:
 
 
 def run_training(job: Job) -> dict[str, Any] | None:
-    """Check, launch and return rank 0's summary (None on the other ranks of a torchrun job)."""
+    """Check, claim ``--out`` (:func:`~tandem.runtime.out_dir.claim_out`), launch and return
+    rank 0's summary (None on the other ranks of a torchrun job)."""
     from tandem.runtime.launch import launch
+    from tandem.runtime.out_dir import claim_out
     from tandem.runtime.trainer import train_worker
 
     check_job(job)
-    return launch(train_worker, job, nproc=job.run.nproc, threads=job.run.threads)
+    with claim_out(job.run):
+        return launch(train_worker, job, nproc=job.run.nproc, threads=job.run.threads)
 
 
 def print_summary(summary: dict[str, Any], as_json: bool) -> None:
     """The summary as one JSON object on stdout, or as a short table on stderr."""
     if as_json:
-        print(json.dumps(summary), flush=True)
+        print(strict_json.dumps(summary), flush=True)
         return
     for key in ("strategy", "mode", "schedule", "pipeline", "model", "world_size", "steps",
                 "final_loss", "test_accuracy", "samples_per_s", "updates_per_s", "step_time_s",

@@ -46,6 +46,9 @@ class RunConfig:
     """Directory for ``final.pt``, ``metrics.jsonl``, ``trace.json`` and checkpoints."""
     resume: str | None = None
     """Checkpoint to resume from (``auto``: ``<out>/checkpoint.pt``)."""
+    overwrite: bool = False
+    """Start afresh in an ``out`` that holds another run's outputs, removing them (without it,
+    such a run is refused; see :mod:`tandem.runtime.out_dir`)."""
     checkpoint_every: int = 0
     """Save a checkpoint every this many steps (0: only when the run ends or stops)."""
     stop_after: int | None = None

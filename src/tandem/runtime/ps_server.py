@@ -415,7 +415,7 @@ class ParameterServer(Worker):
             return
         path = (self.out / f"server-{self.env.rank}.pt" if self.config.resume == "auto" and self.out
                 else Path(str(self.config.resume)).with_name(f"server-{self.env.rank}.pt"))
-        state = load_checkpoint(path, self.job.fingerprint())
+        state = load_checkpoint(path, self.job.fingerprint(), steps=self.config.steps)
         for p, saved in zip(self.params, state["shard"]):
             p.data.copy_(saved)
         if self.optimizer is not None and state["optimizer"] is not None:

@@ -144,7 +144,8 @@ class Trainer(BaseTrainer):
             return None
         path = self.out / "checkpoint.pt" if self.config.resume == "auto" and self.out else Path(
             str(self.config.resume))
-        return load_checkpoint(path, self.job.fingerprint())
+        return load_checkpoint(path, self.job.fingerprint(), steps=self.config.steps,
+                               stop_after=self.config.stop_after)
 
     def _restore(self, checkpoint: dict[str, Any]) -> None:
         """Optimizer, schedule, step and this worker's own state (random stream, strategy state,

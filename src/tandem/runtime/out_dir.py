@@ -1,0 +1,104 @@
+"""A run's ``--out`` directory: one job at a time, and no run's outputs lost by accident.
+
+Usage::
+
+    with claim_out(job.run):
+        launch(train_worker, job, nproc=job.run.nproc)
+
+- A fresh run (no ``--resume``) into a directory that holds another run's outputs is refused,
+  unless ``--overwrite``, which removes them first (not ``plan.json``, which may be this run's
+  input; it is rewritten at the end).
+- A lock, ``flock`` on ``OUT/.tandem.lock``, is held for the whole job by the process that
+  runs ``tandem train``: the launcher of the local workers, or rank 0 under ``torchrun`` (the
+  rank that writes the outputs; the other ranks take no lock). A second job on the same
+  directory fails at once, naming the process that holds it. The kernel releases the lock
+  however that process ends (even ``kill -9``), so a dead job leaves no stale lock; the file
+  itself stays. ``flock`` is exclusive across machines on NFSv4 and most cluster file systems
+  (Lustre needs its ``flock`` mount option).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+from tandem.errors import UsageError
+from tandem.output_files import write_failure
+from tandem.runtime.config import RunConfig
+from tandem.runtime.dist import under_launcher
+
+LOCK_NAME = ".tandem.lock"
+RUN_FILES = ("checkpoint.pt", "final.pt", "metrics.jsonl", "trace.json", "gantt.png",
+             "config.json")
+"""Files that show a run wrote to a directory (with :data:`RUN_PATTERNS`)."""
+RUN_PATTERNS = ("server-*.pt", "trace-rank*.json")
+
+
+@contextlib.contextmanager
+def claim_out(run: RunConfig) -> Iterator[None]:
+    """Hold ``run.out`` for the duration of the body (see the module's docstring); on other
+    ranks of a ``torchrun`` job, or without ``--out``, do nothing."""
+    if run.out is None or (under_launcher() and os.environ.get("RANK") != "0"):
+        yield
+        return
+    if run.overwrite and run.resume is not None:
+        raise UsageError("--overwrite starts a run over and --resume continues one; give one")
+    out = Path(run.out)
+    fd = _lock(out)
+    try:
+        if run.resume is None:
+            _make_room(out, overwrite=run.overwrite)
+        yield
+    finally:
+        os.close(fd)
+
+
+def run_outputs(out: Path) -> list[Path]:
+    """The outputs of a run found in ``out``, by name."""
+    found = [out / name for name in RUN_FILES if (out / name).exists()]
+    found += [path for pattern in RUN_PATTERNS for path in out.glob(pattern)]
+    return sorted(found)
+
+
+def _lock(out: Path) -> int:
+    """Lock ``out``, write this process's id into the lock file, and return its descriptor."""
+    path = out / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise write_failure(path, exc) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 200).decode(errors="replace").strip() or "pid unknown"
+        os.close(fd)
+        raise UsageError(f"--out {out} is in use by another tandem job ({holder}); wait for it "
+                         f"to end or choose another --out") from None
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+    except OSError as exc:
+        os.close(fd)
+        raise write_failure(path, exc) from None
+    return fd
+
+
+def _make_room(out: Path, *, overwrite: bool) -> None:
+    """Refuse to start afresh over another run's outputs, or remove them with ``overwrite``."""
+    found = run_outputs(out)
+    if not found:
+        return
+    if not overwrite:
+        names = ", ".join(path.name for path in found)
+        raise UsageError(f"--out {out} holds another run ({names}); use --resume to continue it "
+                         f"or --overwrite to start over")
+    for path in found:
+        try:
+            path.unlink()
+        except OSError as exc:
+            raise UsageError(f"--overwrite cannot remove {path} ({exc.strerror}); remove it "
+                             f"yourself or choose another --out") from None
