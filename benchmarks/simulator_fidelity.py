@@ -157,8 +157,7 @@ def train_args(case: Case, plan_path: str, model: str, data: str, batch: int, st
         return [*common, "--strategy", "ps", "--servers", "1", "--mode", case.mode]
     if case.kind == "gossip":
         return [*common, "--strategy", "gossip", "--topology", case.mode]
-    extra = ["--microbatches", str(case.microbatches)] if case.microbatches else []
-    return [*common, "--strategy", "pipeline", "--plan", plan_path, "--schedule", case.kind, *extra]
+    return [*common, "--strategy", "pipeline", "--plan", plan_path]  # the plan fixes the schedule
 
 
 def measure(case: Case, plan_path: str, model: str, data: str, batch: int, steps: int,
@@ -166,7 +165,11 @@ def measure(case: Case, plan_path: str, model: str, data: str, batch: int, steps
     """Measured step time of ``case``: rank 0's median step (flush schedules, DP), or for
     PipeDream the steady-state time per minibatch on stage 0, from the run's trace."""
     if case.kind == "ps":  # time per update over the run: a worker's step is that x workers
-        out = tandem(*train_args(case, plan_path, model, data, batch, 3 * steps))
+        # The servers time the run from the first push; workers that start later (seconds
+        # apart under load) leave fewer pushing at first, which async runs feel in full: run
+        # them long enough (16 updates per worker per 10 steps) to make that small.
+        updates = 3 * steps if case.mode == "sync" else 4 * steps * sum(case.replicas)
+        out = tandem(*train_args(case, plan_path, model, data, batch, updates))
         per_update = float(json.loads(out.strip().splitlines()[-1])["step_time_s"])
         return per_update * (sum(case.replicas) if case.mode != "sync" else 1)
     if case.kind != "pipedream":
