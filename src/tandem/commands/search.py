@@ -18,6 +18,7 @@ from tandem.planning.family_search import FAMILIES, best_of_families, describe_s
 from tandem.planning.search import Candidate, SearchOptions, SearchResult, search
 from tandem.profile import ModelProfile
 from tandem.schedule import SCHEDULE_KINDS
+from tandem.strategy import strategy_of
 
 _DURATION = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|min|h)?\s*")
 _SECONDS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, None: 1.0}
@@ -115,9 +116,9 @@ def format_search(found: SearchResult, profile: ModelProfile, cluster: Cluster,
         lines.append(f"vs {label} ({describe(ref)}): {ref.result.step_time_s * 1e3:.3f} ms{fits}; "
                      f"best is {ref.result.step_time_s / step:.2f}x as fast")
     target = output or "best.json"
-    micro = "" if plan.schedule == "pipedream" else f" --microbatches {best.result.num_microbatches}"
-    lines.append(f"run it: tandem train --strategy pipeline --plan {target} --schedule "
-                 f"{plan.schedule}{micro} --nproc {sum(s.replicas for s in plan.stages)} ...")
+    lines.append(f"run it: tandem train --plan {target} --model ... (the plan holds its "
+                 f"{plan.num_workers} workers, {plan.schedule} and "
+                 f"{plan.num_microbatches} micro-batches per step)")
     return "\n".join(lines)
 
 
@@ -136,7 +137,7 @@ def family_command(plan: Plan) -> str:
         value = getattr(sync, name)
         if value != getattr(default, name) or flag in ("--servers", "--mode", "--topology", "--period"):
             flags.append(flag if value is True else f"{flag} {value}")
-    return (f"tandem train --strategy {sync.method} {' '.join(flags)} "
+    return (f"tandem train --strategy {strategy_of(plan)} {' '.join(flags)} "
             f"--nproc {plan.num_workers} ...")
 
 
@@ -194,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"no {args.pick} plan fits in memory on this cluster; pick another family")
     best = chosen.plan
     best.bottleneck_s = chosen.result.step_time_s
+    best.predicted_schedule = best.schedule  # the simulator ran the schedule the plan runs
     best.options = {"found_by": "tandem search", "seed": args.seed, "pick": args.pick}
     human = sys.stderr if args.json else sys.stdout
     print(format_search(found, profile, cluster, error, args.output), file=human)
