@@ -9,6 +9,7 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, TypeVar, get_type_hints
 
 from tandem.errors import UsageError
@@ -72,7 +73,21 @@ def fill_options(cls: type[T], raw: dict[str, str], *, spec: str, what: str) -> 
         raise UsageError(f"bad {what} options in {spec!r}: {exc}") from None
 
 
-def positive(name: str, value: float) -> None:
-    """Raise ``ValueError`` unless ``value`` is strictly positive."""
-    if value <= 0:
-        raise ValueError(f"{name} must be positive (got {value})")
+MAX_SEED = 2**32 - 1
+"""Largest seed accepted anywhere (as NumPy's): every seed fits torch's generators with room for
+the offsets added to it."""
+
+
+def check_seed(name: str, value: int) -> None:
+    """Raise ``ValueError`` unless ``value`` is a seed in ``[0, MAX_SEED]``."""
+    if not 0 <= value <= MAX_SEED:
+        raise ValueError(f"{name} must be between 0 and {MAX_SEED} (got {name}={value}); "
+                         f"e.g. {name}=0")
+
+
+def positive(name: str, value: float, example: float | None = None) -> None:
+    """Raise ``ValueError`` unless ``value`` is a finite number above zero (not nan or inf);
+    the message suggests ``name=example`` when given."""
+    if not (value > 0 and math.isfinite(value)):
+        fix = f"; e.g. {name}={example}" if example is not None else ""
+        raise ValueError(f"{name} must be a positive finite number (got {name}={value}){fix}")

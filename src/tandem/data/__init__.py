@@ -21,7 +21,7 @@ from tandem.options import fill_options, split_spec
 
 __all__ = [
     "DATASETS", "DataBundle", "DataInfo", "GlobalBatchSampler", "Split", "build_dataset",
-    "shard_sizes",
+    "dataset_bytes", "shard_sizes",
 ]
 
 DATASETS: dict[str, tuple[type, Callable[[Any], DataBundle]]] = {
@@ -40,3 +40,15 @@ def build_dataset(spec: str) -> DataBundle:
         )
     options_cls, make = DATASETS[name]
     return make(fill_options(options_cls, raw, spec=spec, what="dataset"))
+
+
+def dataset_bytes(spec: str) -> int | None:
+    """About the most memory building dataset ``spec`` takes, from its options alone (their
+    ``memory_bytes()``); None where they cannot tell. Errors in ``spec`` raise as in
+    :func:`build_dataset`."""
+    name, raw = split_spec(spec, what="dataset")
+    if name not in DATASETS:
+        return None
+    options = fill_options(DATASETS[name][0], raw, spec=spec, what="dataset")
+    size = getattr(options, "memory_bytes", None)
+    return size() if size is not None else None

@@ -6,8 +6,9 @@ import dataclasses
 
 import torch
 
-from tandem.data.bundle import DataBundle, split_held_out
+from tandem.data.bundle import DataBundle, check_split, split_held_out
 from tandem.data.info import DataInfo
+from tandem.options import check_seed
 
 NUM_SAMPLES = 1797
 
@@ -22,8 +23,8 @@ class DigitsOptions:
     """Seed of the train/test split (kept apart from the run's seed so the test set is fixed)."""
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.test < 1.0:
-            raise ValueError(f"test must be in (0, 1) (got {self.test})")
+        check_split(NUM_SAMPLES, self.test, fixed_n=True)
+        check_seed("split_seed", self.split_seed)
 
 
 def load_digits(options: DigitsOptions) -> DataBundle:

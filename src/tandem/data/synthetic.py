@@ -4,12 +4,13 @@ token sequences from a fixed random Markov chain."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
-from tandem.data.bundle import DataBundle, split_held_out
+from tandem.data.bundle import DataBundle, check_split, split_held_out
 from tandem.data.info import DataInfo
-from tandem.options import positive
+from tandem.options import check_seed, positive
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -30,13 +31,19 @@ class ImagesOptions:
 
     def __post_init__(self) -> None:
         for name in ("n", "size", "channels", "classes"):
-            positive(name, getattr(self, name))
+            positive(name, getattr(self, name), ImagesOptions.__dataclass_fields__[name].default)
         if self.classes < 2:
             raise ValueError(f"classes must be at least 2 (got {self.classes})")
-        if self.noise < 0:
-            raise ValueError(f"noise must be >= 0 (got {self.noise})")
-        if not 0.0 < self.test < 1.0:
-            raise ValueError(f"test must be in (0, 1) (got {self.test})")
+        if not (self.noise >= 0 and math.isfinite(self.noise)):
+            raise ValueError(f"noise must be a finite number >= 0 (got noise={self.noise}); "
+                             f"e.g. noise=1")
+        check_split(self.n, self.test)
+        check_seed("seed", self.seed)
+
+    def memory_bytes(self) -> int:
+        """About the most memory :func:`make_images` takes: noise, inputs and the two splits,
+        float32."""
+        return 3 * self.n * self.channels * self.size * self.size * 4
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -55,13 +62,18 @@ class TokensOptions:
 
     def __post_init__(self) -> None:
         for name in ("n", "seq", "vocab", "branching"):
-            positive(name, getattr(self, name))
+            positive(name, getattr(self, name), TokensOptions.__dataclass_fields__[name].default)
         if self.seq < 2:
             raise ValueError(f"seq must be at least 2 (got {self.seq})")
         if self.branching > self.vocab:
             raise ValueError(f"branching ({self.branching}) exceeds vocab ({self.vocab})")
-        if not 0.0 < self.test < 1.0:
-            raise ValueError(f"test must be in (0, 1) (got {self.test})")
+        check_split(self.n, self.test)
+        check_seed("seed", self.seed)
+
+    def memory_bytes(self) -> int:
+        """About the most memory :func:`make_tokens` takes: the sequences, the draws and the
+        two splits, int64."""
+        return 4 * self.n * (self.seq + 1) * 8
 
 
 def make_images(options: ImagesOptions) -> DataBundle:

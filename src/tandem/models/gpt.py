@@ -28,7 +28,7 @@ class GPTOptions:
 
     def __post_init__(self) -> None:
         for name in ("layers", "dim", "heads", "mlp_ratio"):
-            positive(name, getattr(self, name))
+            positive(name, getattr(self, name), GPTOptions.__dataclass_fields__[name].default)
         if self.dim % self.heads:
             raise ValueError(f"heads ({self.heads}) must divide dim ({self.dim})")
         if not 0.0 <= self.dropout < 1.0:

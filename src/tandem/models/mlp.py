@@ -21,7 +21,7 @@ class MLPOptions:
     """Number of blocks (linear layers); each block can become a pipeline stage."""
 
     def __post_init__(self) -> None:
-        positive("hidden", self.hidden)
+        positive("hidden", self.hidden, 128)
         if self.layers < 2:
             raise ValueError(f"layers must be at least 2 (got {self.layers})")
 

@@ -42,7 +42,7 @@ class ResNetOptions:
             )
         if self.resolved_layout() == "cifar" and (self.depth < 8 or (self.depth - 2) % 6):
             raise ValueError(f"CIFAR depth must be 6n+2 with n >= 1, e.g. 20 (got {self.depth})")
-        positive("depth", self.depth)
+        positive("depth", self.depth, 20)
 
     def resolved_layout(self) -> str:
         """The layout after resolving ``auto``."""

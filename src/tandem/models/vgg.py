@@ -26,7 +26,7 @@ class VGGOptions:
     """Add batch normalization after every convolution (VGG-16-BN)."""
 
     def __post_init__(self) -> None:
-        positive("width", self.width)
+        positive("width", self.width, 0.25)
         if self.hidden < 0:
             raise ValueError(f"hidden must be >= 0 (got {self.hidden})")
 
