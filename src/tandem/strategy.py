@@ -157,7 +157,7 @@ def plan_from_flags(strategy: str, given: Mapping[str, Any], *, num_processes: i
     if isinstance(sync, ParameterServerSync) and sync.backup >= workers:
         raise UsageError(f"--backup {sync.backup} must be between 0 and {workers - 1}: there are "
                          f"{workers} workers and each step needs at least one gradient")
-    accumulate = int(given.get("--accumulate") or 1)
+    accumulate = int(given.get("--accumulate", 1))
     if accumulate < 1:
         raise UsageError(f"--accumulate must be at least 1 (got {accumulate})")
     layers = num_blocks or 1
@@ -185,7 +185,7 @@ def _pipeline_plan(given: Mapping[str, Any], num_processes: int, num_blocks: int
         raise UsageError("--strategy pipeline needs a model that is an nn.Sequential of blocks; "
                          "use --strategy dp for this model")
     replicas = parse_replicas(given["--replicas"]) if given.get("--replicas") else None
-    num_stages = given.get("--stages") or (len(replicas) if replicas else num_processes)
+    num_stages = given.get("--stages", len(replicas) if replicas else num_processes)
     if num_stages < 1:
         raise UsageError(f"--stages must be at least 1 (got {num_stages})")
     chosen = replicas or (1,) * num_stages

@@ -4,15 +4,23 @@ and the job every worker receives: those settings with the plan they execute."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
 from tandem.errors import UsageError
+from tandem.options import MAX_SEED
 from tandem.plan import Plan
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "cosine")
 BACKENDS = ("auto", "gloo", "nccl")
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+"""Longest ``--timeout``: a week (a longer wait is no bound at all)."""
+MAX_THREADS = 1024
+"""Most ``--threads`` per worker."""
+MAX_STRAGGLER = 1000.0
+"""Largest ``--straggler`` factor (a slower worker would outwait any timeout)."""
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -67,28 +75,60 @@ class RunConfig:
     """Show a progress bar on rank 0 (on stderr)."""
 
     def __post_init__(self) -> None:
+        """Checks of each setting alone and against ``steps``; those that need the data, the
+        model, the plan or the machine run in ``Job`` and in ``tandem train``'s ``check_job``."""
+        self._check_counts()
+        self._check_optimizer()
+        _choice("--backend", self.backend, BACKENDS)
+        if not 0 < self.timeout_s <= MAX_TIMEOUT_S:
+            raise UsageError(f"--timeout must be a number of seconds above 0 and at most "
+                             f"{MAX_TIMEOUT_S:g} (a week) (got {self.timeout_s}); e.g. --timeout 300")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise UsageError(f"--seed must be between 0 and {MAX_SEED} (got {self.seed}); "
+                             f"e.g. --seed 0")
+        self.straggler_factor()
+        if self.resume is not None and self.resume == "auto" and self.out is None:
+            raise UsageError("--resume without a path needs --out DIR (it resumes DIR/checkpoint.pt)")
+
+    def _check_counts(self) -> None:
         _at_least("--nproc", self.nproc, 1)
         _at_least("--steps", self.steps, 1)
         _at_least("--batch-size", self.batch_size, 1)
         _at_least("--threads", self.threads, 1)
+        if self.threads > MAX_THREADS:
+            raise UsageError(f"--threads {self.threads} is more than any machine's cores; use at "
+                             f"most {MAX_THREADS}, e.g. --threads 1 (one per worker)")
         _at_least("--checkpoint-every", self.checkpoint_every, 0)
         _at_least("--eval-every", self.eval_every, 0)
         _at_least("--log-every", self.log_every, 1)
         _at_least("--warmup-steps", self.warmup_steps, 0)
-        _choice("--optimizer", self.optimizer, OPTIMIZERS)
-        _choice("--lr-schedule", self.lr_schedule, SCHEDULES)
-        _choice("--backend", self.backend, BACKENDS)
-        if not self.lr > 0:
-            raise UsageError(f"--lr must be positive (got {self.lr})")
-        if self.timeout_s <= 0:
-            raise UsageError(f"--timeout must be positive seconds (got {self.timeout_s})")
+        if self.warmup_steps > self.steps:
+            raise UsageError(f"--warmup-steps {self.warmup_steps} is more than --steps "
+                             f"{self.steps}, so the learning rate would never reach --lr; use at "
+                             f"most {self.steps}")
+        for flag, value, what in (("--eval-every", self.eval_every, "evaluate"),
+                                  ("--checkpoint-every", self.checkpoint_every, "checkpoint")):
+            if value > self.steps:
+                raise UsageError(f"{flag} {value} is more than --steps {self.steps}, so it would "
+                                 f"never {what} before the end; use at most {self.steps}, or 0 "
+                                 f"to {what} only at the end")
         if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
             raise UsageError(
                 f"--stop-after {self.stop_after} must be between 1 and --steps ({self.steps})"
             )
-        self.straggler_factor()
-        if self.resume is not None and self.resume == "auto" and self.out is None:
-            raise UsageError("--resume without a path needs --out DIR (it resumes DIR/checkpoint.pt)")
+
+    def _check_optimizer(self) -> None:
+        _choice("--optimizer", self.optimizer, OPTIMIZERS)
+        _choice("--lr-schedule", self.lr_schedule, SCHEDULES)
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise UsageError(f"--lr must be a positive finite number (got {self.lr}); "
+                             f"e.g. --lr 0.05")
+        if not 0 <= self.momentum < 1:
+            raise UsageError(f"--momentum must be in [0, 1) (got {self.momentum}); e.g. "
+                             f"--momentum 0.9, or 0 for none")
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            raise UsageError(f"--weight-decay must be a finite number >= 0 (got "
+                             f"{self.weight_decay}); e.g. --weight-decay 1e-4, or 0 for none")
 
     def straggler_factor(self) -> tuple[int, float] | None:
         """``(rank, factor)`` of ``--straggler``, or None."""
@@ -99,8 +139,9 @@ class RunConfig:
             rank, factor = int(rank_text), float(factor_text)
         except ValueError:
             raise UsageError(f"--straggler {self.straggler!r} is not RANK:FACTOR, e.g. 1:4") from None
-        if not 0 <= rank or factor < 1:
-            raise UsageError(f"--straggler {self.straggler!r}: need a rank >= 0 and a factor >= 1")
+        if not (0 <= rank and 1 <= factor <= MAX_STRAGGLER):
+            raise UsageError(f"--straggler {self.straggler!r}: need a rank >= 0 and a factor "
+                             f"between 1 and {MAX_STRAGGLER:g}, e.g. 1:4")
         return rank, factor
 
 
@@ -126,6 +167,25 @@ class Job:
         if self.plan.tensor_degree != 1:
             raise UsageError(f"the plan has tensor degree {self.plan.tensor_degree}, but tandem "
                              f"does not run tensor parallelism yet; use a plan of degree 1")
+        self._check_straggler()
+
+    def _check_straggler(self) -> None:
+        """``--straggler RANK`` names a rank that computes gradients in this plan (never one
+        that would silently ignore it)."""
+        straggler = self.run.straggler_factor()
+        if straggler is None:
+            return
+        rank, text = straggler[0], self.run.straggler
+        if self.plan.pipelined:
+            raise UsageError(f"--straggler {text} is not supported with --strategy pipeline yet "
+                             f"(its stages would ignore it); drop it or use a data-parallel "
+                             f"strategy")
+        first, workers = self.plan.num_servers, self.plan.num_workers
+        if not first <= rank < workers:
+            servers = f" (parameter servers: {_ranks(0, first - 1)})" if first else ""
+            raise UsageError(f"--straggler {text} names rank {rank}, but the job's "
+                             f"{workers - first} workers are {_ranks(first, workers - 1)}"
+                             f"{servers}; use a rank from {first} to {workers - 1}")
 
     def check_world(self, world_size: int) -> None:
         """Checks that need the number of processes (run after start-up under ``torchrun``)."""
@@ -166,15 +226,18 @@ def make_job(strategy: str = "dp", flags: Mapping[str, Any] | None = None,
     ``settings`` the fields of :class:`RunConfig` (``nproc`` is the number of processes)."""
     from torch import nn
 
-    from tandem.data import build_dataset
-    from tandem.models import build_model
+    from tandem.runtime.preflight import build_checked
     from tandem.strategy import plan_from_flags
 
     run = RunConfig(**settings)
-    model = build_model(run.model, build_dataset(run.data).info)
+    _, model = build_checked(run)
     blocks = len(model) if isinstance(model, nn.Sequential) else None
     plan = plan_from_flags(strategy, flags or {}, num_processes=run.nproc, num_blocks=blocks)
     return Job(run=run, plan=plan)
+
+
+def _ranks(first: int, last: int) -> str:
+    return f"rank {first}" if first == last else f"ranks {first}-{last}"
 
 
 def _at_least(flag: str, value: int, minimum: int) -> None:
