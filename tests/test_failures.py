@@ -79,7 +79,8 @@ def test_failed_worker_stops_the_job_and_is_named(how: str, expected: str) -> No
                         "--batch-size", "63", "--steps", "20", "--timeout", "5", "--no-progress",
                         timeout_s=120)
     assert result.returncode == 1
-    lines = result.stderr.strip().splitlines()
+    lines = [line for line in result.stderr.strip().splitlines()
+             if not line.startswith("tandem: warning:")]  # 3 workers on fewer cores say so
     assert len(lines) == 1, result.stderr
     assert expected in lines[0]
     assert time.monotonic() - start < 60

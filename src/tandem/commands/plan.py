@@ -8,6 +8,7 @@ import sys
 from tandem import strict_json
 from tandem.cluster import Cluster, format_bandwidth, parse_size
 from tandem.commands.args import add_cluster_args, add_source_args, build_cluster, load_source
+from tandem.commands.output_paths import check_output_files
 from tandem.plan import Plan
 from tandem.planning import PartitionOptions, make_plan
 from tandem.profile import ModelProfile
@@ -78,6 +79,7 @@ def format_plan(plan: Plan, profile: ModelProfile, cluster: Cluster) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Plan, print a table (stderr with --json) or JSON, and optionally write the plan."""
+    check_output_files(("-o", args.output))
     cluster = build_cluster(args)
     options = _options(args)
     profile = load_source(args)

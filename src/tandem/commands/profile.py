@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from tandem import strict_json
+from tandem.commands.output_paths import check_output_files
 from tandem.errors import UsageError
 from tandem.profile import ModelProfile
 
@@ -74,6 +75,7 @@ def format_profile(profile: ModelProfile) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Profile the model, print a table (stderr with --json) and write the profile."""
+    check_output_files(("-o", args.output))
     profile = measure(args.model, args.batch_size, args.data, warmup=args.warmup,
                       repeats=args.repeats, device=args.device)  # fmt: skip
     human = sys.stderr if args.json else sys.stdout

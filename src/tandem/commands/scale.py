@@ -11,6 +11,7 @@ from tandem import strict_json
 from tandem.cluster import parse_cluster
 from tandem.commands.args import load_source, with_memory
 from tandem.commands.simulate import add_codec_args, add_sim_args, sim_options
+from tandem.commands.output_paths import check_output_files
 from tandem.errors import UsageError
 from tandem.planning.scaling import FAMILIES, ScaleOptions, ScaleResult, scale
 from tandem.profile import ModelProfile
@@ -188,6 +189,7 @@ def result_dict(result: ScaleResult, batch_scale: float, samples: int | None) ->
 
 def run(args: argparse.Namespace) -> int:
     """Analyse, print the table (stderr with --json) or JSON, and draw the plot."""
+    check_output_files(("--plot", args.plot if args.plot and args.plot != "none" else None))
     cluster = with_memory(parse_cluster(args.cluster), args.memory)
     profile = load_source(argparse.Namespace(profile=args.profile, model=args.model,
                                              batch_size=None, data=args.data))

@@ -11,6 +11,7 @@ from tandem import strict_json
 from tandem.cluster import Cluster
 from tandem.commands.args import add_cluster_args, add_source_args
 from tandem.commands.simulate import add_codec_args, add_sim_args, planning_inputs, sim_options
+from tandem.commands.output_paths import check_output_files
 from tandem.errors import UsageError
 from tandem.plan import Plan
 from tandem.planning import PartitionOptions, make_plan
@@ -175,6 +176,7 @@ def result_dict(found: SearchResult) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     """Search, print the comparison (stderr with --json) or JSON, and write the best plan."""
+    check_output_files(("-o", args.output))
     profile, cluster = planning_inputs(args)
     schedules = tuple(k.strip() for k in args.schedules.split(",") if k.strip())
     options = SearchOptions(budget_s=parse_duration(args.budget), max_iterations=args.iterations,

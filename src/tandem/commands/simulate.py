@@ -17,6 +17,7 @@ from tandem.commands.args import (
     load_source,
     with_memory,
 )
+from tandem.commands.output_paths import check_output_files
 from tandem.errors import UsageError
 from tandem.plan import Plan
 from tandem.planning.collectives import ALGORITHMS
@@ -247,6 +248,7 @@ def gantt_steps(result: SimResult) -> set[int] | None:
 
 def run(args: argparse.Namespace) -> int:
     """Simulate, print a table (stderr with --json) or JSON, and write the trace and chart."""
+    check_output_files(("--trace", args.trace), ("--gantt", args.gantt))
     if args.against is not None:
         from tandem.commands.against import run_against
 

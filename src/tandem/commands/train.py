@@ -9,9 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem import strict_json
-from tandem.data import build_dataset
 from tandem.errors import UsageError
-from tandem.models import build_model
 from tandem.plan import Plan
 from tandem.runtime.config import BACKENDS, OPTIMIZERS, SCHEDULES, Job, RunConfig, make_job
 from tandem.runtime.dist import under_launcher, world_size
@@ -122,10 +120,15 @@ def job_from_args(args: argparse.Namespace) -> Job:
 
 
 def check_job(job: Job) -> None:
-    """Catch the user's mistakes before any worker starts."""
+    """Catch the user's mistakes before any worker starts (one :class:`UsageError`); warn once
+    if the local workers will share this machine's cores (:mod:`tandem.runtime.preflight`)."""
+    from tandem.runtime import preflight
+
     run, plan = job.run, job.plan
-    data = build_dataset(run.data)
-    model = build_model(run.model, data.info)
+    data, model = preflight.build_checked(run)
+    preflight.check_batch(run, data)
+    preflight.check_output(model, data, run)
+    note = None
     if plan.compress is not None:
         from tandem.compress import check_compress
 
@@ -146,8 +149,11 @@ def check_job(job: Job) -> None:
             from tandem.runtime.pipeline.setup import pipeline_setup
 
             pipeline_setup(job, model)
+        note = preflight.check_machine(run, model)
     if run.out is not None:
         _check_writable(Path(run.out))
+    if note is not None:
+        preflight.warn(note)
 
 
 def _check_writable(out: Path) -> None:

@@ -1,0 +1,264 @@
+"""Checks of a job that need its data, its model or this machine, run by ``tandem train`` before
+any worker starts: the data and model can be built, the batch fits the data, the model's output
+fits the loss, and the local workers fit this machine's memory (an error) and cores (a warning).
+
+Usage::
+
+    data, model = build_checked(job.run)
+    check_batch(job.run, data)
+    check_output(model, data, job.run)
+    note = check_machine(job.run, model)     # raises if the workers cannot fit in memory
+    if note:
+        warn(note)                           # once, on stderr, just before the workers start
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tandem.data import DataBundle, build_dataset, dataset_bytes
+from tandem.errors import UsageError
+from tandem.models import build_model
+from tandem.runtime.config import RunConfig
+
+WORKER_RUNTIME_BYTES = 100 * 2**20
+"""What a worker holds beyond the parent's memory after it built the model and data: its process
+group, communication buffers and bookkeeping (measured ~70 MB with gloo and DDP)."""
+PARAMETER_COPIES = 3
+"""Parameter-sized buffers a worker adds to its model: gradients, optimizer state, DDP buckets."""
+MEMORY_FRACTION = 0.9
+"""Share of the available memory the workers may take (the rest stays for the system)."""
+
+
+def warn(message: str) -> None:
+    """Print a warning line on stderr."""
+    print(f"tandem: warning: {message}", file=sys.stderr, flush=True)
+
+
+def build_checked(run: RunConfig) -> tuple[DataBundle, nn.Module]:
+    """The run's dataset and model. One that would not fit in memory is refused before it is
+    built where its size can be told in advance (the dataset's options, the model's parameters
+    built on the ``meta`` device), and if building it runs out of memory."""
+    available = available_memory_bytes()
+    _check_fits(f"--data {run.data}", dataset_bytes(run.data), available,
+                "a smaller dataset (n, size)")
+    try:
+        data = build_dataset(run.data)
+    except (MemoryError, RuntimeError) as exc:
+        raise _too_big(exc, f"--data {run.data}", "a smaller dataset (n, size)") from None
+    parameters = meta_parameter_bytes(run.model, data)
+    _check_fits(f"--model {run.model}", None if parameters is None
+                else (1 + PARAMETER_COPIES) * parameters, available,
+                "a smaller model (fewer or narrower layers)")
+    try:
+        model = build_model(run.model, data.info)
+    except (MemoryError, RuntimeError) as exc:
+        raise _too_big(exc, f"--model {run.model}", "a smaller model (fewer or narrower "
+                       "layers)") from None
+    return data, model
+
+
+def _check_fits(what: str, needed: int | None, available: int | None, fix: str) -> None:
+    if needed is None or available is None or needed <= available * MEMORY_FRACTION:
+        return
+    raise UsageError(f"{what} needs about {_size(needed)} of memory to train but this machine "
+                     f"has {_size(available)} available; use {fix}")
+
+
+def meta_parameter_bytes(spec: str, data: DataBundle) -> int | None:
+    """Bytes of the parameters of model ``spec``, built on the ``meta`` device (no memory);
+    None for a model that cannot be built there."""
+    try:
+        with torch.device("meta"):
+            model = build_model(spec, data.info)
+        return sum(p.numel() * p.element_size() for p in model.parameters())
+    except UsageError:
+        raise
+    except Exception:  # a builder that needs real tensors: its size is not known in advance
+        return None
+
+
+def _too_big(exc: BaseException, what: str, fix: str) -> BaseException:
+    text = str(exc).lower()
+    if isinstance(exc, MemoryError) or "allocate" in text or "out of memory" in text:
+        return UsageError(f"{what} does not fit in this machine's memory "
+                          f"({_first_line(exc) or 'MemoryError'}); use {fix}")
+    return exc
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0][:200] if lines else ""
+
+
+def check_batch(run: RunConfig, data: DataBundle) -> None:
+    """A global batch takes at most the whole training split."""
+    samples = len(data.train)
+    if run.batch_size > samples:
+        raise UsageError(f"--batch-size {run.batch_size} is more than the {samples} training "
+                         f"samples of --data {run.data}; use at most {samples}, or more data")
+
+
+def check_output(model: nn.Module, data: DataBundle, run: RunConfig) -> None:
+    """One sample through the model (in eval mode, without gradients, on the model's device):
+    it must run, and its output must be what the loss takes (:func:`check_loss_input`)."""
+    inputs, targets = data.train.inputs[:1], data.train.targets[:1]
+    device = next(model.parameters(), torch.empty(0)).device
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            output = model(inputs.to(device))
+    except Exception as exc:  # the user's model cannot take the data: say so, in one line
+        raise UsageError(
+            f"--model {run.model} fails on one sample of --data {run.data} (input shape "
+            f"{tuple(inputs.shape)}): {type(exc).__name__}: {_first_line(exc)}; make the "
+            f"model take this input") from None
+    finally:
+        model.train(training)
+    check_loss_input(output, targets, data, run)
+
+
+def check_loss_input(output: Any, targets: torch.Tensor, data: DataBundle,
+                     run: RunConfig) -> None:
+    """The model's output on a batch must suit the loss, which for now is cross-entropy on a
+    logits tensor (:func:`tandem.runtime.base.loss_sum`): a float tensor whose last dimension
+    has one logit per class, one row per target. Change this with the loss."""
+    classes = data.info.num_classes
+    kind = "classes" if data.info.task == "classify" else "tokens in its vocabulary"
+    if not isinstance(output, torch.Tensor) or not output.is_floating_point() or output.dim() < 1:
+        raise UsageError(
+            f"--model {run.model} returns {_describe(output)}, but the loss (cross-entropy) "
+            f"needs a float tensor of logits, {classes} per prediction; make it return one")
+    if output.shape[-1] != classes:
+        raise UsageError(
+            f"--model {run.model} outputs {output.shape[-1]} logits per prediction, but --data "
+            f"{run.data} has {classes} {kind}; make its last layer output {classes}")
+    predictions, expected = output.numel() // classes, targets.numel()
+    if predictions != expected:
+        raise UsageError(
+            f"--model {run.model} makes {predictions} predictions (output shape "
+            f"{tuple(output.shape)}) for a batch of --data {run.data} with {expected} targets "
+            f"(shape {tuple(targets.shape)}); make it output one row of {classes} logits per "
+            f"target")
+
+
+def _describe(output: Any) -> str:
+    if isinstance(output, torch.Tensor):
+        return f"a {output.dtype} tensor of shape {tuple(output.shape)}"
+    return f"a {type(output).__name__}"
+
+
+def check_machine(run: RunConfig, model: nn.Module) -> str | None:
+    """Refuse local workers that cannot fit in memory; return a warning if they will share this
+    machine's cores (or GPUs), else None."""
+    per_worker = worker_bytes(model)
+    available = available_memory_bytes()
+    if per_worker is not None and available is not None:
+        check_memory(run.nproc, per_worker, available)
+    return sharing_warning(run)
+
+
+def worker_bytes(model: nn.Module) -> int | None:
+    """Estimated memory of one worker: this process's own (PyTorch, the model and the data,
+    just built), plus a worker's runtime and parameter-sized buffers; None if unknown."""
+    own = private_memory_bytes()
+    if own is None:
+        return None
+    parameters = sum(p.numel() * p.element_size() for p in model.parameters())
+    return own + WORKER_RUNTIME_BYTES + PARAMETER_COPIES * parameters
+
+
+def check_memory(nproc: int, per_worker_bytes: int, available_bytes: int) -> None:
+    """Refuse ``nproc`` workers of ``per_worker_bytes`` each that exceed the usable share of
+    ``available_bytes`` (one worker is always allowed: this process already runs)."""
+    usable = available_bytes * MEMORY_FRACTION
+    fits = int(usable // per_worker_bytes)
+    if nproc <= max(1, fits):
+        return
+    raise UsageError(
+        f"--nproc {nproc} needs about {_size(nproc * per_worker_bytes)} of memory ({nproc} "
+        f"workers x ~{_size(per_worker_bytes)}: PyTorch, the model and the data in each) but "
+        f"this machine has {_size(available_bytes)} available; use --nproc {max(1, fits)} or "
+        f"fewer")
+
+
+def _size(num_bytes: float) -> str:
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.1f} {unit}"
+    return f"{num_bytes / 2**20:.0f} MiB"
+
+
+def private_memory_bytes() -> int | None:
+    """Memory this process alone holds (Linux ``Private_*`` of ``smaps_rollup``, else its
+    resident size); None where unknown."""
+    try:
+        text = Path("/proc/self/smaps_rollup").read_text()
+        return 1024 * sum(int(line.split()[1]) for line in text.splitlines()
+                          if line.startswith(("Private_Clean:", "Private_Dirty:")))
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def available_memory_bytes() -> int | None:
+    """Memory new processes can take: the kernel's ``MemAvailable``, within a cgroup's limit
+    if one is set; None where unknown."""
+    free: list[int] = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                free.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                          "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            cap = int(Path(limit).read_text())
+            if cap < 2**60:
+                free.append(max(0, cap - int(Path(usage).read_text())))
+        except (OSError, ValueError):
+            continue
+    return min(free) if free else None
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, else the machine's count)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
+
+def sharing_warning(run: RunConfig) -> str | None:
+    """What to expect when local workers outnumber the GPUs or (with their threads) the cores;
+    None when they do not. Emulated models sleep instead of computing, so they share nothing."""
+    if run.backend != "gloo" and torch.cuda.is_available():
+        gpus = torch.cuda.device_count()
+        if run.nproc <= gpus:
+            return None
+        return (f"--nproc {run.nproc} on {gpus} GPU(s): workers will share the GPUs; expect each "
+                f"step to take ~{-(-run.nproc // gpus)}x longer than with one GPU per worker, "
+                f"and NCCL may refuse two workers on one GPU (use --nproc {gpus}, or --backend "
+                f"gloo)")
+    if run.model.split(":", 1)[0] == "emulated":
+        return None
+    cores, threads = usable_cores(), run.nproc * run.threads
+    if threads <= cores:
+        return None
+    what = f"--nproc {run.nproc}" + (f" --threads {run.threads} ({threads} threads)"
+                                     if run.threads > 1 else "")
+    return (f"{what} on {cores} core{'s' if cores > 1 else ''}: workers will time-share the "
+            f"cores; expect each step to take ~{threads / cores:.3g}x longer than with one worker "
+            f"per core")
