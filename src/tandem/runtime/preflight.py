@@ -32,8 +32,9 @@ WORKER_RUNTIME_BYTES = 100 * 2**20
 group, communication buffers and bookkeeping (measured ~70 MB with gloo and DDP)."""
 PARAMETER_COPIES = 3
 """Parameter-sized buffers a worker adds to its model: gradients, optimizer state, DDP buckets."""
-MEMORY_FRACTION = 0.9
-"""Share of the available memory the workers may take (the rest stays for the system)."""
+MEMORY_FRACTION = 0.75
+"""Share of the available memory the workers may take: the rest stays for the system, the
+machine's other users and the workers' start-up peaks (the estimate is of their steady state)."""
 
 
 def warn(message: str) -> None:
