@@ -45,3 +45,33 @@ def hang(info: DataInfo, rank: int = 1, after: int = 3) -> nn.Module:
 def kill(info: DataInfo, rank: int = 1, after: int = 3) -> nn.Module:
     """Kills its own process on ``rank`` (a dead worker)."""
     return _Faulty(info, rank, after, "kill")
+
+
+class _FaultyBlock(nn.Module):
+    """A block that misbehaves like :class:`_Faulty` but computes ``x`` unchanged otherwise."""
+
+    def __init__(self, rank: int, after: int, how: str) -> None:
+        super().__init__()
+        self.rank, self.after, self.how, self.calls = rank, after, how, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.training and int(os.environ.get("RANK", "0")) == self.rank and self.calls > self.after:
+            if marker := os.environ.get("TANDEM_TEST_FAULT_AT"):
+                with open(marker, "w") as handle:  # when the fault began, for tests to time
+                    handle.write(str(time.time()))
+            if self.how == "hang":
+                time.sleep(3600)
+            if self.how == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+        return x
+
+
+def pipeline_hang(info: DataInfo, rank: int = 1, after: int = 3, how: str = "hang") -> nn.Module:
+    """Two linear blocks (a pipeline splits them into two stages); the second sleeps for an
+    hour (``how=hang``) or stops its process with SIGSTOP (``how=stop``) on ``rank`` after
+    ``after`` forward calls (micro-batches)."""
+    return nn.Sequential(
+        nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU()),
+        nn.Sequential(_FaultyBlock(rank, after, how), nn.Linear(32, info.num_classes)),
+    )

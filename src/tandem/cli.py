@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+from types import FrameType
 from typing import NoReturn, Sequence
 
-from tandem.errors import UsageError, WorkerFailure
+from tandem.errors import Interrupted, UsageError, WorkerFailure
 
 COMMANDS = ("train", "demo", "profile", "plan", "topology", "simulate", "search", "scale")
 
@@ -37,9 +39,29 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
+def _stop(signum: int, frame: FrameType | None) -> None:
+    raise Interrupted(signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status."""
+    """Run the command line; returns the exit status.
+
+    SIGINT (Ctrl-C), SIGTERM and SIGHUP stop every worker and end the command with one line
+    and status ``128 + signal`` (130, 143, 129).
+    """
     args = build_parser().parse_args(argv)
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    for signum, handler in handlers.items():
+        if handler is signal.SIG_DFL:
+            signal.signal(signum, _stop)
+    try:
+        return _run(args)
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         return int(args.run(args))
     except UsageError as exc:
@@ -48,6 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except WorkerFailure as exc:
         print(f"tandem {args.command}: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(f"tandem {args.command}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        signum = getattr(exc, "signum", signal.SIGINT)
+        print(f"tandem {args.command}: stopped by {signal.Signals(signum).name}; every worker "
+              f"has ended", file=sys.stderr)
+        return 128 + signum

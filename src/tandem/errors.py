@@ -10,3 +10,14 @@ class UsageError(ValueError):
 
 class WorkerFailure(RuntimeError):
     """A worker process failed or stopped answering; the message names its rank."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """The job was stopped by a signal (Ctrl-C, SIGTERM, SIGHUP) after every worker ended.
+
+    The command line prints one line and exits with status ``128 + signum`` (130, 143, 129).
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum

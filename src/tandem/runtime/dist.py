@@ -1,15 +1,29 @@
-"""Start-up of one worker: rank, world size, device, backend and the default process group."""
+"""Start-up of one worker: rank, world size, device, backend and the default process group.
+
+Under ``torchrun`` the job is described by four environment variables; they are checked
+together (a partial or inconsistent set is the user's mistake, named with its fix), and joining
+the job is bounded by ``--timeout`` like every later wait.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import os
+import re
+import socket
+import tempfile
+import time
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
-from tandem.errors import UsageError
+from tandem.errors import UsageError, WorkerFailure
+
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""What ``torchrun`` sets for every worker (and what a hand-started worker must set)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -24,13 +38,65 @@ class WorkerEnv:
 
 
 def under_launcher() -> bool:
-    """True when started by ``torchrun``/the elastic agent (rank and world in the environment)."""
-    return all(key in os.environ for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+    """True when started by ``torchrun``/the elastic agent (all of ``LAUNCHER_VARIABLES`` set).
+
+    Raises ``UsageError`` when only some are set, or when their values disagree (``RANK`` not
+    below ``WORLD_SIZE``, a port that is not a number): a job never starts half-configured.
+    """
+    present = [key for key in LAUNCHER_VARIABLES if key in os.environ]
+    if not present:
+        return False
+    if len(present) < len(LAUNCHER_VARIABLES):
+        missing = [key for key in LAUNCHER_VARIABLES if key not in os.environ]
+        raise UsageError(
+            f"{_listing(present)} {'is' if len(present) == 1 else 'are'} set but "
+            f"{_listing(missing)} {'is' if len(missing) == 1 else 'are'} not; start the job with "
+            f"torchrun (it sets all four), set all four, or unset {_listing(present, 'and')} to "
+            f"run --nproc local workers")
+    _check_launcher_values()
+    return True
+
+
+def _listing(names: list[str], last: str = "and") -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} {last} {names[-1]}"
+
+
+def _integer(key: str, low: int, high: int | None = None) -> int:
+    text = os.environ[key]
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < low or (high is not None and value > high):
+        bound = f"from {low} to {high}" if high is not None else f"of at least {low}"
+        raise UsageError(f"{key}={text!r} must be an integer {bound}; fix the environment "
+                         f"variable (torchrun sets it)")
+    return value
+
+
+def _check_launcher_values() -> None:
+    size = _integer("WORLD_SIZE", 1)
+    rank = _integer("RANK", 0)
+    if rank >= size:
+        raise UsageError(f"RANK={rank} is not below WORLD_SIZE={size}: ranks run from 0 to "
+                         f"{size - 1}; give each of the {size} processes its own RANK in that range")
+    _integer("MASTER_PORT", 1, 65535)
+    if not os.environ["MASTER_ADDR"].strip():
+        raise UsageError("MASTER_ADDR is empty; set it to the host name or address of rank 0")
+    if "LOCAL_RANK" in os.environ:
+        _integer("LOCAL_RANK", 0)
 
 
 def world_size() -> int:
     """The job's number of processes under ``torchrun`` (``WORLD_SIZE``)."""
     return int(os.environ["WORLD_SIZE"])
+
+
+def new_group(ranks: list[int], *, timeout_s: float) -> dist.ProcessGroup:
+    """A process group over ``ranks`` (every rank of the job must call this) whose operations
+    give up after ``timeout_s`` seconds, like the default group's (``--timeout``); without it
+    torch gives a new gloo group 30 minutes."""
+    return dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def choose_backend(requested: str) -> str:
@@ -43,8 +109,14 @@ def choose_backend(requested: str) -> str:
 
 
 def init_worker(*, backend: str, timeout_s: float, threads: int) -> WorkerEnv:
-    """Join the job described by the environment and pick this worker's device."""
+    """Join the job described by the environment and pick this worker's device.
+
+    Joining waits at most ``timeout_s`` for the master and the other workers; a job that does
+    not assemble raises ``WorkerFailure`` saying who is missing (``UsageError`` for a port that
+    is taken).
+    """
     backend = choose_backend(backend)
+    _check_launcher_values()
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if backend == "nccl":
@@ -54,10 +126,69 @@ def init_worker(*, backend: str, timeout_s: float, threads: int) -> WorkerEnv:
         device = torch.device("cpu")
         torch.set_num_threads(threads)
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend, rank=rank, world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-            device_id=device if backend == "nccl" else None,
-        )
+        deadline = time.monotonic() + timeout_s
+        if rank != 0:
+            _wait_for_master(rank, deadline, timeout_s)
+        try:
+            with _quiet_native_stderr():
+                dist.init_process_group(
+                    backend, rank=rank, world_size=world_size,
+                    timeout=datetime.timedelta(seconds=max(1.0, deadline - time.monotonic())),
+                    device_id=device if backend == "nccl" else None,
+                )
+        except (dist.DistError, RuntimeError) as exc:
+            raise _startup_failure(exc, rank, world_size, timeout_s) from None
     return WorkerEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device,
                      backend=backend)
+
+
+def _wait_for_master(rank: int, deadline: float, timeout_s: float) -> None:
+    """Wait until the master's port accepts connections, at most until ``deadline`` (torch's
+    own connection retries can overrun the timeout by their back-off)."""
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    while True:
+        try:
+            with socket.create_connection((address, port), timeout=1.0):
+                return
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise _startup_failure(ConnectionError("could not connect"), rank,
+                                       int(os.environ["WORLD_SIZE"]), timeout_s) from None
+            time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def _quiet_native_stderr() -> Iterator[None]:
+    """Keep the C++ log lines torch writes while joining (retries, stack frames) off the
+    terminal; a failure is reported as one line from the exception instead."""
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def _startup_failure(error: BaseException, rank: int, world_size: int,
+                     timeout_s: float) -> Exception:
+    """One line for a job that did not assemble: who was missing, and what to do."""
+    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    text = str(error)
+    if "address already in use" in text.lower():
+        return UsageError(f"MASTER_PORT {os.environ.get('MASTER_PORT')} is taken on this machine "
+                          f"(rank {rank} listens there); choose a free MASTER_PORT")
+    if joined := re.search(r"(\d+)/(\d+) clients joined", text):
+        return WorkerFailure(
+            f"worker rank {rank}: only {joined.group(1)} of {world_size} workers joined the job at "
+            f"{where} within --timeout {timeout_s:g} s; start the other ranks with the same "
+            f"MASTER_ADDR, MASTER_PORT and WORLD_SIZE={world_size} (or raise --timeout)")
+    if "connect" in text.lower() and rank != 0:
+        return WorkerFailure(
+            f"worker rank {rank} could not reach the job's master at {where} within --timeout "
+            f"{timeout_s:g} s; start rank 0 there (it listens on MASTER_PORT), or fix "
+            f"MASTER_ADDR and MASTER_PORT")
+    first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+    return WorkerFailure(f"worker rank {rank} could not join the job at {where} within "
+                         f"--timeout {timeout_s:g} s ({type(error).__name__}: {first})")

@@ -8,17 +8,19 @@ Usage::
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import re
+import signal
 import uuid
 from typing import Any, Callable, TypeVar
 
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from tandem.errors import UsageError, WorkerFailure
+from tandem.errors import Interrupted, UsageError, WorkerFailure
 from tandem.runtime.dist import under_launcher
 
 R = TypeVar("R")
@@ -26,6 +28,11 @@ R = TypeVar("R")
 _NOISY_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
 _USAGE_ERROR = re.compile(r"(?:\w+\.)*UsageError: (.*)", re.DOTALL)
 _WORKER_FAILURE = re.compile(r"(?:\w+\.)*WorkerFailure: (.*)", re.DOTALL)
+LAUNCHED = "TANDEM_LAUNCHED"
+"""Set in the environment of the workers this module starts (to the job's run id)."""
+SHUTDOWN_S = 3
+"""Seconds a stopping worker gets after SIGTERM before SIGKILL (a frozen one never answers)."""
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def launch(fn: Callable[[Any], R], arg: Any, *, nproc: int, threads: int = 1) -> R | None:
@@ -38,23 +45,58 @@ def launch(fn: Callable[[Any], R], arg: Any, *, nproc: int, threads: int = 1) ->
     if under_launcher():
         return fn(arg)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    run_id = f"tandem-{uuid.uuid4().hex[:8]}"
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"tandem-{uuid.uuid4().hex[:8]}",
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=run_id,
         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
         start_method="spawn", logs_specs=DefaultLogsSpecs(), local_addr="127.0.0.1",
+        shutdown_timeout=SHUTDOWN_S,
     )
-    loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
+    loggers = [logging.getLogger(name) for name in sorted(logging.root.manager.loggerDict)
+               if name.startswith(_NOISY_LOGGERS)]  # each module's own, which sets its level
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.CRITICAL)
+    handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    os.environ[LAUNCHED] = run_id
     try:
         results = elastic_launch(config, fn)(arg)
+    except SignalException as exc:  # the agent has stopped every worker
+        raise Interrupted(int(exc.sigval)) from None
     except ChildFailedError as exc:
         raise _failure(exc) from None
     finally:
+        del os.environ[LAUNCHED]
+        for signum, handler in handlers.items():  # the agent leaves its own installed
+            signal.signal(signum, handler)
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)
     return results.get(0)
+
+
+def prepare_worker() -> None:
+    """In a worker this module started: end at once, silently, on SIGINT, SIGTERM and SIGHUP
+    (the launcher reports the signal in one line), and die with the launcher if it is killed.
+
+    A worker stopped this way writes nothing more; checkpoints are replaced by an atomic rename,
+    so the last one stays whole.
+    """
+    if LAUNCHED not in os.environ:
+        return
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_DFL)
+    die_with_parent()
+
+
+def die_with_parent() -> None:
+    """Ask Linux to kill this process when its parent ends (no orphans); elsewhere a no-op."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent ended before the request
+        os._exit(1)
 
 
 def _message(failure: ProcessFailure) -> str:
@@ -71,6 +113,9 @@ def _failure(exc: ChildFailedError) -> Exception:
     worker's diagnosis of a peer that fell silent, then the first failure in time.
     """
     messages = {rank: _message(failure) for rank, failure in exc.failures.items()}
+    stops = {failure.signal_name() for failure in exc.failures.values() if failure.exitcode < 0}
+    if stops == {"SIGINT"} and all(f.exitcode < 0 for f in exc.failures.values()):
+        return Interrupted(signal.SIGINT)  # Ctrl-C reached the workers before the launcher
     for message in messages.values():
         if match := _USAGE_ERROR.match(message):
             return UsageError(match.group(1).strip().splitlines()[0])

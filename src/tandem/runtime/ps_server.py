@@ -114,6 +114,7 @@ class ParameterServer(Worker):
         self.dropped = 0
         self.pushes: Counter[int] = Counter()
         self.dead: set[int] = set()
+        self.checked_at = time.monotonic()
         self.finished: set[int] = set()
         self.loss = [0.0, 0]
         self.last_loss = float("nan")
@@ -146,6 +147,8 @@ class ParameterServer(Worker):
         state advance in step with the sender's). With ``poll``, gives up after
         ``LIVENESS_EVERY_S`` to check which workers went silent, and returns None.
         """
+        if poll and time.monotonic() - self.checked_at > LIVENESS_EVERY_S:
+            self._check_liveness()  # also while messages flow: a stuck worker sends none
         try:
             item = self.mailbox.get(timeout=LIVENESS_EVERY_S if poll else None)
         except queue.Empty:
@@ -191,17 +194,32 @@ class ParameterServer(Worker):
         self.replies.clear()
 
     def _check_liveness(self) -> None:
-        """Asynchronous modes go on without workers whose heartbeat stopped."""
-        newly = self.beat.silent([w for w in self.workers if w not in self.finished]) - self.dead
-        for worker in sorted(newly):
-            self.dead.add(worker)
-            if self.env.rank == 0:
-                self.reporter.message(f"worker rank {worker} stopped responding; training goes on "
-                                      f"without it")
+        """Asynchronous modes go on without workers whose heartbeat stopped, or whose heartbeat
+        goes on with no progress for ``--timeout`` while no server holds them back (stuck);
+        either is fenced, so that it ends instead of outliving the job."""
+        self.checked_at = time.monotonic()
+        live = [w for w in self.workers if w not in self.finished and w not in self.dead]
+        for worker in sorted(self.beat.silent(live)):
+            self._give_up(worker, "stopped responding")
+        held = set(self.waiting)
+        # before this server's own receive gives up (--timeout after the last message)
+        after_s = max(self.config.timeout_s - 2 * LIVENESS_EVERY_S, LIVENESS_EVERY_S)
+        stuck = self.beat.stalled([w for w in live if w not in self.dead and w not in held],
+                                  after_s=after_s)
+        for worker, (step, phase) in sorted(stuck.items()):
+            self._give_up(worker, f"is stuck at step {step} ({phase}), no progress for "
+                                  f"{after_s:g} s")
         if self.version < self.config.steps and set(self.workers) <= self.dead | self.finished:
             raise WorkerFailure(f"every worker died (ranks {', '.join(map(str, sorted(self.dead)))}); "
                                 f"server {self.env.rank} stops at update {self.version}")
         self._release_waiting()
+
+    def _give_up(self, worker: int, why: str) -> None:
+        self.dead.add(worker)
+        self.beat.fence(worker, why)
+        if self.env.rank == 0:
+            self.reporter.message(f"worker rank {worker} {why}; asynchronous training goes on "
+                                  f"without it")
 
     # -- updates ---------------------------------------------------------------------------------
 
@@ -346,6 +364,8 @@ class ParameterServer(Worker):
                 self.dropped += int(header.kind == protocol.PUSH)
                 self._reply(sender, stop=True)
         self._finish_replies()
+        if self.dead:  # its receive from them ends at --timeout; never let it end at exit
+            self.mailbox.thread.join(timeout=self.config.timeout_s + 5)
 
     # -- outputs ---------------------------------------------------------------------------------
 

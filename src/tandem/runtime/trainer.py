@@ -27,7 +27,14 @@ from tandem.runtime.base import BaseTrainer, Worker, loss_sum, save_worker_trace
 from tandem.runtime.checkpoint import CHECKPOINT_VERSION, load_checkpoint, save_atomic
 from tandem.runtime.config import Job
 from tandem.runtime.dist import WorkerEnv, init_worker
-from tandem.runtime.watchdog import Heartbeat, is_communication_error
+from tandem.runtime.launch import die_with_parent, prepare_worker
+from tandem.runtime.watchdog import (
+    FENCED_EXIT,
+    PERIOD_S,
+    SILENT_AFTER_S,
+    Heartbeat,
+    is_communication_error,
+)
 from tandem.sync import ParameterServerClient, SyncStrategy, build_strategy
 from tandem.sync_spec import (
     AllReduceSync,
@@ -43,8 +50,13 @@ EVAL_CHUNK = 1024
 SUPERVISED = "TANDEM_SUPERVISED"
 
 
-def train_worker(job: Job) -> dict[str, Any] | None:
-    """Run the whole training job as this worker; rank 0 returns the summary."""
+def train_worker(job: Job, *, mirror: Any = None) -> dict[str, Any] | None:
+    """Run the whole training job as this worker; rank 0 returns the summary.
+
+    ``mirror`` is set in a supervised worker (see :func:`_supervise`): a shared value its
+    heartbeat writes, for the supervisor to see it freeze.
+    """
+    prepare_worker()
     if _fault_tolerant_worker(job):
         return _supervise(job)
     config = job.run
@@ -53,7 +65,8 @@ def train_worker(job: Job) -> dict[str, Any] | None:
     store = dist.distributed_c10d._get_default_store()
     try:
         job.check_world(env.world_size)
-        with Heartbeat(store, env.rank, env.world_size) as beat:
+        with Heartbeat(store, env.rank, env.world_size, fenceable=SUPERVISED in os.environ,
+                       mirror=mirror) as beat:
             try:
                 summary = make_worker(job, env, beat).run()
             except RuntimeError as exc:
@@ -75,16 +88,33 @@ def _fault_tolerant_worker(job: Job) -> bool:
 
 
 def _supervise(job: Job) -> None:
-    """Run this worker in a child process; if it dies, say so and let the job go on."""
+    """Run this worker in a child process; if it dies, say so and let the job go on.
+
+    The child never outlives this process (it dies with it), and ends when the servers give
+    up on it: a stuck one ends itself once fenced (exit ``FENCED_EXIT``), and a frozen one, whose
+    heartbeat stops, is killed here after ``SILENT_AFTER_S`` (the servers report both).
+    """
     os.environ[SUPERVISED] = "1"
-    child = multiprocessing.get_context("spawn").Process(target=train_worker, args=(job,))
+    context = multiprocessing.get_context("spawn")
+    mirror = context.Value("d", 0.0, lock=False)
+    child = context.Process(target=_supervised_worker, args=(job, mirror), daemon=True)
     child.start()
-    child.join()
-    if child.exitcode != 0:
+    while child.exitcode is None:
+        child.join(PERIOD_S)
+        if mirror.value and time.time() - mirror.value > SILENT_AFTER_S + 4 * PERIOD_S:
+            child.kill()
+            child.join()
+            return
+    if child.exitcode not in (0, FENCED_EXIT):
         code = child.exitcode or 0
         how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
         print(f"tandem: worker rank {os.environ.get('RANK')} died ({how}); asynchronous training "
               f"goes on without it", file=sys.stderr, flush=True)
+
+
+def _supervised_worker(job: Job, mirror: Any) -> None:
+    die_with_parent()
+    train_worker(job, mirror=mirror)
 
 
 def make_worker(job: Job, env: WorkerEnv, beat: Heartbeat) -> Worker:

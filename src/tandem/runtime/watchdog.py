@@ -3,8 +3,10 @@ waited for (stuck or dead) instead of only reporting its own timeout."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+from typing import Any
 
 import torch.distributed as dist
 
@@ -14,6 +16,8 @@ PERIOD_S = 0.5
 SILENT_AFTER_S = 10.0
 """A worker whose heartbeat is older than this is taken for dead or hung (a loaded machine can
 delay a heartbeat thread by seconds, so this is generous)."""
+FENCED_EXIT = 75
+"""The exit status of a worker that ended itself because a server fenced it."""
 
 
 class Heartbeat:
@@ -22,53 +26,111 @@ class Heartbeat:
     The training loop only assigns ``step`` and ``phase`` (no communication on the hot path).
     """
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int) -> None:
+    def __init__(self, store: dist.Store, rank: int, world_size: int, *, fenceable: bool = False,
+                 mirror: Any = None) -> None:
         self.store = store
         self.rank = rank
         self.world_size = world_size
-        self.step = 0
-        self.phase = "start"
+        self._step = 0
+        self._phase = "start"
+        self.fenceable = fenceable
+        """Whether this worker ends its own process once a server fences it (:meth:`fence`)."""
+        self.mirror = mirror
+        """A shared ``multiprocessing.Value('d')`` given the time of every beat, for a
+        supervising parent process to see this one freeze."""
         self._lock = threading.Lock()
         """Serializes this process's use of the store client between the threads."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="tandem-heartbeat", daemon=True)
+        self._since = time.time()
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        if value != self._step:
+            self._step, self._since = value, time.time()
+
+    @property
+    def phase(self) -> str:
+        return self._phase
+
+    @phase.setter
+    def phase(self, value: str) -> None:
+        if value != self._phase:
+            self._phase, self._since = value, time.time()
 
     def __enter__(self) -> Heartbeat:
         self._publish()
         self._thread.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5 * PERIOD_S)  # never tear the store down under a write
+        if exc_type is None:  # a finished worker is not a silent one
+            self.phase = "done"
+            try:
+                self._publish()
+            except Exception:  # noqa: BLE001 - the job is over for this worker anyway
+                pass
 
     def _publish(self) -> None:
+        now = time.time()
         with self._lock:
-            self.store.set(f"tandem/heartbeat/{self.rank}", f"{self.step} {self.phase} {time.time()}")
+            self.store.set(f"tandem/heartbeat/{self.rank}",
+                           f"{self.step} {self.phase} {now} {self._since}")
+        if self.mirror is not None:
+            self.mirror.value = now
 
     def _beat(self) -> None:
         failures = 0
         while not self._stop.wait(PERIOD_S):
             try:
                 self._publish()
+                if self.fenceable:
+                    self._obey_fence()
                 failures = 0
             except Exception:  # noqa: BLE001 - a busy store; give up only if it is gone
                 failures += 1
                 if failures * PERIOD_S > SILENT_AFTER_S:
                     return
 
+    def fence(self, rank: int, reason: str) -> None:
+        """Declare worker ``rank`` out of the job: a fenceable worker ends its process when it
+        sees this (even with its main thread stuck), so that it cannot outlive the job."""
+        with self._lock:
+            self.store.set(f"tandem/fenced/{rank}", reason)
+
+    def _obey_fence(self) -> None:
+        with self._lock:
+            fenced = self.store.check([f"tandem/fenced/{self.rank}"])
+        if fenced:
+            os._exit(FENCED_EXIT)  # the main thread may be stuck; nothing is left to save
+
     def silent(self, ranks: list[int]) -> set[int]:
         """The ranks among ``ranks`` whose heartbeat stopped (dead or hung)."""
         beats, now = self.read_beats(), time.time()
-        return {r for r in ranks if r in beats and now - beats[r][2] > SILENT_AFTER_S}
+        return {r for r in ranks if r in beats and beats[r][1] != "done"
+                and now - beats[r][2] > SILENT_AFTER_S}
+
+    def stalled(self, ranks: list[int], after_s: float) -> dict[int, tuple[int, str]]:
+        """The ranks among ``ranks`` whose heartbeat goes on but whose step and phase have not
+        changed for ``after_s`` seconds (a stuck main thread), with where they are stuck.
+        Start-up is not judged here (its waits have their own time limits)."""
+        beats, now = self.read_beats(), time.time()
+        return {r: beats[r][:2] for r in ranks if r in beats and beats[r][1] not in ("start", "done")
+                and now - beats[r][2] <= SILENT_AFTER_S and now - beats[r][3] > after_s}
 
     def diagnose(self, error: BaseException) -> WorkerFailure:
         """Explain a failed collective by naming the workers that fell silent or behind."""
         beats = self.read_beats()
         now = time.time()
         silent = [r for r in range(self.world_size) if r != self.rank
-                  and (r not in beats or now - beats[r][2] > SILENT_AFTER_S)]
+                  and (r not in beats or (beats[r][1] != "done" and now - beats[r][2] > SILENT_AFTER_S))]
         here = f"rank {self.rank} gave up waiting at step {self.step} ({self.phase})"
         if silent:
             ranks = ", ".join(map(str, silent))
@@ -84,19 +146,20 @@ class Heartbeat:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         return WorkerFailure(f"{here}: {first_line}")
 
-    def read_beats(self) -> dict[int, tuple[int, str, float]]:
-        """Last published ``(step, phase, wall time)`` of every worker that has one."""
-        beats: dict[int, tuple[int, str, float]] = {}
+    def read_beats(self) -> dict[int, tuple[int, str, float, float]]:
+        """Last published ``(step, phase, wall time, wall time since that step and phase)`` of
+        every worker that has one."""
+        beats: dict[int, tuple[int, str, float, float]] = {}
         for rank in range(self.world_size):
             key = f"tandem/heartbeat/{rank}"
             try:
                 with self._lock:
                     if not self.store.check([key]):
                         continue
-                    step, phase, stamp = self.store.get(key).decode().split()
+                    step, phase, stamp, since = self.store.get(key).decode().split()
             except Exception:  # noqa: BLE001 - an unreadable beat is itself the diagnosis
                 continue
-            beats[rank] = (int(step), phase, float(stamp))
+            beats[rank] = (int(step), phase, float(stamp), float(since))
         return beats
 
 

@@ -38,7 +38,7 @@ def _gossip(job: Job, rank: int, world_size: int) -> SyncStrategy:
         raise TypeError(f"gossip needs a gossip sync spec, not {sync!r}")
     graph = build_topology(sync.topology, world_size)
     if sync.asynchronous:
-        return AsyncGossip(graph, rank, job.run.seed)
+        return AsyncGossip(graph, rank, job.run.seed, job.run.timeout_s)
     matrix = mixing_matrix(graph, sync.weights)
     if job.plan.compress is not None:
         return ChocoGossip(graph, matrix, rank, job.plan.compress.text, sync.step)

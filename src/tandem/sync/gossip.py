@@ -24,6 +24,7 @@ from tandem.compress.hooks import from_bytes, to_bytes
 from tandem.compress.qsgd import QSGD
 from tandem.compress.sparse import RandomK
 from tandem.errors import UsageError
+from tandem.runtime.dist import new_group
 from tandem.sync.base import SyncStrategy
 from tandem.sync.flat import average_parameters, flatten, unflatten_into
 from tandem.topology import Graph
@@ -272,8 +273,9 @@ class AsyncGossip(SyncStrategy):
     replicas_agree = False
     synchronous = False
 
-    def __init__(self, graph: Graph, rank: int, seed: int) -> None:
+    def __init__(self, graph: Graph, rank: int, seed: int, timeout_s: float) -> None:
         self.rank = rank
+        self.timeout_s = timeout_s
         self.world_size = len(graph)
         colours = two_colouring(graph)
         self.active = colours[rank] == 0
@@ -289,7 +291,7 @@ class AsyncGossip(SyncStrategy):
     def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
         model = model.to(device)
         self.params = list(model.parameters())
-        self.group = dist.new_group(list(range(self.world_size)))
+        self.group = new_group(list(range(self.world_size)), timeout_s=self.timeout_s)
         if not self.active:
             self.server = threading.Thread(target=self._serve, name="tandem-ad-psgd", daemon=True)
             self.server.start()

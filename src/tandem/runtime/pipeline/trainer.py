@@ -21,7 +21,7 @@ from torch import nn
 from tandem.models import build_model
 from tandem.runtime.base import BaseTrainer
 from tandem.runtime.config import Job
-from tandem.runtime.dist import WorkerEnv
+from tandem.runtime.dist import WorkerEnv, new_group
 from tandem.runtime.pipeline.engine import Microbatch, StageEngine, StageShapes
 from tandem.runtime.pipeline.setup import pipeline_setup
 from tandem.runtime.pipeline.wire import Wire
@@ -126,7 +126,7 @@ class PipelineTrainer(BaseTrainer):
         groups: list[dist.ProcessGroup | None] = []
         for stage, count in enumerate(self.layout.replicas):
             ranks = [self.schedule.worker_of(stage, replica) for replica in range(count)]
-            groups.append(dist.new_group(ranks) if count > 1 else None)
+            groups.append(new_group(ranks, timeout_s=self.config.timeout_s) if count > 1 else None)
         return groups
 
     def _links(self) -> dict[tuple[int, int], dist.ProcessGroup]:
@@ -135,7 +135,7 @@ class PipelineTrainer(BaseTrainer):
                         for action in actions if action.kind.is_send and action.peer is not None})
         links = {}
         for source, destination in pairs:
-            group = dist.new_group(sorted((source, destination)))
+            group = new_group(sorted((source, destination)), timeout_s=self.config.timeout_s)
             if self.env.rank in (source, destination):
                 links[(source, destination)] = group
         return links

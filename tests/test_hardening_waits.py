@@ -1,0 +1,182 @@
+"""Every wait is bounded, signals stop the whole job, start-up mistakes are one line.
+
+Each run is the real command line in its own session, marked by an environment variable, so
+that the test can tell that none of the job's processes (workers, supervised children, their
+resource trackers) is left once the command has ended.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+MARK = "TANDEM_TEST_JOB"
+FAST = ("--steps", "100000", "--batch-size", "32", "--no-progress", "--log-every", "1")
+
+
+def start(*args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], str]:
+    """Start ``tandem ARGS`` in a session of its own; returns it and the job's mark."""
+    mark = uuid.uuid4().hex
+    environ = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), MARK: mark}
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        environ.pop(key, None)
+    environ.update(env or {})
+    process = subprocess.Popen([sys.executable, "-m", "tandem", *args], env=environ, cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    return process, mark
+
+
+def finish(process: subprocess.Popen[str], mark: str, timeout_s: float) -> tuple[int, str, str]:
+    """Wait for the command (killing its session on a hang), then check nothing of it is left."""
+    try:
+        out, err = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        out, err = process.communicate()
+        pytest.fail(f"the command did not end within {timeout_s} s:\n{err[-3000:]}")
+    deadline = time.monotonic() + 5
+    while (left := job_processes(mark)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes left behind: {left}\n{err[-3000:]}"
+    return process.returncode, out, err
+
+
+def job_processes(mark: str) -> list[int]:
+    """Live processes (not zombies) whose environment carries ``mark``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if f"{MARK}={mark}".encode() in environ.split(b"\0") and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def one_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def wait_for(path: Path, process: subprocess.Popen[str], timeout_s: float = 90) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert process.poll() is None, process.communicate()[1]
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_stuck_pipeline_stage_ends_the_job_naming_it(schedule: str, tmp_path: Path) -> None:
+    """The pipeline's own process groups (links between stages) wait --timeout, not 30 min.
+
+    (A stage frozen by SIGSTOP, ``how='stop'``, is named the same way, but the job then ends
+    about 30 s later: torch's launcher gives a worker that ignores SIGTERM 30 s before SIGKILL.)
+    """
+    process, mark = start(
+        "train", "--strategy", "pipeline", "--schedule", schedule, "--nproc", "2",
+        "--model", "tests.faulty_models:pipeline_hang:rank=1,after=6",
+        "--timeout", "10", *FAST, env={"TANDEM_TEST_FAULT_AT": str(tmp_path / "hung")})
+    code, _, err = finish(process, mark, timeout_s=150)
+    hung_at = float((tmp_path / "hung").read_text())
+    line = one_line(err)
+    assert code == 1 and line.startswith("tandem train: worker rank 1 ")
+    assert "rank 0 gave up waiting" in line
+    assert time.time() - hung_at < 30
+
+
+def test_stuck_async_ps_worker_is_left_behind_and_ended(tmp_path: Path) -> None:
+    """Asynchronous training goes on without a stuck worker, says so, and ends its process."""
+    process, mark = start(
+        "train", "--strategy", "ps", "--mode", "async", "--nproc", "4", "--servers", "1",
+        "--model", "tests.faulty_models:hang:rank=2,after=5", "--timeout", "10", "--steps", "1500",
+        "--batch-size", "30", "--no-progress", "--json")
+    code, out, err = finish(process, mark, timeout_s=150)
+    assert code == 0, err
+    said = " ".join(line for line in err.splitlines() if not line.startswith("tandem: warning"))
+    assert re.fullmatch(r"worker rank 2 is stuck at step \d+ \(forward\), no progress for 9 s; "
+                        r"asynchronous training goes on without it", " ".join(said.split())), err
+    assert '"dead_workers": [2]' in out
+
+
+def test_ctrl_c_stops_every_worker_with_one_line_and_130(tmp_path: Path) -> None:
+    process, mark = start("train", "--nproc", "2", "--out", str(tmp_path), *FAST)
+    wait_for(tmp_path / "metrics.jsonl", process)
+    os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+    code, _, err = finish(process, mark, timeout_s=60)
+    assert code == 130
+    assert one_line(err) == "tandem train: stopped by SIGINT; every worker has ended"
+
+
+def test_sigterm_gives_143_and_the_run_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    args = ("train", "--nproc", "2", "--steps", "1500", "--batch-size", "32", "--out",
+            str(tmp_path), "--checkpoint-every", "25", "--no-progress")
+    process, mark = start(*args)
+    wait_for(tmp_path / "checkpoint.pt", process)
+    time.sleep(0.5)
+    process.send_signal(signal.SIGTERM)  # to the command alone, as a scheduler does
+    code, _, err = finish(process, mark, timeout_s=60)
+    assert code == 143
+    assert one_line(err) == "tandem train: stopped by SIGTERM; every worker has ended"
+    resumed, mark = start(*args, "--resume", "--json")
+    code, out, err = finish(resumed, mark, timeout_s=150)
+    assert code == 0, err
+    assert '"steps": 1500' in out
+
+
+LAUNCHER_MISTAKES = {
+    "only RANK": ({"RANK": "1"}, "RANK is set but WORLD_SIZE, MASTER_ADDR and MASTER_PORT are "
+                  "not; start the job with torchrun"),
+    "rank beyond world": ({"RANK": "3", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": "29400"}, "RANK=3 is not below WORLD_SIZE=2"),
+    "port not a number": ({"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": "http"}, "MASTER_PORT='http' must be an integer"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LAUNCHER_MISTAKES))
+def test_inconsistent_launcher_variables_are_one_line_and_status_2(case: str) -> None:
+    env, expected = LAUNCHER_MISTAKES[case]
+    process, mark = start("train", "--steps", "2", env=env)
+    code, _, err = finish(process, mark, timeout_s=60)
+    assert code == 2 and expected in one_line(err)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.parametrize(("rank", "expected"), [
+    (0, "worker rank 0: only 1 of 2 workers joined the job at 127.0.0.1:"),
+    (1, "worker rank 1 could not reach the job's master at 127.0.0.1:"),
+])
+def test_a_job_that_never_assembles_ends_within_its_timeout(rank: int, expected: str) -> None:
+    env = {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    begin = time.monotonic()
+    process, mark = start("train", "--steps", "2", "--timeout", "4", env=env)
+    code, _, err = finish(process, mark, timeout_s=60)
+    assert code == 1 and expected in one_line(err) and "--timeout 4 s" in err
+    assert time.monotonic() - begin < 4 + 25  # start-up of python and torch included
