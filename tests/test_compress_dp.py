@@ -142,7 +142,7 @@ def test_unknown_codec_exits_2_with_one_line() -> None:
      "hook); use one of: bf16, fp16, qsgd, randk, sign, topk"),
     (("--compress", "sign:ef=true", "--strategy", "gossip"),
      "with --strategy gossip codecs run without error feedback"),
-    (("--compress", "topk:momentum=0.9", "--strategy", "pipeline"),
+    (("--compress", "topk:momentum=0.9", "--strategy", "pipeline", "--nproc", "2"),
      "not for --strategy pipeline; drop momentum="),
     (("--compress", "topk:momentum=0.9"), "add --momentum 0"),
 ])

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from tandem.codec_spec import CodecSpec
 from tandem.data import GlobalBatchSampler, build_dataset
 from tandem.models import build_model
 from tandem.plan import Plan, Stage
@@ -142,9 +143,10 @@ def test_top_k_on_pipedream_with_vertical_sync_and_a_plan_still_trains(tmp_path:
     plan = tmp_path / "plan.json"
     stages = [Stage(start=0, end=1, replicas=1), Stage(start=1, end=2, replicas=1),
               Stage(start=2, end=4, replicas=1)]
-    Plan(stages=stages, num_layers=4, num_devices=3).save(str(plan))
-    summary = train(tmp_path / "run", *STILL_TRAINS, "--lr", "0.002", "--vertical-sync",
-                    "--plan", str(plan), "--compress", "topk:ratio=0.25")
+    Plan(stages=stages, num_layers=4, num_devices=3, schedule="pipedream", vertical_sync=True,
+         compress=CodecSpec.parse("topk:ratio=0.25")).save(str(plan))
+    run_settings = [arg for arg in STILL_TRAINS if arg not in ("--schedule", "pipedream")]
+    summary = train(tmp_path / "run", *run_settings, "--lr", "0.002", "--plan", str(plan))
     _trained(summary)
     assert summary["pipeline"] == "1-1-1"
     assert [worker["layers"] for worker in summary["workers"]] == [[0, 1], [1, 2], [2, 4]]
