@@ -209,3 +209,18 @@ def test_data_parallel_traces_use_the_schedule_vocabulary(tmp_path: Path, flags:
                              and e["pid"] == worker and e["args"]["step"] == 1)
             for worker in DATA_PARALLEL_TRACES[flags]}
     assert seen == DATA_PARALLEL_TRACES[flags]
+
+
+def test_a_schedule_file_without_a_step_is_refused_with_the_grid(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """The tester's case: a 1F1B file with ``0ST`` deleted used to run, and stage 0 never
+    trained; now the plan refuses it before any worker starts, showing the dry run."""
+    from tandem.schedule import one_f_one_b
+
+    schedule = tmp_path / "no-step.txt"
+    schedule.write_text(one_f_one_b([1, 1], 2).text().replace(" 0ST", ""))
+    code, out, err = run_cli(capsys, "train", "--strategy", "pipeline", "--nproc", "2",
+                             "--schedule", str(schedule), "--steps", "2", "--batch-size", "32")
+    assert code == 2 and out == ""
+    assert "w0 never takes its optimizer step: add 0ST after its last backward" in err
+    assert "step  w0      w1" in err  # the step-by-worker grid of the dry run
