@@ -88,3 +88,17 @@ def test_powersgd_checkpoints_are_refused(capsys: pytest.CaptureFixture[str]) ->
     assert main(["train", "--steps", "4", "--compress", "powersgd", "--stop-after", "2"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--compress powersgd cannot be resumed" in err
+
+
+def test_a_synchronous_parameter_server_run_stops_after_and_resumes_exactly(tmp_path: Path) -> None:
+    """``--stop-after`` used to be ignored by ``ps`` (the servers served every step); now the
+    servers stop there with their checkpoints, and the resumed run equals the whole one."""
+    common = ("--strategy", "ps", "--nproc", "3", "--steps", "6", "--batch-size", "32",
+              "--seed", "4")
+    cut = run_json("train", *common, "--out", str(tmp_path / "cut"), "--stop-after", "3")
+    assert (cut["steps"], cut["finished"]) == (3, False)
+    assert not (tmp_path / "cut" / "final.pt").exists()
+    done = run_json("train", *common, "--out", str(tmp_path / "cut"), "--resume")
+    assert (done["steps"], done["finished"]) == (6, True)
+    run_json("train", *common, "--out", str(tmp_path / "whole"))
+    assert max_abs_diff(tmp_path / "cut" / "final.pt", tmp_path / "whole" / "final.pt") == 0.0

@@ -129,6 +129,8 @@ class ParameterServer(Worker):
         self.logged_traffic = protocol.Traffic()
         self.logged_version = 0
         self.clock_start = time.perf_counter()
+        self.last_step = config.stop_after if config.stop_after is not None else config.steps
+        """Updates to serve before stopping (``--stop-after``, else ``--steps``)."""
         self.events: list[Event] = []
         """This server's updates (``0ST``), for ``trace.json``."""
         self._resume()
@@ -209,7 +211,7 @@ class ParameterServer(Worker):
         for worker, (step, phase) in sorted(stuck.items()):
             self._give_up(worker, f"is stuck at step {step} ({phase}), no progress for "
                                   f"{after_s:g} s")
-        if self.version < self.config.steps and set(self.workers) <= self.dead | self.finished:
+        if self.version < self.last_step and set(self.workers) <= self.dead | self.finished:
             raise WorkerFailure(f"every worker died (ranks {', '.join(map(str, sorted(self.dead)))}); "
                                 f"server {self.env.rank} stops at update {self.version}")
         self._release_waiting()
@@ -253,7 +255,7 @@ class ParameterServer(Worker):
         self.loss[1] += header.count
 
     def _log(self) -> None:
-        if self.version % self.config.log_every and self.version != self.config.steps:
+        if self.version % self.config.log_every and self.version != self.last_step:
             self.reporter.advance()
             return
         self.reporter.advance()
@@ -291,7 +293,7 @@ class ParameterServer(Worker):
         """Apply pushes until ``steps`` updates, then stop every worker."""
         self.started = time.perf_counter()
         self.waiting: list[int] = []
-        while self.version < self.config.steps:
+        while self.version < self.last_step:
             received = self._receive(poll=self.sync.mode != "sync")
             if received is not None:
                 self._handle(*received)
@@ -329,7 +331,7 @@ class ParameterServer(Worker):
         if len(self.waiting) == self.required:
             mean = self.gradient_sum / self.required if self.params else None
             self._apply(mean, self.version)
-            stop = self.version >= self.config.steps
+            stop = self.version >= self.last_step
             for worker in self.waiting:
                 self._reply(worker, stop=stop)
             self.waiting = []
@@ -340,7 +342,7 @@ class ParameterServer(Worker):
             return
         live = [w for w in self.workers if w not in self.dead and w not in self.finished]
         slowest = min((self.pushes[w] for w in live), default=0)
-        stop = self.version >= self.config.steps
+        stop = self.version >= self.last_step
         still = []
         for worker in self.waiting:
             bound = self.sync.staleness if self.sync.mode == "ssp" else None
@@ -444,16 +446,18 @@ class ParameterServer(Worker):
 
     def _summary(self, evaluation: dict[str, float]) -> dict[str, Any]:
         wall = time.perf_counter() - self.started
+        finished = self.version >= self.config.steps
         if self.out:
-            state = {n: t.detach().cpu() for n, t in self.model.state_dict().items()}
-            save_atomic(state, self.out / "final.pt")
+            if finished:
+                state = {n: t.detach().cpu() for n, t in self.model.state_dict().items()}
+                save_atomic(state, self.out / "final.pt")
             write_run_files(self.job, self.out)
             self._write_trace()
         return {
             **plan_summary(self.job.plan), "mode": self.sync.mode, "model": self.config.model,
             "data": self.config.data, "world_size": self.env.world_size,
             "servers": self.sync.servers, "workers": len(self.workers),
-            "backup": self.sync.backup, "steps": self.version, "finished": True,
+            "backup": self.sync.backup, "steps": self.version, "finished": finished,
             "global_batch_size": self.config.batch_size, "final_loss": self.last_loss,
             **evaluation, "samples_per_s": self._samples_per_s(wall),
             "updates_per_s": self.version / max(wall, 1e-9),
