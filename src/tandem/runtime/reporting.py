@@ -62,6 +62,7 @@ class Reporter:
                                   rate=f"{fields.get('samples_per_s', 0):.0f}")
 
     def message(self, text: str) -> None:
-        """A line for the user, above the bar."""
+        """A line for the user, above the bar: one line, never wrapped at the console's width
+        (stderr that is not a terminal is 80 columns to rich), nor read as markup."""
         if self.enabled:
-            self._progress.console.print(text)
+            self._progress.console.print(text, soft_wrap=True, markup=False, highlight=False)
