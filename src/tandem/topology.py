@@ -138,3 +138,26 @@ def spectral_gap(matrix: np.ndarray) -> float:
         return 1.0
     magnitudes = np.sort(np.abs(np.linalg.eigvalsh(matrix)))[::-1]
     return float(1.0 - magnitudes[1])
+
+
+def two_colouring(graph: Graph) -> list[int]:
+    """Colour each worker 0 (active) or 1 (passive) so that every edge joins different colours,
+    as AD-PSGD needs (actives only average with passives, so no two wait for each other);
+    :class:`UsageError` for a topology that is not bipartite."""
+    colours = [-1] * len(graph)
+    for first in range(len(graph)):
+        if colours[first] >= 0:
+            continue
+        colours[first], frontier = 0, [first]
+        while frontier:
+            node = frontier.pop()
+            for other in graph[node]:
+                if colours[other] < 0:
+                    colours[other] = 1 - colours[node]
+                    frontier.append(other)
+                elif colours[other] == colours[node]:
+                    raise UsageError(
+                        "--async-gossip (AD-PSGD) needs a bipartite topology so that active workers "
+                        "only average with passive ones (no deadlock): use a ring with an even "
+                        "number of workers or a torus with even sides")
+    return colours

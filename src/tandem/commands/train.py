@@ -137,13 +137,11 @@ def check_job(job: Job) -> None:
     if not under_launcher():
         job.check_world(run.nproc)
         if isinstance(plan.sync, GossipSync):
-            from tandem.topology import build_topology, mixing_matrix
+            from tandem.topology import build_topology, mixing_matrix, two_colouring
 
             graph = build_topology(plan.sync.topology, run.nproc)
             mixing_matrix(graph, plan.sync.weights)
             if plan.sync.asynchronous:
-                from tandem.sync.gossip import two_colouring
-
                 two_colouring(graph)
         if plan.pipelined:
             from tandem.runtime.pipeline.setup import pipeline_setup

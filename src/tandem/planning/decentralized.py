@@ -37,14 +37,13 @@ from collections import defaultdict
 from typing import Any
 
 from tandem.cluster import Cluster
-from tandem.errors import UsageError
 from tandem.plan import Plan
 from tandem.planning.collectives import allreduce_s, link_level, port
 from tandem.planning.families import STEPS, Clock, Costs, Network, Records, family_costs, family_result
 from tandem.profile import ModelProfile
 from tandem.schedule import Kind
 from tandem.sync_spec import ElasticAveragingSync, GossipSync, LocalSGDSync
-from tandem.topology import Graph, build_topology
+from tandem.topology import Graph, build_topology, two_colouring
 
 
 def simulate_gossip(plan: Plan, profile: ModelProfile, cluster: Cluster, options: Any) -> Any:
@@ -131,24 +130,6 @@ def _d_psgd(graph: Graph, costs: Costs, cluster: Cluster, records: Records) -> N
             records.ends[w].append(start[w])
 
 
-def two_colouring(graph: Graph) -> list[int]:
-    """Colour 0 (active) or 1 (passive) so that every edge joins different colours, as AD-PSGD's
-    runtime does; :class:`UsageError` for a topology that is not bipartite."""
-    colours = [-1] * len(graph)
-    for first in range(len(graph)):
-        if colours[first] >= 0:
-            continue
-        colours[first], frontier = 0, [first]
-        while frontier:
-            node = frontier.pop()
-            for other in graph[node]:
-                if colours[other] < 0:
-                    colours[other] = 1 - colours[node]
-                    frontier.append(other)
-                elif colours[other] == colours[node]:
-                    raise UsageError("--async-gossip (AD-PSGD) needs a bipartite topology: use a "
-                                     "ring with an even number of workers or a torus with even sides")
-    return colours
 
 
 def _ad_psgd(graph: Graph, costs: Costs, cluster: Cluster, records: Records) -> list[int]:

@@ -9,8 +9,6 @@ Server 0 sums the traffic the workers report in their headers into the metrics a
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import queue
 import threading
 import statistics

@@ -23,11 +23,10 @@ from tandem.compress import Codec, ErrorFeedback, Payload, build_codec
 from tandem.compress.hooks import from_bytes, to_bytes
 from tandem.compress.qsgd import QSGD
 from tandem.compress.sparse import RandomK
-from tandem.errors import UsageError
 from tandem.runtime.dist import new_group
 from tandem.sync.base import SyncStrategy
 from tandem.sync.flat import average_parameters, flatten, unflatten_into
-from tandem.topology import Graph
+from tandem.topology import Graph, two_colouring
 
 DEFAULT_GOSSIP_STEP = 0.1
 """CHOCO-gossip's consensus step size gamma when ``--gossip-step`` is not given (random-k
@@ -235,26 +234,6 @@ class ChocoGossip(SyncStrategy):
         return {"sync_bytes": self.bytes_sent, "compression_ratio": ratio / self.world_size}
 
 
-def two_colouring(graph: Graph) -> list[int]:
-    """Colour 0/1 so that every edge joins different colours; ``UsageError`` if impossible."""
-    colours = [-1] * len(graph)
-    for start in range(len(graph)):
-        if colours[start] >= 0:
-            continue
-        colours[start], frontier = 0, [start]
-        while frontier:
-            node = frontier.pop()
-            for other in graph[node]:
-                if colours[other] < 0:
-                    colours[other] = 1 - colours[node]
-                    frontier.append(other)
-                elif colours[other] == colours[node]:
-                    raise UsageError(
-                        "--async-gossip (AD-PSGD) needs a bipartite topology so that active workers "
-                        "only average with passive ones (no deadlock): use a ring with an even "
-                        "number of workers or a torus with even sides"
-                    )
-    return colours
 
 
 _REQUEST, _STOP = 1.0, 2.0
