@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tandem.plan import Plan
 from tandem.profile import ModelProfile, load_profile
 from tandem.schedule import Kind, Schedule, generate
 from tandem.timeline import Timeline, event_action
@@ -141,8 +142,14 @@ def main() -> None:
     model = (f"emulated:profile={args.profile},batch={batch},scale={args.scale},"
              f"bytes_scale={args.bytes_scale},params=profiled")
     common = ["train", "--model", model, "--data", DATA, "--strategy", "pipeline",
-              "--plan", str(out / "plan.json"), "--nproc", str(args.stages), "--lr", "0.01",
-              "--no-progress"]
+              "--nproc", str(args.stages), "--lr", "0.01", "--no-progress"]
+
+    def with_schedule(kind: str, microbatches: int | None = None) -> list[str]:
+        """The plan's stages run with ``kind`` (the plan fixes the schedule)."""
+        path = out / f"plan-{kind}.json"
+        Plan.load(str(out / "plan.json")).rescheduled(kind, microbatches).save(str(path))
+        return ["--plan", str(path)]
+
     forward, backward = stage_times(profile, bounds, args.scale * micro / batch)
     replicas = (1,) * args.stages
 
@@ -151,7 +158,7 @@ def main() -> None:
           f"f+b per micro-batch: {', '.join(f'{(f + b) * 1e3:.1f}' for f, b in zip(forward, backward))} ms")
     print(f"{'schedule':10}{'ideal':>12}{'measured':>12}{'measured/ideal':>16}")
     for kind in ("gpipe", "1f1b"):
-        summary = tandem(*common, "--schedule", kind, "--microbatches", str(args.microbatches),
+        summary = tandem(*common, *with_schedule(kind, args.microbatches),
                          "--batch-size", str(batch), "--steps", str(args.steps),
                          "--log-every", str(args.steps), "--out", str(out / kind))
         ideal = ideal_length(generate(kind, replicas, args.microbatches), forward, backward)
@@ -165,7 +172,7 @@ def main() -> None:
           f"bottleneck stage rate {bottleneck_rate:.2f}/s")
     print(f"{'loss logged':22}{'steady state':>14}{'median step':>14}{'steady/bottleneck':>19}")
     for name, log_every in (("pipedream", args.pipedream_steps), ("pipedream_log10", 10)):
-        summary = tandem(*common, "--schedule", "pipedream", "--batch-size", str(micro),
+        summary = tandem(*common, *with_schedule("pipedream"), "--batch-size", str(micro),
                          "--steps", str(args.pipedream_steps), "--log-every", str(log_every),
                          "--out", str(out / name))
         rate = steady_rate(out / name / "trace.json", args.pipedream_steps)
