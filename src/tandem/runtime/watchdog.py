@@ -3,7 +3,10 @@ waited for (stuck or dead) instead of only reporting its own timeout."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import socket
+import subprocess
 import threading
 import time
 from typing import Any
@@ -63,6 +66,8 @@ class Heartbeat:
             self._phase, self._since = value, time.time()
 
     def __enter__(self) -> Heartbeat:
+        with self._lock:
+            self.store.set(f"tandem/where/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
         self._publish()
         self._thread.start()
         return self
@@ -134,6 +139,8 @@ class Heartbeat:
         here = f"rank {self.rank} gave up waiting at step {self.step} ({self.phase})"
         if silent:
             ranks = ", ".join(map(str, silent))
+            for rank in silent:
+                self._end_if_local(rank)
             return WorkerFailure(f"worker rank {ranks} stopped responding (no heartbeat for "
                                  f"{SILENT_AFTER_S:g}+ s); {here}")
         mine = _progress(self.step, self.phase)
@@ -145,6 +152,19 @@ class Heartbeat:
             return WorkerFailure(f"worker {where} is stuck; {here}")
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         return WorkerFailure(f"{here}: {first_line}")
+
+    def _end_if_local(self, rank: int) -> None:
+        """Continue a silent worker on this machine a second after this process has exited:
+        a stopped (SIGSTOP) process handles no SIGTERM until it is continued, and the launcher,
+        which sends one when this process's failure (and diagnosis) is recorded, would wait
+        30 s before killing it. Workers die at SIGTERM's default action."""
+        try:
+            with self._lock:
+                host, pid = self.store.get(f"tandem/where/{rank}").decode().split()
+        except Exception:  # noqa: BLE001 - no record: it never started, or the store is gone
+            return
+        if host == socket.gethostname() and int(pid) != os.getpid():
+            atexit.register(_continue_later, int(pid))
 
     def read_beats(self) -> dict[int, tuple[int, str, float, float]]:
         """Last published ``(step, phase, wall time, wall time since that step and phase)`` of
@@ -176,6 +196,14 @@ def is_communication_error(error: BaseException) -> bool:
 
 
 PHASES = ("start", "forward", "backward", "step", "evaluate", "save", "done")
+
+
+def _continue_later(pid: int) -> None:
+    """SIGCONT to ``pid`` in a second, from a short-lived process of its own session (this one
+    is exiting)."""
+    subprocess.Popen(["/bin/sh", "-c", f"sleep 1; kill -CONT {pid} 2>/dev/null"],
+                     start_new_session=True, stdin=subprocess.DEVNULL,
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def _progress(step: int, phase: str) -> tuple[int, int]:
