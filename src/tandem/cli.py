@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import signal
 import sys
 from types import FrameType
@@ -50,6 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     and status ``128 + signal`` (130, 143, 129).
     """
     args = build_parser().parse_args(argv)
+    _find_user_modules()
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGHUP)}
     for signum, handler in handlers.items():
         if handler is signal.SIG_DFL:
@@ -59,6 +61,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
+
+
+def _find_user_modules() -> None:
+    """Let ``--model mypkg.models:build`` find ``mypkg`` in the current directory, as
+    ``python -m tandem`` does (the ``tandem`` script's own directory is on ``sys.path``
+    instead); spawned workers inherit the path."""
+    here = os.getcwd()
+    if "" not in sys.path and here not in sys.path:
+        sys.path.insert(0, here)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -14,14 +14,14 @@ from typing import Any, Callable
 from tandem.data.bundle import DataBundle, Split
 from tandem.data.digits import DigitsOptions, load_digits
 from tandem.data.info import DataInfo
-from tandem.data.sampler import GlobalBatchSampler, shard_sizes
+from tandem.data.sampler import GlobalBatchSampler, RankBatchSampler, shard_sizes
 from tandem.data.synthetic import ImagesOptions, TokensOptions, make_images, make_tokens
 from tandem.errors import UsageError
 from tandem.options import fill_options, split_spec
 
 __all__ = [
-    "DATASETS", "DataBundle", "DataInfo", "GlobalBatchSampler", "Split", "build_dataset",
-    "dataset_bytes", "shard_sizes",
+    "DATASETS", "DataBundle", "DataInfo", "GlobalBatchSampler", "RankBatchSampler", "Split",
+    "build_dataset", "dataset_bytes", "shard_sizes",
 ]
 
 DATASETS: dict[str, tuple[type, Callable[[Any], DataBundle]]] = {
