@@ -224,3 +224,21 @@ def test_a_schedule_file_without_a_step_is_refused_with_the_grid(
     assert code == 2 and out == ""
     assert "w0 never takes its optimizer step: add 0ST after its last backward" in err
     assert "step  w0      w1" in err  # the step-by-worker grid of the dry run
+
+
+def test_the_simulator_runs_the_plans_codec() -> None:
+    """A data-parallel plan's codec is what ``tandem simulate --plan`` models, exactly as if it
+    had been given with ``--compress``."""
+    from tandem.cluster import flat_cluster
+    from tandem.planning.simulate import SimOptions, simulate
+    from tandem.profile import load_profile
+    from tests.conftest import VGG
+
+    profile, cluster = load_profile(VGG), flat_cluster(num_devices=4, bandwidth="10Gb/s")
+    plain = plan_from_flags("dp", {}, num_processes=4, num_blocks=profile.num_layers)
+    coded = plan_from_flags("dp", {"--compress": "fp16"}, num_processes=4,
+                            num_blocks=profile.num_layers)
+    from_plan = simulate(coded, profile, cluster)
+    from_flag = simulate(plain, profile, cluster, SimOptions(compress="fp16"))
+    assert from_plan.codec_s > 0 and from_plan.step_time_s == from_flag.step_time_s
+    assert simulate(plain, profile, cluster).codec_s == 0

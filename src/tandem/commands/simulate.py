@@ -257,12 +257,11 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("give --plan with --model or --profile, or --against RUN_DIR")
     profile, cluster = planning_inputs(args)
     plan = load_plan(args.plan, profile, cluster, args)
-    if args.schedule:
-        plan.schedule = args.schedule
-    if args.microbatches is not None:
-        if args.microbatches < 1:
-            raise UsageError(f"--microbatches must be at least 1 (got {args.microbatches})")
-        plan.num_microbatches = args.microbatches
+    if args.schedule or args.microbatches is not None:  # checked, defaults re-decided
+        plan = plan.rescheduled(args.schedule, args.microbatches)
+    if plan.compress is not None and args.codec and args.codec != plan.compress.text:
+        raise UsageError(f"--compress {args.codec} contradicts the plan's codec "
+                         f"{plan.compress.text}; drop --compress or edit the plan")
     result = simulate(plan, profile, cluster, sim_options(args, profile))
     human = sys.stderr if args.json else sys.stdout
     print(format_result(result, cluster), file=human)

@@ -49,6 +49,8 @@ What it does not model:
   bytes at full bandwidth, every edge ends when its busier port is done), not packet by packet;
 - memory beyond the parts above: no workspace, temporary communication buffers, fragmentation
   or receive buffers, and the parts' peaks are added as if they coincided;
+- a pipeline plan's activation codec (its ``compress``): give its ratio with
+  ``SimOptions.activation_compression`` (a data-parallel plan's codec is modelled);
 - data loading, the loss, logging, evaluation and checkpoints; vertical sync's version
   messages; parameter servers' message headers, their first (exact) replies, the goodbyes and
   liveness checks; a parameter server's own arithmetic beyond ``server_message_s`` per message
@@ -259,6 +261,8 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
     check_plan(plan, profile, cluster)
     if not plan.pipelined and not isinstance(plan.sync, AllReduceSync):
         return simulate_family(plan, profile, cluster, options)
+    if not plan.pipelined and plan.compress is not None and options.compress is None:
+        options = dataclasses.replace(options, compress=plan.compress.text)  # the run's codec
     costs = stage_costs(plan, profile, bucket_bytes=options.bucket_bytes,
                         first_bucket_bytes=min(DDP_FIRST_BUCKET_BYTES, options.bucket_bytes))
     schedule = plan_schedule(plan)
