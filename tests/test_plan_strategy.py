@@ -242,3 +242,19 @@ def test_the_simulator_runs_the_plans_codec() -> None:
     from_flag = simulate(plain, profile, cluster, SimOptions(compress="fp16"))
     assert from_plan.codec_s > 0 and from_plan.step_time_s == from_flag.step_time_s
     assert simulate(plain, profile, cluster).codec_s == 0
+
+
+def test_the_simulator_replays_a_plans_hand_written_schedule() -> None:
+    """A plan built from ``--schedule FILE`` carries the file's schedule; the simulator replays
+    that one (the runtime runs it), not the generated schedule of the same kind."""
+    from tandem.planning.simulate import plan_schedule
+    from tandem.schedule import gpipe, one_f_one_b
+
+    written = one_f_one_b([1, 1], 3).text()
+    plan = Plan(stages=[Stage(start=0, end=2, replicas=1), Stage(start=2, end=4, replicas=1)],
+                num_layers=4, num_devices=2, schedule="1f1b", num_microbatches=3,
+                schedule_text=written)
+    assert plan_schedule(plan).text() == written
+    generated = Plan(stages=plan.stages, num_layers=4, num_devices=2, schedule="gpipe",
+                     num_microbatches=3)
+    assert plan_schedule(generated).text() == gpipe([1, 1], 3).text()

@@ -81,7 +81,7 @@ from tandem.planning.costs import (
 )
 from tandem.planning.replay import Replay, Workload, replay
 from tandem.profile import ModelProfile
-from tandem.schedule import SCHEDULE_KINDS, Schedule, generate
+from tandem.schedule import Schedule
 from tandem.sync_spec import (
     AllReduceSync,
     ElasticAveragingSync,
@@ -284,13 +284,10 @@ def simulate_family(plan: Plan, profile: ModelProfile, cluster: Cluster,
 
 
 def plan_schedule(plan: Plan) -> Schedule:
-    """The schedule the runtime would run for ``plan`` (a long run for ``pipedream``)."""
-    replicas = [stage.replicas for stage in plan.stages]
-    if plan.schedule not in SCHEDULE_KINDS:
-        raise UsageError(f"the plan's schedule {plan.schedule!r} is not one of {', '.join(SCHEDULE_KINDS)}")
-    if plan.schedule == "pipedream":
-        return generate("pipedream", replicas, pipedream_length(replicas))
-    return generate(plan.schedule, replicas, plan.num_microbatches)
+    """The schedule the runtime runs for ``plan`` (its hand-written one if it has one; a long
+    run for ``pipedream``), built by the plan as the runtime builds it."""
+    length = pipedream_length(plan.replicas) if plan.schedule == "pipedream" else 1
+    return plan.build_schedule(length)
 
 
 def pipedream_length(replicas: list[int]) -> int:
