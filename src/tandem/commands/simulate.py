@@ -262,6 +262,9 @@ def run(args: argparse.Namespace) -> int:
     if plan.compress is not None and args.codec and args.codec != plan.compress.text:
         raise UsageError(f"--compress {args.codec} contradicts the plan's codec "
                          f"{plan.compress.text}; drop --compress or edit the plan")
+    if plan.pipelined and plan.compress is not None and args.activation_compression == 1.0:
+        print(f"tandem simulate: note: the plan's activation codec {plan.compress.text} is not "
+              f"modelled; give its ratio with --activation-compression R", file=sys.stderr)
     result = simulate(plan, profile, cluster, sim_options(args, profile))
     human = sys.stderr if args.json else sys.stdout
     print(format_result(result, cluster), file=human)
