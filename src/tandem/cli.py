@@ -2,7 +2,8 @@
 
 Each subcommand lives in ``tandem.commands.<name>`` and provides ``add_parser(subparsers)``,
 which registers its arguments and sets ``run`` (a function of the parsed arguments returning
-the exit status) as a default.
+the exit status) as a default. The commands in ``CONFIG_COMMANDS`` also take ``--config FILE``,
+a YAML file of their options (``tandem.commands.config_file``).
 """
 
 from __future__ import annotations
@@ -15,13 +16,19 @@ import sys
 from types import FrameType
 from typing import NoReturn, Sequence
 
+from tandem.commands.config_file import add_config_argument, expand_config
 from tandem.errors import Interrupted, UsageError, WorkerFailure
 
 COMMANDS = ("train", "demo", "profile", "plan", "topology", "simulate", "search", "scale")
+CONFIG_COMMANDS = ("train", "profile", "plan", "simulate", "search", "scale")
+"""The commands that train or plan, which read options from ``--config FILE`` too."""
 
 
 class ArgumentParser(argparse.ArgumentParser):
     """An argument parser that reports a mistake in one line and exits with status 2."""
+
+    commands: dict[str, argparse.ArgumentParser]
+    """The top-level parser's subcommand parsers, by name (set by ``build_parser``)."""
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -37,6 +44,9 @@ def build_parser() -> ArgumentParser:
     )
     for name in COMMANDS:
         importlib.import_module(f"tandem.commands.{name}").add_parser(subparsers)
+    parser.commands = subparsers.choices
+    for name in CONFIG_COMMANDS:
+        add_config_argument(parser.commands[name])
     return parser
 
 
@@ -50,7 +60,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     SIGINT (Ctrl-C), SIGTERM and SIGHUP stop every worker and end the command with one line
     and status ``128 + signal`` (130, 143, 129).
     """
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if argv and argv[0] in CONFIG_COMMANDS:
+        try:
+            argv = [argv[0], *expand_config(parser.commands[argv[0]], argv[1:])]
+        except UsageError as exc:
+            return _usage_error(argv[0], exc)
+    args = parser.parse_args(argv)
     _find_user_modules()
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGHUP)}
     for signum, handler in handlers.items():
@@ -76,8 +93,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         return int(args.run(args))
     except UsageError as exc:
-        print(f"tandem {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        return _usage_error(args.command, exc)
     except WorkerFailure as exc:
         print(f"tandem {args.command}: {exc}", file=sys.stderr)
         return 1
@@ -86,3 +102,9 @@ def _run(args: argparse.Namespace) -> int:
         print(f"tandem {args.command}: stopped by {signal.Signals(signum).name}; every worker "
               f"has ended", file=sys.stderr)
         return 128 + signum
+
+
+def _usage_error(command: str, exc: UsageError) -> int:
+    """Report a user's mistake in one line; the exit status 2."""
+    print(f"tandem {command}: error: {exc}", file=sys.stderr)
+    return 2
