@@ -41,6 +41,20 @@ def pair_output(info: DataInfo) -> nn.Module:
     return _Pair(info)
 
 
+class _Named(nn.Module):
+    def __init__(self, info: DataInfo) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, info.num_classes))
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"scores": self.body(x)}
+
+
+def named_output(info: DataInfo) -> nn.Module:
+    """Returns a dict whose tensor is not called ``logits``: the default loss finds none."""
+    return _Named(info)
+
+
 def wrong_input(info: DataInfo) -> nn.Module:
     """Expects 28x28 images (784 features), not the data's own."""
     return nn.Sequential(nn.Flatten(), nn.Linear(784, info.num_classes))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.data import build_dataset
+from tandem.data import build_dataset, load_data
 from tandem.errors import UsageError
 from tandem.runtime import preflight
 from tandem.runtime.config import RunConfig, make_job
@@ -55,7 +55,7 @@ BAD_TRAIN = {
     # the model's output against the data
     "3 outputs for 10 classes": (("--model", f"{ODD}:three_outputs"), f"--model {ODD}:three_outputs outputs 3 logits per prediction, but --data digits has 10 classes; make its last layer output 10"),
     "17 outputs for 10 classes": (("--model", f"{ODD}:seventeen_outputs"), "outputs 17 logits per prediction, but --data digits has 10 classes"),
-    "tuple output": (("--model", f"{ODD}:pair_output"), "returns a tuple, but the loss (cross-entropy) needs a float tensor of logits, 10 per prediction"),
+    "output without logits": (("--model", f"{ODD}:named_output"), "returns a dict {'scores': a float32 tensor of shape (1, 10)}, but the loss (cross-entropy) needs float logits (a tensor, or a .logits field), one row per target; make it return them, or give --loss package.module:function"),
     "model rejects the input": (("--model", f"{ODD}:wrong_input"), f"--model {ODD}:wrong_input fails on one sample of --data digits (input shape (1, 1, 8, 8)): RuntimeError"),
     # the plan's options
     "accumulate zero": (("--accumulate", "0"), "--accumulate must be at least 1 (got 0)"),
@@ -125,7 +125,7 @@ def test_workers_that_cannot_fit_in_memory_are_refused(nproc: int, refused: bool
 
 
 def test_loss_input_of_a_token_model_needs_a_prediction_per_position() -> None:
-    tokens = build_dataset("tokens:n=8,seq=6,vocab=11")
+    tokens = load_data("tokens:n=8,seq=6,vocab=11")
     run = RunConfig(model="gpt", data="tokens:n=8,seq=6,vocab=11")
     targets = tokens.train.targets[:1]
     preflight.check_loss_input(torch.zeros(1, 6, 11), targets, tokens, run)
@@ -135,7 +135,7 @@ def test_loss_input_of_a_token_model_needs_a_prediction_per_position() -> None:
     with pytest.raises(UsageError, match="outputs 12 logits per prediction, but --data "
                                          "tokens:n=8,seq=6,vocab=11 has 11 tokens in its vocabulary"):
         preflight.check_loss_input(torch.zeros(1, 6, 12), targets, tokens, run)
-    with pytest.raises(UsageError, match="returns a torch.int64 tensor of shape"):
+    with pytest.raises(UsageError, match="returns an int64 tensor of shape"):
         preflight.check_loss_input(torch.zeros(1, 6, 11, dtype=torch.int64), targets, tokens, run)
 
 

@@ -2,14 +2,24 @@
 
 Usage::
 
-    from tandem.models import build_model
-    from tandem.data import build_dataset
+    import tandem
 
-    data = build_dataset("digits")
-    model = build_model("mlp:hidden=128", data.info)
+    result = tandem.fit(my_module, train_set, test_set, loss=my_loss, strategy="dp",
+                        nproc=2, steps=200, batch_size=64)
+
+(see :mod:`tandem.api`; ``tandem train`` runs the same jobs from the command line).
 """
 
 from tandem.errors import UsageError
 
-__all__ = ["UsageError", "__version__"]
+__all__ = ["FitResult", "UsageError", "__version__", "fit"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    """``tandem.fit`` and ``tandem.FitResult`` (imported on first use: they need torch)."""
+    if name in ("fit", "FitResult"):
+        from tandem import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'tandem' has no attribute {name!r}")

@@ -27,7 +27,11 @@ def add_train_arguments(parser: argparse.ArgumentParser, defaults: RunConfig) ->
     add("--model", default=defaults.model, help="model spec, e.g. mlp, gpt:layers=4,dim=128, "
         "resnet:depth=50, vgg:width=0.25, or package.module:function")
     add("--data", default=defaults.data, help="dataset spec: digits, images:n=4096,size=32, "
-        "tokens:seq=64,vocab=128")
+        "tokens:seq=64,vocab=128, folder:PATH (one subfolder of images per class) or "
+        "package.module:function[:k=v] (returns the train and test datasets)")
+    add("--loss", default=defaults.loss, metavar="PACKAGE.MODULE:FUNCTION",
+        help="loss(output, targets) -> the batch's mean loss (default: cross-entropy on the "
+        "model's logits)")
     add("--plan", default=None, metavar="FILE",
         help="run this plan (tandem plan -o / tandem search -o): strategy, layout, schedule, "
         "micro-batches, sync options and codec; --nproc defaults to its workers")
@@ -125,9 +129,9 @@ def check_job(job: Job) -> None:
     from tandem.runtime import preflight
 
     run, plan = job.run, job.plan
-    data, model = preflight.build_checked(run)
+    data, model = preflight.build_checked(run, job.objects)
     preflight.check_batch(run, data)
-    preflight.check_output(model, data, run)
+    preflight.check_output(model, data, run, job.objects)
     note = None
     if plan.compress is not None:
         from tandem.compress import check_compress
@@ -144,9 +148,12 @@ def check_job(job: Job) -> None:
             if plan.sync.asynchronous:
                 two_colouring(graph)
         if plan.pipelined:
-            from tandem.runtime.pipeline.setup import pipeline_setup
+            from tandem.runtime.pipeline.setup import (
+                example_inputs, pipeline_blocks, pipeline_setup,
+            )
 
-            pipeline_setup(job, model)
+            pipeline_setup(job, pipeline_blocks(model, example_inputs(data.train),
+                                                what=f"model {run.model!r}"))
         note = preflight.check_machine(run, model)
     if run.out is not None:
         _check_writable(Path(run.out))

@@ -14,14 +14,17 @@ from typing import Any, Callable
 from tandem.data.bundle import DataBundle, Split
 from tandem.data.digits import DigitsOptions, load_digits
 from tandem.data.info import DataInfo
+from tandem.data.load import Data, data_of, load_data
+from tandem.data.samples import Batch, DatasetSamples, Samples, TensorSamples, samples_of
 from tandem.data.sampler import GlobalBatchSampler, RankBatchSampler, shard_sizes
 from tandem.data.synthetic import ImagesOptions, TokensOptions, make_images, make_tokens
 from tandem.errors import UsageError
 from tandem.options import fill_options, split_spec
 
 __all__ = [
-    "DATASETS", "DataBundle", "DataInfo", "GlobalBatchSampler", "RankBatchSampler", "Split",
-    "build_dataset", "dataset_bytes", "shard_sizes",
+    "DATASETS", "Batch", "Data", "DataBundle", "DataInfo", "DatasetSamples", "GlobalBatchSampler",
+    "RankBatchSampler", "Samples", "Split", "TensorSamples", "build_dataset", "data_of",
+    "dataset_bytes", "load_data", "samples_of", "shard_sizes",
 ]
 
 DATASETS: dict[str, tuple[type, Callable[[Any], DataBundle]]] = {
@@ -36,7 +39,8 @@ def build_dataset(spec: str) -> DataBundle:
     name, raw = split_spec(spec, what="dataset")
     if name not in DATASETS:
         raise UsageError(
-            f"unknown dataset {name!r}; choose one of: {', '.join(sorted(DATASETS))}"
+            f"unknown dataset {name!r}; choose one of: {', '.join(sorted(DATASETS))}, or "
+            f"folder:PATH, or your own as package.module:function"
         )
     options_cls, make = DATASETS[name]
     return make(fill_options(options_cls, raw, spec=spec, what="dataset"))
@@ -46,9 +50,9 @@ def dataset_bytes(spec: str) -> int | None:
     """About the most memory building dataset ``spec`` takes, from its options alone (their
     ``memory_bytes()``); None where they cannot tell. Errors in ``spec`` raise as in
     :func:`build_dataset`."""
-    name, raw = split_spec(spec, what="dataset")
-    if name not in DATASETS:
+    if spec.partition(":")[0] not in DATASETS:  # folder:PATH, a user's function: unknown
         return None
+    name, raw = split_spec(spec, what="dataset")
     options = fill_options(DATASETS[name][0], raw, spec=spec, what="dataset")
     size = getattr(options, "memory_bytes", None)
     return size() if size is not None else None

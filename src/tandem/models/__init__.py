@@ -38,8 +38,9 @@ MODELS: dict[str, tuple[type, Builder, str]] = {
 """Name -> (options dataclass, builder, the task it trains on; ``any`` for every task)."""
 
 
-def build_model(spec: str, info: DataInfo) -> nn.Module:
-    """Build the model named by ``spec`` for data described by ``info``.
+def build_model(spec: str, info: DataInfo | Callable[[], DataInfo]) -> nn.Module:
+    """Build the model named by ``spec`` for data described by ``info`` (or by what the function
+    ``info`` returns, called only if the model needs it: user data may not tell).
 
     ``spec`` is ``name[:key=value,...]`` for a built-in model, or
     ``package.module:function[:key=value,...]`` for a user's builder, which is called with the
@@ -56,20 +57,22 @@ def build_model(spec: str, info: DataInfo) -> nn.Module:
         )
     options_cls, build, task = MODELS[name]
     options = fill_options(options_cls, raw, spec=spec, what="model")
+    info = info() if callable(info) else info
     if task not in ("any", info.task):
         needs = "an image dataset (digits, images)" if task == "classify" else "a token dataset"
         raise UsageError(f"model {name!r} needs {needs}; it cannot train on a {info.task} task")
     return build(options, info)
 
 
-def _literal(value: str) -> Any:
+def literal(value: str) -> Any:
+    """A Python literal (``64``, ``0.5``, ``True``, ``'a'``) or else the text itself."""
     try:
         return ast.literal_eval(value)
     except (ValueError, SyntaxError):
         return value
 
 
-def _build_user_model(spec: str, info: DataInfo) -> nn.Module:
+def _build_user_model(spec: str, info: DataInfo | Callable[[], DataInfo]) -> nn.Module:
     module_name, _, rest = spec.partition(":")
     function_name, _, options_text = rest.partition(":")
     _, raw = split_spec(f"x:{options_text}", what="model")
@@ -83,9 +86,9 @@ def _build_user_model(spec: str, info: DataInfo) -> nn.Module:
     function = getattr(module, function_name, None)
     if not callable(function):
         raise UsageError(f"module {module_name!r} has no function {function_name!r} (model {spec!r})")
-    kwargs = {key: _literal(value) for key, value in raw.items()}
+    kwargs = {key: literal(value) for key, value in raw.items()}
     if "info" in inspect.signature(function).parameters:
-        kwargs["info"] = info
+        kwargs["info"] = info() if callable(info) else info
     try:
         model = function(**kwargs)
     except TypeError as exc:

@@ -20,13 +20,14 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 from tandem import strict_json
-from tandem.data import DataBundle, GlobalBatchSampler, Split, build_dataset
+from tandem.data import Data, GlobalBatchSampler, Samples, Split
 from tandem.output_files import write_text
 from tandem.runtime.checkpoint import save_atomic
 from tandem.plan import Plan
 from tandem.runtime.config import Job, RunConfig
 from tandem.runtime.dist import WorkerEnv
 from tandem.runtime.reporting import Reporter
+from tandem.runtime.task import Task
 from tandem.runtime.watchdog import Heartbeat
 from tandem.strategy import strategy_of
 from tandem.timeline import Event, Timeline, plot_gantt
@@ -136,12 +137,19 @@ class BaseTrainer(Worker):
         self.env = env
         self.beat = beat
         self.out = Path(config.out) if config.out else None
-        self.data: DataBundle = build_dataset(config.data)
-        self.train = to_device(self.data.train, env.device)
-        self.test = to_device(self.data.test, env.device)
+        self.task = Task(config, job.objects)
+        self.data: Data = self.task.data
+        self.train: Samples = self.data.train.to(env.device)
+        self.test: Samples = self.data.test.to(env.device)
         self.sampler = GlobalBatchSampler(len(self.train), global_batch_size=config.batch_size,
                                           seed=config.seed)
-        self.predictions_per_sample = self.train.targets[0].numel()
+        first_targets = self.data.train.rows(0, 1).targets
+        self.predictions_per_sample = (first_targets[0].numel()
+                                       if isinstance(first_targets, torch.Tensor) else 1)
+        """Predictions (targets) in one sample: 1, or its positions for a language model."""
+        self.loss_terms_per_sample = self.predictions_per_sample
+        """Terms one sample adds to the summed loss ``train_step`` returns: 1 where the loss is a
+        per-sample mean weighted by samples (:mod:`tandem.loss`), else its predictions."""
         self.first_step = 0
         self.events: list[Event] = []
         self.step_times: list[float] = []
@@ -257,7 +265,7 @@ class BaseTrainer(Worker):
         self.logged_bytes = sent
         if self.collective_logging:
             count = sum(len(self.sampler.global_indices(s)) for s in steps)
-            count *= self.predictions_per_sample
+            count *= self.loss_terms_per_sample
             work = dist.all_reduce(total, async_op=True)
         else:
             count, work = max(self.local_predictions, 1), None
@@ -322,7 +330,7 @@ class BaseTrainer(Worker):
             **plan_summary(self.plan), "model": self.config.model, "data": self.config.data,
             "world_size": self.env.world_size, "backend": self.env.backend,
             "steps": last_step, "finished": finished, "global_batch_size": self.config.batch_size,
-            "final_loss": self.loss, **evaluation,
+            "final_loss": self.loss, **evaluation, **self.task.summary_fields(),
             "samples_per_s": self.config.batch_size * len(self.step_times) / max(train_s, 1e-12),
             "step_time_s": statistics.median(timed) if timed else 0.0,
             "train_s": round(train_s, 4), "out": str(self.out) if self.out else None,

@@ -31,7 +31,10 @@ class RunConfig:
     model: str = "mlp"
     """Model spec, e.g. ``mlp:hidden=128`` or ``package.module:function``."""
     data: str = "digits"
-    """Dataset spec, e.g. ``digits`` or ``images:n=4096,size=32``."""
+    """Dataset spec: ``digits``, ``images:n=4096,size=32``, ``folder:PATH`` or
+    ``package.module:function[:key=value]`` (see :mod:`tandem.data.load`)."""
+    loss: str | None = None
+    """``package.module:function`` (see :mod:`tandem.loss`); None: cross-entropy."""
     straggler: str | None = None
     """``RANK:FACTOR``: worker RANK takes FACTOR times as long for each step (experiments)."""
     nproc: int = 1
@@ -152,6 +155,9 @@ class Job:
 
     run: RunConfig
     plan: Plan
+    objects: Any = None
+    """The user's own model, data and loss (a :class:`tandem.runtime.task.UserObjects`, from
+    the Python API), or None: the run's specs name them."""
 
     def __post_init__(self) -> None:
         resumable = (self.run.resume is not None or self.run.stop_after is not None
@@ -214,26 +220,32 @@ class Job:
         from tandem.strategy import strategy_of
 
         run = self.run
-        return {"model": run.model, "data": run.data, "strategy": strategy_of(self.plan),
+        return {"model": run.model, "data": run.data, "loss": run.loss,
+                "strategy": strategy_of(self.plan),
                 "batch_size": run.batch_size, "optimizer": run.optimizer, "seed": run.seed,
                 "compress": self.plan.compress.text if self.plan.compress else None}
 
 
-def make_job(strategy: str = "dp", flags: Mapping[str, Any] | None = None,
-             **settings: Any) -> Job:
+def make_job(strategy: str = "dp", flags: Mapping[str, Any] | None = None, *,
+             objects: Any = None, **settings: Any) -> Job:
     """The job ``tandem train --strategy STRATEGY FLAGS... SETTINGS...`` runs, for library use:
     ``flags`` are the plan's command-line flags (``{"--servers": 2, "--mode": "async"}``),
-    ``settings`` the fields of :class:`RunConfig` (``nproc`` is the number of processes)."""
+    ``settings`` the fields of :class:`RunConfig` (``nproc`` is the number of processes) and
+    ``objects`` the user's own model, data and loss (:class:`tandem.runtime.task.UserObjects`)."""
     from torch import nn
 
     from tandem.runtime.preflight import build_checked
-    from tandem.strategy import plan_from_flags
+    from tandem.strategy import STRATEGIES, plan_from_flags
 
     run = RunConfig(**settings)
-    _, model = build_checked(run)
+    data, model = build_checked(run, objects)
     blocks = len(model) if isinstance(model, nn.Sequential) else None
+    if blocks is None and strategy in STRATEGIES and STRATEGIES[strategy].pipelined:
+        from tandem.runtime.pipeline.setup import example_inputs, pipeline_blocks
+
+        blocks = len(pipeline_blocks(model, example_inputs(data.train), what=f"model {run.model!r}"))
     plan = plan_from_flags(strategy, flags or {}, num_processes=run.nproc, num_blocks=blocks)
-    return Job(run=run, plan=plan)
+    return Job(run=run, plan=plan, objects=objects)
 
 
 def _ranks(first: int, last: int) -> str:

@@ -22,8 +22,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from tandem.data import DataBundle, build_dataset, dataset_bytes
+from tandem import structures
+from tandem.data import Data, dataset_bytes
 from tandem.errors import UsageError
+from tandem.loss import checked_loss, cross_entropy, load_loss, loss_name
 from tandem.models import build_model
 from tandem.runtime.config import RunConfig
 
@@ -42,23 +44,29 @@ def warn(message: str) -> None:
     print(f"tandem: warning: {message}", file=sys.stderr, flush=True)
 
 
-def build_checked(run: RunConfig) -> tuple[DataBundle, nn.Module]:
-    """The run's dataset and model. One that would not fit in memory is refused before it is
-    built where its size can be told in advance (the dataset's options, the model's parameters
-    built on the ``meta`` device), and if building it runs out of memory."""
+def build_checked(run: RunConfig, objects: Any = None) -> tuple[Data, nn.Module]:
+    """The run's data and model (from its specs, or the user's ``objects``). One that would not
+    fit in memory is refused before it is built where its size can be told in advance (the
+    dataset's options, the model's parameters built on the ``meta`` device), and if building it
+    runs out of memory."""
+    from tandem.runtime.task import Task
+
     available = available_memory_bytes()
-    _check_fits(f"--data {run.data}", dataset_bytes(run.data), available,
-                "a smaller dataset (n, size)")
+    if objects is None or objects.train is None:
+        _check_fits(f"--data {run.data}", dataset_bytes(run.data), available,
+                    "a smaller dataset (n, size)")
     try:
-        data = build_dataset(run.data)
+        task = Task(run, objects)
     except (MemoryError, RuntimeError) as exc:
         raise _too_big(exc, f"--data {run.data}", "a smaller dataset (n, size)") from None
-    parameters = meta_parameter_bytes(run.model, data)
-    _check_fits(f"--model {run.model}", None if parameters is None
-                else (1 + PARAMETER_COPIES) * parameters, available,
-                "a smaller model (fewer or narrower layers)")
+    data = task.data
+    if objects is None or objects.model is None:
+        parameters = meta_parameter_bytes(run.model, data)
+        _check_fits(f"--model {run.model}", None if parameters is None
+                    else (1 + PARAMETER_COPIES) * parameters, available,
+                    "a smaller model (fewer or narrower layers)")
     try:
-        model = build_model(run.model, data.info)
+        model = task.build_model()
     except (MemoryError, RuntimeError) as exc:
         raise _too_big(exc, f"--model {run.model}", "a smaller model (fewer or narrower "
                        "layers)") from None
@@ -72,12 +80,12 @@ def _check_fits(what: str, needed: int | None, available: int | None, fix: str) 
                      f"has {_size(available)} available; use {fix}")
 
 
-def meta_parameter_bytes(spec: str, data: DataBundle) -> int | None:
+def meta_parameter_bytes(spec: str, data: Data) -> int | None:
     """Bytes of the parameters of model ``spec``, built on the ``meta`` device (no memory);
     None for a model that cannot be built there."""
     try:
         with torch.device("meta"):
-            model = build_model(spec, data.info)
+            model = build_model(spec, lambda: data.info)
         return sum(p.numel() * p.element_size() for p in model.parameters())
     except UsageError:
         raise
@@ -98,7 +106,7 @@ def _first_line(exc: BaseException) -> str:
     return lines[0][:200] if lines else ""
 
 
-def check_batch(run: RunConfig, data: DataBundle) -> None:
+def check_batch(run: RunConfig, data: Data) -> None:
     """A global batch takes at most the whole training split."""
     samples = len(data.train)
     if run.batch_size > samples:
@@ -106,54 +114,67 @@ def check_batch(run: RunConfig, data: DataBundle) -> None:
                          f"samples of --data {run.data}; use at most {samples}, or more data")
 
 
-def check_output(model: nn.Module, data: DataBundle, run: RunConfig) -> None:
+def check_output(model: nn.Module, data: Data, run: RunConfig, objects: Any = None) -> None:
     """One sample through the model (in eval mode, without gradients, on the model's device):
-    it must run, and its output must be what the loss takes (:func:`check_loss_input`)."""
-    inputs, targets = data.train.inputs[:1], data.train.targets[:1]
+    it must run, and the loss must take its output (:func:`check_loss_input`)."""
+    batch = data.train.rows(0, 1)
     device = next(model.parameters(), torch.empty(0)).device
     training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            output = model(inputs.to(device))
+            output = structures.call_model(model, structures.to_device(batch.inputs, device))
+    except UsageError:
+        raise
     except Exception as exc:  # the user's model cannot take the data: say so, in one line
+        shown = (f"input shape {tuple(batch.inputs.shape)}"
+                 if isinstance(batch.inputs, torch.Tensor)
+                 else f"inputs: {structures.describe(batch.inputs)}")
         raise UsageError(
-            f"--model {run.model} fails on one sample of --data {run.data} (input shape "
-            f"{tuple(inputs.shape)}): {type(exc).__name__}: {_first_line(exc)}; make the "
-            f"model take this input") from None
+            f"--model {run.model} fails on one sample of --data {run.data} ({shown}): "
+            f"{type(exc).__name__}: {_first_line(exc)}; make the model take this input") from None
     finally:
         model.train(training)
-    check_loss_input(output, targets, data, run)
+    if objects is not None and objects.loss is not None:
+        loss_fn, label = objects.loss, loss_name(objects.loss)
+    else:
+        loss_fn, label = load_loss(run.loss), loss_name(run.loss)
+    if loss_fn is cross_entropy:
+        check_loss_input(output, batch.targets, data, run)
+    checked_loss(loss_fn, output, structures.to_device(batch.targets, device), name=label)
 
 
-def check_loss_input(output: Any, targets: torch.Tensor, data: DataBundle,
-                     run: RunConfig) -> None:
-    """The model's output on a batch must suit the loss, which for now is cross-entropy on a
-    logits tensor (:func:`tandem.runtime.base.loss_sum`): a float tensor whose last dimension
-    has one logit per class, one row per target. Change this with the loss."""
-    classes = data.info.num_classes
-    kind = "classes" if data.info.task == "classify" else "tokens in its vocabulary"
-    if not isinstance(output, torch.Tensor) or not output.is_floating_point() or output.dim() < 1:
+def check_loss_input(output: Any, targets: Any, data: Data, run: RunConfig) -> None:
+    """The model's output must suit the default loss, cross-entropy on logits
+    (:func:`tandem.loss.cross_entropy`): float logits with one row per target and, where the
+    data says how many classes it has, one logit per class."""
+    logits = structures.logits_of(output)
+    if logits is None or not logits.is_floating_point() or logits.dim() < 1:
         raise UsageError(
             f"--model {run.model} returns {_describe(output)}, but the loss (cross-entropy) "
-            f"needs a float tensor of logits, {classes} per prediction; make it return one")
-    if output.shape[-1] != classes:
+            f"needs float logits (a tensor, or a .logits field), one row per target; make it "
+            f"return them, or give --loss package.module:function")
+    if not isinstance(targets, torch.Tensor) or targets.is_floating_point():
         raise UsageError(
-            f"--model {run.model} outputs {output.shape[-1]} logits per prediction, but --data "
-            f"{run.data} has {classes} {kind}; make its last layer output {classes}")
-    predictions, expected = output.numel() // classes, targets.numel()
+            f"--data {run.data} gives {structures.describe(targets)} as targets, but the loss "
+            f"(cross-entropy) needs integer class indices; give --loss package.module:function")
+    if data.has_info:
+        classes = data.info.num_classes
+        kind = "classes" if data.info.task == "classify" else "tokens in its vocabulary"
+        if logits.shape[-1] != classes:
+            raise UsageError(
+                f"--model {run.model} outputs {logits.shape[-1]} logits per prediction, but "
+                f"--data {run.data} has {classes} {kind}; make its last layer output {classes}")
+    predictions, expected = logits.numel() // logits.shape[-1], targets.numel()
     if predictions != expected:
         raise UsageError(
             f"--model {run.model} makes {predictions} predictions (output shape "
-            f"{tuple(output.shape)}) for a batch of --data {run.data} with {expected} targets "
-            f"(shape {tuple(targets.shape)}); make it output one row of {classes} logits per "
-            f"target")
+            f"{tuple(logits.shape)}) for a batch of --data {run.data} with {expected} targets "
+            f"(shape {tuple(targets.shape)}); make it output one row of logits per target")
 
 
 def _describe(output: Any) -> str:
-    if isinstance(output, torch.Tensor):
-        return f"a {output.dtype} tensor of shape {tuple(output.shape)}"
-    return f"a {type(output).__name__}"
+    return structures.describe(output)
 
 
 def check_machine(run: RunConfig, model: nn.Module) -> str | None:

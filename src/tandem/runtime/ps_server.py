@@ -20,9 +20,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tandem.data import build_dataset
 from tandem.errors import WorkerFailure
-from tandem.models import build_model
+from tandem.loss import evaluation
+from tandem.runtime.task import Task
 from tandem.runtime.base import (
     GANTT_STEPS,
     MAX_TRACED_STEPS,
@@ -38,7 +38,6 @@ from tandem.runtime.checkpoint import CHECKPOINT_VERSION, load_checkpoint, save_
 from tandem.runtime.config import Job
 from tandem.runtime.dist import WorkerEnv
 from tandem.runtime.reporting import Reporter
-from tandem.runtime.trainer import score
 from tandem.runtime.watchdog import Heartbeat
 from tandem.sync import ps_protocol as protocol
 from tandem.sync_spec import ParameterServerSync
@@ -94,9 +93,9 @@ class ParameterServer(Worker):
         self.job, self.config, self.sync, self.env, self.beat = job, config, job.plan.sync, env, beat
         self.codec_text = job.plan.compress.text if job.plan.compress else None
         self.out = Path(config.out) if config.out else None
-        self.data = build_dataset(config.data)
+        self.task = Task(config, job.objects)
         torch.manual_seed(config.seed)
-        self.model = build_model(config.model, self.data.info)
+        self.model = self.task.build_model()
         named = list(self.model.named_parameters())
         ranges = protocol.shard_ranges([p.numel() for _, p in named], self.sync.servers)
         self.ranges = ranges
@@ -416,9 +415,8 @@ class ParameterServer(Worker):
                 dist.recv(flat, src=server, tag=protocol.GATHER)
                 unflatten_into(flat, shard)
 
-    def _evaluate(self) -> dict[str, float]:
-        correct, loss, count = score(self.model, self.data.test.inputs, self.data.test.targets).tolist()
-        return {"test_accuracy": correct / count, "test_loss": loss / count}
+    def _evaluate(self) -> dict[str, float | None]:
+        return evaluation(self.task.score(self.model, 0, len(self.task.test_samples)))
 
     def _checkpoint(self) -> None:
         """Each server saves its shard, optimizer and version (``server-K.pt``, atomically)."""
@@ -457,6 +455,7 @@ class ParameterServer(Worker):
             "servers": self.sync.servers, "workers": len(self.workers),
             "backup": self.sync.backup, "steps": self.version, "finished": finished,
             "global_batch_size": self.config.batch_size, "final_loss": self.last_loss,
+            **self.task.summary_fields(),
             **evaluation, "samples_per_s": self._samples_per_s(wall),
             "updates_per_s": self.version / max(wall, 1e-9),
             "step_time_s": wall / max(self.version, 1), "train_s": round(wall, 4),

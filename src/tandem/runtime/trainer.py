@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 from tandem.data import shard_sizes
 from tandem.errors import UsageError
-from tandem.models import build_model
+from tandem.loss import evaluation
+from tandem.structures import call_model
 from tandem.runtime.base import BaseTrainer, Worker, loss_sum, save_worker_trace
 from tandem.runtime.checkpoint import CHECKPOINT_VERSION, load_checkpoint, save_atomic
 from tandem.runtime.config import Job
@@ -143,7 +144,8 @@ class Trainer(BaseTrainer):
         super().__init__(job, env, beat)
         config = job.run
         torch.manual_seed(config.seed)
-        model = build_model(config.model, self.data.info)
+        model = self.task.build_model()
+        self.loss_terms_per_sample = 1
         self.data_rank, self.data_world = self._data_position()
         self.strategy: SyncStrategy = build_strategy(job, self.data_rank, self.data_world)
         straggler = config.straggler_factor()
@@ -196,7 +198,8 @@ class Trainer(BaseTrainer):
         self.strategy.load_state_dict(own["sync"])
 
     def train_step(self, step: int) -> torch.Tensor:
-        """One optimizer step on this worker's share of global batch ``step``; returns its loss sum.
+        """One optimizer step on this worker's share of global batch ``step``; returns its loss
+        summed over its samples (each micro-batch's mean loss times its samples).
 
         Its trace follows the plan's one-stage schedule: ``0F{m}``/``0B{m}`` for each micro-batch
         ``m = data_rank + data_world * k`` (the workers share the global batch's micro-batches
@@ -204,18 +207,18 @@ class Trainer(BaseTrainer):
         DDP's ``0AR`` spans the last backward, during which its buckets are reduced.
         """
         self.current_step = step
-        global_count = len(self.sampler.global_indices(step)) * self.predictions_per_sample
+        global_count = len(self.sampler.global_indices(step))
         indices = self.sampler.local_indices(step, rank=self.data_rank, world_size=self.data_world)
         scale = self.data_world / global_count
-        inputs = self.train.inputs[indices].tensor_split(self.plan.accumulate)
-        targets = self.train.targets[indices].tensor_split(self.plan.accumulate)
+        micros = self.train.take(indices).split(self.plan.accumulate)
         loss_total = torch.zeros((), device=self.env.device)
-        for micro_index, (x, y) in enumerate(zip(inputs, targets)):
-            last = micro_index == len(inputs) - 1
+        for micro_index, micro in enumerate(micros):
+            last = micro_index == len(micros) - 1
             t0 = time.perf_counter()
             self.beat.step, self.beat.phase = step, "forward"
             with contextlib.nullcontext() if last else self.strategy.accumulating(self.module):
-                loss = loss_sum(self.module(x), y)
+                output = call_model(self.module, micro.inputs)
+                loss = self.task.loss(output, micro.targets) * micro.size
                 t1 = time.perf_counter()
                 self.beat.phase = "backward"
                 (loss * scale).backward()
@@ -229,24 +232,22 @@ class Trainer(BaseTrainer):
             if self.slowdown > 1.0:
                 time.sleep((self.slowdown - 1.0) * (time.perf_counter() - t0))
         self.beat.phase = "step"
-        self.local_predictions += len(indices) * self.predictions_per_sample
-        self.strategy.record_loss(loss_total, len(indices) * self.predictions_per_sample)
+        self.local_predictions += len(indices)
+        self.strategy.record_loss(loss_total, len(indices))
         self.stopped = self.strategy.update(self.module, self.optimizer, step)
         if self.strategy.local_optimizer:
             self.scheduler.step()
         return loss_total
 
     @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self) -> dict[str, float | None]:
         """Accuracy and mean loss on the test split, each worker scoring its own shard."""
         self.beat.phase = "evaluate"
         sizes = shard_sizes(len(self.test), self.env.world_size)
         start = sum(sizes[: self.env.rank])
-        totals = score(self.model, self.test.inputs[start : start + sizes[self.env.rank]],
-                       self.test.targets[start : start + sizes[self.env.rank]])
+        totals = self.task.score(self.model, start, start + sizes[self.env.rank])
         dist.all_reduce(totals)
-        correct, loss, count = totals.tolist()
-        return {"test_accuracy": correct / count, "test_loss": loss / count}
+        return evaluation(totals)
 
     def end_training(self) -> None:
         self.strategy.finish()

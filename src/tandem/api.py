@@ -1,0 +1,194 @@
+"""The Python API: train your own model, data and loss with any strategy, from a script.
+
+``fit`` takes objects — any ``nn.Module`` (or a function that builds one), any map-style or
+iterable ``Dataset`` of ``(input, target)`` pairs, any loss ``loss(output, targets)`` returning
+the batch's mean — and a plan (a strategy with its options, or a ``Plan`` from ``tandem plan``
+or ``tandem search``). It runs the same job ``tandem train`` runs: on ``nproc`` local worker
+processes, or, inside a ``torchrun`` job, as this process's worker. Objects travel to spawned
+workers by pickle, so define their classes and functions at the top level of a module and call
+``fit`` under ``if __name__ == "__main__":``.
+
+Usage::
+
+    import tandem
+
+    result = tandem.fit(MyNet(), train_set, test_set, loss=my_loss, strategy="ps",
+                        servers=1, mode="sync", nproc=3, steps=200, batch_size=64, lr=0.05)
+    print(result.summary["test_accuracy"])
+    result.model            # MyNet with the trained parameters and buffers
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import pickle
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from tandem.errors import UsageError
+from tandem.plan import Plan
+
+__all__ = ["FitResult", "fit"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FitResult:
+    """What :func:`fit` returns on the process that ran rank 0 (elsewhere under torchrun, a
+    result with an empty summary and no model)."""
+
+    summary: dict[str, Any]
+    """The run's summary: ``test_accuracy``, ``test_loss``, ``final_loss``, ``steps``, timings
+    and the strategy's figures (the ``--json`` output of ``tandem train``)."""
+    model: nn.Module | None
+    """The trained model: the module given to :func:`fit` itself, updated in place, or a new
+    one from the builder or spec; None where this process got no final state."""
+    out: Path | None
+    """The run's output directory (None when ``out`` was not given: a temporary one was used)."""
+
+
+def fit(model: nn.Module | Callable[..., nn.Module] | str,
+        train: Any = None, test: Any = None, *,
+        loss: Callable[[Any, Any], torch.Tensor] | str | None = None,
+        data: str | None = None, info: Any = None,
+        strategy: str | None = None, plan: Plan | str | None = None,
+        nproc: int | None = None, out: str | Path | None = None,
+        **options: Any) -> FitResult:
+    """Train ``model`` on ``train`` with a distributed plan; evaluate on ``test``.
+
+    Args:
+        model: an ``nn.Module`` (each worker trains a copy; the result is loaded back into it),
+            a function returning one (called after seeding, with ``info=`` if it takes it), or
+            a model spec as ``tandem train --model`` takes.
+        train: the training ``Dataset`` of ``(input, target)`` pairs; None: ``data`` names it.
+        test: the test ``Dataset`` (None with ``train``: the training data is scored, and the
+            summary's ``scored_on`` says so).
+        loss: ``loss(output, targets)`` returning the batch's mean loss as a scalar, or
+            ``"package.module:function"``; None: cross-entropy on the model's logits.
+        data: a dataset spec as ``tandem train --data`` takes (instead of ``train``/``test``).
+        info: a :class:`tandem.data.DataInfo` for built-in models on your data (else inferred).
+        strategy: ``dp``, ``ps``, ``gossip``, ``easgd``, ``localsgd`` or ``pipeline``
+            (default ``dp``), with its options as keyword arguments named like its flags
+            (``servers=1, mode="async"``, ``stages=2, schedule="gpipe"``, ``compress="fp16"``).
+        plan: a :class:`tandem.plan.Plan` or the path of a ``plan.json`` (instead of
+            ``strategy``); ``nproc`` defaults to its workers.
+        nproc: local worker processes (default: the plan's, else 1; ignored under torchrun).
+        out: directory for ``final.pt``, ``metrics.jsonl``, ``trace.json``, checkpoints.
+        **options: the run's settings, named like ``tandem train``'s flags: ``steps``,
+            ``batch_size``, ``optimizer``, ``lr``, ``momentum``, ``seed``, ``precision``, ...
+
+    Raises:
+        UsageError: a mistake in the arguments, data, model or loss (one line naming it).
+        WorkerFailure: a worker failed or died (one line naming it).
+    """
+    from tandem.commands.train import run_training
+    from tandem.runtime.config import Job, RunConfig, make_job
+    from tandem.runtime.dist import under_launcher, world_size
+    from tandem.runtime.task import UserObjects
+    from tandem.strategy import PLAN_FLAGS, plan_with_flags
+
+    if train is None and data is None:
+        raise UsageError("fit() needs the training data: give train=<Dataset> or data=<spec>, "
+                         "e.g. data='digits'")
+    if train is not None and data is not None:
+        raise UsageError("fit() got both train= and data=; give one of them")
+    if test is not None and train is None:
+        raise UsageError("fit() got test= without train=; give both datasets, or data=<spec>")
+    objects = UserObjects(model=None if isinstance(model, str) else model, train=train,
+                          test=test, loss=None if loss is None or isinstance(loss, str) else loss,
+                          info=info)
+    settings, flags = _split_options(options, PLAN_FLAGS, RunConfig)
+    settings.update(model=model if isinstance(model, str) else _label(model),
+                    data=data if data is not None else _label(train, "dataset"),
+                    loss=loss if isinstance(loss, str) else (None if loss is None
+                                                             else _label(loss, "loss")),
+                    progress=options.get("progress", False))
+    temporary = None
+    if out is None:
+        temporary = tempfile.TemporaryDirectory(prefix="tandem-fit-")
+        settings["out"] = temporary.name
+    else:
+        settings["out"] = str(out)
+    processes = world_size() if under_launcher() else nproc
+    if not under_launcher():
+        _check_picklable(objects)
+    try:
+        if plan is not None:
+            source = str(plan) if not isinstance(plan, Plan) else "the plan given to fit()"
+            loaded = Plan.load(str(plan)) if not isinstance(plan, Plan) else plan
+            loaded = plan_with_flags(loaded, strategy, flags, source)
+            job = Job(run=RunConfig(**settings, nproc=processes or loaded.num_workers),
+                      plan=loaded, objects=objects)
+        else:
+            job = make_job(strategy or "dp", flags, objects=objects, nproc=processes or 1,
+                           **settings)
+        summary = run_training(job)
+        trained = _load_final(model, objects, job, Path(settings["out"]) / "final.pt")
+    finally:
+        if temporary is not None:
+            temporary.cleanup()
+    return FitResult(summary=summary or {}, model=trained,
+                     out=None if out is None else Path(out))
+
+
+def _split_options(options: dict[str, Any], plan_flags: tuple[str, ...],
+                   run_config: type) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``fit``'s keyword options: the run's settings and the plan's flags (``--servers``)."""
+    fields = set(run_config.__dataclass_fields__) - {"model", "data", "loss", "out", "nproc"}
+    aliases = {"timeout": "timeout_s"}
+    flag_names = {flag.lstrip("-").replace("-", "_"): flag for flag in plan_flags}
+    settings: dict[str, Any] = {}
+    flags: dict[str, Any] = {}
+    for key, value in options.items():
+        key = aliases.get(key, key)
+        if key in fields:
+            settings[key] = value
+        elif key in flag_names:
+            if value is not None and value is not False:
+                flags[flag_names[key]] = value
+        else:
+            known = sorted(fields | set(flag_names))
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"known: {', '.join(known)}"
+            raise UsageError(f"fit() got an unknown option {key!r}; {hint}")
+    return settings, flags
+
+
+def _label(thing: Any, what: str = "model") -> str:
+    """How the summary names an object (its class, or a function's qualified name)."""
+    if isinstance(thing, (nn.Module, torch.utils.data.Dataset)) or not callable(thing):
+        return f"{type(thing).__module__}.{type(thing).__qualname__}"
+    return f"{getattr(thing, '__module__', '?')}.{getattr(thing, '__qualname__', what)}"
+
+
+def _check_picklable(objects: Any) -> None:
+    """Objects must reach spawned workers: refuse, in one line, one that does not pickle."""
+    for field in ("model", "train", "test", "loss", "info"):
+        value = getattr(objects, field)
+        if value is None:
+            continue
+        try:
+            pickle.dumps(value)
+        except Exception as exc:  # any pickling failure: name the object and the way out
+            lines = str(exc).strip().splitlines()
+            raise UsageError(f"fit(): the {field} cannot be sent to the worker processes "
+                             f"({type(exc).__name__}: {lines[0] if lines else ''}); define its "
+                             f"class or function at the top level of a module (not in a "
+                             f"function or a lambda)") from None
+
+
+def _load_final(model: Any, objects: Any, job: Any, path: Path) -> nn.Module | None:
+    """The trained model: ``final.pt`` loaded into the given module (in place), or into a new
+    one from the builder or spec; None where this process has no ``final.pt``."""
+    if not path.exists():
+        return None
+    from tandem.runtime.task import Task
+
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    target = model if isinstance(model, nn.Module) else Task(job.run, objects).build_model()
+    target.load_state_dict(state)
+    return target

@@ -1,0 +1,159 @@
+"""``--data folder:PATH``: a directory of image files, one subfolder per class, read into memory.
+
+The layout is the one torchvision's ``ImageFolder`` reads: ``PATH/<class>/<image>``, classes
+sorted by name and numbered from 0. If ``PATH`` holds ``train/`` and ``test/`` folders of that
+layout, they are the two splits; otherwise a seeded fraction (``test=0.2``) is held out.
+Images become float tensors ``C x H x W`` in [0, 1]: one channel if every image is grayscale,
+else three (RGB). All images must have one size unless ``size=S`` resizes them to ``S x S``.
+
+Usage::
+
+    bundle = load_folder("folder:/data/digits:test=0.2,size=8")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tandem.data.bundle import DataBundle, Split, check_split, split_held_out
+from tandem.data.info import DataInfo
+from tandem.errors import UsageError
+from tandem.options import check_seed, fill_options, split_spec
+
+EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".gif", ".ppm", ".pgm", ".tif",
+                        ".tiff", ".webp"})
+"""Image files read (by extension, case-insensitive); other files are ignored."""
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class FolderOptions:
+    """Options of ``--data folder:PATH:key=value,...``."""
+
+    test: float = 0.2
+    """Fraction held out for evaluation (when the folder has no ``train/``/``test/`` split)."""
+    split_seed: int = 0
+    """Seed of that held-out split."""
+    size: int = 0
+    """Resize every image to ``size x size`` (0: keep the size; all images must share it)."""
+
+    def __post_init__(self) -> None:
+        check_seed("split_seed", self.split_seed)
+        if self.size < 0:
+            raise UsageError(f"folder option size={self.size} must be 0 (keep) or a number of "
+                             f"pixels, e.g. size=32")
+
+
+def parse_folder_spec(spec: str) -> tuple[Path, FolderOptions]:
+    """The directory and options of ``folder:PATH[:key=value,...]``."""
+    rest = spec.partition(":")[2]
+    path_text, options_text = rest, ""
+    head, sep, tail = rest.rpartition(":")
+    if sep and "=" in tail:
+        path_text, options_text = head, tail
+    if not path_text:
+        raise UsageError(f"--data {spec!r} names no folder; write folder:PATH, e.g. "
+                         f"folder:./images")
+    _, raw = split_spec(f"folder:{options_text}", what="dataset")
+    return Path(path_text).expanduser(), fill_options(FolderOptions, raw, spec=spec,
+                                                      what="dataset")
+
+
+def load_folder(spec: str) -> DataBundle:
+    """Read the image folder of ``spec`` into a train and a test split."""
+    root, options = parse_folder_spec(spec)
+    if not root.is_dir():
+        raise UsageError(f"--data {spec}: {root} is not a directory; give a folder with one "
+                         f"subfolder of images per class")
+    if (root / "train").is_dir() and (root / "test").is_dir():
+        classes = _classes(root / "train", spec)
+        train_files = _files(root / "train", classes, spec)
+        test_files = _files(root / "test", classes, spec, allow_empty_classes=True)
+        (train_x, test_x), channels = _read_all([train_files, test_files], options, spec)
+        train = Split(inputs=train_x, targets=_labels(train_files))
+        test = Split(inputs=test_x, targets=_labels(test_files))
+    else:
+        classes = _classes(root, spec)
+        files = _files(root, classes, spec)
+        (inputs,), channels = _read_all([files], options, spec)
+        try:
+            check_split(len(files), options.test)
+        except ValueError as exc:
+            raise UsageError(f"--data {spec}: {len(files)} images, and {exc}") from None
+        train, test = split_held_out(inputs, _labels(files), options.test, options.split_seed)
+    info = DataInfo(task="classify", input_shape=tuple(train.inputs.shape[1:]),
+                    num_classes=len(classes))
+    return DataBundle(name=f"folder:{root}", train=train, test=test, info=info)
+
+
+def _classes(root: Path, spec: str) -> list[str]:
+    classes = sorted(entry.name for entry in root.iterdir()
+                     if entry.is_dir() and not entry.name.startswith("."))
+    if not classes:
+        raise UsageError(f"--data {spec}: {root} has no class subfolders; put each class's "
+                         f"images in a folder of its own ({root}/<class>/<image>.png)")
+    return classes
+
+
+def _files(root: Path, classes: list[str], spec: str, *,
+           allow_empty_classes: bool = False) -> list[tuple[Path, int]]:
+    files: list[tuple[Path, int]] = []
+    for label, name in enumerate(classes):
+        folder = root / name
+        found = sorted(path for path in folder.rglob("*") if path.suffix.lower() in EXTENSIONS
+                       and path.is_file()) if folder.is_dir() else []
+        if not found and not allow_empty_classes:
+            raise UsageError(f"--data {spec}: class folder {folder} has no images (files ending "
+                             f"in {', '.join(sorted(EXTENSIONS))}); add some or remove it")
+        files += [(path, label) for path in found]
+    if not files:
+        raise UsageError(f"--data {spec}: no images under {root}; put image files in "
+                         f"{root}/<class>/")
+    return files
+
+
+def _labels(files: list[tuple[Path, int]]) -> torch.Tensor:
+    return torch.tensor([label for _, label in files], dtype=torch.int64)
+
+
+def _read_all(groups: list[list[tuple[Path, int]]], options: FolderOptions,
+              spec: str) -> tuple[list[torch.Tensor], int]:
+    """Each group's images as one float tensor ``N x C x H x W``, with the channel count shared
+    by all (1 if every image is grayscale, else 3)."""
+    from PIL import Image, UnidentifiedImageError
+
+    images: list[list[Image.Image]] = []
+    for group in groups:
+        opened = []
+        for path, _ in group:
+            try:
+                with Image.open(path) as image:
+                    image.load()
+                    opened.append(image.copy())
+            except (OSError, UnidentifiedImageError) as exc:
+                raise UsageError(f"--data {spec}: cannot read image {path} ({exc}); remove or "
+                                 f"replace it") from None
+        images.append(opened)
+    grayscale = all(image.mode in ("L", "1", "I", "I;16", "F") for group in images
+                    for image in group)
+    mode, channels = ("L", 1) if grayscale else ("RGB", 3)
+    sizes = {image.size for group in images for image in group}
+    if options.size == 0 and len(sizes) > 1:
+        shown = ", ".join(f"{w}x{h}" for w, h in sorted(sizes)[:4])
+        raise UsageError(f"--data {spec}: the images have different sizes ({shown}); resize "
+                         f"them all with folder:PATH:size=S, e.g. size=32")
+    tensors = []
+    for group in images:
+        arrays = []
+        for image in group:
+            image = image.convert(mode)
+            if options.size:
+                image = image.resize((options.size, options.size))
+            array = np.asarray(image, dtype=np.float32) / 255.0
+            arrays.append(array[None] if channels == 1 else array.transpose(2, 0, 1))
+        tensors.append(torch.from_numpy(np.stack(arrays)) if arrays else
+                       torch.empty(0, channels, *(2 * [options.size or 1])))
+    return tensors, channels

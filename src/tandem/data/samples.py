@@ -1,0 +1,162 @@
+"""The samples of one split, whatever holds them: in-memory tensors or a user's ``Dataset``.
+
+Training addresses samples by index (see :mod:`tandem.data.sampler`): ``take(indices)`` gives
+the batch of those samples as ``Batch(inputs, targets, size)``, where inputs and targets are
+tensors or structures of tensors (:mod:`tandem.structures`) with the batch in dim 0.
+
+A user's dataset gives each sample as an ``(input, target)`` pair (the convention of
+torchvision's datasets and of ``TensorDataset``); either part may be a tensor, a number, or a
+tuple/dict of them, and samples are stacked with ``torch.utils.data.default_collate``. An
+``IterableDataset`` is read once, in order, into memory when the run starts (it must be finite).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import itertools
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset, IterableDataset, TensorDataset, default_collate
+
+from tandem import structures
+from tandem.data.bundle import Split
+from tandem.errors import UsageError
+
+MAX_ITERABLE_SAMPLES = 10_000_000
+"""Most samples read from an ``IterableDataset`` (one that never ends is refused)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Batch:
+    """Inputs and targets of ``size`` samples (tensors or structures of tensors)."""
+
+    inputs: Any
+    targets: Any
+    size: int
+
+    def to(self, device: torch.device) -> Batch:
+        """This batch with its tensors on ``device``."""
+        return Batch(structures.to_device(self.inputs, device),
+                     structures.to_device(self.targets, device), self.size)
+
+    def split(self, parts: int) -> list[Batch]:
+        """Consecutive micro-batches (sizes differ by at most one)."""
+        if parts == 1:
+            return [self]
+        inputs = structures.split_batch(self.inputs, parts)
+        targets = structures.split_batch(self.targets, parts)
+        return [Batch(x, y, structures.batch_size(x) or structures.batch_size(y))
+                for x, y in zip(inputs, targets)]
+
+
+class Samples(abc.ABC):
+    """The samples of one split, taken by index."""
+
+    @abc.abstractmethod
+    def __len__(self) -> int:
+        """Number of samples."""
+
+    @abc.abstractmethod
+    def take(self, indices: torch.Tensor) -> Batch:
+        """The batch of samples ``indices`` (a 1-D integer tensor), in that order."""
+
+    @abc.abstractmethod
+    def to(self, device: torch.device) -> Samples:
+        """Samples whose batches come on ``device``."""
+
+    def rows(self, start: int, end: int) -> Batch:
+        """Samples ``start`` to ``end - 1`` (evaluation walks a split in order)."""
+        return self.take(torch.arange(start, end))
+
+
+class TensorSamples(Samples):
+    """Samples held as one inputs tensor and one targets tensor (row ``i`` is sample ``i``)."""
+
+    def __init__(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        if len(inputs) != len(targets):
+            raise UsageError(f"the data has {len(inputs)} inputs but {len(targets)} targets; "
+                             f"give one target per input")
+        self.inputs, self.targets = inputs, targets
+
+    @classmethod
+    def of(cls, split: Split) -> TensorSamples:
+        """The samples of a built-in dataset's split."""
+        return cls(split.inputs, split.targets)
+
+    def __len__(self) -> int:
+        return len(self.inputs)
+
+    def take(self, indices: torch.Tensor) -> Batch:
+        index = indices.to(self.inputs.device)
+        return Batch(self.inputs[index], self.targets[index], len(indices))
+
+    def rows(self, start: int, end: int) -> Batch:
+        return Batch(self.inputs[start:end], self.targets[start:end], end - start)
+
+    def to(self, device: torch.device) -> TensorSamples:
+        return TensorSamples(self.inputs.to(device), self.targets.to(device))
+
+
+class DatasetSamples(Samples):
+    """Samples of a map-style ``Dataset`` whose items are ``(input, target)`` pairs."""
+
+    def __init__(self, dataset: Any, *, what: str, device: torch.device | None = None) -> None:
+        self.dataset, self.what, self.device = dataset, what, device
+        try:
+            self.length = len(dataset)
+        except TypeError:
+            raise UsageError(f"{what} ({type(dataset).__name__}) has no len(); give a map-style "
+                             f"Dataset with __len__ and __getitem__, or an IterableDataset"
+                             ) from None
+
+    def __len__(self) -> int:
+        return self.length
+
+    def take(self, indices: torch.Tensor) -> Batch:
+        items = [self._item(int(i)) for i in indices.tolist()]
+        inputs, targets = default_collate(items)
+        batch = Batch(inputs, targets, len(items))
+        return batch.to(self.device) if self.device is not None else batch
+
+    def _item(self, index: int) -> tuple[Any, Any]:
+        item = self.dataset[index]
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise UsageError(f"{self.what} item {index} is {structures.describe(item)}; each item "
+                             f"must be an (input, target) pair")
+        return item[0], item[1]
+
+    def to(self, device: torch.device) -> DatasetSamples:
+        moved = DatasetSamples.__new__(DatasetSamples)
+        moved.dataset, moved.what, moved.length, moved.device = (
+            self.dataset, self.what, self.length, device)
+        return moved
+
+
+def samples_of(dataset: Any, *, what: str) -> Samples:
+    """The samples of a user's dataset: a ``TensorDataset`` of two tensors or a tandem ``Split``
+    as tensors, a map-style ``Dataset`` (or any sequence of pairs) by index, and an
+    ``IterableDataset`` (or any other iterable) read into memory first."""
+    if isinstance(dataset, Samples):
+        return dataset
+    if isinstance(dataset, Split):
+        return TensorSamples.of(dataset)
+    if isinstance(dataset, TensorDataset) and len(dataset.tensors) == 2:
+        return TensorSamples(*dataset.tensors)
+    if isinstance(dataset, IterableDataset) or (
+            not hasattr(dataset, "__getitem__") and hasattr(dataset, "__iter__")):
+        items = list(itertools.islice(iter(dataset), MAX_ITERABLE_SAMPLES + 1))
+        if len(items) > MAX_ITERABLE_SAMPLES:
+            raise UsageError(f"{what} gave more than {MAX_ITERABLE_SAMPLES:,} samples; tandem "
+                             f"reads an IterableDataset into memory, so it must be finite")
+        if not items:
+            raise UsageError(f"{what} is empty; give at least one (input, target) sample")
+        return DatasetSamples(items, what=what)
+    if isinstance(dataset, Dataset) or hasattr(dataset, "__getitem__"):
+        samples = DatasetSamples(dataset, what=what)
+        if not len(samples):
+            raise UsageError(f"{what} is empty; give at least one (input, target) sample")
+        return samples
+    raise UsageError(f"{what} is a {type(dataset).__name__}, not a dataset; give a "
+                     f"torch.utils.data.Dataset of (input, target) pairs")

@@ -1,0 +1,112 @@
+"""What a job trains — the model, the data and the loss — from its specs or from the user's own
+objects (the Python API), built the same way on every worker.
+
+Usage::
+
+    task = Task(job.run, job.objects)
+    torch.manual_seed(job.run.seed)
+    model = task.build_model()
+    batch = task.data.train.take(indices)
+    loss = checked_loss(task.loss_fn, call_model(model, batch.inputs), batch.targets,
+                        name=task.loss_label)
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from tandem import structures
+from tandem.data import Data, DataInfo, data_of, load_data
+from tandem.errors import UsageError
+from tandem.loss import LossFn, checked_loss, load_loss, loss_name, score_batch
+from tandem.models import build_model
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class UserObjects:
+    """A user's own model, data and loss, given as objects (they pickle to spawned workers:
+    define their classes and functions at the top level of a module)."""
+
+    model: Any = None
+    """An ``nn.Module`` (each worker trains a copy), or a function that builds one (called
+    after seeding, with ``info=`` if it takes that parameter)."""
+    train: Any = None
+    """The training ``Dataset`` of ``(input, target)`` pairs."""
+    test: Any = None
+    """The test ``Dataset`` (None: the summary scores the training data and says so)."""
+    loss: Any = None
+    """``loss(output, targets) -> scalar mean``; None: cross-entropy on the logits."""
+    info: DataInfo | None = None
+    """What built-in models need to know of the data (inferred when None)."""
+
+
+class Task:
+    """The model builder, the data and the loss of one job."""
+
+    def __init__(self, run: Any, objects: UserObjects | None = None) -> None:
+        self.run, self.objects = run, objects or UserObjects()
+        objects = self.objects
+        if objects.train is not None:
+            self.data: Data = data_of(objects.train, objects.test, name=run.data,
+                                      info=objects.info)
+        else:
+            self.data = load_data(run.data)
+        self.scores_training_data = objects.train is not None and objects.test is None
+        self.loss_fn: LossFn = objects.loss if objects.loss is not None else load_loss(run.loss)
+        self.loss_label = loss_name(objects.loss if objects.loss is not None else run.loss)
+
+    def build_model(self) -> nn.Module:
+        """A fresh model: built from ``--model``, a copy of the user's module, or what the
+        user's builder returns (call under the run's seed for identical replicas)."""
+        given = self.objects.model
+        if given is None:
+            return build_model(self.run.model, lambda: self.data.info)
+        if isinstance(given, nn.Module):
+            return copy.deepcopy(given)
+        if not callable(given):
+            raise UsageError(f"model is a {type(given).__name__}; give an nn.Module or a "
+                             f"function that returns one")
+        kwargs = ({"info": self.data.info}
+                  if "info" in inspect.signature(given).parameters else {})
+        model = given(**kwargs)
+        if not isinstance(model, nn.Module):
+            raise UsageError(f"the model function returned {type(model).__name__}, not a "
+                             f"torch.nn.Module")
+        return model
+
+    def loss(self, output: Any, targets: Any) -> torch.Tensor:
+        """The batch's mean loss, checked to be a scalar."""
+        return checked_loss(self.loss_fn, output, targets, name=self.loss_label)
+
+    @torch.no_grad()
+    def score(self, model: nn.Module, start: int, end: int, *,
+              chunk: int = 1024) -> torch.Tensor:
+        """``[correct, predictions, summed loss, samples]`` of ``model`` on test samples
+        ``start`` to ``end - 1``, in eval mode, in chunks (see :func:`tandem.loss.score_batch`)."""
+        was_training = model.training
+        model.eval()
+        device = next(model.parameters(), torch.empty(0)).device
+        totals = torch.zeros(4, dtype=torch.float64, device=device)
+        for low in range(start, end, chunk):
+            batch = self.test_samples.rows(low, min(end, low + chunk)).to(device)
+            output = structures.call_model(model, batch.inputs)
+            totals += score_batch(output, batch.targets, self.loss, batch.size).to(device)
+        model.train(was_training)
+        return totals
+
+    def summary_fields(self) -> dict[str, Any]:
+        """What a run's summary says of its task: the loss, and what the evaluation scored."""
+        return {"loss": self.loss_label,
+                "scored_on": "training data (no test data was given)"
+                if self.scores_training_data else "test data"}
+
+    @property
+    def test_samples(self) -> Any:
+        """The samples evaluation scores (the training samples when no test data was given)."""
+        return self.data.test

@@ -1,0 +1,37 @@
+"""A Hugging Face ``transformers`` GPT-2 built from a small config (random init, no download) and
+token data for it, as ``--model``/``--data`` functions."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+VOCAB, SEQ = 64, 16
+
+
+def gpt2(layers: int = 2, dropout: float = 0.0) -> nn.Module:
+    """``--model tests.hf_models:gpt2``: GPT2LMHeadModel, input embedding tied to the output
+    layer; dropout off by default so that runs on different worker counts can be compared."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=layers, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=SEQ,
+                        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+                        bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(config)
+
+
+def _tokens(n: int, seed: int) -> TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    transition = torch.softmax(torch.randn(VOCAB, VOCAB, generator=generator) * 3, dim=-1)
+    generator.manual_seed(seed)
+    tokens = torch.empty(n, SEQ + 1, dtype=torch.int64)
+    tokens[:, 0] = torch.randint(VOCAB, (n,), generator=generator)
+    for t in range(SEQ):
+        tokens[:, t + 1] = torch.multinomial(transition[tokens[:, t]], 1, generator=generator)[:, 0]
+    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+
+def tokens(n: int = 256) -> tuple[TensorDataset, TensorDataset]:
+    """``--data tests.hf_models:tokens``: next-token sequences of a fixed Markov chain."""
+    return _tokens(n, seed=1), _tokens(64, seed=2)
