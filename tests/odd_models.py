@@ -58,3 +58,24 @@ def named_output(info: DataInfo) -> nn.Module:
 def wrong_input(info: DataInfo) -> nn.Module:
     """Expects 28x28 images (784 features), not the data's own."""
     return nn.Sequential(nn.Flatten(), nn.Linear(784, info.num_classes))
+
+
+class _Overflow(nn.Module):
+    def __init__(self, info: DataInfo, at: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(),
+                                  nn.Linear(32, info.num_classes))
+        self.at, self.calls = at, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.body(x)
+        if self.training:
+            self.calls += 1
+            if self.calls == self.at:  # a forced overflow: this step's gradients are inf
+                return logits * torch.tensor(float("inf"), dtype=logits.dtype)
+        return logits
+
+
+def overflow(info: DataInfo, at: int = 3) -> nn.Module:
+    """Overflows on its ``at``-th training forward (an fp16 run must skip that step)."""
+    return _Overflow(info, at)

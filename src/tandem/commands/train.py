@@ -82,6 +82,12 @@ def add_train_arguments(parser: argparse.ArgumentParser, defaults: RunConfig) ->
     add("--momentum", type=float, default=defaults.momentum, help="SGD momentum")
     add("--weight-decay", type=float, default=defaults.weight_decay)
     add("--warmup-steps", type=int, default=defaults.warmup_steps)
+    add("--precision", default=defaults.precision,
+        help="fp32, or bf16/fp16 mixed precision (autocast; fp16 scales the loss and skips "
+        "steps whose gradients overflow, counting them in the summary's skipped_steps)")
+    add("--clip-grad-norm", type=float, default=defaults.clip_grad_norm, metavar="X",
+        help="clip the gradients' global L2 norm to X (over every worker or stage that holds "
+        "a part of it)")
     add("--lr-schedule", default=defaults.lr_schedule, help=f"one of: {', '.join(SCHEDULES)}")
     add("--seed", type=int, default=defaults.seed)
     add("--out", default=defaults.out,

@@ -15,6 +15,8 @@ from tandem.plan import Plan
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "cosine")
 BACKENDS = ("auto", "gloo", "nccl")
+PRECISIONS = ("fp32", "bf16", "fp16")
+"""``--precision`` choices (:mod:`tandem.runtime.precision` implements them)."""
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 """Longest ``--timeout``: a week (a longer wait is no bound at all)."""
 MAX_THREADS = 1024
@@ -50,6 +52,11 @@ class RunConfig:
     weight_decay: float = 0.0
     warmup_steps: int = 0
     """Steps of linear learning-rate warm-up from 0."""
+    precision: str = "fp32"
+    """``fp32``, or ``bf16``/``fp16`` mixed precision (autocast; fp16 with a loss scaler that
+    skips overflowed steps), see :mod:`tandem.runtime.precision`."""
+    clip_grad_norm: float | None = None
+    """Clip the gradients' global L2 norm to this (None: no clipping)."""
     lr_schedule: str = "constant"
     """After warm-up: ``constant`` or ``cosine`` decay to 0 at the last step."""
     seed: int = 0
@@ -123,6 +130,11 @@ class RunConfig:
     def _check_optimizer(self) -> None:
         _choice("--optimizer", self.optimizer, OPTIMIZERS)
         _choice("--lr-schedule", self.lr_schedule, SCHEDULES)
+        _choice("--precision", self.precision, PRECISIONS)
+        if self.clip_grad_norm is not None and not (self.clip_grad_norm > 0
+                                                    and math.isfinite(self.clip_grad_norm)):
+            raise UsageError(f"--clip-grad-norm must be a positive finite number (got "
+                             f"{self.clip_grad_norm}); e.g. --clip-grad-norm 1.0")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise UsageError(f"--lr must be a positive finite number (got {self.lr}); "
                              f"e.g. --lr 0.05")

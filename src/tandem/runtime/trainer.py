@@ -29,6 +29,7 @@ from tandem.runtime.checkpoint import CHECKPOINT_VERSION, load_checkpoint, save_
 from tandem.runtime.config import Job
 from tandem.runtime.dist import WorkerEnv, init_worker
 from tandem.runtime.launch import die_with_parent, prepare_worker
+from tandem.runtime.precision import Precision
 from tandem.runtime.watchdog import (
     FENCED_EXIT,
     PERIOD_S,
@@ -162,6 +163,8 @@ class Trainer(BaseTrainer):
         self.module.train()
         self.model = self.strategy.unwrap(self.module)
         self.setup_optimizer(self.module.parameters())
+        self.precision = Precision(config.precision, env.device, clip=config.clip_grad_norm)
+        self.strategy.step_fn = self.precision.step
         if checkpoint is not None:
             self._restore(checkpoint)
 
@@ -196,6 +199,7 @@ class Trainer(BaseTrainer):
         self.first_step = int(checkpoint["step"])
         torch.set_rng_state(own["rng"])
         self.strategy.load_state_dict(own["sync"])
+        self.precision.load_state_dict(own.get("precision", {}))
 
     def train_step(self, step: int) -> torch.Tensor:
         """One optimizer step on this worker's share of global batch ``step``; returns its loss
@@ -217,11 +221,12 @@ class Trainer(BaseTrainer):
             t0 = time.perf_counter()
             self.beat.step, self.beat.phase = step, "forward"
             with contextlib.nullcontext() if last else self.strategy.accumulating(self.module):
-                output = call_model(self.module, micro.inputs)
-                loss = self.task.loss(output, micro.targets) * micro.size
+                with self.precision.autocast():
+                    output = call_model(self.module, micro.inputs)
+                    loss = self.task.loss(output, micro.targets) * micro.size
                 t1 = time.perf_counter()
                 self.beat.phase = "backward"
-                (loss * scale).backward()
+                self.precision.backward(loss * scale)
             loss_total += loss.detach()
             t_end = time.perf_counter()
             m = self.data_rank + self.data_world * micro_index
@@ -234,7 +239,10 @@ class Trainer(BaseTrainer):
         self.beat.phase = "step"
         self.local_predictions += len(indices)
         self.strategy.record_loss(loss_total, len(indices))
+        self.precision.unscale_and_clip(self.optimizer, self.module.parameters())
         self.stopped = self.strategy.update(self.module, self.optimizer, step)
+        if not self.strategy.local_optimizer:  # a server applies the pushed gradients
+            self.precision.finish_step()
         if self.strategy.local_optimizer:
             self.scheduler.step()
         return loss_total
@@ -261,7 +269,8 @@ class Trainer(BaseTrainer):
     def save_checkpoint(self, step: int) -> None:
         if self.out is None:
             return
-        own: dict[str, Any] = {"rng": torch.get_rng_state(), "sync": self.strategy.state_dict()}
+        own: dict[str, Any] = {"rng": torch.get_rng_state(), "sync": self.strategy.state_dict(),
+                               "precision": self.precision.state_dict()}
         if not self.strategy.replicas_agree:
             own["model"] = self.model.state_dict()
             own["optimizer"] = self.optimizer.state_dict()
@@ -283,12 +292,17 @@ class Trainer(BaseTrainer):
         is what all workers sent per step of this run."""
         stats = self.strategy.stats()
         totals = torch.tensor([float(stats.get(key, 0.0)) for key in sorted(stats)] or [0.0],
-                              dtype=torch.float64)
+                              dtype=torch.float64, device=self.env.device)
         dist.all_reduce(totals)
         summed = {key: totals[i].item() for i, key in enumerate(sorted(stats))}
         if "sync_bytes" in summed:
             summed["sent_bytes_per_step"] = summed["sync_bytes"] / max(1, len(self.step_times))
-        return {"parameters": sum(p.numel() for p in self.model.parameters()), **summed}
+        skipped = torch.tensor(float(self.precision.skipped_steps), dtype=torch.float64,
+                               device=self.env.device)
+        dist.all_reduce(skipped, op=dist.ReduceOp.MAX)
+        return {"parameters": sum(p.numel() for p in self.model.parameters()), **summed,
+                "precision": self.config.precision, "clip_grad_norm": self.config.clip_grad_norm,
+                "skipped_steps": int(skipped)}
 
 
 class ParameterServerWorker(Trainer):

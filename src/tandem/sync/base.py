@@ -45,10 +45,17 @@ class SyncStrategy(abc.ABC):
         if self.recorder is not None:
             self.recorder(code, start, time.perf_counter())
 
+    step_fn: Callable[[torch.optim.Optimizer], None] | None = None
+    """How the optimizer applies the gradients (set by the trainer: with fp16 the loss scaler's
+    step, which skips an overflowed one); None: ``optimizer.step()``."""
+
     def step_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Apply the gradients and clear them: the schedule's ``ST``."""
         with self.action("ST"):
-            optimizer.step()
+            if self.step_fn is not None:
+                self.step_fn(optimizer)
+            else:
+                optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
     @abc.abstractmethod

@@ -1,0 +1,92 @@
+"""Mixed precision (``--precision bf16|fp16``) and ``--clip-grad-norm`` through the real CLI,
+against fp32 and against a hand-written clipped training loop."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem.data import GlobalBatchSampler, build_dataset
+from tandem.models import build_model
+from tests.conftest import max_abs_diff, run_json, run_tandem
+
+DIGITS = ("--steps", "600", "--nproc", "2", "--seed", "0", "--lr-schedule", "cosine",
+          "--no-progress")
+
+
+def test_bf16_on_digits_is_within_one_point_of_fp32() -> None:
+    fp32 = run_json("train", *DIGITS, timeout_s=300)
+    bf16 = run_json("train", *DIGITS, "--precision", "bf16", timeout_s=300)
+    assert bf16["precision"] == "bf16" and bf16["skipped_steps"] == 0
+    assert abs(bf16["test_accuracy"] - fp32["test_accuracy"]) <= 0.01, (bf16, fp32)
+    assert fp32["test_accuracy"] >= 0.95
+
+
+def test_fp16_skips_the_step_whose_gradients_overflow(tmp_path: Path) -> None:
+    summary = run_json("train", "--model", "tests.odd_models:overflow:at=3", "--precision",
+                       "fp16", "--steps", "20", "--nproc", "2", "--out", str(tmp_path),
+                       "--no-progress", timeout_s=120)
+    assert summary["skipped_steps"] == 1, summary
+    state = torch.load(tmp_path / "final.pt")
+    assert all(torch.isfinite(value).all() for value in state.values())
+    assert summary["final_loss"] is not None and summary["test_accuracy"] > 0.5
+
+
+def test_clipped_data_parallel_run_equals_a_plain_clipped_loop(tmp_path: Path) -> None:
+    """``--clip-grad-norm`` clips the norm of the *global* (allreduced) gradient: 2 workers
+    equal one process running ``clip_grad_norm_`` on the whole batch's gradient."""
+    run_json("train", "--model", "mlp", "--steps", "15", "--batch-size", "32", "--lr", "0.5",
+             "--momentum", "0", "--seed", "1", "--clip-grad-norm", "0.2", "--nproc", "2",
+             "--out", str(tmp_path), "--no-progress", timeout_s=120)
+    data = build_dataset("digits")
+    torch.manual_seed(1)
+    model = build_model("mlp", data.info)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    sampler = GlobalBatchSampler(len(data.train), global_batch_size=32, seed=1)
+    norms = []
+    for step in range(15):
+        index = sampler.global_indices(step)
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(data.train.inputs[index]),
+                                          data.train.targets[index]).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.2)))
+        optimizer.step()
+    assert max(norms) > 0.2  # the clip was active
+    trained = torch.load(tmp_path / "final.pt")
+    assert max(float((trained[k] - v).abs().max()) for k, v in model.state_dict().items()) <= 1e-5
+
+
+def test_fp16_run_resumes_exactly_with_its_loss_scale(tmp_path: Path) -> None:
+    common = ("--precision", "fp16", "--steps", "12", "--nproc", "2", "--seed", "2",
+              "--no-progress", "--checkpoint-every", "6")
+    run_json("train", *common, "--out", str(tmp_path / "whole"), timeout_s=120)
+    run_json("train", *common, "--stop-after", "6", "--out", str(tmp_path / "parts"),
+             timeout_s=120)
+    run_json("train", *common, "--resume", "--out", str(tmp_path / "parts"), timeout_s=120)
+    assert max_abs_diff(tmp_path / "whole" / "final.pt", tmp_path / "parts" / "final.pt") == 0.0
+
+
+@pytest.mark.parametrize("strategy", [("--strategy", "gossip", "--nproc", "2"),
+                                      ("--strategy", "localsgd", "--nproc", "2"),
+                                      ("--strategy", "easgd", "--nproc", "2")],
+                         ids=["gossip", "localsgd", "easgd"])
+def test_precision_and_clipping_apply_to_decentralized_strategies(
+        strategy: tuple[str, ...]) -> None:
+    summary = run_json("train", *strategy, "--precision", "bf16", "--clip-grad-norm", "1.0",
+                       "--steps", "150", "--no-progress", timeout_s=120)
+    assert summary["precision"] == "bf16" and summary["clip_grad_norm"] == 1.0
+    assert summary["test_accuracy"] > 0.8, summary
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (("--precision", "fp8"), "--precision 'fp8' is not one of: fp32, bf16, fp16"),
+    (("--clip-grad-norm", "0"), "--clip-grad-norm must be a positive finite number (got 0.0)"),
+    (("--clip-grad-norm", "nan"), "--clip-grad-norm must be a positive finite number (got nan)"),
+])
+def test_bad_precision_and_clip_are_one_line_and_status_2(args: tuple[str, ...],
+                                                          expected: str) -> None:
+    result = run_tandem("train", "--steps", "2", *args, timeout_s=60)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and expected in lines[0], result.stderr
