@@ -85,16 +85,18 @@ class Task:
         return checked_loss(self.loss_fn, output, targets, name=self.loss_label)
 
     @torch.no_grad()
-    def score(self, model: nn.Module, start: int, end: int, *,
+    def score(self, model: nn.Module, start: int, end: int, *, samples: Any = None,
               chunk: int = 1024) -> torch.Tensor:
         """``[correct, predictions, summed loss, samples]`` of ``model`` on test samples
-        ``start`` to ``end - 1``, in eval mode, in chunks (see :func:`tandem.loss.score_batch`)."""
+        ``start`` to ``end - 1`` (of ``samples``, e.g. already on the model's device; default
+        :attr:`test_samples`), in eval mode, in chunks (see :func:`tandem.loss.score_batch`)."""
+        samples = self.test_samples if samples is None else samples
         was_training = model.training
         model.eval()
         device = next(model.parameters(), torch.empty(0)).device
         totals = torch.zeros(4, dtype=torch.float64, device=device)
         for low in range(start, end, chunk):
-            batch = self.test_samples.rows(low, min(end, low + chunk)).to(device)
+            batch = samples.rows(low, min(end, low + chunk)).to(device)
             output = structures.call_model(model, batch.inputs)
             totals += score_batch(output, batch.targets, self.loss, batch.size).to(device)
         model.train(was_training)

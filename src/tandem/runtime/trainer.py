@@ -253,7 +253,8 @@ class Trainer(BaseTrainer):
         self.beat.phase = "evaluate"
         sizes = shard_sizes(len(self.test), self.env.world_size)
         start = sum(sizes[: self.env.rank])
-        totals = self.task.score(self.model, start, start + sizes[self.env.rank])
+        totals = self.task.score(self.model, start, start + sizes[self.env.rank],
+                                 samples=self.test)
         dist.all_reduce(totals)
         return evaluation(totals)
 
