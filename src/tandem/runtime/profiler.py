@@ -4,6 +4,9 @@ Usage::
 
     profile = profile_model(model, inputs, warmup=2, repeats=5)
 
+Any other model is profiled as the blocks of its automatic split (:mod:`tandem.split`): a
+block takes and returns tuples of tensors, and the last returns the model's own output.
+
 Each block runs on the previous block's real output: forward is timed alone, backward is timed
 from a fixed random output gradient back to the block's input and parameters. Times are the
 median of ``repeats`` runs after ``warmup`` runs; CUDA work is synchronized before each reading.
@@ -17,6 +20,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from tandem.errors import UsageError
 from tandem.profile import LayerProfile, ModelProfile
@@ -36,11 +40,7 @@ def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for item in value for t in _tensors(item)]
-    return []
+    return [leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)]
 
 
 def _nbytes(value: Any) -> int:
@@ -74,25 +74,31 @@ def _measure_block(block: nn.Module, inputs: Any, warmup: int, repeats: int,
     return statistics.median(forward), statistics.median(backward), output
 
 
+def _first(inputs: Any, samples: int = 2) -> Any:
+    """The first ``samples`` samples of a batch (batch in dim 0 of every tensor)."""
+    return pytree.tree_map(lambda t: t[:samples] if isinstance(t, torch.Tensor) else t, inputs)
+
+
 def profile_model(
     model: nn.Module, inputs: Any, *, warmup: int = 2, repeats: int = 5, model_name: str = "",
 ) -> ModelProfile:  # fmt: skip
-    """Profile each top-level block of ``model`` (an ``nn.Sequential``) on one minibatch."""
-    if not isinstance(model, nn.Sequential):
-        raise UsageError(
-            f"tandem profile needs an nn.Sequential of blocks (got {type(model).__name__}): "
-            "wrap your model's blocks in nn.Sequential"
-        )
+    """Profile each top-level block of ``model`` on one minibatch (``inputs``, as the model is
+    called with them); a model that is not an ``nn.Sequential`` is split first."""
     if repeats < 1 or warmup < 0:
         raise UsageError(f"need repeats >= 1 and warmup >= 0 (got {repeats}, {warmup})")
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    if not isinstance(model, nn.Sequential):
+        from tandem.split import split_model
+
+        model = split_model(model, _first(inputs), what=f"model {model_name or type(model).__name__!r}")
     layers: list[LayerProfile] = []
     value = inputs
     for index, block in enumerate(model):
         forward_s, backward_s, output = _measure_block(block, value, warmup, repeats, device)
         params = sum(p.numel() * p.element_size() for p in block.parameters())
         layers.append(LayerProfile(
-            name=f"{index}: {type(block).__name__}", forward_s=forward_s, backward_s=backward_s,
+            name=f"{index}: {getattr(block, 'label', type(block).__name__)}",
+            forward_s=forward_s, backward_s=backward_s,
             activation_bytes=float(_nbytes(output)), parameter_bytes=float(params)))  # fmt: skip
         value = _detached(output)
     batch = _tensors(inputs)[0].shape[0] if _tensors(inputs) else None

@@ -8,6 +8,10 @@ backward that consumes them; sends are posted (``isend``) and completed at the e
 so communication overlaps compute wherever the schedule places it early. With ``--compress``
 every activation and activation gradient goes as one byte message of the codec (see
 ``wire.py``), encoded when it is sent and decoded by the forward or backward that waits for it.
+A boundary may carry several tensors (a skip connection, an attention mask; see
+:mod:`tandem.split`): they travel as one message, and gradients come back for those that
+require them. A parameter held by several stages (tied weights) has its gradient summed over
+them before every optimizer step, so its copies stay equal.
 Flush schedules accumulate gradients into the live parameters; the asynchronous schedule binds
 a stashed weight version to each minibatch (see ``stash.py``).
 
@@ -32,10 +36,10 @@ from torch import nn
 from torch.func import functional_call
 
 from tandem.compress.meter import ring_bytes
-from tandem.runtime.base import loss_sum
 from tandem.runtime.pipeline.stash import WeightVersions
 from tandem.runtime.pipeline.wire import Traffic, Wire
 from tandem.schedule import Action, Kind
+from tandem.split import TensorSpec
 
 ACT, GRAD, VERSION = 0, 1, 2
 KEYS = {ACT: "activation", GRAD: "gradient"}
@@ -54,24 +58,44 @@ class Microbatch:
     size: int
     """Samples in the micro-batch."""
     scale: float
-    """Factor of its summed loss: 1 / predictions in the whole (global) batch."""
+    """Factor of its summed loss: 1 / samples in the whole (global) batch."""
     step: int
     """Optimizer step it belongs to (for the trace)."""
-    inputs: torch.Tensor | None = None
-    """Model inputs (first stage only)."""
-    targets: torch.Tensor | None = None
-    """Labels (last stage only)."""
+    inputs: Any = None
+    """Model inputs (first stage only): a tensor, or a tuple or dict of tensors."""
+    targets: Any = None
+    """Targets (last stage only), for the loss."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class StageShapes:
-    """Per-sample shapes and dtypes of a stage's input and output."""
+    """The tensors a stage receives and sends per micro-batch."""
 
-    input_shape: tuple[int, ...]
-    input_dtype: torch.dtype
-    output_shape: tuple[int, ...]
-    output_dtype: torch.dtype = torch.float32
-    """Of the output, and so of the gradient that comes back for it."""
+    inputs: tuple[TensorSpec, ...] = ()
+    """From the previous stage (none for the first)."""
+    outputs: tuple[TensorSpec, ...] = ()
+    """To the next stage (none for the last); gradients come back for those that require them."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Tie:
+    """Parameters this stage shares with other stages, and the group of their workers."""
+
+    group: dist.ProcessGroup
+    stages: tuple[int, ...]
+    params: list[nn.Parameter]
+    scale: float
+    """1 / the stage's replicas: after their allreduce each replica holds the stage's sum."""
+    num_workers: int
+
+
+def _select(values: Sequence[Any], specs: Sequence[TensorSpec]) -> list[Any]:
+    """The ``values`` whose spec says a gradient comes back for them."""
+    return [value for value, spec in zip(values, specs) if spec.requires_grad]
+
+
+def _or_zeros(grads: Sequence[torch.Tensor | None], like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [g if g is not None else torch.zeros_like(t) for g, t in zip(grads, like)]
 
 
 @dataclasses.dataclass(slots=True)
@@ -95,8 +119,8 @@ class Receive:
 
     work: Any
     buffer: torch.Tensor
-    shape: tuple[int, ...]
-    dtype: torch.dtype
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
     record: Record
     """The trace event of the receive action that posted it."""
 
@@ -108,7 +132,9 @@ class StageEngine:
                  group: dist.ProcessGroup | None, links: dict[tuple[int, int], dist.ProcessGroup],
                  rank: int, num_replicas: int, optimizer: torch.optim.Optimizer,
                  scheduler: Any, device: torch.device, asynchronous: bool, vertical_sync: bool,
-                 trace: Callable[..., None], beat: Any, wire: Wire | None = None) -> None:
+                 trace: Callable[..., None], beat: Any,
+                 loss_fn: Callable[[Any, Any], torch.Tensor], wire: Wire | None = None,
+                 ties: Sequence[Tie] = (), clone_received: bool = False) -> None:
         self.module, self.stage, self.device = module, stage, device
         self.first, self.last = stage == 0, stage == num_stages - 1
         self.shapes, self.group, self.num_replicas = shapes, group, num_replicas
@@ -116,8 +142,14 @@ class StageEngine:
         self.optimizer, self.scheduler = optimizer, scheduler
         self.asynchronous, self.vertical_sync = asynchronous, vertical_sync
         self.trace, self.beat = trace, beat
+        self.loss_fn = loss_fn
+        """The last stage's loss: ``loss_fn(output, targets)``, the micro-batch's mean."""
         self.wire = wire if wire is not None else Wire()
         self.traffic = Traffic()
+        self.ties = list(ties)
+        self.clone_received = clone_received
+        """Give the module copies of the received tensors (its first layer may update its
+        input in place, which autograd forbids on a received leaf)."""
         self.stash = WeightVersions(module, vertical_sync=vertical_sync) if asynchronous else None
         self.unchanged_until_backward: set[int] = set()
         """Minibatches with no weight update between their forward and backward on this worker
@@ -128,8 +160,9 @@ class StageEngine:
         """Trace events in action order, the first ones waiting for their receive to end."""
         self.sends: list[tuple[int, Any, torch.Tensor]] = []
         """Posted sends: (step, work, tensor kept alive until the send completes)."""
-        self.saved: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
-        self.input_grads: dict[int, torch.Tensor] = {}
+        self.saved: dict[int, tuple[list[torch.Tensor], Any, int]] = {}
+        """Micro-batch -> (tensors received, outputs or scaled loss, weight version)."""
+        self.input_grads: dict[int, list[torch.Tensor]] = {}
         self.param_grads: dict[int, list[torch.Tensor | None]] = {}
         self.versions: dict[int, int] = {}
         self.saved_bytes: dict[int, int] = {}
@@ -139,8 +172,8 @@ class StageEngine:
 
     def execute(self, actions: Sequence[Action], batch: Callable[[int], Microbatch],
                 step: int) -> torch.Tensor:
-        """Run ``actions`` (part of optimizer step ``step``) in order; returns the summed
-        (unscaled) loss computed here."""
+        """Run ``actions`` (part of optimizer step ``step``) in order; returns the loss computed
+        here, summed over samples (unscaled)."""
         self.step = step
         self.loss_total = torch.zeros((), device=self.device)
         handlers = {
@@ -186,34 +219,38 @@ class StageEngine:
         record = Record(str(action), time.perf_counter(), micro.step, waits=1)
         self.records.append(record)
         if action.kind is Kind.RECV_ACT:
-            shape, dtype, channel = self.shapes.input_shape, self.shapes.input_dtype, ACT
+            specs, channel = self.shapes.inputs, ACT
             if self.vertical_sync:
                 version = torch.zeros(1, dtype=torch.int64, device=self.device)
                 work = dist.irecv(version, src=action.peer, tag=tag(m, VERSION),
                                   group=self.links[(action.peer, self.rank)])
-                self.receives[(m, VERSION)] = Receive(work, version, (1,), torch.int64, record)
+                self.receives[(m, VERSION)] = Receive(work, version, ((1,),), (torch.int64,),
+                                                      record)
                 record.waits += 1
         else:
-            shape, dtype, channel = self.shapes.output_shape, self.shapes.output_dtype, GRAD
-        shape = (micro.size, *shape)
-        buffer = self.wire.receive_buffer(shape, dtype, self.device)
+            specs, channel = tuple(_select(self.shapes.outputs, self.shapes.outputs)), GRAD
+        shapes = tuple(spec.shape_at(micro.size) for spec in specs)
+        dtypes = tuple(spec.dtype for spec in specs)
+        buffer = self.wire.receive_many(shapes, dtypes, self.device)
         work = dist.irecv(buffer, src=action.peer, tag=tag(m, channel),
                           group=self.links[(action.peer, self.rank)])
-        self.receives[(m, channel)] = Receive(work, buffer, shape, dtype, record)
+        self.receives[(m, channel)] = Receive(work, buffer, shapes, dtypes, record)
         record.num_bytes = buffer.numel() * buffer.element_size()
 
-    def _wait(self, microbatch: int, channel: int) -> torch.Tensor:
-        """The tensor of a posted receive, once it has arrived (decoded, for a codec)."""
+    def _arrived(self, microbatch: int, channel: int) -> Receive:
+        """A posted receive, once its message has arrived."""
         receive = self.receives.pop((microbatch, channel))
         receive.work.wait()
-        tensor = receive.buffer
-        if channel != VERSION:
-            tensor = self.wire.unpack(tensor, receive.shape, receive.dtype, KEYS[channel])
         record = receive.record
         record.end = max(record.end, time.perf_counter())
         record.waits -= 1
         self._flush()
-        return tensor
+        return receive
+
+    def _wait(self, microbatch: int, channel: int) -> list[torch.Tensor]:
+        """The tensors of a posted receive, once they have arrived (decoded, for a codec)."""
+        receive = self._arrived(microbatch, channel)
+        return self.wire.unpack_many(receive.buffer, receive.shapes, receive.dtypes, KEYS[channel])
 
     # -- trace ----------------------------------------------------------------------------------
 
@@ -236,7 +273,7 @@ class StageEngine:
         assert m is not None and action.peer is not None
         start = time.perf_counter()
         if action.kind is Kind.SEND_ACT:
-            tensor, channel = self.saved[m][1].detach(), ACT
+            tensors, channel = [t.detach() for t in self.saved[m][1]], ACT
             if self.vertical_sync:
                 version = torch.tensor([self.versions[m]], dtype=torch.int64, device=self.device)
                 work = dist.isend(version, dst=action.peer, tag=tag(m, VERSION),
@@ -244,13 +281,13 @@ class StageEngine:
                 self.sends.append((batch(m).step, work, version))
                 self.traffic.other_bytes += version.numel() * version.element_size()
         else:
-            tensor, channel = self.input_grads.pop(m), GRAD
-        message = self.wire.pack(tensor, KEYS[channel])
+            tensors, channel = self.input_grads.pop(m), GRAD
+        message = self.wire.pack_many(tensors, KEYS[channel], self.device)
         work = dist.isend(message, dst=action.peer, tag=tag(m, channel),
                           group=self.links[(self.rank, action.peer)])
         self.sends.append((batch(m).step, work, message))
         num_bytes = message.numel() * message.element_size()
-        self.traffic.activation_bytes += tensor.numel() * tensor.element_size()
+        self.traffic.activation_bytes += sum(t.numel() * t.element_size() for t in tensors)
         self.traffic.message_bytes += num_bytes
         self._record(action, start, batch(m).step, num_bytes=num_bytes)
 
@@ -260,7 +297,7 @@ class StageEngine:
         """The weight version minibatch ``m`` uses here (stage 0's under vertical sync)."""
         assert self.stash is not None
         if self.vertical_sync and not self.first:
-            version = int(self._wait(m, VERSION))
+            version = int(self._arrived(m, VERSION).buffer)
             self.stash.keep_from(version)
             return version
         return self.stash.version
@@ -270,10 +307,15 @@ class StageEngine:
         assert m is not None
         micro = batch(m)
         self.beat.step, self.beat.phase = micro.step, "forward"
+        received: list[torch.Tensor] = []
         if self.first:
             x = micro.inputs
         else:
-            x = self._wait(m, ACT).requires_grad_(True)
+            received = self._wait(m, ACT)
+            for tensor in _select(received, self.shapes.inputs):
+                tensor.requires_grad_(True)
+            given = [t.clone() if self.clone_received and t.requires_grad else t for t in received]
+            x = given[0] if len(given) == 1 else tuple(given)
         assert x is not None
         version = self._weights_version(m) if self.stash else -1
         start = time.perf_counter()
@@ -294,10 +336,12 @@ class StageEngine:
                 out = self.module(x)
             if self.last:
                 assert micro.targets is not None
-                loss = loss_sum(out, micro.targets)
+                loss = self.loss_fn(out, micro.targets) * micro.size
                 self.loss_total += loss.detach()
                 out = loss * micro.scale
-        self.saved[m] = (x, out, version)
+            elif not isinstance(out, tuple):
+                out = (out,)
+        self.saved[m] = (received, out, version)
         self.versions[m] = version
         self.saved_bytes[m] = saved[0]
         self.peak_activation_bytes = max(self.peak_activation_bytes, sum(self.saved_bytes.values()))
@@ -308,25 +352,30 @@ class StageEngine:
         assert m is not None
         micro = batch(m)
         self.beat.step, self.beat.phase = micro.step, "backward"
-        grad = None if self.last else self._wait(m, GRAD)
-        x, out, version = self.saved.pop(m)
+        grads = [] if self.last else self._wait(m, GRAD)
+        received, out, version = self.saved.pop(m)
         start = time.perf_counter()
+        inputs = _select(received, self.shapes.inputs)
+        outputs = [out] if self.last else _select(out, self.shapes.outputs)
+        pairs = [(o, g) for o, g in zip(outputs, grads or [None] * len(outputs)) if o.requires_grad]
         if self.stash is not None:
             live = m in self.on_live
             self.on_live.discard(m)
             params = list(self.module.parameters() if live else self.stash.snapshots[version].values())
-            wrt = params if self.first else [*params, x]
-            grads = torch.autograd.grad(out, wrt, grad_outputs=grad, allow_unused=True)
-            self.param_grads[m] = list(grads[: len(params)])
-            if not self.first:
-                self.input_grads[m] = grads[-1]
+            found: Sequence[torch.Tensor | None] = [None] * (len(params) + len(inputs))
+            if pairs:
+                found = torch.autograd.grad([o for o, _ in pairs], [*params, *inputs],
+                                            grad_outputs=[g for _, g in pairs], allow_unused=True)
+            self.param_grads[m] = list(found[: len(params)])
+            self.input_grads[m] = _or_zeros(found[len(params):], inputs)
             if not live:
                 self.stash.release(version)
         else:
-            out.backward(grad)
-            if not self.first:
-                assert x.grad is not None
-                self.input_grads[m] = x.grad
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            self.input_grads[m] = _or_zeros([t.grad for t in inputs], inputs)
+        if self.first:
+            self.input_grads.pop(m)
         del self.saved_bytes[m]
         self.versions.pop(m, None)
         self._record(action, start, micro.step, version=version)
@@ -363,9 +412,23 @@ class StageEngine:
         if action.microbatch is not None:
             for p, g in zip(self.module.parameters(), self.param_grads.pop(action.microbatch)):
                 p.grad = g
+        self._sum_tied()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         if self.stash is not None:
             self.stash.advance()
         self._record(action, start, step)
+
+    def _sum_tied(self) -> None:
+        """Sum the gradients of parameters shared with other stages over those stages."""
+        for tie in self.ties:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in tie.params]
+            flat = torch.cat([g.reshape(-1) for g in grads]) * tie.scale
+            dist.all_reduce(flat, group=tie.group)
+            offset = 0
+            for p in tie.params:
+                p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+                offset += p.numel()
+            self.traffic.other_bytes += ring_bytes("allreduce", flat.numel() * flat.element_size(),
+                                                   tie.num_workers)

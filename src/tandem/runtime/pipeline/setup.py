@@ -1,7 +1,21 @@
-"""From a job's plan to a checked pipeline: the model's layout and the schedule that runs."""
+"""From a job's model and plan to a checked pipeline: the model's blocks, the layout, the schedule.
+
+Usage::
+
+    blocks = pipeline_blocks(model, example_inputs(data.train), what="model 'pkg:build'")
+    layout, schedule = pipeline_setup(job, blocks)
+    boundaries = boundary_specs(blocks, example_inputs(data.train))   # what each cut carries
+
+An ``nn.Sequential`` is its own blocks; any other model is traced and split
+(:func:`tandem.split.split_model`).
+"""
 
 from __future__ import annotations
 
+from collections import defaultdict
+from typing import Any
+
+import torch
 from torch import nn
 
 from tandem.errors import UsageError
@@ -9,20 +23,88 @@ from tandem.runtime.config import Job
 from tandem.runtime.pipeline.layout import PipelineLayout, layout_from_plan
 from tandem.schedule import Schedule
 from tandem.schedule.check import check
+from tandem.split import SplitModel, TensorSpec, split_model
+
+EXAMPLE_SAMPLES = 2
+"""Samples of the example call a model is traced on (two, so the batch stays symbolic)."""
 
 
-def pipeline_setup(job: Job, model: nn.Module) -> tuple[PipelineLayout, Schedule]:
-    """The layout and the checked schedule of ``job``'s plan on ``model``.
+def example_inputs(samples: Any) -> Any:
+    """The inputs of a split's first samples, as the model is called with them."""
+    if hasattr(samples, "rows"):
+        return samples.rows(0, EXAMPLE_SAMPLES).inputs
+    return samples.inputs[:EXAMPLE_SAMPLES]
 
-    Raises ``UsageError`` for a model that is not an ``nn.Sequential``, a plan made for another
-    model, or a schedule the checker rejects. PipeDream's schedule spans the run's steps.
+
+def pipeline_blocks(model: nn.Module, example: Any, *, what: str) -> nn.Sequential:
+    """``model`` itself if it is an ``nn.Sequential``, else its automatic split."""
+    if isinstance(model, nn.Sequential):
+        return model
+    return split_model(model, example, what=what)
+
+
+def pipeline_setup(job: Job, blocks: nn.Sequential) -> tuple[PipelineLayout, Schedule]:
+    """The layout and the checked schedule of ``job``'s plan on ``blocks``.
+
+    Raises ``UsageError`` for a plan made for another model, a schedule the checker rejects,
+    or weights shared between stages under PipeDream's schedule (its stages update at different
+    times, so the copies could not stay equal). PipeDream's schedule spans the run's steps.
     """
-    if not isinstance(model, nn.Sequential):
-        raise UsageError(
-            f"--strategy pipeline needs an nn.Sequential of blocks; model {job.run.model!r} "
-            f"is a {type(model).__name__}"
-        )
-    layout = layout_from_plan(job.plan, len(model))
+    layout = layout_from_plan(job.plan, len(blocks))
     schedule = job.plan.build_schedule(job.run.steps)
     check(schedule)
+    shared = shared_parameters(blocks, layout.bounds)
+    if shared and schedule.kind == "pipedream":
+        stages = ", ".join("-".join(map(str, group)) for group in shared)
+        raise UsageError(f"stages {stages} share parameters (tied weights), which the "
+                         f"asynchronous pipedream schedule cannot keep equal; use --schedule "
+                         f"1f1b or gpipe, or put the blocks that share them in one stage")
     return layout, schedule
+
+
+def shared_parameters(blocks: nn.Sequential, bounds: tuple[tuple[int, int], ...]
+                      ) -> dict[tuple[int, ...], list[nn.Parameter]]:
+    """Stages that hold the same parameters -> those parameters, in the blocks' order."""
+    holders: dict[int, set[int]] = defaultdict(set)
+    for stage, (start, end) in enumerate(bounds):
+        for block in list(blocks)[start:end]:
+            for param in block.parameters():
+                holders[id(param)].add(stage)
+    shared: dict[tuple[int, ...], list[nn.Parameter]] = defaultdict(list)
+    for param in blocks.parameters():
+        if len(holders[id(param)]) > 1:
+            shared[tuple(sorted(holders[id(param)]))].append(param)
+    return dict(sorted(shared.items()))
+
+
+def boundary_specs(blocks: nn.Sequential, example: Any) -> list[tuple[TensorSpec, ...]]:
+    """What block ``i`` passes to block ``i + 1``, for every ``i``.
+
+    A split model knows; for an ``nn.Sequential`` one sample runs through it in evaluation
+    mode, and every floating-point tensor it passes gets a gradient back.
+    """
+    if isinstance(blocks, SplitModel):
+        return list(blocks.boundaries)
+    specs = []
+    was_training = blocks.training
+    blocks.eval()
+    with torch.no_grad():
+        x = example[:1]
+        for block in list(blocks)[:-1]:
+            x = block(x)
+            tensors = x if isinstance(x, tuple) else (x,)
+            specs.append(tuple(TensorSpec.per_sample(t, requires_grad=t.is_floating_point())
+                               for t in tensors))
+    blocks.train(was_training)
+    return specs
+
+
+def model_names(blocks: nn.Sequential, start: int) -> Any:
+    """A function from a stage's ``state_dict`` key (``"0.weight"``, relative to the stage's
+    first block ``start``) to the whole model's names of that tensor."""
+    def names(key: str) -> tuple[str, ...]:
+        index, _, rest = key.partition(".")
+        if isinstance(blocks, SplitModel):
+            return blocks.model_names(rest)
+        return (f"{int(index) + start}.{rest}",)
+    return names

@@ -6,7 +6,8 @@ steps once — the same update as one process on the whole batch. PipeDream's as
 schedule spans the whole run (minibatch ``k`` is the global batch of step ``k``); it is cut into
 per-step chunks at consistent points of its dry run, so logging between chunks cannot deadlock.
 With ``--compress`` the activations and activation gradients between stages travel encoded
-(training and evaluation alike; see ``wire.py``).
+(training and evaluation alike; see ``wire.py``). A model that is not an ``nn.Sequential`` is
+split into blocks automatically (:mod:`tandem.split`); weights its stages share are kept equal.
 """
 
 from __future__ import annotations
@@ -18,33 +19,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tandem.models import build_model
+from tandem.loss import evaluation, score_batch
 from tandem.runtime.base import BaseTrainer
 from tandem.runtime.config import Job
 from tandem.runtime.dist import WorkerEnv, new_group
-from tandem.runtime.pipeline.engine import Microbatch, StageEngine, StageShapes
-from tandem.runtime.pipeline.setup import pipeline_setup
+from tandem.runtime.pipeline.engine import Microbatch, StageEngine, StageShapes, Tie
+from tandem.runtime.pipeline.setup import (
+    boundary_specs, example_inputs, model_names, pipeline_blocks, pipeline_setup,
+    shared_parameters,
+)
 from tandem.runtime.pipeline.wire import Wire
-from tandem.runtime.trainer import EVAL_CHUNK, score
+from tandem.runtime.trainer import EVAL_CHUNK
 from tandem.runtime.watchdog import Heartbeat
 from tandem.schedule import Action, Kind, Schedule
 from tandem.schedule.check import dry_run_times
+from tandem.split import SplitModel
 
 EVAL_TAG_BASE = 1 << 30
-
-
-def block_shapes(model: nn.Sequential, sample: torch.Tensor) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """Per-sample output shape and dtype of every block, from one sample in eval mode."""
-    shapes = []
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        x = sample
-        for block in model:
-            x = block(x)
-            shapes.append((tuple(x.shape[1:]), x.dtype))
-    model.train(was_training)
-    return shapes
 
 
 def step_chunks(schedule: Schedule, worker: int, num_steps: int) -> list[list[Action]]:
@@ -92,20 +83,25 @@ class PipelineTrainer(BaseTrainer):
         super().__init__(job, env, beat)
         config = job.run
         torch.manual_seed(config.seed)
-        model = build_model(config.model, self.data.info)
-        self.layout, self.schedule = pipeline_setup(job, model)
+        model = self.task.build_model()
+        self.loss_terms_per_sample = 1
+        example = example_inputs(self.data.train)
+        if not isinstance(model, nn.Sequential):  # traced where it runs (a trace fixes devices)
+            model.to(env.device)
+            example = example_inputs(self.train)
+        blocks = pipeline_blocks(model, example, what=f"model {config.model!r}")
+        self.layout, self.schedule = pipeline_setup(job, blocks)
         self.stage, self.replica = self.schedule.stage_of(env.rank)
         start, end = self.layout.bounds[self.stage]
-        shapes = block_shapes(model, self.data.train.inputs[:1])
-        self.module = nn.Sequential(*list(model)[start:end]).to(env.device)
-        self.param_offset = start
+        boundaries = boundary_specs(blocks, example)
+        self.module = nn.Sequential(*list(blocks)[start:end]).to(env.device)
+        self.names = model_names(blocks, start)
         self.groups = self._stage_groups()
         self.links = self._links()
+        ties = self._ties(blocks)
         self.setup_optimizer(self.module.parameters())
-        input_shape, input_dtype = ((tuple(self.train.inputs.shape[1:]), self.train.inputs.dtype)
-                                    if start == 0 else shapes[start - 1])
-        self.shapes = StageShapes(input_shape=input_shape, input_dtype=input_dtype,
-                                  output_shape=shapes[end - 1][0], output_dtype=shapes[end - 1][1])
+        self.shapes = StageShapes(inputs=boundaries[start - 1] if start else (),
+                                  outputs=boundaries[end - 1] if end < len(blocks) else ())
         self.wire = Wire.build(job.plan.compress.text if job.plan.compress else None,
                                rank=env.rank, world_size=env.world_size)
         self.asynchronous = self.schedule.kind == "pipedream"
@@ -114,7 +110,9 @@ class PipelineTrainer(BaseTrainer):
             shapes=self.shapes, group=self.groups[self.stage], links=self.links, rank=env.rank,
             num_replicas=self.layout.replicas[self.stage], optimizer=self.optimizer,
             scheduler=self.scheduler, device=env.device, asynchronous=self.asynchronous,
-            vertical_sync=job.plan.vertical_sync, trace=self.trace, beat=beat, wire=self.wire,
+            vertical_sync=job.plan.vertical_sync, trace=self.trace, beat=beat,
+            loss_fn=self.task.loss, wire=self.wire,
+            ties=ties, clone_received=not isinstance(blocks, SplitModel),
         )
         self.chunks = (step_chunks(self.schedule, env.rank, config.steps)
                        if self.asynchronous else None)
@@ -128,6 +126,19 @@ class PipelineTrainer(BaseTrainer):
             ranks = [self.schedule.worker_of(stage, replica) for replica in range(count)]
             groups.append(new_group(ranks, timeout_s=self.config.timeout_s) if count > 1 else None)
         return groups
+
+    def _ties(self, blocks: nn.Sequential) -> list[Tie]:
+        """A process group of the workers of each set of stages that share parameters (every
+        rank creates every group), and this stage's share of them."""
+        ties = []
+        for stages, params in shared_parameters(blocks, self.layout.bounds).items():
+            ranks = [self.schedule.worker_of(stage, replica) for stage in stages
+                     for replica in range(self.layout.replicas[stage])]
+            group = new_group(sorted(ranks), timeout_s=self.config.timeout_s)
+            if self.stage in stages:
+                ties.append(Tie(group=group, stages=stages, params=params, num_workers=len(ranks),
+                                scale=1.0 / self.layout.replicas[self.stage]))
+        return ties
 
     def _links(self) -> dict[tuple[int, int], dist.ProcessGroup]:
         """A two-worker process group for each direction of point-to-point traffic."""
@@ -144,12 +155,12 @@ class PipelineTrainer(BaseTrainer):
 
     def _microbatch(self, step: int, parts: tuple[torch.Tensor, ...], m: int) -> Microbatch:
         indices = parts[m]
-        scale = 1.0 / (sum(len(p) for p in parts) * self.predictions_per_sample)
         first, last = self.stage == 0, self.stage == self.layout.num_stages - 1
+        batch = self.train.take(indices) if first or last else None
         return Microbatch(
-            size=len(indices), scale=scale, step=step,
-            inputs=self.train.inputs[indices] if first else None,
-            targets=self.train.targets[indices] if last else None,
+            size=len(indices), scale=1.0 / sum(len(p) for p in parts), step=step,
+            inputs=batch.inputs if batch is not None and first else None,
+            targets=batch.targets if batch is not None and last else None,
         )
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 - bounded, per trainer
@@ -179,7 +190,7 @@ class PipelineTrainer(BaseTrainer):
     # -- evaluation and outputs ------------------------------------------------------------------
 
     @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self) -> dict[str, float | None]:
         """Forward the test split through the pipeline in chunks; the last stage scores them.
 
         Activations go through the codec as in training (the model evaluated is the one that
@@ -188,43 +199,61 @@ class PipelineTrainer(BaseTrainer):
         self.beat.phase = "evaluate"
         self.module.eval()
         num_stages, replicas = self.layout.num_stages, self.layout.replicas
-        totals = torch.zeros(3, dtype=torch.float64, device=self.env.device)
-        for chunk, start in enumerate(range(0, len(self.test), EVAL_CHUNK)):
+        samples = self.task.test_samples.to(self.env.device)
+        totals = torch.zeros(4, dtype=torch.float64, device=self.env.device)
+        for chunk, start in enumerate(range(0, len(samples), EVAL_CHUNK)):
             if chunk % replicas[self.stage] != self.replica:
                 continue
-            end = min(start + EVAL_CHUNK, len(self.test))
-            if self.stage == 0:
-                x = self.test.inputs[start:end]
+            end = min(start + EVAL_CHUNK, len(samples))
+            batch = samples.rows(start, end) if self.stage in (0, num_stages - 1) else None
+            if batch is not None and self.stage == 0:
+                x = batch.inputs
             else:
-                shape, dtype = (end - start, *self.shapes.input_shape), self.shapes.input_dtype
-                message = self.wire.receive_buffer(shape, dtype, self.env.device)
+                specs = self.shapes.inputs
+                shapes = [spec.shape_at(end - start) for spec in specs]
+                dtypes = [spec.dtype for spec in specs]
+                message = self.wire.receive_many(shapes, dtypes, self.env.device)
                 dist.recv(message, src=self.schedule.worker_for(self.stage - 1, chunk),
                           tag=EVAL_TAG_BASE + chunk)
-                x = self.wire.unpack(message, shape, dtype, "activation")
-            if self.stage == num_stages - 1:
-                totals += score(self.module, x, self.test.targets[start:end])
+                received = self.wire.unpack_many(message, shapes, dtypes, "activation")
+                x = received[0] if len(received) == 1 else tuple(received)
+            out = self.module(x)
+            if batch is not None and self.stage == num_stages - 1:
+                totals += score_batch(out, batch.targets, self.task.loss, batch.size)
             else:
-                dist.send(self.wire.pack(self.module(x), "activation"),
+                outs = out if isinstance(out, tuple) else (out,)
+                dist.send(self.wire.pack_many(outs, "activation", self.env.device),
                           dst=self.schedule.worker_for(self.stage + 1, chunk),
                           tag=EVAL_TAG_BASE + chunk)
         self.module.train()
         dist.all_reduce(totals)
-        correct, loss, count = totals.tolist()
-        return {"test_accuracy": correct / count, "test_loss": loss / count}
+        return evaluation(totals)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Replica 0 of every stage sends its blocks' state to rank 0, under the full model's names."""
         state = None
         if self.replica == 0:
             state = {}
-            for name, tensor in self.module.state_dict().items():
-                index, _, rest = name.partition(".")
-                state[f"{int(index) + self.param_offset}.{rest}"] = tensor.detach().cpu()
+            for key, tensor in self.module.state_dict().items():
+                for name in self.names(key):
+                    state[name] = tensor.detach().cpu()
         gathered: list[Any] = [None] * self.env.world_size if self.env.rank == 0 else []
         dist.gather_object(state, gathered if self.env.rank == 0 else None, dst=0)
         if self.env.rank != 0:
             return None
         return {name: t for part in gathered if part for name, t in part.items()}
+
+    def _tie_report(self, tie: Tie) -> dict[str, Any]:
+        """The stages and names of shared parameters, and how far apart their copies are
+        (collective within the tie's group)."""
+        flat = torch.cat([p.detach().reshape(-1) for p in tie.params])
+        high, low = flat.clone(), flat.clone()
+        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=tie.group)
+        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=tie.group)
+        keys = {id(p): key for key, p in self.module.named_parameters()}
+        return {"stages": list(tie.stages),
+                "parameters": [self.names(keys[id(p)])[0] for p in tie.params],
+                "max_abs_diff": float((high - low).abs().max()) if flat.numel() else 0.0}
 
     def sent_bytes(self) -> float:
         """Bytes sent in training so far: messages between stages (compressed with
@@ -235,7 +264,9 @@ class PipelineTrainer(BaseTrainer):
         """The layout, schedule and per-worker memory, and the bytes all workers sent per step:
         ``sent_bytes_per_step`` (everything), ``activation_bytes_per_step`` (activations and
         their gradients as computed), ``compressed_activation_bytes_per_step`` (what was sent
-        for them) and ``activation_compression_ratio`` (the first over the second)."""
+        for them) and ``activation_compression_ratio`` (the first over the second). A worker
+        whose stage shares parameters with others lists them in ``shared_parameters``, with
+        the largest difference between the copies the stages hold (0 when they are equal)."""
         traffic = self.engine.traffic
         totals = torch.tensor([traffic.total_bytes, traffic.activation_bytes,
                                traffic.message_bytes], dtype=torch.float64, device=self.env.device)
@@ -248,6 +279,7 @@ class PipelineTrainer(BaseTrainer):
             "peak_activation_bytes": self.engine.peak_activation_bytes,
             "stash_peak_bytes": self.engine.stash.peak_bytes if self.engine.stash else 0,
             "parameter_bytes": sum(p.numel() * p.element_size() for p in self.module.parameters()),
+            "shared_parameters": [self._tie_report(tie) for tie in self.engine.ties],
         }
         gathered: list[Any] = [None] * self.env.world_size
         dist.all_gather_object(gathered, stats)

@@ -12,7 +12,8 @@ buffer from the shape it already expects: a *probe* (a second instance of the co
 the real one's random state is untouched) encodes a zero tensor of that shape once, and the
 shapes and dtypes of its payload are cached as the message's template. The sender checks every
 message against the same template. Tensors that are not floating point (token ids) travel as
-they are.
+they are. Several tensors crossing one boundary (a skip connection, an attention mask) travel as
+one message: their messages' bytes, concatenated (``pack_many``, ``unpack_many``).
 """
 
 from __future__ import annotations
@@ -105,6 +106,40 @@ class Wire:
                 f"payload sizes must depend only on the tensor's shape and dtype"
             )
         return message
+
+    def layout(self, shape: Sequence[int], dtype: torch.dtype) -> tuple[torch.Size, torch.dtype]:
+        """Shape and dtype of the message that carries a ``shape`` tensor of ``dtype``."""
+        if not self.compresses(dtype):
+            return torch.Size(shape), dtype
+        return torch.Size([self.message_bytes(shape, dtype)]), torch.uint8
+
+    def receive_many(self, shapes: Sequence[Sequence[int]], dtypes: Sequence[torch.dtype],
+                     device: torch.device) -> torch.Tensor:
+        """An empty tensor to receive the message of several tensors into (one: as
+        :meth:`receive_buffer`; none: one byte)."""
+        if len(shapes) == 1:
+            return self.receive_buffer(shapes[0], dtypes[0], device)
+        total = sum(self.message_bytes(shape, dtype) for shape, dtype in zip(shapes, dtypes))
+        return torch.empty(total if shapes else 1, dtype=torch.uint8, device=device)
+
+    def pack_many(self, tensors: Sequence[torch.Tensor], key: str,
+                  device: torch.device | None = None) -> torch.Tensor:
+        """The one message that carries ``tensors`` (none: one byte on ``device``)."""
+        if len(tensors) == 1:
+            return self.pack(tensors[0], key)
+        if not tensors:
+            return torch.zeros(1, dtype=torch.uint8, device=device)
+        return to_bytes([self.pack(tensor, key) for tensor in tensors])
+
+    def unpack_many(self, message: torch.Tensor, shapes: Sequence[Sequence[int]],
+                    dtypes: Sequence[torch.dtype], key: str) -> list[torch.Tensor]:
+        """The tensors a message of :meth:`pack_many` carries."""
+        if len(shapes) == 1:
+            return [self.unpack(message, shapes[0], dtypes[0], key)]
+        layouts = [[self.layout(shape, dtype)] for shape, dtype in zip(shapes, dtypes)]
+        parts = from_bytes(message, layouts)
+        return [self.unpack(part[0], shape, dtype, key)
+                for part, shape, dtype in zip(parts, shapes, dtypes)]
 
     def unpack(self, message: torch.Tensor, shape: Sequence[int], dtype: torch.dtype,
                key: str) -> torch.Tensor:

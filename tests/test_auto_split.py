@@ -1,0 +1,97 @@
+"""Pipelines of models that are not an nn.Sequential, through the real CLI, against ``dp``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem.runtime.pipeline.wire import Wire
+from tests.conftest import max_abs_diff, run_cli, run_json, run_tandem
+
+BN = ("--model", "tests.split_models:skip_bn", "--data", "digits", "--batch-size", "32")
+TIED = ("--model", "tests.split_models:tied_lm", "--data", "tokens:n=256,seq=8,vocab=32",
+        "--batch-size", "16")
+SGD = ("--steps", "20", "--lr", "0.05", "--momentum", "0.9", "--seed", "3")
+MICROBATCHES = 4
+"""Each micro-batch has its own BatchNorm statistics: ``dp`` accumulates as many."""
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """``final.pt`` of ``--strategy dp --nproc 1`` on each model, micro-batched the same way."""
+    found = {}
+    for name, model in (("bn", BN), ("tied", TIED)):
+        out = tmp_path_factory.mktemp(f"dp-{name}")
+        run_json("train", *model, *SGD, "--strategy", "dp", "--nproc", "1",
+                 "--accumulate", str(MICROBATCHES), "--out", str(out))
+        found[name] = out / "final.pt"
+    return found
+
+
+def test_skip_connection_batchnorm_pipeline_matches_dp(reference: dict[str, Path],
+                                                       tmp_path: Path) -> None:
+    summary = run_json("train", *BN, *SGD, "--strategy", "pipeline", "--nproc", "2",
+                       "--microbatches", str(MICROBATCHES), "--out", str(tmp_path))
+    assert summary["pipeline"] == "1-1" and summary["steps"] == 20
+    final = torch.load(tmp_path / "final.pt")
+    assert "bn1.running_mean" in final and int(final["bn1.num_batches_tracked"]) == 20 * 4
+    assert max_abs_diff(reference["bn"], tmp_path / "final.pt") <= 1e-5
+
+
+def shared(summary: dict) -> list[dict]:
+    return [tie for worker in summary["workers"] for tie in worker["shared_parameters"]]
+
+
+def test_tied_embedding_pipeline_matches_dp(reference: dict[str, Path], tmp_path: Path) -> None:
+    summary = run_json("train", *TIED, *SGD, "--strategy", "pipeline", "--nproc", "2",
+                       "--microbatches", str(MICROBATCHES), "--out", str(tmp_path))
+    ties = shared(summary)
+    assert [tie["stages"] for tie in ties] == [[0, 1], [0, 1]]  # reported by both holders
+    assert all(tie["parameters"] == ["embed.weight"] and tie["max_abs_diff"] == 0 for tie in ties)
+    final = torch.load(tmp_path / "final.pt")
+    assert torch.equal(final["embed.weight"], final["out.weight"])
+    assert max_abs_diff(reference["tied"], tmp_path / "final.pt") <= 1e-5
+
+
+def test_profile_plan_and_a_four_stage_run(reference: dict[str, Path], tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    profile, plan = tmp_path / "profile.json", tmp_path / "plan.json"
+    code, _, err = run_cli(capsys, "profile", *TIED[:4], "--batch-size", "16", "-o", str(profile))
+    assert code == 0, err
+    layers = [layer["name"] for layer in json.loads(profile.read_text())["layers"]]
+    assert layers[0] == "0: embed" and layers[-1] == "8: out" and "3: layers.1" in layers
+    code, _, err = run_cli(capsys, "plan", "--profile", str(profile), "--devices", "4",
+                           "--bandwidth", "10Gb/s", "--straight", "--schedule", "1f1b",
+                           "--microbatches", str(MICROBATCHES), "-o", str(plan))
+    assert code == 0, err
+    summary = run_json("train", *TIED, *SGD, "--plan", str(plan), "--out", str(tmp_path / "run"))
+    assert summary["world_size"] == 4 and summary["pipeline"] == "1-1-1-1"
+    assert {tuple(tie["stages"]) for tie in shared(summary)} == {(0, 3)}
+    assert all(tie["max_abs_diff"] == 0 for tie in shared(summary))
+    assert max_abs_diff(reference["tied"], tmp_path / "run" / "final.pt") <= 1e-5
+
+
+def test_an_untraceable_model_is_one_line_and_exit_2() -> None:
+    result = run_tandem("train", "--model", "tests.split_models:value_branch", "--data", "digits",
+                        "--strategy", "pipeline", "--nproc", "2", "--steps", "1", timeout_s=120)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "cannot trace model 'tests.split_models:value_branch'" in lines[0]
+    assert "`if h.sum() > 0:`" in lines[0] and "nn.Sequential" in lines[0]
+
+
+@pytest.mark.parametrize("codec", [None, "bf16"])
+def test_several_tensors_travel_as_one_message(codec: str | None) -> None:
+    wire = Wire.build(codec, rank=0, world_size=2)
+    tensors = [torch.randn(3, 4), torch.arange(6).view(3, 2), torch.ones(1, 5, dtype=torch.bool)]
+    shapes, dtypes = [t.shape for t in tensors], [t.dtype for t in tensors]
+    message = wire.pack_many(tensors, "activation")
+    buffer = wire.receive_many(shapes, dtypes, torch.device("cpu"))
+    assert buffer.shape == message.shape and buffer.dtype == message.dtype
+    got = wire.unpack_many(message, shapes, dtypes, "activation")
+    assert torch.allclose(got[0], tensors[0], atol=1e-2 if codec else 0)
+    assert torch.equal(got[1], tensors[1]) and torch.equal(got[2], tensors[2])
