@@ -46,8 +46,11 @@ def shared(summary: dict) -> list[dict]:
 
 
 def test_tied_embedding_pipeline_matches_dp(reference: dict[str, Path], tmp_path: Path) -> None:
+    """Cut before the user's split points: blocks embed..layers.0, layers.1..layers.2, norm..out."""
     summary = run_json("train", *TIED, *SGD, "--strategy", "pipeline", "--nproc", "2",
-                       "--microbatches", str(MICROBATCHES), "--out", str(tmp_path))
+                       "--split-points", "layers.1,norm", "--microbatches", str(MICROBATCHES),
+                       "--out", str(tmp_path))
+    assert [worker["layers"] for worker in summary["workers"]] == [[0, 2], [2, 3]]
     ties = shared(summary)
     assert [tie["stages"] for tie in ties] == [[0, 1], [0, 1]]  # reported by both holders
     assert all(tie["parameters"] == ["embed.weight"] and tie["max_abs_diff"] == 0 for tie in ties)
@@ -72,6 +75,24 @@ def test_profile_plan_and_a_four_stage_run(reference: dict[str, Path], tmp_path:
     assert {tuple(tie["stages"]) for tie in shared(summary)} == {(0, 3)}
     assert all(tie["max_abs_diff"] == 0 for tie in shared(summary))
     assert max_abs_diff(reference["tied"], tmp_path / "run" / "final.pt") <= 1e-5
+
+
+def test_profile_at_split_points(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, "profile", *TIED, "--split-points", "layers.1,norm", "--json")
+    assert code == 0, err
+    assert [layer["name"] for layer in json.loads(out)["layers"]] == [
+        "0: embed..layers.0", "1: layers.1..layers.2", "2: norm..out"]
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--strategy", "dp"), "--split-points cuts a model into pipeline blocks; it needs --strategy "
+                           "pipeline (this run is dp)"),
+    (("--strategy", "pipeline", "--nproc", "2"), "split point 'layers.7' is not a submodule"),
+])
+def test_split_points_mistakes(capsys: pytest.CaptureFixture[str], flags: tuple[str, ...],
+                               message: str) -> None:
+    code, _, err = run_cli(capsys, "train", *TIED, *flags, "--split-points", "layers.7")
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
 
 
 def test_an_untraceable_model_is_one_line_and_exit_2() -> None:

@@ -19,6 +19,8 @@ def add_source_args(p: argparse.ArgumentParser, *, batch_help: str, batch_defaul
     source.add_argument("--profile", help="profile file: tandem JSON or PipeDream graph.txt")
     p.add_argument("--batch-size", type=int, default=batch_default, help=batch_help)
     p.add_argument("--data", default=None, help="with --model: dataset spec")
+    p.add_argument("--split-points", default=None, metavar="NAME,...",
+                   help="with --model, not an nn.Sequential: its blocks start at these submodules")
 
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
@@ -49,11 +51,15 @@ def with_memory(cluster: Cluster, memory: str | None) -> Cluster:
 def load_source(args: argparse.Namespace, *, default_batch: int = 32) -> ModelProfile:
     """The profile from ``--profile``, or measured from ``--model`` at ``--batch-size``."""
     if args.profile is not None:
+        if getattr(args, "split_points", None) is not None:
+            raise UsageError("--split-points chooses the blocks of a --model to profile; a "
+                             "--profile already has its layers")
         return load_profile(args.profile)
     from tandem.commands.profile import measure
 
     batch = args.batch_size if args.batch_size is not None else default_batch
-    return measure(args.model, batch, args.data)
+    return measure(args.model, batch, args.data,
+                   split_points=getattr(args, "split_points", None))
 
 
 def batch_scale(profile: ModelProfile, batch_size: int | None, profile_batch: int | None) -> float:

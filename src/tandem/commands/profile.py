@@ -27,17 +27,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed runs per block (default 2)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per block; median (default 5)")
     p.add_argument("--device", default="cpu", help="torch device to profile on (default cpu)")
+    p.add_argument("--split-points", default=None, metavar="NAME,...",
+                   help="a model that is not an nn.Sequential: its blocks start at these "
+                   "submodules (as tandem train --split-points) instead of automatically")
     p.add_argument("--json", action="store_true", help="print the profile as JSON on stdout")
     p.set_defaults(run=run)
 
 
 def measure(model_spec: str, batch_size: int, data_spec: str | None, *, warmup: int = 2,
-            repeats: int = 5, device: str = "cpu") -> ModelProfile:  # fmt: skip
-    """Build the model and a minibatch of its data, and profile it."""
+            repeats: int = 5, device: str = "cpu",
+            split_points: str | None = None) -> ModelProfile:  # fmt: skip
+    """Build the model and a minibatch of its data, and profile it (a model that is not an
+    ``nn.Sequential`` as the blocks of its split, see :mod:`tandem.split`)."""
     import torch
+    from torch import nn
 
     from tandem.data import build_dataset
     from tandem.models import build_model
+    from tandem.runtime.pipeline.setup import parse_split_points
     from tandem.runtime.profiler import profile_model
 
     if batch_size < 1:
@@ -53,7 +60,12 @@ def measure(model_spec: str, batch_size: int, data_spec: str | None, *, warmup: 
     inputs = bundle.train.inputs
     repeat = -(-batch_size // len(inputs))
     batch = inputs.repeat(repeat, *([1] * (inputs.dim() - 1)))[:batch_size].to(target)
-    profile = profile_model(model, batch, warmup=warmup, repeats=repeats, model_name=model_spec)
+    points = parse_split_points(split_points)
+    if points and isinstance(model, nn.Sequential):
+        raise UsageError(f"--split-points is for models that are not an nn.Sequential; "
+                         f"model {model_spec!r} is one, and its blocks are its layers")
+    profile = profile_model(model, batch, warmup=warmup, repeats=repeats, model_name=model_spec,
+                            split_points=points)
     profile.batch_size = batch_size
     return profile
 
@@ -77,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
     """Profile the model, print a table (stderr with --json) and write the profile."""
     check_output_files(("-o", args.output))
     profile = measure(args.model, args.batch_size, args.data, warmup=args.warmup,
-                      repeats=args.repeats, device=args.device)  # fmt: skip
+                      repeats=args.repeats, device=args.device,
+                      split_points=args.split_points)  # fmt: skip
     human = sys.stderr if args.json else sys.stdout
     print(format_profile(profile), file=human)
     if args.output:

@@ -61,6 +61,9 @@ def add_train_arguments(parser: argparse.ArgumentParser, defaults: RunConfig) ->
         help="dp, ps, gossip, pipeline: compression: fp16, bf16, qsgd:levels=7, sign, "
         "topk:ratio=0.01, randk:ratio=0.01, powersgd:rank=2 (see docs/compression.md)")
     add("--straggler", default=None, help="RANK:FACTOR: slow one worker down FACTOR times")
+    add("--split-points", default=defaults.split_points, metavar="NAME,...",
+        help="pipeline of a model that is not an nn.Sequential: cut it into blocks before these "
+        "submodules (e.g. transformer.h.2,transformer.h.4) instead of automatically")
     add("--nproc", type=int, default=None,
         help="local worker processes (default: the plan's, else 1; ignored under torchrun)")
     add("--steps", type=int, default=defaults.steps, help="optimizer steps")
@@ -135,6 +138,9 @@ def check_job(job: Job) -> None:
     from tandem.runtime import preflight
 
     run, plan = job.run, job.plan
+    if run.split_points is not None and not plan.pipelined:
+        raise UsageError(f"--split-points cuts a model into pipeline blocks; it needs --strategy "
+                         f"pipeline (this run is {strategy_of(plan)})")
     data, model = preflight.build_checked(run, job.objects)
     preflight.check_batch(run, data)
     preflight.check_output(model, data, run, job.objects)
@@ -159,7 +165,8 @@ def check_job(job: Job) -> None:
             )
 
             pipeline_setup(job, pipeline_blocks(model, example_inputs(data.train),
-                                                what=f"model {run.model!r}"))
+                                                what=f"model {run.model!r}",
+                                                split_points=run.split_points))
         note = preflight.check_machine(run, model)
     if run.out is not None:
         _check_writable(Path(run.out))

@@ -39,6 +39,10 @@ class RunConfig:
     """``package.module:function`` (see :mod:`tandem.loss`); None: cross-entropy."""
     straggler: str | None = None
     """``RANK:FACTOR``: worker RANK takes FACTOR times as long for each step (experiments)."""
+    split_points: str | None = None
+    """Pipelines of a model that is not an ``nn.Sequential``: cut it into blocks before these
+    submodules (comma-separated names, ``transformer.h.2,transformer.h.4``) instead of
+    automatically (see :mod:`tandem.split`)."""
     nproc: int = 1
     """Local worker processes to start (the plan's; ignored under an external ``torchrun``)."""
     steps: int = 100
@@ -255,7 +259,8 @@ def make_job(strategy: str = "dp", flags: Mapping[str, Any] | None = None, *,
     if blocks is None and strategy in STRATEGIES and STRATEGIES[strategy].pipelined:
         from tandem.runtime.pipeline.setup import example_inputs, pipeline_blocks
 
-        blocks = len(pipeline_blocks(model, example_inputs(data.train), what=f"model {run.model!r}"))
+        blocks = len(pipeline_blocks(model, example_inputs(data.train), what=f"model {run.model!r}",
+                                     split_points=run.split_points))
     plan = plan_from_flags(strategy, flags or {}, num_processes=run.nproc, num_blocks=blocks)
     return Job(run=run, plan=plan, objects=objects)
 

@@ -81,16 +81,19 @@ def _first(inputs: Any, samples: int = 2) -> Any:
 
 def profile_model(
     model: nn.Module, inputs: Any, *, warmup: int = 2, repeats: int = 5, model_name: str = "",
+    split_points: list[str] | None = None,
 ) -> ModelProfile:  # fmt: skip
     """Profile each top-level block of ``model`` on one minibatch (``inputs``, as the model is
-    called with them); a model that is not an ``nn.Sequential`` is split first."""
+    called with them); a model that is not an ``nn.Sequential`` is split first (before the
+    submodules ``split_points``, or automatically)."""
     if repeats < 1 or warmup < 0:
         raise UsageError(f"need repeats >= 1 and warmup >= 0 (got {repeats}, {warmup})")
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     if not isinstance(model, nn.Sequential):
         from tandem.split import split_model
 
-        model = split_model(model, _first(inputs), what=f"model {model_name or type(model).__name__!r}")
+        model = split_model(model, _first(inputs), split_points=split_points,
+                            what=f"model {model_name or type(model).__name__!r}")
     layers: list[LayerProfile] = []
     value = inputs
     for index, block in enumerate(model):

@@ -38,7 +38,7 @@ def layout_from_plan(plan: Plan, num_blocks: int) -> PipelineLayout:
     if plan.num_layers != num_blocks:
         raise UsageError(
             f"the plan covers {plan.num_layers} layers but the model has {num_blocks} blocks; "
-            f"plan this model (tandem plan --model ...)"
+            f"plan this model (tandem plan --model ..., with the same --split-points if any)"
         )
     return PipelineLayout(bounds=tuple((s.start, s.end) for s in plan.stages),
                           replicas=tuple(s.replicas for s in plan.stages))

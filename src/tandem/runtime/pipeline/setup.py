@@ -36,11 +36,28 @@ def example_inputs(samples: Any) -> Any:
     return samples.inputs[:EXAMPLE_SAMPLES]
 
 
-def pipeline_blocks(model: nn.Module, example: Any, *, what: str) -> nn.Sequential:
-    """``model`` itself if it is an ``nn.Sequential``, else its automatic split."""
+def pipeline_blocks(model: nn.Module, example: Any, *, what: str,
+                    split_points: str | None = None) -> nn.Sequential:
+    """``model`` itself if it is an ``nn.Sequential``, else its split: before the submodules
+    named in ``split_points`` (comma-separated), or automatic."""
+    names = parse_split_points(split_points)
     if isinstance(model, nn.Sequential):
+        if names:
+            raise UsageError(f"--split-points {split_points} is for models that are not an "
+                             f"nn.Sequential; {what} is one, and its blocks are its layers")
         return model
-    return split_model(model, example, what=what)
+    return split_model(model, example, what=what, split_points=names)
+
+
+def parse_split_points(text: str | None) -> list[str] | None:
+    """``"a.b,c"`` -> ``["a.b", "c"]`` (None for none)."""
+    if text is None:
+        return None
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise UsageError(f"--split-points {text!r} names no submodule; give names like "
+                         f"transformer.h.2,transformer.h.4")
+    return names
 
 
 def pipeline_setup(job: Job, blocks: nn.Sequential) -> tuple[PipelineLayout, Schedule]:

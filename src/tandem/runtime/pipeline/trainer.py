@@ -89,7 +89,8 @@ class PipelineTrainer(BaseTrainer):
         if not isinstance(model, nn.Sequential):  # traced where it runs (a trace fixes devices)
             model.to(env.device)
             example = example_inputs(self.train)
-        blocks = pipeline_blocks(model, example, what=f"model {config.model!r}")
+        blocks = pipeline_blocks(model, example, what=f"model {config.model!r}",
+                                 split_points=config.split_points)
         self.layout, self.schedule = pipeline_setup(job, blocks)
         self.stage, self.replica = self.schedule.stage_of(env.rank)
         start, end = self.layout.bounds[self.stage]
