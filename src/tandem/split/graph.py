@@ -87,7 +87,7 @@ def analyse(gm: fx.GraphModule, model: nn.Module) -> GraphInfo:
     index = {node: i for i, node in enumerate(nodes)}
     placeholders = list(graph.find_nodes(op="placeholder"))
     first = {**{p: -1 for p in placeholders}, **index}
-    last = {value: _last_use(value, index, scalars, len(nodes)) for value in first}
+    last = {value: _last_use(value, index, len(nodes)) for value in first}
     info = GraphInfo(graph=graph, nodes=nodes, owners=[_owner(n, model) for n in nodes],
                      forbidden=[None] * (len(nodes) + 1), batch=batch, scalars=scalars,
                      placeholders=placeholders, first=first, last=last)
@@ -118,8 +118,9 @@ def _node_args(node: fx.Node) -> list[fx.Node]:
     return found
 
 
-def _last_use(value: fx.Node, index: dict[fx.Node, int], scalars: set[fx.Node],
-              end: int) -> int:
+def _last_use(value: fx.Node, index: dict[fx.Node, int], end: int) -> int:
+    """Position of the last computing node (or the output, ``end``) that reads ``value``;
+    size arithmetic does not count: it is recomputed from whatever tensor a block has."""
     last = index.get(value, -1)
     for user in value.users:
         if user.op == "output":
