@@ -2,7 +2,9 @@
 
 The model has a skip connection and BatchNorm, the data is a plain map-style ``Dataset`` of
 ``(image, label)`` pairs (the scikit-learn digits, no download), and the loss is label-smoothed
-cross-entropy. Run it as ``python examples/fit_your_model.py [--steps N] [--strategy S]``.
+cross-entropy. Run it as ``python examples/fit_your_model.py [--steps N] [--strategy S]``, or
+as one job of several processes with ``torchrun --nproc-per-node 2 examples/fit_your_model.py``
+(then each process is one worker, and ``--nproc`` is torchrun's).
 """
 
 from __future__ import annotations
@@ -72,6 +74,8 @@ def main() -> None:
                         loss=smoothed_cross_entropy, strategy=args.strategy, nproc=nproc,
                         steps=args.steps, batch_size=64, lr=0.05, **options)
     summary = result.summary
+    if not summary:  # another rank of a torchrun job: rank 0 reports
+        return
     print(f"{args.strategy}: test accuracy {summary['test_accuracy']:.3f} after "
           f"{summary['steps']} steps in {summary['wall_s']:.1f} s "
           f"(BatchNorm running mean now {model.stem[1].running_mean.abs().mean():.3f})")
