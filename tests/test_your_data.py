@@ -171,3 +171,17 @@ def test_fit_refuses_unknown_options_and_unpicklable_objects() -> None:
         tandem.fit("mlp", data="digits", loss=lambda out, y: F.cross_entropy(out, y), steps=2)
     with pytest.raises(UsageError, match="needs the training data"):
         tandem.fit("mlp")
+
+
+def test_fit_runs_a_plan_object_with_its_workers(tmp_path: Path) -> None:
+    from tandem.strategy import plan_from_flags
+
+    plan = plan_from_flags("localsgd", {"--period": 2}, num_processes=2, num_blocks=None)
+    plan.save(str(tmp_path / "plan.json"))
+    for given in (plan, str(tmp_path / "plan.json")):
+        result = tandem.fit(user_data.pair_net, user_data.DigitPairs("train"), plan=given,
+                            steps=6, batch_size=16)
+        assert result.summary["strategy"] == "localsgd" and result.summary["world_size"] == 2
+        assert result.summary["scored_on"].startswith("training data")
+    with pytest.raises(UsageError, match="--servers conflicts with --plan"):
+        tandem.fit(user_data.pair_net, user_data.DigitPairs("train"), plan=plan, servers=1)
