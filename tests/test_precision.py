@@ -58,6 +58,28 @@ def test_clipped_data_parallel_run_equals_a_plain_clipped_loop(tmp_path: Path) -
     assert max(float((trained[k] - v).abs().max()) for k, v in model.state_dict().items()) <= 1e-5
 
 
+def test_clipped_sync_parameter_servers_equal_clipped_dp(tmp_path: Path) -> None:
+    """In ``ps --mode sync`` the servers clip the workers' mean gradient by its norm over all
+    shards (two servers exchange theirs): the same update as ``dp``."""
+    common = ("--model", "mlp", "--steps", "15", "--batch-size", "32", "--lr", "0.5",
+              "--momentum", "0", "--seed", "1", "--clip-grad-norm", "0.2", "--no-progress")
+    run_json("train", *common, "--nproc", "2", "--out", str(tmp_path / "dp"), timeout_s=120)
+    summary = run_json("train", *common, "--strategy", "ps", "--servers", "2", "--nproc", "4",
+                       "--out", str(tmp_path / "ps"), timeout_s=120)
+    assert summary["clip_grad_norm"] == 0.2 and summary["skipped_steps"] == 0
+    assert max_abs_diff(tmp_path / "dp" / "final.pt", tmp_path / "ps" / "final.pt") <= 1e-5
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_fp16_parameter_servers_skip_an_overflowed_push(tmp_path: Path, mode: str) -> None:
+    summary = run_json("train", "--model", "tests.odd_models:overflow:at=3", "--precision",
+                       "fp16", "--strategy", "ps", "--mode", mode, "--servers", "2", "--nproc",
+                       "3", "--steps", "20", "--out", str(tmp_path), "--no-progress",
+                       timeout_s=120)
+    assert summary["skipped_steps"] == 1, summary
+    assert all(torch.isfinite(v).all() for v in torch.load(tmp_path / "final.pt").values())
+
+
 def test_fp16_run_resumes_exactly_with_its_loss_scale(tmp_path: Path) -> None:
     common = ("--precision", "fp16", "--steps", "12", "--nproc", "2", "--seed", "2",
               "--no-progress", "--checkpoint-every", "6")

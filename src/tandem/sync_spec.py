@@ -66,6 +66,13 @@ class ParameterServerSync:
             raise UsageError(f"--backup applies to --mode sync only (got --mode {self.mode}); "
                              f"drop --backup or use --mode sync")
 
+    @property
+    def server_clips(self) -> bool:
+        """Whether ``--clip-grad-norm`` clips on the servers: in ``sync`` mode the applied
+        gradient is the workers' mean, whose norm only the servers see (asynchronous modes
+        apply each worker's own gradient, which the worker clips before pushing)."""
+        return self.mode == "sync"
+
     def check_given(self, given: dict[str, Any]) -> None:
         """Mode-specific flags given with another mode are errors."""
         if "--staleness" in given and self.mode != "ssp":

@@ -107,6 +107,8 @@ class ParameterServer(Worker):
         self.workers = list(range(self.sync.servers, env.world_size))
         self.required = len(self.workers) - self.sync.backup
         self.version = 0
+        self.skipped_steps = 0
+        self._clips = job.run.clip_grad_norm is not None and self.sync.server_clips
         self.staleness: list[int] = []
         self.dropped = 0
         self.pushes: Counter[int] = Counter()
@@ -226,6 +228,11 @@ class ParameterServer(Worker):
         start = time.perf_counter()
         staleness = self.version - seen_version
         self.staleness.append(staleness)
+        if self._clips:
+            gradient = self._clip(gradient)
+        if gradient is not None and not bool(torch.isfinite(gradient).all()):
+            self.skipped_steps += 1  # an overflowed (fp16) or diverged gradient: not applied
+            gradient = None
         if self.optimizer is not None and gradient is not None:
             for p, g in zip(self.params, _split(gradient, self.params)):
                 p.grad = g
@@ -246,6 +253,26 @@ class ParameterServer(Worker):
         self._log()
         if self.config.checkpoint_every and self.version % self.config.checkpoint_every == 0:
             self._checkpoint()
+
+    def _clip(self, gradient: torch.Tensor | None) -> torch.Tensor | None:
+        """Scale the step's mean gradient to ``--clip-grad-norm`` by its global norm: this
+        server's shard's squared norm plus the other servers' (exchanged point-to-point; in
+        sync mode every server applies every step, in the same order). Collectives the workers
+        are not part of cannot be used here."""
+        squared = (gradient.double().pow(2).sum().reshape(1) if gradient is not None
+                   else torch.zeros(1, dtype=torch.float64))
+        others = [rank for rank in range(self.sync.servers) if rank != self.env.rank]
+        received = [torch.empty_like(squared) for _ in others]
+        sends = [dist.isend(squared, dst=rank, tag=protocol.CLIP) for rank in others]
+        for rank, buffer in zip(others, received):
+            dist.recv(buffer, src=rank, tag=protocol.CLIP)
+        for work in sends:
+            work.wait()
+        norm = float(squared.sum() + sum(buffer.sum() for buffer in received)) ** 0.5
+        limit = self.config.clip_grad_norm or 0.0
+        if gradient is not None and norm > limit and norm == norm:
+            return gradient * (limit / (norm + 1e-6))
+        return gradient
 
     def _count_loss(self, header: protocol.Header) -> None:
         self.loss[0] += header.loss
@@ -455,7 +482,8 @@ class ParameterServer(Worker):
             "servers": self.sync.servers, "workers": len(self.workers),
             "backup": self.sync.backup, "steps": self.version, "finished": finished,
             "global_batch_size": self.config.batch_size, "final_loss": self.last_loss,
-            **self.task.summary_fields(),
+            **self.task.summary_fields(), "precision": self.config.precision,
+            "clip_grad_norm": self.config.clip_grad_norm, "skipped_steps": self.skipped_steps,
             **evaluation, "samples_per_s": self._samples_per_s(wall),
             "updates_per_s": self.version / max(wall, 1e-9),
             "step_time_s": wall / max(self.version, 1), "train_s": round(wall, 4),

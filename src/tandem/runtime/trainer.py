@@ -163,7 +163,9 @@ class Trainer(BaseTrainer):
         self.module.train()
         self.model = self.strategy.unwrap(self.module)
         self.setup_optimizer(self.module.parameters())
-        self.precision = Precision(config.precision, env.device, clip=config.clip_grad_norm)
+        server_clips = isinstance(self.plan.sync, ParameterServerSync) and self.plan.sync.server_clips
+        self.precision = Precision(config.precision, env.device,
+                                   clip=None if server_clips else config.clip_grad_norm)
         self.strategy.step_fn = self.precision.step
         if checkpoint is not None:
             self._restore(checkpoint)
@@ -239,7 +241,12 @@ class Trainer(BaseTrainer):
         self.beat.phase = "step"
         self.local_predictions += len(indices)
         self.strategy.record_loss(loss_total, len(indices))
-        self.precision.unscale_and_clip(self.optimizer, self.module.parameters())
+        finite = self.precision.unscale_and_clip(self.optimizer, self.module.parameters())
+        if not finite and not self.strategy.local_optimizer:
+            # an overflow anywhere skips the whole step: every server sees non-finite numbers
+            for p in self.module.parameters():
+                if p.grad is not None:
+                    p.grad.fill_(float("nan"))
         self.stopped = self.strategy.update(self.module, self.optimizer, step)
         if not self.strategy.local_optimizer:  # a server applies the pushed gradients
             self.precision.finish_step()

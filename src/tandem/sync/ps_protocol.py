@@ -37,7 +37,7 @@ from tandem.compress.sparse import RandomK
 from tandem.sync.gossip import plain, tracking_scale
 
 PUSH, PULL, BYE, PARAMS = 1, 2, 3, 4
-TO_SERVER, TO_WORKER, GATHER = 11, 13, 15
+TO_SERVER, TO_WORKER, GATHER, CLIP = 11, 13, 15, 17
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
