@@ -190,6 +190,23 @@ class Job:
             raise UsageError(f"the plan has tensor degree {self.plan.tensor_degree}, but tandem "
                              f"does not run tensor parallelism yet; use a plan of degree 1")
         self._check_straggler()
+        self._check_precision()
+
+    def _check_precision(self) -> None:
+        """PipeDream's asynchronous stages step at different times: no loss scale they could
+        share, no whole gradient to clip."""
+        if not (self.plan.pipelined and self.plan.schedule == "pipedream"):
+            return
+        if self.run.precision == "fp16":
+            raise UsageError("--precision fp16 needs one loss scale that every stage changes at "
+                             "the same step, but the asynchronous pipedream schedule steps its "
+                             "stages at different times; use --precision bf16 (no loss scale), "
+                             "or --schedule 1f1b or gpipe")
+        if self.run.clip_grad_norm is not None:
+            raise UsageError(f"--clip-grad-norm {self.run.clip_grad_norm:g} clips the whole "
+                             f"model's gradient, which the asynchronous pipedream schedule never "
+                             f"has at once (its stages step at different times); use --schedule "
+                             f"1f1b or gpipe, or drop --clip-grad-norm")
 
     def _check_straggler(self) -> None:
         """``--straggler RANK`` names a rank that computes gradients in this plan (never one

@@ -8,7 +8,8 @@ scale shrinks. ``--clip-grad-norm X`` scales the gradients so that their global 
 most X. Where that norm is computed decides what "global" means, so each strategy calls
 :meth:`Precision.unscale_and_clip` where its gradient is the one applied (after DDP's allreduce
 in data parallelism, a worker's own gradient in local SGD, gossip, EASGD and asynchronous
-parameter servers); pipelines sum the squared norms of every stage (:func:`clip_by_total_norm`).
+parameter servers); pipelines sum the squared norms of every stage (:class:`StagePrecision`,
+whose stages also share one loss scale, :class:`LossScale`).
 
 Usage::
 
@@ -18,6 +19,15 @@ Usage::
     precision.backward(loss)
     precision.unscale_and_clip(optimizer, model.parameters())
     precision.step(optimizer)                  # skipped (and counted) after an overflow
+
+A pipeline stage (flush schedules) instead::
+
+    precision = StagePrecision(config.precision, device, clip=config.clip_grad_norm,
+                               counted=parameters_it_counts_in_the_norm)
+    with precision.autocast():
+        out = stage(x)                         # last stage: loss * precision.loss_factor
+    ...                                        # backwards, replicas' allreduce, tied sums
+    precision.step(optimizer, stage.parameters())   # collective: every worker calls it
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ from collections.abc import Iterable
 from typing import Any, ContextManager
 
 import torch
+import torch.distributed as dist
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -101,14 +112,105 @@ class Precision:
         self.skipped_steps = int(state.get("skipped_steps", 0))
 
 
-def clip_by_total_norm(parameters: list[torch.nn.Parameter], max_norm: float,
-                       squared_norm: torch.Tensor) -> float:
-    """Clip ``parameters``' gradients given the squared global norm ``squared_norm`` (summed
-    over every process holding a part of the model); returns the norm before clipping."""
-    norm = float(squared_norm.sqrt())
-    if math.isfinite(norm) and norm > max_norm:
-        factor = max_norm / (norm + 1e-6)
-        for p in parameters:
-            if p.grad is not None:
-                p.grad.mul_(factor)
-    return norm
+class LossScale:
+    """fp16's dynamic loss scale, updated from a found-inf flag the caller gives: the rule of
+    ``torch.amp.GradScaler`` (start at ``2**16``; halve after an overflow; double after
+    ``growth_interval`` steps in a row without one). Processes that give it the same flags hold
+    the same scale, which is how the stages of a pipeline share one."""
+
+    def __init__(self, init: float = 2.0**16, *, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000) -> None:
+        self.scale = init
+        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
+        self.growth_interval = growth_interval
+        self.good_steps = 0
+        """Steps without an overflow since the scale last changed."""
+
+    def unscale(self, grads: list[torch.Tensor]) -> bool:
+        """Divide ``grads`` by the scale in place; returns whether any is not finite."""
+        inverse = 1.0 / self.scale
+        finite = []
+        for grad in grads:
+            grad.mul_(inverse)
+            finite.append(torch.isfinite(grad).all())
+        return bool(finite) and not bool(torch.stack(finite).all())
+
+    def update(self, found_inf: bool) -> None:
+        """Back off after an overflow, grow after ``growth_interval`` good steps."""
+        if found_inf:
+            self.scale *= self.backoff_factor
+            self.good_steps = 0
+            return
+        self.good_steps += 1
+        if self.good_steps == self.growth_interval:
+            self.scale *= self.growth_factor
+            self.good_steps = 0
+
+
+class StagePrecision:
+    """Autocast, loss scale and clipping of one pipeline stage (flush schedules: every worker
+    steps once per optimizer step, so they can decide together).
+
+    The last stage multiplies its loss by :attr:`loss_factor`, so the gradients of every stage
+    carry the same scale. At the step each worker unscales its gradients, and one allreduce over
+    all workers sums each stage's squared gradient norm (of its ``counted`` parameters: replica
+    0's, and a tied weight on the first stage that holds it, so each is counted once) and the
+    workers that found an overflow. Every worker then skips the step and backs off the scale,
+    or clips by the same factor, steps and grows it. Without fp16 or clipping no collective
+    runs (the asynchronous schedule, which has no common step, may use bf16 only).
+    """
+
+    def __init__(self, precision: str, device: torch.device, *, clip: float | None = None,
+                 counted: Iterable[torch.nn.Parameter] = ()) -> None:
+        self.precision, self.device, self.clip = precision, device, clip
+        self.loss_scale = LossScale() if precision == "fp16" else None
+        self.counted = {id(p) for p in counted}
+        self.skipped_steps = 0
+        self.last_norm: float | None = None
+        """The whole model's gradient norm before clipping, at the last step (with clipping)."""
+
+    @property
+    def agrees(self) -> bool:
+        """Whether the step is collective (fp16's overflow flag, or the norm to clip)."""
+        return self.loss_scale is not None or self.clip is not None
+
+    def autocast(self) -> ContextManager[Any]:
+        """The forward's (and the loss's) context: autocast to bf16/fp16, or nothing."""
+        if self.precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=DTYPES[self.precision])
+
+    @property
+    def loss_factor(self) -> float:
+        """What the last stage multiplies its loss by: the loss scale (1 without fp16)."""
+        return self.loss_scale.scale if self.loss_scale is not None else 1.0
+
+    def step(self, optimizer: torch.optim.Optimizer,
+             parameters: Iterable[torch.nn.Parameter]) -> bool:
+        """Unscale, agree with every worker, clip, and step unless a gradient anywhere
+        overflowed (counted in ``skipped_steps``); returns whether it stepped. Collective over
+        the default group when :attr:`agrees`."""
+        if not self.agrees:
+            optimizer.step()
+            return True
+        params = [p for p in parameters if p.grad is not None]
+        grads = [p.grad for p in params]
+        found = self.loss_scale.unscale(grads) if self.loss_scale is not None else False
+        counted = [p.grad for p in params if id(p) in self.counted]
+        squared = (float(torch.linalg.vector_norm(torch.stack(
+            [torch.linalg.vector_norm(g) for g in counted]))) ** 2 if counted else 0.0)
+        totals = torch.tensor([squared, float(found)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(totals)
+        overflow = self.loss_scale is not None and (
+            totals[1].item() > 0 or not math.isfinite(totals[0].item()))
+        if self.clip is not None and not overflow:
+            self.last_norm = math.sqrt(totals[0].item())
+            factor = min(1.0, self.clip / (self.last_norm + 1e-6))  # as clip_grad_norm_
+            for grad in grads if factor < 1.0 else ():
+                grad.mul_(factor)
+        if not overflow:
+            optimizer.step()
+        if self.loss_scale is not None:
+            self.loss_scale.update(overflow)
+            self.skipped_steps += int(overflow)
+        return not overflow

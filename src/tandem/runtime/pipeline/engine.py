@@ -13,7 +13,10 @@ A boundary may carry several tensors (a skip connection, an attention mask; see
 require them. A parameter held by several stages (tied weights) has its gradient summed over
 them before every optimizer step, so its copies stay equal.
 Flush schedules accumulate gradients into the live parameters; the asynchronous schedule binds
-a stashed weight version to each minibatch (see ``stash.py``).
+a stashed weight version to each minibatch (see ``stash.py``). With ``--precision`` each forward
+(and the last stage's loss) runs under autocast and what crosses to the next stage is cast back
+to the dtype its boundary was traced with; the optimizer step goes through
+:class:`~tandem.runtime.precision.StagePrecision` (fp16's shared loss scale, clipping).
 
 The trace names every action the schedule's way (``str(action)``: ``1F3``, ``1SA3>2``,
 ``2RA3<1``, ``0AR``, ``0ST5``), one event per action in the order they run, so a worker's
@@ -38,6 +41,7 @@ from torch.func import functional_call
 from tandem.compress.meter import ring_bytes
 from tandem.runtime.pipeline.stash import WeightVersions
 from tandem.runtime.pipeline.wire import Traffic, Wire
+from tandem.runtime.precision import StagePrecision
 from tandem.schedule import Action, Kind
 from tandem.split import TensorSpec
 
@@ -94,6 +98,13 @@ def _select(values: Sequence[Any], specs: Sequence[TensorSpec]) -> list[Any]:
     return [value for value, spec in zip(values, specs) if spec.requires_grad]
 
 
+def _as_specs(outputs: Sequence[torch.Tensor],
+              specs: Sequence[TensorSpec]) -> tuple[torch.Tensor, ...]:
+    """``outputs`` in the dtypes of their boundary (autocast may have computed them in another)."""
+    return tuple(t.to(spec.dtype) if t.dtype != spec.dtype else t
+                 for t, spec in zip(outputs, specs))
+
+
 def _or_zeros(grads: Sequence[torch.Tensor | None], like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [g if g is not None else torch.zeros_like(t) for g, t in zip(grads, like)]
 
@@ -134,7 +145,8 @@ class StageEngine:
                  scheduler: Any, device: torch.device, asynchronous: bool, vertical_sync: bool,
                  trace: Callable[..., None], beat: Any,
                  loss_fn: Callable[[Any, Any], torch.Tensor], wire: Wire | None = None,
-                 ties: Sequence[Tie] = (), clone_received: bool = False) -> None:
+                 ties: Sequence[Tie] = (), clone_received: bool = False,
+                 precision: StagePrecision | None = None) -> None:
         self.module, self.stage, self.device = module, stage, device
         self.first, self.last = stage == 0, stage == num_stages - 1
         self.shapes, self.group, self.num_replicas = shapes, group, num_replicas
@@ -150,6 +162,8 @@ class StageEngine:
         self.clone_received = clone_received
         """Give the module copies of the received tensors (its first layer may update its
         input in place, which autograd forbids on a received leaf)."""
+        self.precision = precision if precision is not None else StagePrecision("fp32", device)
+        """Autocast of the forwards, the loss scale and clipping at the step."""
         self.stash = WeightVersions(module, vertical_sync=vertical_sync) if asynchronous else None
         self.unchanged_until_backward: set[int] = set()
         """Minibatches with no weight update between their forward and backward on this worker
@@ -325,7 +339,8 @@ class StageEngine:
             saved[0] += tensor.numel() * tensor.element_size()
             return tensor
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), \
+                self.precision.autocast():
             if self.stash is not None and m in self.unchanged_until_backward and \
                     version == self.stash.version:
                 self.on_live.add(m)
@@ -338,9 +353,9 @@ class StageEngine:
                 assert micro.targets is not None
                 loss = self.loss_fn(out, micro.targets) * micro.size
                 self.loss_total += loss.detach()
-                out = loss * micro.scale
-            elif not isinstance(out, tuple):
-                out = (out,)
+                out = loss * (micro.scale * self.precision.loss_factor)
+            else:
+                out = _as_specs(out if isinstance(out, tuple) else (out,), self.shapes.outputs)
         self.saved[m] = (received, out, version)
         self.versions[m] = version
         self.saved_bytes[m] = saved[0]
@@ -413,7 +428,7 @@ class StageEngine:
             for p, g in zip(self.module.parameters(), self.param_grads.pop(action.microbatch)):
                 p.grad = g
         self._sum_tied()
-        self.optimizer.step()
+        self.precision.step(self.optimizer, self.module.parameters())
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         if self.stash is not None:

@@ -8,6 +8,9 @@ per-step chunks at consistent points of its dry run, so logging between chunks c
 With ``--compress`` the activations and activation gradients between stages travel encoded
 (training and evaluation alike; see ``wire.py``). A model that is not an ``nn.Sequential`` is
 split into blocks automatically (:mod:`tandem.split`); weights its stages share are kept equal.
+``--precision`` autocasts every stage's forward; with a flush schedule fp16's loss scale is one
+for all stages and ``--clip-grad-norm`` clips the whole model's gradient norm (see
+:class:`~tandem.runtime.precision.StagePrecision`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from tandem.runtime.pipeline.setup import (
     shared_parameters,
 )
 from tandem.runtime.pipeline.wire import Wire
+from tandem.runtime.precision import StagePrecision
 from tandem.runtime.trainer import EVAL_CHUNK
 from tandem.runtime.watchdog import Heartbeat
 from tandem.schedule import Action, Kind, Schedule
@@ -106,6 +110,9 @@ class PipelineTrainer(BaseTrainer):
         self.wire = Wire.build(job.plan.compress.text if job.plan.compress else None,
                                rank=env.rank, world_size=env.world_size)
         self.asynchronous = self.schedule.kind == "pipedream"
+        self.precision = StagePrecision(config.precision, env.device, clip=config.clip_grad_norm,
+                                        counted=self._counted(ties))
+        assert not (self.asynchronous and self.precision.agrees), "refused by Job"
         self.engine = StageEngine(
             module=self.module, stage=self.stage, num_stages=self.layout.num_stages,
             shapes=self.shapes, group=self.groups[self.stage], links=self.links, rank=env.rank,
@@ -114,6 +121,7 @@ class PipelineTrainer(BaseTrainer):
             vertical_sync=job.plan.vertical_sync, trace=self.trace, beat=beat,
             loss_fn=self.task.loss, wire=self.wire,
             ties=ties, clone_received=not isinstance(blocks, SplitModel),
+            precision=self.precision,
         )
         self.chunks = (step_chunks(self.schedule, env.rank, config.steps)
                        if self.asynchronous else None)
@@ -140,6 +148,14 @@ class PipelineTrainer(BaseTrainer):
                 ties.append(Tie(group=group, stages=stages, params=params, num_workers=len(ranks),
                                 scale=1.0 / self.layout.replicas[self.stage]))
         return ties
+
+    def _counted(self, ties: list[Tie]) -> list[nn.Parameter]:
+        """The parameters whose gradient this worker adds to the whole model's norm: replica 0's,
+        less the tied ones a lower stage holds (their copies' gradients are equal)."""
+        if self.replica != 0:
+            return []
+        elsewhere = {id(p) for tie in ties if tie.stages[0] != self.stage for p in tie.params}
+        return [p for p in self.module.parameters() if id(p) not in elsewhere]
 
     def _links(self) -> dict[tuple[int, int], dist.ProcessGroup]:
         """A two-worker process group for each direction of point-to-point traffic."""
@@ -267,7 +283,9 @@ class PipelineTrainer(BaseTrainer):
         their gradients as computed), ``compressed_activation_bytes_per_step`` (what was sent
         for them) and ``activation_compression_ratio`` (the first over the second). A worker
         whose stage shares parameters with others lists them in ``shared_parameters``, with
-        the largest difference between the copies the stages hold (0 when they are equal)."""
+        the largest difference between the copies the stages hold (0 when they are equal).
+        ``precision``, ``clip_grad_norm`` and ``skipped_steps`` (fp16 steps every stage skipped
+        together; per worker too) as the data-parallel trainer reports them."""
         traffic = self.engine.traffic
         totals = torch.tensor([traffic.total_bytes, traffic.activation_bytes,
                                traffic.message_bytes], dtype=torch.float64, device=self.env.device)
@@ -281,6 +299,7 @@ class PipelineTrainer(BaseTrainer):
             "stash_peak_bytes": self.engine.stash.peak_bytes if self.engine.stash else 0,
             "parameter_bytes": sum(p.numel() * p.element_size() for p in self.module.parameters()),
             "shared_parameters": [self._tie_report(tie) for tie in self.engine.ties],
+            "skipped_steps": self.precision.skipped_steps,
         }
         gathered: list[Any] = [None] * self.env.world_size
         dist.all_gather_object(gathered, stats)
@@ -288,4 +307,6 @@ class PipelineTrainer(BaseTrainer):
                 "sent_bytes_per_step": sent, "activation_bytes_per_step": activations,
                 "compressed_activation_bytes_per_step": messages,
                 "activation_compression_ratio": activations / messages if messages else 1.0,
+                "precision": self.config.precision, "clip_grad_norm": self.config.clip_grad_norm,
+                "skipped_steps": max(worker["skipped_steps"] for worker in gathered),
                 "workers": gathered}
