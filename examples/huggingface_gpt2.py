@@ -2,8 +2,9 @@
 download), with tandem's Python API on 2 local workers.
 
 The model returns a ``ModelOutput``, not a tensor; tandem's default loss finds its ``logits``.
-Its input embedding and output layer share one weight; tandem keeps them tied. The data is a
-plain ``TensorDataset`` of token sequences and their next tokens. Run it as
+Its input embedding and output layer share one weight; tandem keeps them tied (with
+``--strategy pipeline`` too, where the model is traced, with its ``use_cache`` off, and split into
+stages). The data is a plain ``TensorDataset`` of token sequences and their next tokens. Run it as
 ``python examples/huggingface_gpt2.py [--steps N] [--strategy S]``; it needs ``transformers``
 (``pip install transformers``, or tandem's ``test`` extra).
 """
@@ -42,7 +43,8 @@ def build_gpt2() -> torch.nn.Module:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--strategy", default="dp", help="dp, ps, gossip, easgd or localsgd")
+    parser.add_argument("--strategy", default="dp",
+                        help="dp, ps, gossip, easgd, localsgd, or pipeline (one stage per worker)")
     parser.add_argument("--nproc", type=int, default=2)
     args = parser.parse_args()
     options = {"servers": 1} if args.strategy == "ps" else {}

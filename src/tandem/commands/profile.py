@@ -22,7 +22,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, help="model spec, e.g. vgg:width=0.25 or gpt")
     p.add_argument("--batch-size", type=int, required=True, help="minibatch size to profile at")
     p.add_argument("--data", default=None,
-                   help="dataset spec (default: digits for image models, tokens for gpt)")
+                   help="dataset spec, as tandem train's --data (a built-in name, folder:PATH or "
+                   "package.module:function; default: digits for image models, tokens for gpt)")
     p.add_argument("-o", "--output", default=None, help="write the profile JSON here")
     p.add_argument("--warmup", type=int, default=2, help="untimed runs per block (default 2)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per block; median (default 5)")
@@ -42,24 +43,26 @@ def measure(model_spec: str, batch_size: int, data_spec: str | None, *, warmup: 
     import torch
     from torch import nn
 
-    from tandem.data import build_dataset
+    from tandem.data import load_data
     from tandem.models import build_model
     from tandem.runtime.pipeline.setup import parse_split_points
     from tandem.runtime.profiler import profile_model
 
     if batch_size < 1:
         raise UsageError(f"--batch-size must be at least 1 (got {batch_size})")
-    bundle = build_dataset(data_spec or _default_data(model_spec))
+    data = load_data(data_spec or _default_data(model_spec))
     torch.manual_seed(0)
-    model = build_model(model_spec, bundle.info)
+    model = build_model(model_spec, lambda: data.info)
     try:
         target = torch.device(device)
     except RuntimeError:
         raise UsageError(f"unknown --device {device!r}: use cpu or cuda") from None
     model.to(target)
-    inputs = bundle.train.inputs
-    repeat = -(-batch_size // len(inputs))
-    batch = inputs.repeat(repeat, *([1] * (inputs.dim() - 1)))[:batch_size].to(target)
+    samples = len(data.train)
+    if not samples:
+        raise UsageError(f"--data {data.name} has no training samples to profile on")
+    rows = torch.arange(batch_size) % samples  # the first samples, repeated if there are fewer
+    batch = data.train.take(rows).to(target).inputs
     points = parse_split_points(split_points)
     if points and isinstance(model, nn.Sequential):
         raise UsageError(f"--split-points is for models that are not an nn.Sequential; "

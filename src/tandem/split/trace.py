@@ -11,6 +11,8 @@ Usage::
 traced as a dynamic dimension, so the graphs run on any number of samples. Both modes are traced
 because a trace bakes ``self.training`` in (BatchNorm's statistics, dropout). A model that
 cannot be traced raises one :class:`~tandem.errors.UsageError` naming the line that failed.
+A model with a ``config.use_cache`` (Hugging Face) is traced with it off: training never uses a
+key-value cache, and the cache object is not made of tensors.
 """
 
 from __future__ import annotations
@@ -68,14 +70,30 @@ def trace(model: nn.Module, inputs: Any, *, what: str) -> Traced:
     graphs: dict[bool, fx.GraphModule] = {}
     specs: list[Any] = []
     try:
-        for mode in (True, False):
-            model.train(mode)
-            program = _export(model, args, kwargs, what)
-            graphs[mode] = program.module()
-            specs.append(program.call_spec)
+        with without_cache(model):
+            for mode in (True, False):
+                model.train(mode)
+                program = _export(model, args, kwargs, what)
+                graphs[mode] = program.module()
+                specs.append(program.call_spec)
     finally:
         model.train(was_training)
     return Traced(graphs=graphs, in_spec=specs[0].in_spec, out_spec=specs[0].out_spec)
+
+
+@contextlib.contextmanager
+def without_cache(model: nn.Module) -> Iterator[None]:
+    """``model.config.use_cache`` set to False while tracing, then restored (a Hugging Face
+    model returns its key-value cache by default; the trace keeps only tensors)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", None) is not True:
+        yield
+        return
+    config.use_cache = False
+    try:
+        yield
+    finally:
+        config.use_cache = True
 
 
 def batch_symbol(graph: fx.Graph) -> sympy.Symbol | None:
@@ -125,7 +143,8 @@ def failure_message(exc: BaseException, what: str) -> str:
     reason = lines[0] if lines else type(exc).__name__
     reason = re.sub(r"\s*\(unhinted:.*$", "", reason).rstrip(". ")
     if "Cache" in reason:
-        reason += " (a Hugging Face model: set config.use_cache=False)"
+        reason += (" (a key-value cache is not made of tensors: where your code calls a Hugging "
+                   "Face model, pass use_cache=False)")
     return (f"cannot trace {what} to split it into pipeline blocks: {reason}{_where(exc)}; make "
             f"that code traceable by torch.export (no Python branch on a tensor's value), or "
             f"build the model as an nn.Sequential of blocks")

@@ -1,0 +1,69 @@
+"""Pipelines and profiles of models and data as users bring them: a Hugging Face GPT-2 with its
+default config (``use_cache=True``), and ``tandem profile --data package.module:function``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import max_abs_diff, run_cli, run_json
+
+GPT2 = ("--model", "tests.hf_models:gpt2", "--data", "tests.hf_models:tokens", "--batch-size", "16",
+        "--seed", "4")
+SGD = ("--steps", "20", "--lr", "0.05", "--momentum", "0.9")
+TIED = ("transformer.wte.weight", "lm_head.weight")
+
+
+def test_gpt2_pipeline_equals_dp(tmp_path: Path) -> None:
+    """Traced with its cache off, split into 34 blocks on 2 stages: equal to one process
+    accumulating the same 2 micro-batches, its embedding still tied to its output layer."""
+    pytest.importorskip("transformers")
+    run_json("train", *GPT2, *SGD, "--strategy", "dp", "--nproc", "1", "--accumulate", "2",
+             "--out", str(tmp_path / "dp"), timeout_s=300)
+    summary = run_json("train", *GPT2, *SGD, "--strategy", "pipeline", "--nproc", "2",
+                       "--microbatches", "2", "--out", str(tmp_path / "pipeline"), timeout_s=300)
+    assert summary["pipeline"] == "1-1"
+    final = torch.load(tmp_path / "pipeline" / "final.pt")
+    assert torch.equal(final[TIED[0]], final[TIED[1]])
+    assert max_abs_diff(tmp_path / "dp" / "final.pt", tmp_path / "pipeline" / "final.pt") <= 1e-5
+
+
+def test_gpt2_on_four_stages_trains_in_bf16_with_clipping() -> None:
+    pytest.importorskip("transformers")
+    summary = run_json("train", *GPT2, "--strategy", "pipeline", "--nproc", "4", "--stages", "4",
+                       "--microbatches", "4", "--steps", "10", "--optimizer", "adamw",
+                       "--lr", "0.01", "--precision", "bf16", "--clip-grad-norm", "1",
+                       "--log-every", "2", timeout_s=300)
+    assert summary["pipeline"] == "1-1-1-1" and summary["precision"] == "bf16"
+    ties = [tie for worker in summary["workers"] for tie in worker["shared_parameters"]]
+    assert [tie["stages"] for tie in ties] == [[0, 3], [0, 3]]
+    assert all(tie["max_abs_diff"] == 0 for tie in ties)
+    assert summary["final_loss"] < 3.8, summary  # ln 64 = 4.16 at the start
+    assert summary["test_accuracy"] > 0.1, summary  # chance: 1/64
+
+
+def test_split_traces_without_the_cache_and_restores_the_config() -> None:
+    pytest.importorskip("transformers")
+    from tandem.split import split_model
+    from tests.hf_models import _tokens, gpt2
+
+    model, tokens = gpt2(layers=1), _tokens(4, seed=0).tensors[0]
+    assert model.config.use_cache
+    blocks = split_model(model, tokens[:2])
+    assert model.config.use_cache  # the user's object is as it was
+    output = blocks(tokens)
+    assert "past_key_values" not in output or output.past_key_values is None
+    assert torch.allclose(output.logits, model(tokens).logits, atol=1e-6)
+
+
+def test_profile_takes_a_data_function(capsys: pytest.CaptureFixture[str]) -> None:
+    """Dict inputs from the user's dataset reach the model's keyword arguments."""
+    code, out, err = run_cli(capsys, "profile", "--model", "tests.user_data:skip_net", "--data",
+                             "tests.user_data:digit_dicts", "--batch-size", "8", "--repeats", "1",
+                             "--warmup", "0", "--json")
+    assert code == 0, err
+    profile = json.loads(out)
+    assert profile["batch_size"] == 8 and profile["layers"][-1]["name"].endswith("head")
