@@ -15,7 +15,6 @@ Usage::
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, Callable
 
 import torch
@@ -23,6 +22,7 @@ from torch.nn import functional as F
 
 from tandem import structures
 from tandem.errors import UsageError
+from tandem.options import user_function
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 DEFAULT_LOSS = "cross_entropy"
@@ -43,19 +43,10 @@ def load_loss(spec: str | None) -> LossFn:
     """The loss named ``package.module:function`` (None or ``cross_entropy``: the default)."""
     if spec is None or spec == DEFAULT_LOSS:
         return cross_entropy
-    module_name, sep, function_name = spec.partition(":")
-    if not sep or not module_name or not function_name:
+    if ":" not in spec or spec.count(":") > 1:
         raise UsageError(f"--loss {spec!r} is not package.module:function; e.g. "
                          f"--loss mypkg.losses:my_loss, or leave it out for cross-entropy")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise UsageError(f"cannot import module {module_name!r} of --loss {spec!r} ({exc}); "
-                         f"check the name and that it is on PYTHONPATH") from None
-    function = getattr(module, function_name, None)
-    if not callable(function):
-        raise UsageError(f"module {module_name!r} has no function {function_name!r} "
-                         f"(--loss {spec!r})")
+    function, _ = user_function(spec, what="--loss")
     return function
 
 

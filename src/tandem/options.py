@@ -8,9 +8,11 @@ Usage::
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import importlib
 import math
-from typing import Any, TypeVar, get_type_hints
+from typing import Any, Callable, TypeVar, get_type_hints
 
 from tandem.errors import UsageError
 
@@ -91,3 +93,33 @@ def positive(name: str, value: float, example: float | None = None) -> None:
     if not (value > 0 and math.isfinite(value)):
         fix = f"; e.g. {name}={example}" if example is not None else ""
         raise ValueError(f"{name} must be a positive finite number (got {name}={value}){fix}")
+
+
+def literal(value: str) -> Any:
+    """A Python literal (``64``, ``0.5``, ``True``, ``'a'``) or else the text itself."""
+    try:
+        return ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return value
+
+
+def user_function(spec: str, *, what: str) -> tuple[Callable[..., Any], dict[str, Any]]:
+    """The function named by ``package.module:function[:key=value,...]`` and its options as
+    keyword arguments (values read as Python literals); ``what`` names the flag in messages
+    (``model``, ``--data``, ``--loss``)."""
+    module_name, _, rest = spec.partition(":")
+    function_name, _, options_text = rest.partition(":")
+    if not module_name or not function_name:
+        raise UsageError(f"{what} {spec!r} is not package.module:function; e.g. "
+                         f"mypkg.module:build")
+    _, raw = split_spec(f"x:{options_text}", what=what.lstrip("-"))
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UsageError(f"cannot import module {module_name!r} of {what} {spec!r} ({exc}); "
+                         f"check the name and that it is on PYTHONPATH") from None
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        raise UsageError(f"module {module_name!r} has no function {function_name!r} "
+                         f"({what} {spec!r})")
+    return function, {key: literal(value) for key, value in raw.items()}

@@ -15,7 +15,6 @@ Usage::
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import torch
@@ -24,7 +23,7 @@ from tandem.data.bundle import DataBundle
 from tandem.data.info import DataInfo
 from tandem.data.samples import DatasetSamples, Samples, TensorSamples, samples_of
 from tandem.errors import UsageError
-from tandem.options import split_spec
+from tandem.options import user_function
 
 MAX_SCANNED_TARGETS = 1_000_000
 """Most targets read to count a user dataset's classes (the rest are assumed to repeat them)."""
@@ -83,21 +82,8 @@ def data_of(train: Any, test: Any, *, name: str = "user data",
 
 
 def _call_user_data(spec: str) -> Data:
-    module_name, _, rest = spec.partition(":")
-    function_name, _, options_text = rest.partition(":")
-    _, raw = split_spec(f"x:{options_text}", what="dataset")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise UsageError(f"cannot import module {module_name!r} of --data {spec!r} ({exc}); "
-                         f"check the name and that it is on PYTHONPATH") from None
-    function = getattr(module, function_name, None)
-    if not callable(function):
-        raise UsageError(f"module {module_name!r} has no function {function_name!r} "
-                         f"(--data {spec!r})")
-    from tandem.models import literal
-
-    kwargs = {key: literal(value) for key, value in raw.items()}
+    function, kwargs = user_function(spec, what="--data")
+    module_name, function_name = spec.split(":")[:2]
     try:
         result = function(**kwargs)
     except UsageError:

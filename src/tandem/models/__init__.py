@@ -8,8 +8,6 @@ Usage::
 
 from __future__ import annotations
 
-import ast
-import importlib
 import inspect
 from typing import Any, Callable
 
@@ -22,7 +20,7 @@ from tandem.models.gpt import GPTOptions, build_gpt
 from tandem.models.mlp import MLPOptions, build_mlp
 from tandem.models.resnet import ResNetOptions, build_resnet
 from tandem.models.vgg import VGGOptions, build_vgg
-from tandem.options import fill_options, split_spec
+from tandem.options import fill_options, split_spec, user_function
 
 __all__ = ["MODELS", "build_model"]
 
@@ -64,29 +62,8 @@ def build_model(spec: str, info: DataInfo | Callable[[], DataInfo]) -> nn.Module
     return build(options, info)
 
 
-def literal(value: str) -> Any:
-    """A Python literal (``64``, ``0.5``, ``True``, ``'a'``) or else the text itself."""
-    try:
-        return ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        return value
-
-
 def _build_user_model(spec: str, info: DataInfo | Callable[[], DataInfo]) -> nn.Module:
-    module_name, _, rest = spec.partition(":")
-    function_name, _, options_text = rest.partition(":")
-    _, raw = split_spec(f"x:{options_text}", what="model")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise UsageError(
-            f"cannot import module {module_name!r} of model {spec!r} ({exc}); "
-            f"check the name and that it is on PYTHONPATH"
-        ) from None
-    function = getattr(module, function_name, None)
-    if not callable(function):
-        raise UsageError(f"module {module_name!r} has no function {function_name!r} (model {spec!r})")
-    kwargs = {key: literal(value) for key, value in raw.items()}
+    function, kwargs = user_function(spec, what="model")
     if "info" in inspect.signature(function).parameters:
         kwargs["info"] = info() if callable(info) else info
     try:
