@@ -41,6 +41,16 @@ def test_skip_connection_batchnorm_pipeline_matches_dp(reference: dict[str, Path
     assert max_abs_diff(reference["bn"], tmp_path / "final.pt") <= 1e-5
 
 
+def test_skip_connection_batchnorm_four_stage_pipeline_matches_dp(reference: dict[str, Path],
+                                                                  tmp_path: Path) -> None:
+    """Split automatically into 4 stages: skip tensors and BatchNorm buffers cross 3 cuts."""
+    summary = run_json("train", *BN, *SGD, "--strategy", "pipeline", "--nproc", "4",
+                       "--stages", "4", "--microbatches", str(MICROBATCHES),
+                       "--out", str(tmp_path))
+    assert summary["pipeline"] == "1-1-1-1"
+    assert max_abs_diff(reference["bn"], tmp_path / "final.pt") <= 1e-5
+
+
 def shared(summary: dict) -> list[dict]:
     return [tie for worker in summary["workers"] for tie in worker["shared_parameters"]]
 
