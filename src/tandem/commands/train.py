@@ -80,6 +80,9 @@ def add_train_arguments(parser: argparse.ArgumentParser, defaults: RunConfig) ->
         help="global minibatch (all workers together)")
     add("--accumulate", type=int,
         help="data parallelism: gradient-accumulation micro-steps per optimizer step (default 1)")
+    add("--find-unused-parameters", action="store_true", default=defaults.find_unused_parameters,
+        help="data parallelism: parameters forward does not use get a zero gradient (DDP's "
+        "find_unused_parameters); without it they stop the run, named")
     add("--optimizer", default=defaults.optimizer, help=f"one of: {', '.join(OPTIMIZERS)}")
     add("--lr", type=float, default=defaults.lr, help="learning rate")
     add("--momentum", type=float, default=defaults.momentum, help="SGD momentum")

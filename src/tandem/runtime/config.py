@@ -81,6 +81,9 @@ class RunConfig:
     """Write the global loss to ``metrics.jsonl`` every this many steps."""
     threads: int = 1
     """Intra-op threads per worker on CPU."""
+    find_unused_parameters: bool = False
+    """Data parallelism: a parameter that gets no gradient in a step has a zero gradient (DDP's
+    ``find_unused_parameters=True``); without it, such a parameter stops the run, named."""
     backend: str = "auto"
     """``gloo``, ``nccl``, or ``auto`` (NCCL when CUDA is available, else gloo)."""
     timeout_s: float = 300.0
@@ -186,6 +189,9 @@ class Job:
                 "--compress powersgd cannot be resumed (PyTorch keeps its state per DDP bucket, "
                 "which a restarted job rebuilds); drop --resume/--stop-after/--checkpoint-every "
                 "or use another codec")
+        if self.run.find_unused_parameters and self.plan.pipelined:
+            raise UsageError("--find-unused-parameters is for data-parallel strategies (pipeline "
+                             "stages skip a parameter without a gradient); drop it")
         if self.plan.tensor_degree != 1:
             raise UsageError(f"the plan has tensor degree {self.plan.tensor_degree}, but tandem "
                              f"does not run tensor parallelism yet; use a plan of degree 1")

@@ -4,7 +4,13 @@ send parameters back, and at the end gather the model on server 0 to evaluate an
 
 With ``--compress``, the server decodes compressed pushes and sends each worker compressed
 differences from the copy of the shard that worker holds (see :mod:`tandem.sync.ps_protocol`).
-Server 0 sums the traffic the workers report in their headers into the metrics and summary.
+Server 0 sums the traffic the workers report in their headers into the metrics and summary,
+and holds the model's buffers: in ``sync`` mode it takes those of the lowest-ranked worker
+whose push the step applies (as DDP broadcasts rank 0's), in ``async`` and ``ssp`` mode those of
+each push it applies, and sends them back with the parameters, so ``final.pt`` holds both.
+
+The server's model and optimizer live on the CPU, and all its messages travel on a gloo group
+(:func:`~tandem.sync.side_group.cpu_group`), also when the workers train on GPUs with NCCL.
 """
 
 from __future__ import annotations
@@ -42,7 +48,8 @@ from tandem.runtime.watchdog import Heartbeat
 from tandem.sync import ps_protocol as protocol
 from tandem.sync_spec import ParameterServerSync
 from tandem.timeline import Event, plot_gantt
-from tandem.sync.flat import flatten, unflatten_into
+from tandem.sync.flat import flatten, state_buffers, unflatten_into
+from tandem.sync.side_group import cpu_group, source_rank
 
 LIVENESS_EVERY_S = 0.5
 
@@ -52,9 +59,11 @@ class Mailbox:
     the next one with a timeout (a timed-out gloo receive cannot be resumed). It stops once
     every one of ``num_workers`` workers has said goodbye."""
 
-    def __init__(self, body_bytes: int, num_workers: int) -> None:
+    def __init__(self, body_bytes: int, num_workers: int,
+                 group: dist.ProcessGroup | None = None) -> None:
         self.body_bytes = body_bytes
         self.num_workers = num_workers
+        self.group = group
         self.queue: queue.Queue[Any] = queue.Queue()
         self.thread = threading.Thread(target=self._run, name="tandem-ps-mailbox", daemon=True)
         self.thread.start()
@@ -77,9 +86,9 @@ class Mailbox:
 
     def _receive_one(self) -> tuple[int, torch.Tensor]:
         message = protocol.empty(self.body_bytes)
-        work = dist.irecv(message, src=None, tag=protocol.TO_SERVER)
+        work = dist.irecv(message, src=None, tag=protocol.TO_SERVER, group=self.group)
         work.wait()
-        return work._source_rank(), message
+        return source_rank(work, self.group), message
 
 
 class ParameterServer(Worker):
@@ -132,9 +141,17 @@ class ParameterServer(Worker):
         """Updates to serve before stopping (``--stop-after``, else ``--steps``)."""
         self.events: list[Event] = []
         """This server's updates (``0ST``), for ``trace.json``."""
+        self.buffers = protocol.Buffers(
+            [b for _, b in state_buffers(self.model)] if env.rank == 0 else [])
+        """The model's buffers (server 0 holds them; see the module's docstring)."""
+        self.pushed_buffers: dict[int, torch.Tensor] = {}
+        """``sync``: the buffers each worker pushed with the current step's gradient."""
         self._resume()
         push_codec = self._codec(feedback=True)
-        self.mailbox = Mailbox(push_codec.body_bytes, len(self.workers))
+        self.push_bytes = push_codec.body_bytes
+        self.group = cpu_group(timeout_s=config.timeout_s)  # where the workers make theirs
+        self.mailbox = Mailbox(self.push_bytes + self.buffers.num_bytes, len(self.workers),
+                               self.group)
 
     def _codec(self, *, feedback: bool) -> protocol.ShardCodec:
         return protocol.ShardCodec(self.codec_text, self.shapes, self.keys, feedback=feedback)
@@ -143,6 +160,8 @@ class ParameterServer(Worker):
 
     def _receive(self, poll: bool) -> tuple[int, protocol.Header, torch.Tensor | None] | None:
         """The next message from any worker: (sender, header, decoded gradient shard of a push).
+
+        A push's buffers (server 0) are kept in :attr:`pushed_buffers` until the step applies.
 
         Every push is decoded, in the order each worker sent them (codecs whose decoding has
         state advance in step with the sender's). With ``poll``, gives up after
@@ -160,11 +179,16 @@ class ParameterServer(Worker):
         sender, message = item
         header = protocol.Header.decode(message)
         self.traffic[sender] = header.traffic
-        if header.kind != protocol.PUSH or not self.params:
+        if header.kind != protocol.PUSH:
+            return sender, header, None
+        data = protocol.body(message)
+        if self.buffers.num_bytes:
+            self.pushed_buffers[sender] = data[self.push_bytes:]
+        if not self.params:
             return sender, header, None
         if sender not in self.decoders:
             self.decoders[sender] = self._codec(feedback=False)
-        return sender, header, self.decoders[sender].decode(protocol.body(message))
+        return sender, header, self.decoders[sender].decode(data[:self.push_bytes])
 
     def _reply(self, worker: int, stop: bool = False) -> None:
         """Send the current parameters (without waiting: the previous reply to ``worker`` has
@@ -178,9 +202,9 @@ class ParameterServer(Worker):
             data = self.encoders[worker].encode(flatten(self.params) if self.params else
                                                 torch.zeros(0))
             header = protocol.Header(kind=protocol.PARAMS, version=self.version, stop=stop)
-            outgoing = protocol.message(header, data)
-            self.replies[worker] = (dist.isend(outgoing, dst=worker, tag=protocol.TO_WORKER),
-                                    outgoing)
+            outgoing = protocol.message(header, data, self.buffers.encode())
+            self.replies[worker] = (dist.isend(outgoing, dst=worker, tag=protocol.TO_WORKER,
+                                               group=self.group), outgoing)
         except RuntimeError:
             if self.sync.mode == "sync":
                 raise
@@ -263,9 +287,10 @@ class ParameterServer(Worker):
                    else torch.zeros(1, dtype=torch.float64))
         others = [rank for rank in range(self.sync.servers) if rank != self.env.rank]
         received = [torch.empty_like(squared) for _ in others]
-        sends = [dist.isend(squared, dst=rank, tag=protocol.CLIP) for rank in others]
+        sends = [dist.isend(squared, dst=rank, tag=protocol.CLIP, group=self.group)
+                 for rank in others]
         for rank, buffer in zip(others, received):
-            dist.recv(buffer, src=rank, tag=protocol.CLIP)
+            dist.recv(buffer, src=rank, tag=protocol.CLIP, group=self.group)
         for work in sends:
             work.wait()
         norm = float(squared.sum() + sum(buffer.sum() for buffer in received)) ** 0.5
@@ -336,6 +361,7 @@ class ParameterServer(Worker):
         else:
             self.pushes[sender] += 1
             self._count_loss(header)
+            self._take_buffers(sender)
             self._apply(gradient, header.version)
             self.waiting.append(sender)
             self._release_waiting()
@@ -354,11 +380,18 @@ class ParameterServer(Worker):
         self.waiting.append(sender)
         if len(self.waiting) == self.required:
             mean = self.gradient_sum / self.required if self.params else None
+            self._take_buffers(min(self.waiting))
             self._apply(mean, self.version)
             stop = self.version >= self.last_step
             for worker in self.waiting:
                 self._reply(worker, stop=stop)
             self.waiting = []
+
+    def _take_buffers(self, worker: int) -> None:
+        """The model's buffers become those ``worker`` pushed with its gradient (server 0)."""
+        if worker in self.pushed_buffers:
+            self.buffers.load(self.pushed_buffers[worker])
+        self.pushed_buffers.clear()
 
     def _release_waiting(self) -> None:
         """Reply to waiting workers that bounded staleness lets go on (all of them in async)."""
@@ -436,10 +469,10 @@ class ParameterServer(Worker):
             if not shard:
                 continue
             if self.env.rank == server:
-                dist.send(flatten(shard), dst=0, tag=protocol.GATHER)
+                dist.send(flatten(shard), dst=0, tag=protocol.GATHER, group=self.group)
             elif self.env.rank == 0:
                 flat = torch.empty(sum(p.numel() for p in shard))
-                dist.recv(flat, src=server, tag=protocol.GATHER)
+                dist.recv(flat, src=server, tag=protocol.GATHER, group=self.group)
                 unflatten_into(flat, shard)
 
     def _evaluate(self) -> dict[str, float | None]:
@@ -453,6 +486,7 @@ class ParameterServer(Worker):
             "version": CHECKPOINT_VERSION, "step": self.version,
             "fingerprint": self.job.fingerprint(), "shard": [p.detach() for p in self.params],
             "optimizer": self.optimizer.state_dict() if self.optimizer else None,
+            "buffers": [b.detach().clone() for b in self.buffers.tensors],
         }, self.out / f"server-{self.env.rank}.pt")
 
     def _resume(self) -> None:
@@ -465,6 +499,8 @@ class ParameterServer(Worker):
             p.data.copy_(saved)
         if self.optimizer is not None and state["optimizer"] is not None:
             self.optimizer.load_state_dict(state["optimizer"])
+        for b, saved in zip(self.buffers.tensors, state.get("buffers", [])):
+            b.copy_(saved)
         self.version = int(state["step"])
 
     def _summary(self, evaluation: dict[str, float]) -> dict[str, Any]:

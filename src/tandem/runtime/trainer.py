@@ -94,12 +94,14 @@ def _supervise(job: Job) -> None:
 
     The child never outlives this process (it dies with it), and ends when the servers give
     up on it: a stuck one ends itself once fenced (exit ``FENCED_EXIT``), and a frozen one, whose
-    heartbeat stops, is killed here after ``SILENT_AFTER_S`` (the servers report both).
+    heartbeat stops, is killed here after ``SILENT_AFTER_S`` (the servers report both). A
+    mistake of the user's that the child finds (``UsageError``) stops the job, as elsewhere.
     """
     os.environ[SUPERVISED] = "1"
     context = multiprocessing.get_context("spawn")
     mirror = context.Value("d", 0.0, lock=False)
-    child = context.Process(target=_supervised_worker, args=(job, mirror), daemon=True)
+    mistakes, mistake = context.Pipe(duplex=False)  # no semaphores to leak, unlike a queue
+    child = context.Process(target=_supervised_worker, args=(job, mirror, mistake), daemon=True)
     child.start()
     while child.exitcode is None:
         child.join(PERIOD_S)
@@ -107,6 +109,8 @@ def _supervise(job: Job) -> None:
             child.kill()
             child.join()
             return
+    if mistakes.poll():  # the user's mistake (every worker makes it): stop the job
+        raise UsageError(mistakes.recv())
     if child.exitcode not in (0, FENCED_EXIT):
         code = child.exitcode or 0
         how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
@@ -114,9 +118,13 @@ def _supervise(job: Job) -> None:
               f"goes on without it", file=sys.stderr, flush=True)
 
 
-def _supervised_worker(job: Job, mirror: Any) -> None:
+def _supervised_worker(job: Job, mirror: Any, mistake: Any) -> None:
     die_with_parent()
-    train_worker(job, mirror=mirror)
+    try:
+        train_worker(job, mirror=mirror)
+    except UsageError as exc:
+        mistake.send(str(exc))
+        sys.exit(2)
 
 
 def make_worker(job: Job, env: WorkerEnv, beat: Heartbeat) -> Worker:
@@ -241,6 +249,7 @@ class Trainer(BaseTrainer):
         self.beat.phase = "step"
         self.local_predictions += len(indices)
         self.strategy.record_loss(loss_total, len(indices))
+        self.strategy.check_gradients(self.module, step)
         finite = self.precision.unscale_and_clip(self.optimizer, self.module.parameters())
         if not finite and not self.strategy.local_optimizer:
             # an overflow anywhere skips the whole step: every server sees non-finite numbers

@@ -52,7 +52,8 @@ def _codec(job: Job) -> str | None:
 SYNC_STRATEGIES: dict[type, Callable[[Job, int, int], SyncStrategy]] = {
     AllReduceSync: lambda job, rank, world: AllReduce(_codec(job)),
     ParameterServerSync: lambda job, rank, world: ParameterServerClient(
-        job.plan.num_servers, _codec(job), rank=rank, num_workers=world),
+        job.plan.num_servers, _codec(job), rank=rank, num_workers=world,
+        timeout_s=job.run.timeout_s),
     GossipSync: _gossip,
     ElasticAveragingSync: lambda job, rank, world: ElasticAveraging(
         job.plan.sync.period, job.plan.sync.rho, job.run.lr),  # type: ignore[union-attr]
@@ -63,4 +64,6 @@ SYNC_STRATEGIES: dict[type, Callable[[Job, int, int], SyncStrategy]] = {
 
 def build_strategy(job: Job, rank: int, world_size: int) -> SyncStrategy:
     """The synchronization strategy of ``job``'s plan for worker ``rank`` of ``world_size``."""
-    return SYNC_STRATEGIES[type(job.plan.sync)](job, rank, world_size)
+    strategy = SYNC_STRATEGIES[type(job.plan.sync)](job, rank, world_size)
+    strategy.find_unused_parameters = job.run.find_unused_parameters
+    return strategy

@@ -1,5 +1,9 @@
 """Synchronous data parallelism by gradient allreduce, through PyTorch's DistributedDataParallel.
 
+Buffers (BatchNorm's running statistics) follow DDP's default: rank 0's are broadcast to the
+other workers before every forward, and once more after the last one, so that every worker, and
+``final.pt``, holds rank 0's.
+
 With ``--compress CODEC``, a DDP communication hook encodes each bucket's gradients, exchanges
 the payloads (allreduce when they can be summed, allgather otherwise) and decodes their mean;
 see :mod:`tandem.compress`.
@@ -16,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tandem.compress import ByteMeter, Compression, build_compression
 from tandem.sync.base import SyncStrategy
+from tandem.sync.flat import broadcast_buffers
 
 
 class AllReduce(SyncStrategy):
@@ -33,7 +38,8 @@ class AllReduce(SyncStrategy):
     def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
         model = model.to(device)
         device_ids = [device] if device.type == "cuda" else None
-        module = DistributedDataParallel(model, device_ids=device_ids)
+        module = DistributedDataParallel(model, device_ids=device_ids,
+                                         find_unused_parameters=self.find_unused_parameters)
         self.meter = ByteMeter(world_size=dist.get_world_size())
         if self.compression is not None:
             module.register_comm_hook(*self.compression.ddp_hook(model, self.meter))
@@ -52,6 +58,11 @@ class AllReduce(SyncStrategy):
 
     def accumulating(self, module: nn.Module) -> ContextManager[None]:
         return cast(DistributedDataParallel, module).no_sync()
+
+    def consensus(self, module: nn.Module) -> None:
+        """Rank 0's buffers, as DDP would broadcast them before another forward (each worker's
+        last forward updated its own)."""
+        broadcast_buffers(self.unwrap(module))
 
     def update(self, module: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> bool:
         if self.compression is None:

@@ -1,4 +1,9 @@
-"""Model averaging: local SGD (average every H steps) and elastic averaging SGD (EASGD)."""
+"""Model averaging: local SGD (average every H steps) and elastic averaging SGD (EASGD).
+
+Buffers (BatchNorm's running statistics): local SGD averages the floating-point ones with the
+parameters; EASGD averages them every period (its center variable holds parameters only), and
+its final model is the center with the workers' mean buffers.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tandem.sync.base import SyncStrategy
-from tandem.sync.flat import average_parameters, flatten, unflatten_into
+from tandem.sync.flat import average_model, average_tensors, float_buffers, flatten, unflatten_into
 
 
 class LocalSGD(SyncStrategy):
@@ -29,11 +34,11 @@ class LocalSGD(SyncStrategy):
         self.step_optimizer(optimizer)
         if (step + 1) % self.period == 0:
             with self.action("AR"):
-                self.bytes_sent += average_parameters(module)
+                self.bytes_sent += average_model(module)
         return False
 
     def consensus(self, module: nn.Module) -> None:
-        average_parameters(module)
+        average_model(module)
 
     def stats(self) -> dict[str, float]:
         return {"sync_bytes": self.bytes_sent}
@@ -46,6 +51,7 @@ class ElasticAveraging(SyncStrategy):
         x_i <- x_i - alpha (x_i - c),    c <- c + alpha * sum_i (x_i - c)
 
     The center is kept on every worker (identical everywhere: it is updated from an allreduce).
+    The same allreduce averages the workers' floating-point buffers.
     """
 
     name = "easgd"
@@ -66,13 +72,14 @@ class ElasticAveraging(SyncStrategy):
         self.step_optimizer(optimizer)
         if (step + 1) % self.period == 0:
             assert self.center is not None
-            params = list(module.parameters())
+            params, buffers = list(module.parameters()), float_buffers(module)
             difference = flatten(params) - self.center
-            total = difference.clone()
+            total = torch.cat([difference, *(b.detach().reshape(-1) for b in buffers)])
             with self.action("AR"):
                 dist.all_reduce(total)
             unflatten_into(flatten(params) - self.alpha * difference, params)
-            self.center += self.alpha * total
+            self.center += self.alpha * total[: difference.numel()]
+            unflatten_into(total[difference.numel():] / dist.get_world_size(), buffers)
             self.bytes_sent += total.numel() * total.element_size()
         return False
 
@@ -84,9 +91,10 @@ class ElasticAveraging(SyncStrategy):
         self.center.copy_(state["center"])
 
     def consensus(self, module: nn.Module) -> None:
-        """The center variable is EASGD's model."""
+        """The center variable is EASGD's model, with the workers' mean buffers."""
         assert self.center is not None
         unflatten_into(self.center, list(module.parameters()))
+        average_tensors(float_buffers(module))
 
     def stats(self) -> dict[str, float]:
         return {"sync_bytes": self.bytes_sent}

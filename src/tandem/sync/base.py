@@ -11,6 +11,12 @@ from typing import Any, ContextManager
 import torch
 from torch import nn
 
+from tandem.errors import UsageError
+
+
+MAX_NAMED = 8
+"""Parameters an error names before it says how many more there are."""
+
 
 class SyncStrategy(abc.ABC):
     """How the workers of a data-parallel job keep their models in agreement.
@@ -35,6 +41,9 @@ class SyncStrategy(abc.ABC):
     schedule's ``AR`` spans that backward rather than following it."""
     recorder: Callable[[str, float, float], None] | None = None
     """Where :meth:`action` reports the actions of :meth:`update` (set by the trainer)."""
+    find_unused_parameters: bool = False
+    """``--find-unused-parameters``: a parameter that got no gradient in a step is treated as
+    having a zero gradient (DDP searches the graph for them); without it, it is an error."""
 
     @contextlib.contextmanager
     def action(self, code: str) -> Iterator[None]:
@@ -69,6 +78,24 @@ class SyncStrategy(abc.ABC):
     def accumulating(self, module: nn.Module) -> ContextManager[None]:
         """Context for a backward whose gradients are only accumulated locally."""
         return contextlib.nullcontext()
+
+    def check_gradients(self, module: nn.Module, step: int) -> None:
+        """Before :meth:`update`: every parameter that requires a gradient must have one. One
+        without is a zero gradient with ``--find-unused-parameters``, else a ``UsageError``
+        naming it (before DDP fails on it at the next step with an error that does not)."""
+        missing = [(name, p) for name, p in self.unwrap(module).named_parameters()
+                   if p.requires_grad and p.grad is None]
+        if not missing:
+            return
+        if not self.find_unused_parameters:
+            names = ", ".join(name for name, _ in missing[:MAX_NAMED])
+            more = f" and {len(missing) - MAX_NAMED} more" if len(missing) > MAX_NAMED else ""
+            raise UsageError(
+                f"the model's parameters {names}{more} got no gradient at step {step} (forward "
+                f"did not use them); use them, set requires_grad=False on them, or pass "
+                f"--find-unused-parameters to train with a zero gradient for them")
+        for _, p in missing:
+            p.grad = torch.zeros_like(p)
 
     def update(self, module: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> bool:
         """Synchronize and apply step ``step``'s update; True when training must stop here.

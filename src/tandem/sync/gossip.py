@@ -4,6 +4,10 @@ then applies its own gradient. No worker holds a global model; they reach consen
 
 With ``--compress``, the averaging is CHOCO-gossip (Koloskova, Stich and Jaggi, 2019): workers
 exchange compressed differences from public copies of their parameters (:class:`ChocoGossip`).
+
+Buffers (BatchNorm's running statistics): the floating-point ones are mixed with the same
+weights as the parameters (uncompressed under CHOCO-gossip: they are small), averaged pairwise
+with them in AD-PSGD, and averaged over all workers with them for the final model.
 """
 
 from __future__ import annotations
@@ -23,9 +27,9 @@ from tandem.compress import Codec, ErrorFeedback, Payload, build_codec
 from tandem.compress.hooks import from_bytes, to_bytes
 from tandem.compress.qsgd import QSGD
 from tandem.compress.sparse import RandomK
-from tandem.runtime.dist import new_group
 from tandem.sync.base import SyncStrategy
-from tandem.sync.flat import average_parameters, flatten, unflatten_into
+from tandem.sync.flat import average_model, flatten, float_buffers, model_state, unflatten_into
+from tandem.sync.side_group import cpu_group, source_rank
 from tandem.topology import Graph, two_colouring
 
 DEFAULT_GOSSIP_STEP = 0.1
@@ -72,14 +76,14 @@ class Gossip(SyncStrategy):
         return model.to(device)
 
     def update(self, module: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> bool:
-        params = list(module.parameters())
+        state = model_state(module)
         with self.action("GX"):
-            unflatten_into(self.mixer.mix(flatten(params)), params)
+            unflatten_into(self.mixer.mix(flatten(state)), state)
         self.step_optimizer(optimizer)
         return False
 
     def consensus(self, module: nn.Module) -> None:
-        average_parameters(module)
+        average_model(module)
 
     def stats(self) -> dict[str, float]:
         return {"sync_bytes": self.mixer.bytes_sent}
@@ -158,6 +162,8 @@ class ChocoGossip(SyncStrategy):
         self.public: dict[int, torch.Tensor] = {}
         """``x̂_j`` for this worker and each neighbour, flat."""
         self.scales: list[float] = []
+        self.buffer_mixer = GossipMixer(graph, matrix, rank)
+        """Mixes the floating-point buffers, uncompressed (D-PSGD's step)."""
         self.bytes_sent = 0
         self.uncompressed_bytes = 0
 
@@ -172,9 +178,11 @@ class ChocoGossip(SyncStrategy):
         return model
 
     def update(self, module: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> bool:
-        params = list(module.parameters())
+        params, buffers = list(module.parameters()), float_buffers(module)
         with self.action("GX"):
             unflatten_into(self.mix(flatten(params)), params)
+            if buffers:
+                unflatten_into(self.buffer_mixer.mix(flatten(buffers)), buffers)
         self.step_optimizer(optimizer)
         return False
 
@@ -225,13 +233,15 @@ class ChocoGossip(SyncStrategy):
         self.codec.load_state_dict(state["codec"])
 
     def consensus(self, module: nn.Module) -> None:
-        average_parameters(module)
+        average_model(module)
 
     def stats(self) -> dict[str, float]:
-        """Bytes sent, and the compression ratio divided by the number of workers (the
-        summary adds the workers' stats up, so it shows their mean)."""
+        """Bytes sent (buffers included), and the compression ratio of the parameters divided
+        by the number of workers (the summary adds the workers' stats up, so it shows their
+        mean)."""
         ratio = self.uncompressed_bytes / self.bytes_sent if self.bytes_sent else 1.0
-        return {"sync_bytes": self.bytes_sent, "compression_ratio": ratio / self.world_size}
+        return {"sync_bytes": self.bytes_sent + self.buffer_mixer.bytes_sent,
+                "compression_ratio": ratio / self.world_size}
 
 
 
@@ -246,6 +256,9 @@ class AsyncGossip(SyncStrategy):
     gradient; passive workers answer such requests on a background thread while they train.
     No worker waits for a global round, so a straggler slows only the requests sent to it.
     The topology must be bipartite (active and passive sides), which rules out deadlock.
+
+    Requests come from any neighbour, which NCCL cannot receive: the exchanges travel on a gloo
+    group of their own, through the CPU.
     """
 
     name = "gossip"
@@ -264,13 +277,16 @@ class AsyncGossip(SyncStrategy):
         self.bytes_sent = 0
         self.averages = 0
         self.params: list[torch.Tensor] = []
+        """The parameters and floating-point buffers, averaged together."""
         self.server: threading.Thread | None = None
         self.error: BaseException | None = None
 
     def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
         model = model.to(device)
-        self.params = list(model.parameters())
-        self.group = new_group(list(range(self.world_size)), timeout_s=self.timeout_s)
+        self.params = model_state(model)
+        self.dtype = flatten(self.params).dtype
+        """Of the flat model that travels (the parameters' and buffers' common dtype)."""
+        self.group = cpu_group(timeout_s=self.timeout_s, own=True)
         if not self.active:
             self.server = threading.Thread(target=self._serve, name="tandem-ad-psgd", daemon=True)
             self.server.start()
@@ -282,15 +298,17 @@ class AsyncGossip(SyncStrategy):
         if self.active and self.neighbours:
             peer = self.random.choice(self.neighbours)
             mine = flatten(self.params)
-            theirs = torch.empty_like(mine)
+            outgoing = mine.cpu()
+            theirs = torch.empty_like(outgoing)
             with self.action("GX"):
                 dist.send(torch.tensor([_REQUEST], dtype=torch.float64), peer, group=self.group,
                           tag=_TAG_HEADER)
-                dist.send(mine, peer, group=self.group, tag=_TAG_MINE)
+                dist.send(outgoing, peer, group=self.group, tag=_TAG_MINE)
                 dist.recv(theirs, peer, group=self.group, tag=_TAG_THEIRS)
             self.bytes_sent += mine.numel() * mine.element_size()
             with self.lock:
-                unflatten_into(flatten(self.params) + (theirs - mine) / 2, self.params)
+                change = (theirs.to(mine.device) - mine) / 2
+                unflatten_into(flatten(self.params) + change, self.params)
                 self.averages += 1
         with self.lock:
             self.step_optimizer(optimizer)
@@ -304,17 +322,17 @@ class AsyncGossip(SyncStrategy):
                 header = torch.empty(1, dtype=torch.float64)
                 work = dist.irecv(header, src=None, group=self.group, tag=_TAG_HEADER)
                 work.wait()
-                peer = dist.get_global_rank(self.group, work._source_rank())
+                peer = source_rank(work, self.group)
                 if header[0] == _STOP:
                     remaining -= 1
                     continue
-                theirs = torch.empty(sum(p.numel() for p in self.params))
+                theirs = torch.empty(sum(p.numel() for p in self.params), dtype=self.dtype)
                 dist.recv(theirs, peer, group=self.group, tag=_TAG_MINE)
                 with self.lock:
                     mine = flatten(self.params)
-                    unflatten_into(mine + (theirs - mine) / 2, self.params)
+                    unflatten_into(mine + (theirs.to(mine.device) - mine) / 2, self.params)
                     self.averages += 1
-                dist.send(mine, peer, group=self.group, tag=_TAG_THEIRS)
+                dist.send(mine.cpu(), peer, group=self.group, tag=_TAG_THEIRS)
                 self.bytes_sent += mine.numel() * mine.element_size()
         except BaseException as exc:  # noqa: BLE001 - reported by the training thread
             self.error = exc
@@ -330,7 +348,7 @@ class AsyncGossip(SyncStrategy):
                 raise self.error
 
     def consensus(self, module: nn.Module) -> None:
-        average_parameters(module)
+        average_model(module)
 
     def stats(self) -> dict[str, float]:
         return {"sync_bytes": self.bytes_sent, "pairwise_averages": self.averages}

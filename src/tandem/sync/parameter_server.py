@@ -8,7 +8,12 @@ once; ``ssp``: once the worker is at most ``staleness`` updates ahead of the slo
 
 With ``--compress CODEC``, pushes are the codec's payloads (with the registry's error feedback,
 one residual per parameter) and replies after the first are compressed differences from the
-parameters the worker holds (see :mod:`tandem.sync.ps_protocol`).
+parameters the worker holds (see :mod:`tandem.sync.ps_protocol`). Messages with server 0 carry
+the model's buffers both ways.
+
+Every message is a CPU tensor on a gloo group (:func:`~tandem.sync.side_group.cpu_group`):
+servers receive from any worker, which NCCL cannot do, so a GPU worker stages its gradients and
+parameters through the CPU.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from torch import nn
 
 from tandem.sync import ps_protocol as protocol
 from tandem.sync.base import SyncStrategy
-from tandem.sync.flat import flatten
+from tandem.sync.flat import flatten, state_buffers
+from tandem.sync.side_group import cpu_group
 
 
 class ParameterServerClient(SyncStrategy):
@@ -37,8 +43,9 @@ class ParameterServerClient(SyncStrategy):
     local_optimizer = False
 
     def __init__(self, num_servers: int, compress: str | None = None, *, rank: int = 0,
-                 num_workers: int = 1) -> None:
+                 num_workers: int = 1, timeout_s: float = 300.0) -> None:
         self.num_servers = num_servers
+        self.timeout_s = timeout_s
         self.compress = compress
         self.versions: list[int] = [0] * num_servers
         """Parameter version (updates applied) of each server's shard in the worker's model."""
@@ -52,9 +59,17 @@ class ParameterServerClient(SyncStrategy):
         self.pulls: list[protocol.PullDecoder] = []
         self.rank, self.num_workers = rank, num_workers
         """This worker's index among the workers, and their number (seed its codec's noise)."""
+        self.buffers = protocol.Buffers([])
+        self.extra_bytes: list[int] = []
+        """Per server: bytes of buffers its messages carry after the shard (server 0's only)."""
+        self.group: dist.ProcessGroup | None = None
 
     def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
         model = model.to(device)
+        self.group = cpu_group(timeout_s=self.timeout_s)  # where the servers make theirs
+        self.buffers = protocol.Buffers([b for _, b in state_buffers(model)])
+        self.extra_bytes = [self.buffers.num_bytes if server == 0 else 0
+                            for server in range(self.num_servers)]
         named = list(model.named_parameters())
         ranges = protocol.shard_ranges([p.numel() for _, p in named], self.num_servers)
         for start, end in ranges:
@@ -83,13 +98,14 @@ class ParameterServerClient(SyncStrategy):
         self._count_sent()
         header = protocol.Header(kind=protocol.BYE, traffic=self.traffic)
         for server, push in enumerate(self.pushes):
-            dist.send(protocol.message(header, push.body_bytes), dst=server, tag=protocol.TO_SERVER)
+            dist.send(protocol.message(header, push.body_bytes, self.extra_bytes[server]),
+                      dst=server, tag=protocol.TO_SERVER, group=self.group)
 
     def _exchange(self, kind: int, step: int) -> bool:
         """Send ``kind`` (with gradients for a push) to every server, then take back parameters."""
         bodies: list[torch.Tensor | int] = [push.body_bytes for push in self.pushes]
         if kind == protocol.PUSH:
-            bodies = [push.encode(_gradient(params))[0]
+            bodies = [push.encode(_gradient(params).cpu())[0]
                       for push, params in zip(self.pushes, self.shards)]
         self._count_sent()
         header = protocol.Header(kind=kind, step=step, loss=self.loss[0], count=self.loss[1],
@@ -97,9 +113,12 @@ class ParameterServerClient(SyncStrategy):
         sends = []
         with self.action("PU"):
             for server, data in enumerate(bodies):
+                extra = self.extra_bytes[server]
                 outgoing = protocol.message(
-                    dataclasses.replace(header, version=self.versions[server]), data)
-                sends.append((dist.isend(outgoing, dst=server, tag=protocol.TO_SERVER), outgoing))
+                    dataclasses.replace(header, version=self.versions[server]), data,
+                    self.buffers.encode() if extra and kind == protocol.PUSH else extra)
+                sends.append((dist.isend(outgoing, dst=server, tag=protocol.TO_SERVER,
+                                         group=self.group), outgoing))
         with self.action("PL"):
             stop = self._pull()
         for work, _ in sends:
@@ -111,11 +130,15 @@ class ParameterServerClient(SyncStrategy):
         """Take back every server's reply (the parameters); True when a server says stop."""
         stop = False
         for server, (pull, params) in enumerate(zip(self.pulls, self.shards)):
-            reply = protocol.empty(pull.next_bytes)
-            dist.recv(reply, src=server, tag=protocol.TO_WORKER)
+            size, extra = pull.next_bytes, self.extra_bytes[server]
+            reply = protocol.empty(size + extra)
+            dist.recv(reply, src=server, tag=protocol.TO_WORKER, group=self.group)
             self.traffic.pulled_bytes += reply.numel()
-            self.traffic.raw_pulled_bytes += protocol.HEADER_BYTES + pull.codec.raw_bytes
-            pull.apply(protocol.body(reply), params)
+            self.traffic.raw_pulled_bytes += protocol.HEADER_BYTES + pull.codec.raw_bytes + extra
+            data = protocol.body(reply)
+            pull.apply(data[:size], params)
+            if extra:
+                self.buffers.load(data[size:])
             header = protocol.Header.decode(reply)
             self.versions[server] = header.version
             stop = stop or header.stop
@@ -123,9 +146,9 @@ class ParameterServerClient(SyncStrategy):
 
     def _count_sent(self) -> None:
         """Count one message to every server (all have a push's size)."""
-        for push in self.pushes:
-            self.traffic.pushed_bytes += protocol.HEADER_BYTES + push.body_bytes
-            self.traffic.raw_pushed_bytes += protocol.HEADER_BYTES + push.raw_bytes
+        for push, extra in zip(self.pushes, self.extra_bytes):
+            self.traffic.pushed_bytes += protocol.HEADER_BYTES + push.body_bytes + extra
+            self.traffic.raw_pushed_bytes += protocol.HEADER_BYTES + push.raw_bytes + extra
 
     def stats(self) -> dict[str, float]:
         """``sync_bytes``: what this worker sent; ``pulled_bytes``: what the servers sent it."""

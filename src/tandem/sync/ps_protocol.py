@@ -10,6 +10,12 @@ message per exchange, so each costs one network round trip):
     server -> worker   PARAMS  header + parameter shard: float32 for the first reply to a worker
                                (and always without ``--compress``), else C(x - x̂_w)
 
+Messages with server 0 also carry the model's buffers (BatchNorm's running statistics, ...)
+after the body, exact in their own dtypes (:class:`Buffers`): a push carries the worker's
+buffers after its forward passes, a reply the server's. In ``sync`` mode the server takes the
+buffers of the lowest-ranked worker whose push the step applies (DDP broadcasts rank 0's), in
+``async`` and ``ssp`` those of each push it applies (the pushing worker's replace its own).
+
 Every message from a worker to a server has the size of a push, and every reply has a size the
 worker knows (the first is exact, the others compressed), so receive buffers are allocated in
 advance. A push's header also carries the worker's :class:`Traffic` so far, which server 0 sums
@@ -111,10 +117,12 @@ _TRAFFIC_FIELDS = [field.name for field in dataclasses.fields(Traffic)]
 HEADER_BYTES = 8 * (6 + len(_TRAFFIC_FIELDS))
 
 
-def message(header: Header, body: torch.Tensor | int) -> torch.Tensor:
-    """Header and body in one ``uint8`` tensor; an int body means that many unused bytes."""
-    data = torch.zeros(body, dtype=torch.uint8) if isinstance(body, int) else body
-    return torch.cat([header.encode(), data])
+def message(header: Header, *parts: torch.Tensor | int) -> torch.Tensor:
+    """Header and body parts in one ``uint8`` tensor on the CPU; an int part means that many
+    unused bytes."""
+    data = [torch.zeros(part, dtype=torch.uint8) if isinstance(part, int) else part.cpu()
+            for part in parts]
+    return torch.cat([header.encode(), *data])
 
 
 def empty(body_bytes: int) -> torch.Tensor:
@@ -125,6 +133,28 @@ def empty(body_bytes: int) -> torch.Tensor:
 def body(received: torch.Tensor) -> torch.Tensor:
     """The bytes after the header."""
     return received[HEADER_BYTES:]
+
+
+class Buffers:
+    """A model's buffers as message bytes, each exact in its own dtype (float running
+    statistics, integer counters such as ``num_batches_tracked``)."""
+
+    def __init__(self, buffers: Sequence[torch.Tensor]) -> None:
+        self.tensors = list(buffers)
+        self.template = [[(b.shape, b.dtype)] for b in self.tensors]
+        self.num_bytes = sum(b.numel() * b.element_size() for b in self.tensors)
+        """Bytes of every buffer together."""
+
+    def encode(self) -> torch.Tensor:
+        """The buffers' current values as ``num_bytes`` bytes (on the CPU)."""
+        if not self.tensors:
+            return torch.empty(0, dtype=torch.uint8)
+        return to_bytes([b.detach().cpu() for b in self.tensors])
+
+    def load(self, data: torch.Tensor) -> None:
+        """Set the buffers from :meth:`encode`'s bytes (of a peer's copy of the same model)."""
+        for tensor, (value,) in zip(self.tensors, from_bytes(data, self.template)):
+            tensor.data.copy_(value)
 
 
 class ShardCodec:
