@@ -104,3 +104,43 @@ class ValueBranch(nn.Module):
 def value_branch(info: DataInfo) -> nn.Module:
     """:class:`ValueBranch` for the data's inputs."""
     return ValueBranch(math.prod(info.input_shape), info.num_classes)
+
+
+class Unbalanced(nn.Module):
+    """Light linear layers and one block about ten times heavier than all of them together: a
+    wide square weight applied several times (its own parameters, so it stays one block)."""
+
+    def __init__(self, features: int, num_classes: int, width: int = 16, wide: int = 384,
+                 repeats: int = 6) -> None:
+        super().__init__()
+        self.embed = nn.Linear(features, width)
+        self.up = nn.Linear(width, wide)
+        self.heavy = Repeated(wide, repeats)
+        self.down = nn.Linear(wide, width)
+        self.light = nn.ModuleList(nn.Linear(width, width) for _ in range(4))
+        self.head = nn.Linear(width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.down(self.heavy(self.up(self.embed(x.flatten(1)))))
+        for layer in self.light:
+            h = torch.tanh(layer(h))
+        return self.head(h)
+
+
+class Repeated(nn.Module):
+    """One square linear map and tanh, applied ``repeats`` times."""
+
+    def __init__(self, width: int, repeats: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(width, width) / width**0.5)
+        self.repeats = repeats
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.repeats):
+            h = torch.tanh(F.linear(h, self.weight))
+        return h
+
+
+def unbalanced(info: DataInfo) -> nn.Module:
+    """:class:`Unbalanced` for the data's inputs."""
+    return Unbalanced(math.prod(info.input_shape), info.num_classes)

@@ -87,6 +87,27 @@ def test_profile_plan_and_a_four_stage_run(reference: dict[str, Path], tmp_path:
     assert max_abs_diff(reference["tied"], tmp_path / "run" / "final.pt") <= 1e-5
 
 
+UNBALANCED = ("--model", "tests.split_models:unbalanced", "--data", "digits", "--batch-size", "32")
+
+
+def test_stages_are_cut_where_the_profile_balances_them(tmp_path: Path) -> None:
+    """Block 3 (a wide weight applied six times) outweighs the other 13 blocks together: the
+    partitioner gives it the stage with fewer blocks, not 7 blocks to each stage."""
+    dp = tmp_path / "dp"
+    run_json("train", *UNBALANCED, *SGD, "--strategy", "dp", "--nproc", "1",
+             "--accumulate", str(MICROBATCHES), "--out", str(dp))
+    summary = run_json("train", *UNBALANCED, *SGD, "--strategy", "pipeline", "--nproc", "2",
+                       "--microbatches", str(MICROBATCHES), "--out", str(tmp_path / "run"))
+    bounds = [worker["layers"] for worker in summary["workers"]]
+    assert bounds != [[0, 7], [7, 14]] and bounds[0][0] == 0 and bounds[-1][1] == 14
+    heavy = next(stage for stage, (start, end) in enumerate(bounds) if start <= 3 < end)
+    sizes = [end - start for start, end in bounds]
+    assert sizes[heavy] < sizes[1 - heavy]
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())  # what --plan reruns
+    assert [[stage["start"], stage["end"]] for stage in plan["stages"]] == bounds
+    assert max_abs_diff(dp / "final.pt", tmp_path / "run" / "final.pt") <= 1e-5
+
+
 def test_profile_at_split_points(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_cli(capsys, "profile", *TIED, "--split-points", "layers.1,norm", "--json")
     assert code == 0, err

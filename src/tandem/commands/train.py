@@ -72,7 +72,8 @@ def add_train_arguments(parser: argparse.ArgumentParser, defaults: RunConfig) ->
     add("--microbatches", type=int,
         help="micro-batches per step of a pipeline (default: max(stages, replicas))")
     add("--stages", type=int,
-        help="pipeline stages, an even split of the model's blocks (default: one per worker)")
+        help="pipeline stages (default: one per worker): an nn.Sequential's blocks split evenly, "
+        "any other model's where a quick profile balances them")
     add("--replicas", help="replicas of each pipeline stage, e.g. 2,1")
     add("--vertical-sync", action="store_true", default=None,
         help="pipedream schedule: every stage uses the weight version stage 0 used")

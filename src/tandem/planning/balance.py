@@ -14,8 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from tandem.cluster import flat_cluster
 from tandem.errors import UsageError
 from tandem.plan import Plan, Stage
+from tandem.planning.partition import PartitionOptions
+from tandem.planning.planner import make_plan
 from tandem.profile import ModelProfile, topological_order
 
 
@@ -40,6 +43,19 @@ def balanced_bounds(times: Sequence[float], replicas: Sequence[int]) -> list[tup
         else:
             high, bounds = middle, attempt
     return bounds
+
+
+def pipeline_bounds(profile: ModelProfile, replicas: Sequence[int]) -> list[tuple[int, int]]:
+    """``[start, end)`` per stage of a chain of layers on ``replicas`` devices per stage: the
+    partitioner of ``tandem plan --straight`` when every stage has one device, else
+    :func:`balanced_bounds` for those replica counts (compute only, communication ignored)."""
+    if any(count != 1 for count in replicas):
+        return balanced_bounds([layer.compute_s for layer in profile.layers], replicas)
+    # one device per stage and activations ignored: no transfer is costed, so any bandwidth
+    cluster = flat_cluster(num_devices=len(replicas), bandwidth=1e9)
+    plan = make_plan(profile, cluster, PartitionOptions(straight=True, activation_compression=None))
+    assert plan.layer_order is None, "a chain's layers stay in order"
+    return [(stage.start, stage.end) for stage in plan.stages]
 
 
 def _fill(times: Sequence[float], replicas: Sequence[int], limit: float) -> list[tuple[int, int]] | None:

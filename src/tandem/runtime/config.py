@@ -278,13 +278,23 @@ def make_job(strategy: str = "dp", flags: Mapping[str, Any] | None = None, *,
 
     run = RunConfig(**settings)
     data, model = build_checked(run, objects)
-    blocks = len(model) if isinstance(model, nn.Sequential) else None
-    if blocks is None and strategy in STRATEGIES and STRATEGIES[strategy].pipelined:
-        from tandem.runtime.pipeline.setup import example_inputs, pipeline_blocks
+    if isinstance(model, nn.Sequential) or not (strategy in STRATEGIES
+                                                and STRATEGIES[strategy].pipelined):
+        blocks = len(model) if isinstance(model, nn.Sequential) else None
+        plan = plan_from_flags(strategy, flags or {}, num_processes=run.nproc, num_blocks=blocks)
+        return Job(run=run, plan=plan, objects=objects)
+    from tandem.runtime.dist import under_launcher
+    from tandem.runtime.pipeline.bounds import profiled_plan
+    from tandem.runtime.pipeline.setup import example_inputs, pipeline_blocks
 
-        blocks = len(pipeline_blocks(model, example_inputs(data.train), what=f"model {run.model!r}",
-                                     split_points=run.split_points))
-    plan = plan_from_flags(strategy, flags or {}, num_processes=run.nproc, num_blocks=blocks)
+    split = pipeline_blocks(model, example_inputs(data.train), what=f"model {run.model!r}",
+                            split_points=run.split_points)
+    plan = plan_from_flags(strategy, flags or {}, num_processes=run.nproc, num_blocks=len(split))
+    # the user's split points are their stages' blocks; under torchrun every process would
+    # measure its own profile and could cut elsewhere, so the stages stay even there
+    if run.split_points is None and not under_launcher():
+        plan = profiled_plan(plan, split, data.train, batch_size=run.batch_size,
+                             threads=run.threads)
     return Job(run=run, plan=plan, objects=objects)
 
 
