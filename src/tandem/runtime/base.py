@@ -17,10 +17,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn import functional as F
 
 from tandem import strict_json
-from tandem.data import Data, GlobalBatchSampler, Samples, Split
+from tandem.data import Data, GlobalBatchSampler, Samples
 from tandem.output_files import write_text
 from tandem.runtime.checkpoint import save_atomic
 from tandem.plan import Plan
@@ -36,11 +35,6 @@ MAX_TRACED_STEPS = 1000
 """Steps whose actions are recorded in ``trace.json`` (bounds the trace of long runs)."""
 GANTT_STEPS = 3
 """``gantt.png`` draws the last this many traced steps (the steady state, readable)."""
-
-
-def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy over every prediction (one per sample, or one per token)."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
 
 
 def build_optimizer(config: RunConfig, params: Any) -> torch.optim.Optimizer:
@@ -60,11 +54,6 @@ def lr_factor(config: RunConfig, step: int) -> float:
         progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
         return 0.5 * (1.0 + math.cos(math.pi * progress))
     return 1.0
-
-
-def to_device(split: Split, device: torch.device) -> Split:
-    """``split`` with its tensors moved to ``device``."""
-    return Split(inputs=split.inputs.to(device), targets=split.targets.to(device))
 
 
 def plan_summary(plan: Plan) -> dict[str, Any]:

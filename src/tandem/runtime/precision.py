@@ -69,6 +69,9 @@ class Precision:
                          parameters: Iterable[torch.nn.Parameter]) -> bool:
         """Unscale the gradients (fp16) and clip their global norm (``--clip-grad-norm``);
         returns whether they are finite (False: this step will be skipped)."""
+        if self.scaler is None and self.clip is None:  # fp32/bf16 unclipped: nothing per step
+            self.found_inf = False
+            return True
         params = [p for p in parameters if p.grad is not None]
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)

@@ -24,7 +24,7 @@ from tandem.data import shard_sizes
 from tandem.errors import UsageError
 from tandem.loss import evaluation
 from tandem.structures import call_model
-from tandem.runtime.base import BaseTrainer, Worker, loss_sum, save_worker_trace
+from tandem.runtime.base import BaseTrainer, Worker, save_worker_trace
 from tandem.runtime.checkpoint import CHECKPOINT_VERSION, load_checkpoint, save_atomic
 from tandem.runtime.config import Job
 from tandem.runtime.dist import WorkerEnv, init_worker
@@ -344,23 +344,6 @@ class ParameterServerWorker(Trainer):
             save_worker_trace(self.out, self.env.rank, self.clock_start, self.events)
         client.finish()
         return None
-
-
-@torch.no_grad()
-def score(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """``[correct, summed loss, predictions]`` of ``model`` on a split, in float64, in chunks."""
-    was_training = model.training
-    model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=inputs.device)
-    for chunk_start in range(0, len(inputs), EVAL_CHUNK):
-        x = inputs[chunk_start : chunk_start + EVAL_CHUNK]
-        y = targets[chunk_start : chunk_start + EVAL_CHUNK]
-        logits = model(x)
-        totals[0] += (logits.argmax(-1) == y).sum()
-        totals[1] += loss_sum(logits, y).double()
-        totals[2] += y.numel()
-    model.train(was_training)
-    return totals
 
 
 WORKERS: dict[type, Callable[[Job, WorkerEnv, Heartbeat], Worker]] = {
