@@ -19,7 +19,7 @@ from typing import NoReturn, Sequence
 from tandem.commands.config_file import add_config_argument, expand_config
 from tandem.errors import Interrupted, UsageError, WorkerFailure
 
-COMMANDS = ("train", "demo", "profile", "plan", "topology", "simulate", "search", "scale")
+COMMANDS = ("train", "demo", "pack", "profile", "plan", "topology", "simulate", "search", "scale")
 CONFIG_COMMANDS = ("train", "profile", "plan", "simulate", "search", "scale")
 """The commands that train or plan, which read options from ``--config FILE`` too."""
 

@@ -27,8 +27,15 @@ def add_train_arguments(parser: argparse.ArgumentParser, defaults: RunConfig) ->
     add("--model", default=defaults.model, help="model spec, e.g. mlp, gpt:layers=4,dim=128, "
         "resnet:depth=50, vgg:width=0.25, or package.module:function")
     add("--data", default=defaults.data, help="dataset spec: digits, images:n=4096,size=32, "
-        "tokens:seq=64,vocab=128, folder:PATH (one subfolder of images per class) or "
+        "tokens:seq=64,vocab=128, folder:PATH (one subfolder of images per class), "
+        "shards:DIR (written by tandem pack, streamed) or "
         "package.module:function[:k=v] (returns the train and test datasets)")
+    add("--loader-workers", type=int, default=defaults.loader_workers, metavar="N",
+        help="background processes per worker that read batches ahead (default: 1 for "
+        "--data shards:DIR, 0 for a Dataset; not for data held in memory)")
+    add("--cache-dir", default=defaults.cache_dir, metavar="DIR",
+        help="--data shards:DIR: keep local copies of the shards here (a slow source is read "
+        "once)")
     add("--loss", default=defaults.loss, metavar="PACKAGE.MODULE:FUNCTION",
         help="loss(output, targets) -> the batch's mean loss (default: cross-entropy on the "
         "model's logits)")

@@ -2,7 +2,8 @@
 where it can be told, what a model needs to know of them (``DataInfo``).
 
 ``--data`` takes a built-in name (``digits``, ``images:n=4096``, ``tokens``), ``folder:PATH``
-(a directory of images, :mod:`tandem.data.folder`) or ``package.module:function[:key=value]``,
+(a directory of images, :mod:`tandem.data.folder`), ``shards:DIR`` (shards written by
+``tandem pack``, streamed: :mod:`tandem.data.shards`) or ``package.module:function[:key=value]``,
 a function called with the options as keyword arguments that returns the train and test
 datasets — ``(train, test)``, ``(train, test, info)`` or a :class:`DataBundle`.
 
@@ -57,11 +58,19 @@ class Data:
         return self._info is not None
 
 
-def load_data(spec: str) -> Data:
-    """The data named by ``spec`` (see the module docstring)."""
+def load_data(spec: str, *, cache_dir: str | None = None) -> Data:
+    """The data named by ``spec`` (see the module docstring); ``cache_dir`` keeps local copies
+    of the shards of ``shards:DIR`` (the only data read from storage as training goes)."""
     from tandem.data import DATASETS, build_dataset
 
     head, _, rest = spec.partition(":")
+    if head == "shards":
+        from tandem.data.shards import load_shards
+
+        return load_shards(spec, cache_dir=cache_dir)
+    if cache_dir:
+        raise UsageError(f"--cache-dir keeps local copies of shards, and --data {spec} is not "
+                         f"read from shards; drop --cache-dir or pack the data (tandem pack)")
     if head == "folder":
         from tandem.data.folder import load_folder
 

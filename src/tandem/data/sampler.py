@@ -73,6 +73,11 @@ class GlobalBatchSampler:
         start = batch_index * self.global_batch_size
         return self.epoch_order(epoch)[start : start + self.global_batch_size]
 
+    def position(self, step: int) -> dict[str, int]:
+        """Where step ``step`` starts: its epoch and the samples of that epoch already read."""
+        epoch, batch = divmod(step, self.batches_per_epoch)
+        return {"epoch": epoch, "samples_into_epoch": batch * self.global_batch_size}
+
     def local_indices(self, step: int, *, rank: int, world_size: int) -> torch.Tensor:
         """The shard of step ``step``'s global batch that belongs to ``rank``."""
         batch = self.global_indices(step)

@@ -22,6 +22,7 @@ from torch.utils.data import Dataset, IterableDataset, TensorDataset, default_co
 
 from tandem import structures
 from tandem.data.bundle import Split
+from tandem.data.sampler import GlobalBatchSampler
 from tandem.errors import UsageError
 
 MAX_ITERABLE_SAMPLES = 10_000_000
@@ -54,6 +55,9 @@ class Batch:
 class Samples(abc.ABC):
     """The samples of one split, taken by index."""
 
+    streams = False
+    """Whether the samples are read from storage as training goes (shards), not held."""
+
     @abc.abstractmethod
     def __len__(self) -> int:
         """Number of samples."""
@@ -69,6 +73,13 @@ class Samples(abc.ABC):
     def rows(self, start: int, end: int) -> Batch:
         """Samples ``start`` to ``end - 1`` (evaluation walks a split in order)."""
         return self.take(torch.arange(start, end))
+
+    def batch_sampler(self, *, global_batch_size: int, seed: int,
+                      partitions: int) -> GlobalBatchSampler:
+        """The order of training: global batches addressed by step, each cut into
+        ``partitions`` shares (the data-parallel ranks). Held samples are shuffled as one
+        whole, so the batches do not depend on ``partitions``; streamed ones are not."""
+        return GlobalBatchSampler(len(self), global_batch_size=global_batch_size, seed=seed)
 
 
 class TensorSamples(Samples):

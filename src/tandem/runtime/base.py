@@ -19,7 +19,10 @@ import torch
 import torch.distributed as dist
 
 from tandem import strict_json
-from tandem.data import Data, GlobalBatchSampler, Samples
+from tandem.data import Batch, Data, GlobalBatchSampler, Samples
+from tandem.data.loader import PlannedLoader
+from tandem.data.shards import ShardSamples
+from tandem.errors import UsageError
 from tandem.output_files import write_text
 from tandem.runtime.checkpoint import save_atomic
 from tandem.plan import Plan
@@ -130,8 +133,15 @@ class BaseTrainer(Worker):
         self.data: Data = self.task.data
         self.train: Samples = self.data.train.to(env.device)
         self.test: Samples = self.data.test.to(env.device)
-        self.sampler = GlobalBatchSampler(len(self.train), global_batch_size=config.batch_size,
-                                          seed=config.seed)
+        self.sampler: GlobalBatchSampler = self.data.train.batch_sampler(
+            global_batch_size=config.batch_size, seed=config.seed,
+            partitions=self.data_partitions())
+        self.loader: PlannedLoader | None = None
+        self.data_wait_s = 0.0
+        """Seconds this worker's steps waited for their batches (read, or handed over), after
+        the first batch."""
+        self.first_data_wait_s: float | None = None
+        """Seconds the first batch took (with a loader: its processes' start)."""
         first_targets = self.data.train.rows(0, 1).targets
         self.predictions_per_sample = (first_targets[0].numel()
                                        if isinstance(first_targets, torch.Tensor) else 1)
@@ -153,6 +163,67 @@ class BaseTrainer(Worker):
         self.pending_log: tuple[Any, torch.Tensor, int, dict[str, Any]] | None = None
         self.reporter = Reporter(enabled=False, show_progress=False, metrics_path=None,
                                  total_steps=config.steps, first_step=0)
+
+    def data_partitions(self) -> int:
+        """Workers that each take a share of every global batch (the data-parallel ranks); 1
+        where one worker reads whole batches (a pipeline's first and last stages)."""
+        return 1
+
+    def planned_batches(self, first: int, last: int) -> list[torch.Tensor]:
+        """The sample indices of every batch this worker takes in steps ``first`` to
+        ``last - 1``, in order (read ahead by the loader); none by default."""
+        return []
+
+    def take_batch(self, indices: torch.Tensor) -> Batch:
+        """The training batch of ``indices`` on this worker's device: handed over by the loader
+        when it read it ahead, else read now; the wait counts in ``data_wait_s``."""
+        start = time.perf_counter()
+        batch = self.loader.take(indices) if self.loader is not None else None
+        if batch is None:
+            batch = self.train.take(indices)
+        waited = time.perf_counter() - start
+        if self.first_data_wait_s is None:
+            self.first_data_wait_s = waited
+        else:
+            self.data_wait_s += waited
+        return batch
+
+    def data_position(self, step: int) -> dict[str, Any]:
+        """What a checkpoint after ``step`` steps records of the data: where the next step
+        reads (epoch, samples into it), the ranks the order was cut for, and the shards."""
+        train = self.data.train
+        return {**self.sampler.position(step), "partitions": self.data_partitions(),
+                "shards": train.index.fingerprint if isinstance(train, ShardSamples) else None}
+
+    def check_data_position(self, recorded: dict[str, Any] | None, path: str) -> None:
+        """Refuse to resume streamed data whose order would differ from the checkpoint's."""
+        if recorded is None or not self.data.train.streams:
+            return
+        now = self.data_position(0)
+        if recorded.get("shards") != now["shards"]:
+            raise UsageError(f"checkpoint {path} was trained on other shards than "
+                             f"--data {self.config.data} holds now (they were packed again); "
+                             f"resume with the shards it was trained on, or start afresh")
+        if recorded.get("partitions") != now["partitions"]:
+            raise UsageError(f"checkpoint {path} read the shards cut for "
+                             f"{recorded.get('partitions')} data-parallel workers, and this run "
+                             f"has {now['partitions']}; resume with as many (shards are split "
+                             f"among the workers, so their order depends on the count)")
+
+    def start_loading(self, first: int, last: int) -> None:
+        """Start the background loader over this worker's batches of steps ``first`` to
+        ``last - 1`` (``--loader-workers``; none for data held in memory)."""
+        workers = self.task.loader_workers
+        plan = self.planned_batches(first, last) if workers else []
+        if plan:
+            self.loader = PlannedLoader(self.data.train, plan, workers=workers,
+                                        device=self.env.device)
+
+    def stop_loading(self) -> None:
+        """Stop the background loader (its processes end)."""
+        if self.loader is not None:
+            self.loader.close()
+            self.loader = None
 
     def setup_optimizer(self, params: Any) -> None:
         """Create the optimizer and learning-rate schedule over ``params``."""
@@ -194,7 +265,11 @@ class BaseTrainer(Worker):
             first_step=self.first_step,
         )
         with self.reporter:
-            self.train_steps(self.first_step, last_step)
+            self.start_loading(self.first_step, last_step)
+            try:
+                self.train_steps(self.first_step, last_step)
+            finally:
+                self.stop_loading()
             self.end_training()
             evaluation = self.evaluate()
             self.reporter.record(step=last_step, **evaluation)
@@ -323,4 +398,8 @@ class BaseTrainer(Worker):
             "samples_per_s": self.config.batch_size * len(self.step_times) / max(train_s, 1e-12),
             "step_time_s": statistics.median(timed) if timed else 0.0,
             "train_s": round(train_s, 4), "out": str(self.out) if self.out else None,
+            "data_wait_fraction": round(
+                self.data_wait_s / max(train_s - (self.first_data_wait_s or 0.0), 1e-12), 6),
+            "data_first_wait_s": round(self.first_data_wait_s or 0.0, 4),
+            "loader_workers": self.task.loader_workers,
         }

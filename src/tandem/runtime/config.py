@@ -21,6 +21,8 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0
 """Longest ``--timeout``: a week (a longer wait is no bound at all)."""
 MAX_THREADS = 1024
 """Most ``--threads`` per worker."""
+MAX_LOADER_WORKERS = 64
+"""Most ``--loader-workers`` per worker."""
 MAX_STRAGGLER = 1000.0
 """Largest ``--straggler`` factor (a slower worker would outwait any timeout)."""
 
@@ -81,6 +83,11 @@ class RunConfig:
     """Write the global loss to ``metrics.jsonl`` every this many steps."""
     threads: int = 1
     """Intra-op threads per worker on CPU."""
+    loader_workers: int | None = None
+    """Background processes that read batches ahead (:mod:`tandem.data.loader`); None: 1 for
+    data streamed from shards, 0 (read in the worker) for a user's ``Dataset``."""
+    cache_dir: str | None = None
+    """Keep local copies of the shards of ``--data shards:DIR`` here (a slow source read once)."""
     find_unused_parameters: bool = False
     """Data parallelism: a parameter that gets no gradient in a step has a zero gradient (DDP's
     ``find_unused_parameters=True``); without it, such a parameter stops the run, named."""
@@ -116,6 +123,12 @@ class RunConfig:
             raise UsageError(f"--threads {self.threads} is more than any machine's cores; use at "
                              f"most {MAX_THREADS}, e.g. --threads 1 (one per worker)")
         _at_least("--checkpoint-every", self.checkpoint_every, 0)
+        if self.loader_workers is not None:
+            _at_least("--loader-workers", self.loader_workers, 0)
+            if self.loader_workers > MAX_LOADER_WORKERS:
+                raise UsageError(f"--loader-workers {self.loader_workers} is more processes per "
+                                 f"worker than any machine helps with; use at most "
+                                 f"{MAX_LOADER_WORKERS}, e.g. --loader-workers 2")
         _at_least("--eval-every", self.eval_every, 0)
         _at_least("--log-every", self.log_every, 1)
         _at_least("--warmup-steps", self.warmup_steps, 0)

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from tandem import structures
-from tandem.data import Data, DataInfo, data_of, load_data
+from tandem.data import Data, DataInfo, TensorSamples, data_of, load_data
 from tandem.errors import UsageError
 from tandem.loss import LossFn, checked_loss, load_loss, loss_name, score_batch
 from tandem.models import build_model
@@ -56,10 +56,23 @@ class Task:
             self.data: Data = data_of(objects.train, objects.test, name=run.data,
                                       info=objects.info)
         else:
-            self.data = load_data(run.data)
+            self.data = load_data(run.data, cache_dir=getattr(run, "cache_dir", None))
+        self.loader_workers = self._loader_workers(getattr(run, "loader_workers", None))
         self.scores_training_data = objects.train is not None and objects.test is None
         self.loss_fn: LossFn = objects.loss if objects.loss is not None else load_loss(run.loss)
         self.loss_label = loss_name(objects.loss if objects.loss is not None else run.loss)
+
+    def _loader_workers(self, given: int | None) -> int:
+        """Background loader processes: as given, else 1 for streamed data and 0 otherwise;
+        refused for samples held in memory (nothing to read ahead)."""
+        train = self.data.train
+        if given is None:
+            return 1 if train.streams else 0
+        if given and isinstance(train, TensorSamples):
+            raise UsageError(f"--loader-workers {given} reads batches ahead from storage, and "
+                             f"--data {self.run.data} is held in memory; drop --loader-workers "
+                             f"(or stream it: tandem pack, then --data shards:DIR)")
+        return given
 
     def build_model(self) -> nn.Module:
         """A fresh model: built from ``--model``, a copy of the user's module, or what the

@@ -120,6 +120,9 @@ def _supervise(job: Job) -> None:
 
 def _supervised_worker(job: Job, mirror: Any, mistake: Any) -> None:
     die_with_parent()
+    # started as a daemon so that it never outlives the supervisor; it may start processes of
+    # its own (the data loader's, which end with it), which daemons may not
+    multiprocessing.current_process().daemon = False
     try:
         train_worker(job, mirror=mirror)
     except UsageError as exc:
@@ -178,6 +181,14 @@ class Trainer(BaseTrainer):
         if checkpoint is not None:
             self._restore(checkpoint)
 
+    def data_partitions(self) -> int:
+        return self._data_position()[1]
+
+    def planned_batches(self, first: int, last: int) -> list[torch.Tensor]:
+        rank, world = self._data_position()
+        return [self.sampler.local_indices(step, rank=rank, world_size=world)
+                for step in range(first, last)]
+
     def _data_position(self) -> tuple[int, int]:
         """This worker's index among the workers that share each global batch, and their count
         (parameter servers' ranks come first and take no share)."""
@@ -195,6 +206,7 @@ class Trainer(BaseTrainer):
     def _restore(self, checkpoint: dict[str, Any]) -> None:
         """Optimizer, schedule, step and this worker's own state (random stream, strategy state,
         and its model and optimizer where workers' differ)."""
+        self.check_data_position(checkpoint.get("data"), str(self.config.resume))
         ranks = checkpoint["ranks"]
         if len(ranks) != self.env.world_size:
             if not self.strategy.replicas_agree or self.plan.compress:
@@ -224,7 +236,7 @@ class Trainer(BaseTrainer):
         global_count = len(self.sampler.global_indices(step))
         indices = self.sampler.local_indices(step, rank=self.data_rank, world_size=self.data_world)
         scale = self.data_world / global_count
-        micros = self.train.take(indices).split(self.plan.accumulate)
+        micros = self.take_batch(indices).split(self.plan.accumulate)
         loss_total = torch.zeros((), device=self.env.device)
         for micro_index, micro in enumerate(micros):
             last = micro_index == len(micros) - 1
@@ -299,6 +311,7 @@ class Trainer(BaseTrainer):
             "version": CHECKPOINT_VERSION, "step": step, "fingerprint": self.job.fingerprint(),
             "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(), "ranks": ranks,
+            "data": self.data_position(step),
         }, self.out / "checkpoint.pt")
 
     def sent_bytes(self) -> float:
@@ -337,9 +350,13 @@ class ParameterServerWorker(Trainer):
         if not isinstance(client, ParameterServerClient):
             raise TypeError(f"a parameter-server worker needs a ps client, not {client!r}")
         step = client.next_step
-        while not self.stopped:
-            self.train_step(step)
-            step = client.next_step
+        self.start_loading(step, self.config.steps)
+        try:
+            while not self.stopped:
+                self.train_step(step)
+                step = client.next_step
+        finally:
+            self.stop_loading()
         if self.out is not None:  # before saying goodbye: server 0 merges it after the last one
             save_worker_trace(self.out, self.env.rank, self.clock_start, self.events)
         client.finish()

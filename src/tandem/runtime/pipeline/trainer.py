@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tandem import structures
+from tandem.data import Batch
 from tandem.loss import evaluation, score_batch
 from tandem.runtime.base import BaseTrainer
 from tandem.runtime.config import Job
@@ -170,10 +172,31 @@ class PipelineTrainer(BaseTrainer):
 
     # -- training --------------------------------------------------------------------------------
 
+    @property
+    def reads_data(self) -> bool:
+        """Whether this stage takes batches: the first (inputs) and the last (targets)."""
+        return self.stage in (0, self.layout.num_stages - 1)
+
+    def planned_batches(self, first: int, last: int) -> list[torch.Tensor]:
+        if not self.reads_data:
+            return []
+        return [self.sampler.global_indices(step) for step in range(first, last)]
+
+    @functools.lru_cache(maxsize=4)  # noqa: B019 - bounded, per trainer
+    def _global_batch(self, step: int) -> Batch:
+        """The whole global batch of ``step`` (the stage takes its micro-batches from it)."""
+        return self.take_batch(self.sampler.global_indices(step))
+
     def _microbatch(self, step: int, parts: tuple[torch.Tensor, ...], m: int) -> Microbatch:
         indices = parts[m]
         first, last = self.stage == 0, self.stage == self.layout.num_stages - 1
-        batch = self.train.take(indices) if first or last else None
+        batch = None
+        if self.reads_data:
+            start = sum(len(p) for p in parts[:m])
+            rows = slice(start, start + len(indices))
+            whole = self._global_batch(step)
+            batch = Batch(structures.take(whole.inputs, rows), structures.take(whole.targets, rows),
+                          len(indices))
         return Microbatch(
             size=len(indices), scale=1.0 / sum(len(p) for p in parts), step=step,
             inputs=batch.inputs if batch is not None and first else None,

@@ -1,0 +1,136 @@
+"""Reading a worker's batches ahead of training, in background processes (``--loader-workers``).
+
+The order of training is fixed in advance (a sampler addresses every batch by step), so a
+worker knows every batch it will take: a ``torch.utils.data.DataLoader`` over that list reads
+them in ``workers`` processes, ``prefetch`` batches ahead each, while the worker trains.
+:meth:`PlannedLoader.take` hands over the next batch when it is the one asked for; a batch
+asked for out of turn is read directly (and the plan waits); planned batches skipped
+(a parameter server moving a worker on) are dropped.
+
+Usage::
+
+    loader = PlannedLoader(samples, [sampler.local_indices(s, rank=r, world_size=w)
+                                     for s in range(first, last)], workers=2)
+    batch = loader.take(indices)      # the batch of ``indices``, read ahead
+    loader.close()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils.data import DataLoader, Dataset
+
+from tandem import structures
+from tandem.data.pack import NUMPY_DTYPES
+from tandem.data.samples import Batch, Samples
+
+PIPE_BYTES = 1 << 20
+"""Batches smaller than this travel from a loader process through its pipe as arrays (a third
+of the time of passing tensors through shared memory, which larger ones use)."""
+DEFAULT_PREFETCH = 4
+"""Batches each loader process reads ahead."""
+SKIP_AHEAD = 16
+"""Planned batches a worker may skip (a parameter server moving it on a step) and still be
+handed the next one read ahead."""
+
+
+class _PlannedBatches(Dataset):
+    """Item ``i``: the ``i``-th planned batch, as ``(inputs, targets, size)``."""
+
+    def __init__(self, samples: Samples, plan: Sequence[torch.Tensor]) -> None:
+        self.samples, self.plan = samples, plan
+
+    def __len__(self) -> int:
+        return len(self.plan)
+
+    def __getitem__(self, i: int) -> tuple[Any, Any, int]:
+        batch = self.samples.take(self.plan[i])
+        inputs, targets = batch.inputs, batch.targets
+        if sum(t.numel() * t.element_size() for t in structures.tensors((inputs, targets))) \
+                < PIPE_BYTES:
+            inputs, targets = pytree.tree_map(_to_numpy, (inputs, targets))
+        return inputs, targets, batch.size
+
+
+def _to_numpy(leaf: Any) -> Any:
+    if isinstance(leaf, torch.Tensor) and leaf.dtype in NUMPY_DTYPES:
+        return _Array(leaf.numpy())
+    return leaf
+
+
+def _from_numpy(leaf: Any) -> Any:
+    return torch.from_numpy(leaf.array) if isinstance(leaf, _Array) else leaf
+
+
+class _Array:
+    """A tensor's values sent through the loader's pipe (unwrapped into a tensor again)."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: Any) -> None:
+        self.array = array
+
+    def __getstate__(self) -> Any:
+        return self.array
+
+    def __setstate__(self, state: Any) -> None:
+        self.array = state
+
+
+def _as_is(item: Any) -> Any:
+    return item
+
+
+def _one_thread(worker_id: int) -> None:
+    torch.set_num_threads(1)
+
+
+def _same(planned: torch.Tensor, wanted: torch.Tensor) -> bool:
+    return len(planned) == len(wanted) and torch.equal(planned, wanted)
+
+
+class PlannedLoader:
+    """The batches ``plan`` of ``samples`` (on the CPU), read ahead by ``workers`` processes and
+    handed over on ``device``."""
+
+    def __init__(self, samples: Samples, plan: Sequence[torch.Tensor], *, workers: int,
+                 device: torch.device | None = None, prefetch: int = DEFAULT_PREFETCH) -> None:
+        if workers < 1:
+            raise ValueError(f"a loader needs at least one worker process (got {workers})")
+        self.plan, self.device, self.position = list(plan), device, 0
+        self.loader = DataLoader(_PlannedBatches(samples, self.plan), batch_size=None,
+                                 shuffle=False, num_workers=workers, prefetch_factor=prefetch,
+                                 collate_fn=_as_is, worker_init_fn=_one_thread)
+        self.batches: Iterator[tuple[Any, Any, int]] | None = (
+            iter(self.loader) if self.plan else None)
+
+    def take(self, indices: torch.Tensor) -> Batch | None:
+        """The next planned batch if it is the batch of ``indices``; None otherwise (then the
+        caller reads it itself)."""
+        if self.batches is None:
+            return None
+        wanted = indices.cpu()
+        ahead = next((k for k in range(min(SKIP_AHEAD, len(self.plan) - self.position))
+                      if _same(self.plan[self.position + k], wanted)), None)
+        if ahead is None:
+            return None
+        for _ in range(ahead):  # planned batches the worker skipped (a server moved it on)
+            next(self.batches)
+        self.position += ahead + 1
+        inputs, targets, size = pytree.tree_map(_from_numpy, next(self.batches))
+        batch = Batch(inputs, targets, size)
+        if self.position == len(self.plan):
+            self.close()
+        return batch.to(self.device) if self.device is not None else batch
+
+    def close(self) -> None:
+        """Stop the loader processes."""
+        if self.batches is not None:
+            shutdown = getattr(self.batches, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
+            self.batches = None

@@ -1,0 +1,242 @@
+"""``tandem pack``: write a dataset as tar shards in the WebDataset layout, with the index that
+``--data shards:DIR`` reads (:mod:`tandem.data.shards` describes both).
+
+An image folder (``folder:PATH``, or a bare directory) is packed as its image files' own bytes,
+decoded when read exactly as ``folder:PATH`` decodes them; any other ``--data`` form is packed
+sample by sample as tensors (``.npy``) or structures of tensors (``.pth``). A shard is closed
+once it holds ``shard_size`` bytes; the index is written last, so an interrupted pack leaves no
+index and no directory that ``shards:DIR`` would take for whole.
+
+Usage::
+
+    result = pack("digits", Path("digits-shards"), shard_size=64 << 20)
+    print(result.shards, result.samples, result.bytes)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from tandem.data.info import DataInfo
+from tandem.data.shards import INDEX_NAME, SPLITS, Shard, ShardIndex
+from tandem.errors import UsageError
+
+DEFAULT_SHARD_SIZE = 64 << 20
+ROWS_PER_READ = 256
+"""Samples of a non-image source read at once while packing."""
+NUMPY_DTYPES = frozenset({torch.float16, torch.float32, torch.float64, torch.int8, torch.int16,
+                          torch.int32, torch.int64, torch.uint8, torch.bool})
+
+class Progress(Protocol):
+    """What ``pack`` reports as it goes."""
+
+    def begin(self, total: int) -> None:
+        """The source holds ``total`` samples (both splits)."""
+
+    def advance(self, count: int) -> None:
+        """``count`` more samples written."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PackResult:
+    """What ``pack`` wrote."""
+
+    out: Path
+    source: str
+    """The ``--data`` form packed (a bare directory becomes ``folder:DIR``)."""
+    shards: int
+    samples: dict[str, int]
+    bytes: int
+
+
+def pack(source: str, out: Path, *, shard_size: int = DEFAULT_SHARD_SIZE,
+         progress: Progress | None = None) -> PackResult:
+    """Write ``source`` (a ``--data`` form or an image directory) as shards in ``out``."""
+    if shard_size < 1:
+        raise UsageError(f"--shard-size must be positive (got {shard_size} bytes); e.g. 64MB")
+    _check_out(out)
+    spec = f"folder:{source}" if Path(source).is_dir() and ":" not in source else source
+    if spec.partition(":")[0] == "folder":
+        files, info, decode = _folder_splits(spec)
+        samples = {split: _image_samples(files[split]) for split in SPLITS}
+        counts = {split: len(files[split]) for split in SPLITS}
+        name = spec
+    else:
+        from tandem.data.load import load_data
+
+        data = load_data(spec)
+        decode, name = {"kind": "tensor"}, data.name
+        try:
+            info: DataInfo | None = data.info
+        except UsageError:  # structures, float targets: only the user's own model can tell
+            info = None
+        samples = {"train": _tensor_samples(data.train), "test": _tensor_samples(data.test)}
+        counts = {"train": len(data.train), "test": len(data.test)}
+    if progress is not None:
+        progress.begin(sum(counts.values()))
+    out.mkdir(parents=True, exist_ok=True)
+    tick = progress.advance if progress is not None else (lambda count: None)
+    splits = {split: tuple(_write_split(out, split, samples[split], shard_size, tick))
+              for split in SPLITS}
+    index = ShardIndex(root=out, name=name, info=info, splits=splits, decode=decode,
+                       fingerprint="")
+    partial = out / f"{INDEX_NAME}.partial"
+    partial.write_text(json.dumps(index.to_json()) + "\n")
+    os.replace(partial, out / INDEX_NAME)
+    total = sum(shard.bytes for shards in splits.values() for shard in shards)
+    return PackResult(out=out, source=spec, shards=sum(len(s) for s in splits.values()), samples=counts,
+                      bytes=total)
+
+
+def _check_out(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file; give a directory for the shards")
+    if out.is_dir() and ((out / INDEX_NAME).exists() or any(out.glob("*.tar"))):
+        raise UsageError(f"--out {out} already holds shards; remove them or choose another "
+                         f"directory")
+
+
+def _write_split(out: Path, split: str, samples: Iterator[dict[str, bytes]], shard_size: int,
+                 tick: Any) -> Iterator[Shard]:
+    """Write the samples as ``split-000000.tar``, ... of at most about ``shard_size`` bytes."""
+    number, key = 0, 0
+    writer: _ShardWriter | None = None
+    for sample in samples:
+        if writer is None:
+            writer = _ShardWriter(out / f"{split}-{number:06d}.tar")
+        writer.add(f"{key:09d}", sample)
+        key += 1
+        tick(1)
+        if writer.size >= shard_size:
+            yield writer.close()
+            writer, number = None, number + 1
+    if writer is not None:
+        yield writer.close()
+
+
+class _ShardWriter:
+    """One tar shard being written, with the offset where each sample starts."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.partial = path.with_name(path.name + ".partial")
+        self.file = open(self.partial, "wb")
+        self.archive = tarfile.open(fileobj=self.file, mode="w", format=tarfile.USTAR_FORMAT)
+        self.offsets = [0]
+
+    @property
+    def size(self) -> int:
+        return self.offsets[-1]
+
+    def add(self, key: str, parts: dict[str, bytes]) -> None:
+        for part, content in parts.items():
+            member = tarfile.TarInfo(f"{key}.{part}")
+            member.size, member.mtime, member.mode = len(content), 0, 0o644
+            self.archive.addfile(member, io.BytesIO(content))
+        self.offsets.append(self.file.tell())
+
+    def close(self) -> Shard:
+        self.archive.close()
+        self.file.close()
+        os.replace(self.partial, self.path)
+        return Shard(name=self.path.name, bytes=self.path.stat().st_size,
+                     offsets=tuple(self.offsets))
+
+
+def _tensor_samples(samples: Any) -> Iterator[dict[str, bytes]]:
+    for start in range(0, len(samples), ROWS_PER_READ):
+        batch = samples.rows(start, min(start + ROWS_PER_READ, len(samples)))
+        for row in range(batch.size):
+            inputs = _row(batch.inputs, row)
+            targets = _row(batch.targets, row)
+            yield {**_encode("input", inputs), **_encode_target(targets)}
+
+
+def _row(tree: Any, row: int) -> Any:
+    from torch.utils import _pytree as pytree
+
+    return pytree.tree_map(lambda x: x[row].clone() if isinstance(x, torch.Tensor) else x, tree)
+
+
+def _encode(name: str, value: Any) -> dict[str, bytes]:
+    if isinstance(value, torch.Tensor) and value.dtype in NUMPY_DTYPES:
+        buffer = io.BytesIO()
+        np.save(buffer, value.cpu().numpy(), allow_pickle=False)
+        return {f"{name}.npy": buffer.getvalue()}
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return {f"{name}.pth": buffer.getvalue()}
+
+
+def _encode_target(value: Any) -> dict[str, bytes]:
+    if (isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype == torch.int64):
+        return {"cls": str(int(value)).encode()}
+    return _encode("target", value)
+
+
+# -- image folders -------------------------------------------------------------------------------
+
+def _folder_splits(spec: str) -> tuple[dict[str, list[tuple[Path, int]]], DataInfo,
+                                       dict[str, Any]]:
+    """The image files of each split of ``folder:PATH`` (split as ``folder:PATH`` splits them),
+    what they decode to, and how."""
+    from PIL import Image, UnidentifiedImageError
+
+    from tandem.data.bundle import check_split, split_held_out
+    from tandem.data.folder import _classes, _files, parse_folder_spec
+
+    root, options = parse_folder_spec(spec)
+    if not root.is_dir():
+        raise UsageError(f"tandem pack {spec}: {root} is not a directory; give a folder with "
+                         f"one subfolder of images per class")
+    if (root / "train").is_dir() and (root / "test").is_dir():
+        classes = _classes(root / "train", spec)
+        files = {"train": _files(root / "train", classes, spec),
+                 "test": _files(root / "test", classes, spec, allow_empty_classes=True)}
+    else:
+        classes = _classes(root, spec)
+        every = _files(root, classes, spec)
+        try:
+            check_split(len(every), options.test)
+        except ValueError as exc:
+            raise UsageError(f"tandem pack {spec}: {len(every)} images, and {exc}") from None
+        numbers = torch.arange(len(every))
+        labels = torch.tensor([label for _, label in every])
+        train, test = split_held_out(numbers, labels, options.test, options.split_seed)
+        files = {"train": [every[int(i)] for i in train.inputs],
+                 "test": [every[int(i)] for i in test.inputs]}
+    modes, sizes = set(), set()
+    for path, _ in (item for split in SPLITS for item in files[split]):
+        try:
+            with Image.open(path) as image:
+                modes.add(image.mode)
+                sizes.add(image.size)
+        except (OSError, UnidentifiedImageError) as exc:
+            raise UsageError(f"tandem pack {spec}: cannot read image {path} ({exc}); remove or "
+                             f"replace it") from None
+    if not options.size and len(sizes) > 1:
+        shown = ", ".join(f"{w}x{h}" for w, h in sorted(sizes)[:4])
+        raise UsageError(f"tandem pack {spec}: the images have different sizes ({shown}); "
+                         f"resize them all with folder:PATH:size=S, e.g. size=32")
+    grayscale = modes <= {"L", "1", "I", "I;16", "F"}
+    mode, channels = ("L", 1) if grayscale else ("RGB", 3)
+    width, height = (options.size, options.size) if options.size else next(iter(sizes))
+    info = DataInfo(task="classify", input_shape=(channels, height, width),
+                    num_classes=len(classes))
+    return files, info, {"kind": "image", "mode": mode, "size": options.size}
+
+
+def _image_samples(files: list[tuple[Path, int]]) -> Iterator[dict[str, bytes]]:
+    for path, label in files:
+        extension = path.suffix.lower().lstrip(".")
+        yield {extension: path.read_bytes(), "cls": str(label).encode()}
