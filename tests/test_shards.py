@@ -303,3 +303,47 @@ def test_every_strategy_trains_on_shards(digit_shards: Path, strategy: tuple[str
     summary = run_json("train", "--data", f"shards:{digit_shards}", *strategy, "--steps", "60",
                        timeout_s=240)
     assert summary["finished"] and summary["test_accuracy"] > 0.5, summary
+
+
+# -- the Python API ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_shard_dataset_gives_each_rank_its_part_of_an_epoch(digit_shards: Path,
+                                                            world: int) -> None:
+    from torch.utils.data import DataLoader
+
+    from tandem.data import ShardDataset
+
+    memory = load_data("digits").train
+    seen: list[int] = []
+    for rank in range(world):
+        dataset = ShardDataset(digit_shards, rank=rank, world_size=world, seed=4)
+        dataset.set_epoch(2)
+        loader = DataLoader(dataset, batch_size=50, num_workers=2 if rank == 0 else 0)
+        count = 0
+        for inputs, targets in loader:
+            # each input is one of the digits: find which by its pixels
+            flat = memory.inputs.flatten(1)
+            for row, target in zip(inputs.flatten(1), targets):
+                match = (flat == row).all(dim=1).nonzero().flatten().tolist()
+                assert any(int(memory.targets[m]) == int(target) for m in match)
+                seen.append(next(m for m in match if m not in seen or len(match) == 1))
+            count += len(inputs)
+        assert count == len(dataset)
+    assert len(seen) == len(memory)
+    assert len(set(seen)) >= len(memory) - 20  # a few digits have exact duplicates
+
+
+def test_fit_streams_a_shard_dataset_as_it_streams_the_spec(digit_shards: Path,
+                                                             tmp_path: Path) -> None:
+    import tandem
+    from tandem.data import ShardDataset
+
+    train, test = ShardDataset(digit_shards), ShardDataset(digit_shards, "test")
+    given = tandem.fit("mlp", train, test, steps=100, lr_schedule="cosine",
+                       out=str(tmp_path / "given"), progress=False)
+    named = tandem.fit("mlp", data=f"shards:{digit_shards}", steps=100, lr_schedule="cosine",
+                       out=str(tmp_path / "named"), progress=False)
+    assert given.summary["loader_workers"] == 1
+    assert given.summary["test_accuracy"] > 0.6
+    assert max_abs_diff(tmp_path / "given" / "final.pt", tmp_path / "named" / "final.pt") == 0

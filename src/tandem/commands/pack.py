@@ -13,10 +13,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from tandem import strict_json
 from tandem.cluster import parse_size
 from tandem.data.pack import DEFAULT_SHARD_SIZE, pack
+from tandem.errors import UsageError
 
 
 def run(args: argparse.Namespace) -> int:
-    shard_size = int(parse_size(args.shard_size)) if args.shard_size else DEFAULT_SHARD_SIZE
+    try:
+        shard_size = int(parse_size(args.shard_size)) if args.shard_size else DEFAULT_SHARD_SIZE
+    except UsageError:
+        raise UsageError(f"--shard-size {args.shard_size!r} is not a size; write a number and a "
+                         f"unit, e.g. --shard-size 64MB") from None
     bar = _Bar(enabled=args.progress)
     with bar.progress:
         result = pack(args.source, Path(args.out), shard_size=shard_size, progress=bar)

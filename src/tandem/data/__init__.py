@@ -17,13 +17,14 @@ from tandem.data.info import DataInfo
 from tandem.data.load import Data, data_of, load_data
 from tandem.data.samples import Batch, DatasetSamples, Samples, TensorSamples, samples_of
 from tandem.data.sampler import GlobalBatchSampler, RankBatchSampler, shard_sizes
+from tandem.data.shards import ShardDataset
 from tandem.data.synthetic import ImagesOptions, TokensOptions, make_images, make_tokens
 from tandem.errors import UsageError
 from tandem.options import fill_options, split_spec
 
 __all__ = [
     "DATASETS", "Batch", "Data", "DataBundle", "DataInfo", "DatasetSamples", "GlobalBatchSampler",
-    "RankBatchSampler", "Samples", "Split", "TensorSamples", "build_dataset", "data_of",
+    "RankBatchSampler", "Samples", "ShardDataset", "Split", "TensorSamples", "build_dataset", "data_of",
     "dataset_bytes", "load_data", "samples_of", "shard_sizes",
 ]
 

@@ -84,6 +84,8 @@ def data_of(train: Any, test: Any, *, name: str = "user data",
             info: DataInfo | None = None) -> Data:
     """Data from dataset objects (the Python API): ``test`` may be None (then the training
     samples are scored at the end, and the summary says so)."""
+    if info is None and isinstance(getattr(train, "info", None), DataInfo):
+        info = train.info  # a ShardDataset knows its own (from the index)
     train_samples = samples_of(train, what=f"the training data ({name})")
     test_samples = (samples_of(test, what=f"the test data ({name})") if test is not None
                     else train_samples)

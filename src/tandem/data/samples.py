@@ -151,6 +151,8 @@ def samples_of(dataset: Any, *, what: str) -> Samples:
     ``IterableDataset`` (or any other iterable) read into memory first."""
     if isinstance(dataset, Samples):
         return dataset
+    if isinstance(getattr(dataset, "tandem_samples", None), Samples):  # ShardDataset: streamed
+        return dataset.tandem_samples
     if isinstance(dataset, Split):
         return TensorSamples.of(dataset)
     if isinstance(dataset, TensorDataset) and len(dataset.tensors) == 2:

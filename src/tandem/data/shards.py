@@ -61,6 +61,8 @@ TAR_BLOCK = 512
 MAX_OPEN_SHARDS = 64
 """Shard files a reader keeps open at once (closing the least recently used)."""
 DEFAULT_SHUFFLE = 1000
+READ_CHUNK = 64
+"""Samples :class:`ShardDataset` reads at once."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -248,11 +250,17 @@ class ShardSamples(Samples):
 
     def take(self, indices: torch.Tensor) -> Batch:
         wanted = [int(i) for i in indices.tolist()]
-        found = self._read(sorted(set(wanted)))
+        found = self._read(sorted(set(wanted)), decode=True)
         items = [found[i] for i in wanted]
         inputs, targets = default_collate(items)
         batch = Batch(inputs, targets, len(items))
         return batch.to(self.device) if self.device is not None else batch
+
+    def read_parts(self, indices: torch.Tensor) -> list[dict[str, bytes]]:
+        """The samples ``indices`` as their undecoded tar members (measuring storage alone)."""
+        wanted = [int(i) for i in indices.tolist()]
+        found = self._read(sorted(set(wanted)), decode=False)
+        return [found[i] for i in wanted]
 
     def close(self) -> None:
         """Close the files this process has open."""
@@ -261,14 +269,14 @@ class ShardSamples(Samples):
 
     # -- reading ---------------------------------------------------------------------------------
 
-    def _read(self, numbers: list[int]) -> dict[int, tuple[Any, Any]]:
+    def _read(self, numbers: list[int], *, decode: bool) -> dict[int, Any]:
         """Samples ``numbers`` (sorted), each run of consecutive samples of a shard read at
         once."""
         found: dict[int, tuple[Any, Any]] = {}
         run: list[int] = []
         for number in numbers + [-1]:
             if run and (number != run[-1] + 1 or self._shard_of(number) != self._shard_of(run[0])):
-                found.update(self._read_run(run))
+                found.update(self._read_run(run, decode=decode))
                 run = []
             if number >= 0:
                 if not 0 <= number < len(self):
@@ -280,7 +288,7 @@ class ShardSamples(Samples):
     def _shard_of(self, number: int) -> int:
         return bisect.bisect_right(self.starts, number) - 1 if number >= 0 else -1
 
-    def _read_run(self, run: list[int]) -> dict[int, tuple[Any, Any]]:
+    def _read_run(self, run: list[int], *, decode: bool) -> dict[int, Any]:
         shard_number = self._shard_of(run[0])
         shard = self.shards[shard_number]
         first, last = run[0] - self.starts[shard_number], run[-1] - self.starts[shard_number]
@@ -292,7 +300,7 @@ class ShardSamples(Samples):
         if parts is None:
             raise UsageError(f"shard {shard.name} in {self.index.root} is truncated or corrupt "
                              f"(samples {first}..{last} unreadable); copy it again or pack again")
-        return {number: self._decode(sample, shard.name)
+        return {number: self._decode(sample, shard.name) if decode else sample
                 for number, sample in zip(run, parts)}
 
     def _handle(self, shard_number: int) -> BinaryIO:
@@ -491,3 +499,67 @@ def _buffer_shuffle(items: np.ndarray, size: int, rng: np.random.Generator) -> n
     rest = np.array(buffer, dtype=items.dtype)
     out[written:] = rest[rng.permutation(len(rest))]
     return out
+
+
+class ShardDataset(torch.utils.data.IterableDataset):
+    """One split of a shard directory as a PyTorch ``IterableDataset`` of ``(input, target)``
+    pairs: in a plain training loop, this rank's part of one epoch (rank and world size from
+    ``torch.distributed`` when it is initialized; ranks differ by at most one sample), in the
+    order ``--data shards:DIR`` would read it, split among a ``DataLoader``'s worker processes;
+    :meth:`set_epoch` picks the epoch. Given to :func:`tandem.fit`, tandem streams it as it
+    streams ``--data shards:DIR``.
+
+    Usage::
+
+        train = ShardDataset("digits-shards")
+        loader = DataLoader(train, batch_size=32, num_workers=2)
+        tandem.fit(model, ShardDataset("digits-shards"), ShardDataset("digits-shards", "test"))
+    """
+
+    def __init__(self, path: str | Path, split: str = "train", *, seed: int = 0,
+                 shuffle: int = DEFAULT_SHUFFLE, cache_dir: str | None = None,
+                 rank: int | None = None, world_size: int | None = None) -> None:
+        super().__init__()
+        if split not in SPLITS:
+            raise UsageError(f"split {split!r} is not one of {', '.join(SPLITS)}")
+        data = load_shards(f"shards:{path}:shuffle={shuffle}", cache_dir=cache_dir)
+        self.tandem_samples: ShardSamples = data.train if split == "train" else data.test
+        """The samples tandem streams when this dataset is given to it."""
+        self.info = data.info
+        self.seed, self.shuffle, self.epoch = seed, shuffle, 0
+        self.rank, self.world_size = rank, world_size
+
+    def set_epoch(self, epoch: int) -> None:
+        """Iterate epoch ``epoch`` next (its shard order and shuffle)."""
+        self.epoch = epoch
+
+    def _place(self) -> tuple[int, int]:
+        if self.rank is not None and self.world_size is not None:
+            return self.rank, self.world_size
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
+
+    def _stream(self) -> np.ndarray:
+        rank, world = self._place()
+        samples = self.tandem_samples
+        sampler = ShardBatchSampler([s.samples for s in samples.shards], global_batch_size=world,
+                                    seed=self.seed, partitions=world, shuffle_buffer=self.shuffle)
+        return sampler.partition_stream(self.epoch, rank)
+
+    def __len__(self) -> int:
+        return len(self._stream())
+
+    def __iter__(self) -> Any:
+        stream = self._stream()
+        worker = torch.utils.data.get_worker_info()
+        if worker is not None:
+            stream = stream[worker.id::worker.num_workers]
+        from tandem import structures
+
+        for low in range(0, len(stream), READ_CHUNK):
+            batch = self.tandem_samples.take(torch.from_numpy(stream[low:low + READ_CHUNK]))
+            for row in range(batch.size):
+                yield structures.take(batch.inputs, row), structures.take(batch.targets, row)

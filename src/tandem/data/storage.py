@@ -28,6 +28,8 @@ from typing import BinaryIO
 
 COPY_CHUNK = 1 << 20
 """Bytes per read when a file is copied into a cache."""
+SLACK_S = 0.001
+"""How far an emulated read may run ahead of its bandwidth before it waits."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -68,7 +70,13 @@ class EmulatedStorage(Storage):
 
 
 class _Throttled(io.RawIOBase):
-    """A file whose reads take at least their bytes over the bandwidth."""
+    """A file whose reads take their bytes over the bandwidth, shared by all the files this
+    process reads: a clock of when the bytes read so far are through runs ahead of the real
+    one, and a read waits once it is more than ``SLACK_S`` ahead (sleeping for every small read
+    would charge the sleep's own overhead)."""
+
+    through_at = 0.0
+    """When this process's reads so far are through (a class attribute: one per process)."""
 
     def __init__(self, handle: BinaryIO, bandwidth_Bps: float) -> None:
         super().__init__()
@@ -87,12 +95,13 @@ class _Throttled(io.RawIOBase):
         return self.handle.tell()
 
     def readinto(self, buffer: memoryview) -> int:  # type: ignore[override]
-        start = time.perf_counter()
-        count = self.handle.readinto(buffer)  # type: ignore[attr-defined]
-        wait = (count or 0) / self.bandwidth_Bps - (time.perf_counter() - start)
-        if wait > 0:
-            time.sleep(wait)
-        return count or 0
+        count = self.handle.readinto(buffer) or 0  # type: ignore[attr-defined]
+        now = time.perf_counter()
+        through_at = max(_Throttled.through_at, now) + count / self.bandwidth_Bps
+        _Throttled.through_at = through_at
+        if through_at - now > SLACK_S:
+            time.sleep(through_at - now)
+        return count
 
     def close(self) -> None:
         self.handle.close()
