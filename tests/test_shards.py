@@ -347,3 +347,17 @@ def test_fit_streams_a_shard_dataset_as_it_streams_the_spec(digit_shards: Path,
     assert given.summary["loader_workers"] == 1
     assert given.summary["test_accuracy"] > 0.6
     assert max_abs_diff(tmp_path / "given" / "final.pt", tmp_path / "named" / "final.pt") == 0
+
+
+def test_pack_on_the_command_line_reports_shards_samples_and_bytes(tmp_path: Path) -> None:
+    result = run_tandem("pack", "digits", "--out", str(tmp_path / "s"), "--shard-size", "300KB",
+                        "--json", "--no-progress", timeout_s=120)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["samples"] == {"train": 1438, "test": 359}
+    tars = sorted(tmp_path.glob("s/*.tar"))
+    assert summary["shards"] == len(tars) > 4
+    assert summary["bytes"] == sum(p.stat().st_size for p in tars)
+    bad = run_tandem("pack", "digits", "--out", str(tmp_path / "t"), "--shard-size", "64XB")
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+    assert "--shard-size '64XB' is not a size" in bad.stderr

@@ -23,8 +23,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--shard-size {args.shard_size!r} is not a size; write a number and a "
                          f"unit, e.g. --shard-size 64MB") from None
     bar = _Bar(enabled=args.progress)
-    with bar.progress:
+    try:
         result = pack(args.source, Path(args.out), shard_size=shard_size, progress=bar)
+    finally:
+        bar.progress.stop()
     spec = result.source
     summary = {"out": str(result.out), "shards": result.shards, "samples": result.samples,
                "bytes": result.bytes, "source": spec}
@@ -48,6 +50,7 @@ class _Bar:
 
     def begin(self, total: int) -> None:
         self.progress.update(self.task, total=total)
+        self.progress.start()  # only once the source is read: a mistake in it is one line
 
     def advance(self, count: int) -> None:
         self.progress.advance(self.task, count)
