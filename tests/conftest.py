@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,41 @@ def run_json(*args: str, timeout_s: float = 180) -> dict[str, Any]:
     result = run_tandem(*args, "--json", "--no-progress", timeout_s=timeout_s)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+SharedRun = Callable[..., tuple[Path, dict[str, Any]]]
+"""``shared_run(*train_args)``: the ``--out`` directory and ``--json`` summary of that run."""
+
+
+def _canonical(args: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+    """``train`` options as (flag, value...) groups in flag order: the same run however the
+    options are ordered (a repeated flag keeps its order, as the last one wins)."""
+    groups: list[list[str]] = []
+    for arg in args:
+        if arg.startswith("--") or not groups:
+            groups.append([arg])
+        else:
+            groups[-1].append(arg)
+    return tuple(sorted((tuple(group) for group in groups), key=lambda group: group[0]))
+
+
+@pytest.fixture(scope="session")
+def shared_run(tmp_path_factory: pytest.TempPathFactory) -> SharedRun:
+    """Run ``tandem train ARGS --out DIR`` once per session for each ARGS (in any order) and
+    give every test that asks its directory and summary: tests in one file or several that
+    compare against the same run share it. The directory is read-only to the tests (a test
+    that resumes or adds to a run's outputs starts its own)."""
+    runs: dict[tuple[tuple[str, ...], ...], tuple[Path, dict[str, Any]]] = {}
+
+    def run(*args: str, timeout_s: float = 180) -> tuple[Path, dict[str, Any]]:
+        key = _canonical(args)
+        if key not in runs:
+            out = tmp_path_factory.mktemp("shared-run")
+            runs[key] = (out, run_json("train", *args, "--out", str(out), timeout_s=timeout_s))
+        out, summary = runs[key]
+        return out, copy.deepcopy(summary)
+
+    return run
 
 
 def max_abs_diff(path_a: Path, path_b: Path) -> float:

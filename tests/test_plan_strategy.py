@@ -19,7 +19,7 @@ from tandem.sync_spec import (
     ParameterServerSync,
     sync_from_dict,
 )
-from tests.conftest import ROOT, max_abs_diff, run_cli, run_json, run_tandem
+from tests.conftest import ROOT, SharedRun, max_abs_diff, run_cli, run_json, run_tandem
 
 INAPPLICABLE = {
     "dp --mode": (("--mode", "async"), "--mode applies to --strategy ps only (this run has "
@@ -171,14 +171,15 @@ def test_a_gpipe_plan_with_8_micro_batches_runs_exactly_that(tmp_path: Path) -> 
         assert compute == ["F"] * 8 + ["B"] * 8, names
 
 
-def test_a_run_reruns_from_its_own_plan_file(tmp_path: Path) -> None:
-    """``plan.json`` of a run is its strategy: running it again gives the same model."""
-    common = ("--steps", "4", "--batch-size", "32", "--seed", "5")
-    run_json("train", *common, "--strategy", "ps", "--nproc", "3", "--out", str(tmp_path / "a"))
-    summary = run_json("train", *common, "--plan", str(tmp_path / "a" / "plan.json"),
-                       "--out", str(tmp_path / "b"))
+def test_a_run_reruns_from_its_own_plan_file(shared_run: SharedRun, tmp_path: Path) -> None:
+    """``plan.json`` of a run is its strategy: running it again gives the same model. (The
+    first run is the ``ps`` run whose trace is checked below.)"""
+    common = ("--steps", "2", "--batch-size", "32")
+    first, _ = shared_run("--strategy", "ps", "--nproc", "3", *common)
+    summary = run_json("train", *common, "--plan", str(first / "plan.json"),
+                       "--out", str(tmp_path))
     assert summary["strategy"] == "ps" and summary["world_size"] == 3
-    assert max_abs_diff(tmp_path / "a" / "final.pt", tmp_path / "b" / "final.pt") == 0.0
+    assert max_abs_diff(first / "final.pt", tmp_path / "final.pt") == 0.0
 
 
 def test_no_strategy_name_is_compared_outside_the_registry() -> None:
@@ -199,12 +200,12 @@ DATA_PARALLEL_TRACES = {
 
 
 @pytest.mark.parametrize("flags", list(DATA_PARALLEL_TRACES), ids=lambda flags: flags[0])
-def test_data_parallel_traces_use_the_schedule_vocabulary(tmp_path: Path, flags: tuple) -> None:
+def test_data_parallel_traces_use_the_schedule_vocabulary(shared_run: SharedRun,
+                                                         flags: tuple) -> None:
     """Micro-batch ``m`` of a one-stage plan runs on worker ``m % workers`` (the generator's
     round-robin); the sync method's own actions follow: allreduce, push/pull, exchange, step."""
-    run_json("train", "--strategy", *flags, "--steps", "2", "--batch-size", "32",
-             "--out", str(tmp_path))
-    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    out, _ = shared_run("--strategy", *flags, "--steps", "2", "--batch-size", "32")
+    events = json.loads((out / "trace.json").read_text())["traceEvents"]
     seen = {worker: " ".join(e["name"] for e in events if e.get("ph") == "X"
                              and e["pid"] == worker and e["args"]["step"] == 1)
             for worker in DATA_PARALLEL_TRACES[flags]}
