@@ -194,9 +194,6 @@ class Job:
     def __post_init__(self) -> None:
         resumable = (self.run.resume is not None or self.run.stop_after is not None
                      or self.run.checkpoint_every)
-        if resumable and self.plan.pipelined:
-            raise UsageError("--resume, --stop-after and --checkpoint-every are not supported "
-                             "with --strategy pipeline yet; use --strategy dp for resumable runs")
         if resumable and self.plan.compress and self.plan.compress.name == "powersgd":
             raise UsageError(
                 "--compress powersgd cannot be resumed (PyTorch keeps its state per DDP bucket, "

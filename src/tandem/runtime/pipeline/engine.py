@@ -165,6 +165,9 @@ class StageEngine:
         self.precision = precision if precision is not None else StagePrecision("fp32", device)
         """Autocast of the forwards, the loss scale and clipping at the step."""
         self.stash = WeightVersions(module, vertical_sync=vertical_sync) if asynchronous else None
+        self.after_step: Callable[[int], None] | None = None
+        """Called after each optimizer step with the step it belongs to (for the asynchronous
+        schedule, its minibatch's): where a checkpoint can catch a stage's state in passing."""
         self.unchanged_until_backward: set[int] = set()
         """Minibatches with no weight update between their forward and backward on this worker
         (PipeDream's last stage): they run on the live parameters, which is the same version."""
@@ -434,6 +437,8 @@ class StageEngine:
         if self.stash is not None:
             self.stash.advance()
         self._record(action, start, step)
+        if self.after_step is not None:
+            self.after_step(step)
 
     def _sum_tied(self) -> None:
         """Sum the gradients of parameters shared with other stages over those stages."""

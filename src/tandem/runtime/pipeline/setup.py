@@ -12,6 +12,7 @@ An ``nn.Sequential`` is its own blocks; any other model is traced and split
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Any
 
@@ -60,15 +61,21 @@ def parse_split_points(text: str | None) -> list[str] | None:
     return names
 
 
-def pipeline_setup(job: Job, blocks: nn.Sequential) -> tuple[PipelineLayout, Schedule]:
+def pipeline_setup(job: Job, blocks: nn.Sequential, *,
+                   first_step: int = 0) -> tuple[PipelineLayout, Schedule]:
     """The layout and the checked schedule of ``job``'s plan on ``blocks``.
 
     Raises ``UsageError`` for a plan made for another model, a schedule the checker rejects,
     or weights shared between stages under PipeDream's schedule (its stages update at different
-    times, so the copies could not stay equal). PipeDream's schedule spans the run's steps.
+    times, so the copies could not stay equal). PipeDream's schedule spans the steps this run
+    executes, ``first_step`` (a resumed run's) to ``--stop-after`` or ``--steps``: its
+    minibatch ``m`` is step ``first_step + m``, and it drains at the end.
     """
     layout = layout_from_plan(job.plan, len(blocks))
-    schedule = job.plan.build_schedule(job.run.steps)
+    last = job.run.stop_after if job.run.stop_after is not None else job.run.steps
+    schedule = job.plan.build_schedule(last - first_step if last > first_step else job.run.steps)
+    if schedule.kind == "pipedream":
+        _check_pipedream_steps(job, layout)
     check(schedule)
     shared = shared_parameters(blocks, layout.bounds)
     if shared and schedule.kind == "pipedream":
@@ -77,6 +84,26 @@ def pipeline_setup(job: Job, blocks: nn.Sequential) -> tuple[PipelineLayout, Sch
                          f"asynchronous pipedream schedule cannot keep equal; use --schedule "
                          f"1f1b or gpipe, or put the blocks that share them in one stage")
     return layout, schedule
+
+
+def _check_pipedream_steps(job: Job, layout: PipelineLayout) -> None:
+    """PipeDream's replicas of a stage share rounds of ``lcm(replicas)`` minibatches, so a
+    checkpoint (and the schedule a resumed run builds) must fall between two rounds; a
+    hand-written schedule cannot be cut at a checkpoint at all."""
+    run = job.run
+    resumable = run.resume is not None or run.stop_after is not None or run.checkpoint_every
+    if resumable and job.plan.schedule_text is not None:
+        raise UsageError("a hand-written pipedream schedule spans the whole run and cannot be "
+                         "resumed from a checkpoint; drop --resume, --stop-after and "
+                         "--checkpoint-every, or use --schedule pipedream")
+    rounds = math.lcm(*layout.replicas)
+    for flag, value in (("--checkpoint-every", run.checkpoint_every),
+                        ("--stop-after", run.stop_after)):
+        if value and value % rounds:
+            raise UsageError(f"{flag} {value}: pipedream with replicas {layout.text()} "
+                             f"checkpoints only between rounds of its replicas' round-robin "
+                             f"({rounds} minibatches); use a multiple of {rounds}, e.g. "
+                             f"{value + rounds - value % rounds}")
 
 
 def shared_parameters(blocks: nn.Sequential, bounds: tuple[tuple[int, int], ...]

@@ -11,11 +11,19 @@ split into blocks automatically (:mod:`tandem.split`); weights its stages share 
 ``--precision`` autocasts every stage's forward; with a flush schedule fp16's loss scale is one
 for all stages and ``--clip-grad-norm`` clips the whole model's gradient norm (see
 :class:`~tandem.runtime.precision.StagePrecision`).
+
+Checkpoints hold the whole model's state and the optimizer's by parameter name (see
+``checkpoint.py``), so a run resumes on any layout. A flush schedule is saved between steps; an
+asynchronous one as every stage was when it applied the checkpoint's step-th update (caught in
+passing; the minibatches then in flight are not recorded), and a resumed or ``--stop-after``
+run's schedule spans only the steps it runs, filling again at its start and draining at its end.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,8 +34,14 @@ from tandem import structures
 from tandem.data import Batch
 from tandem.loss import evaluation, score_batch
 from tandem.runtime.base import BaseTrainer
+from tandem.runtime.checkpoint import (
+    CHECKPOINT_VERSION, load_checkpoint, resume_path, save_atomic,
+)
 from tandem.runtime.config import Job
 from tandem.runtime.dist import WorkerEnv, new_group
+from tandem.runtime.pipeline.checkpoint import (
+    load_precision, load_stage, merge_stages, precision_state, stage_state,
+)
 from tandem.runtime.pipeline.engine import Microbatch, StageEngine, StageShapes, Tie
 from tandem.runtime.pipeline.setup import (
     boundary_specs, example_inputs, model_names, pipeline_blocks, pipeline_setup,
@@ -97,7 +111,11 @@ class PipelineTrainer(BaseTrainer):
             example = example_inputs(self.train)
         blocks = pipeline_blocks(model, example, what=f"model {config.model!r}",
                                  split_points=config.split_points)
-        self.layout, self.schedule = pipeline_setup(job, blocks)
+        path = resume_path(config.resume, self.out)
+        checkpoint = self._load_checkpoint(path) if path is not None else None
+        self.first_step = int(checkpoint["step"]) if checkpoint is not None else 0
+        self.last_step = config.stop_after if config.stop_after is not None else config.steps
+        self.layout, self.schedule = pipeline_setup(job, blocks, first_step=self.first_step)
         self.stage, self.replica = self.schedule.stage_of(env.rank)
         start, end = self.layout.bounds[self.stage]
         boundaries = boundary_specs(blocks, example)
@@ -115,6 +133,11 @@ class PipelineTrainer(BaseTrainer):
         self.precision = StagePrecision(config.precision, env.device, clip=config.clip_grad_norm,
                                         counted=self._counted(ties))
         assert not (self.asynchronous and self.precision.agrees), "refused by Job"
+        if checkpoint is not None:  # before the engine, whose weight stash starts from them
+            self._restore(checkpoint, str(path))
+        self.snapshots: dict[int, dict[str, Any]] = {}
+        """Asynchronous schedule: step -> this worker's state when it applied that many
+        updates, kept until the checkpoint of that step is saved."""
         self.engine = StageEngine(
             module=self.module, stage=self.stage, num_stages=self.layout.num_stages,
             shapes=self.shapes, group=self.groups[self.stage], links=self.links, rank=env.rank,
@@ -125,10 +148,12 @@ class PipelineTrainer(BaseTrainer):
             ties=ties, clone_received=not isinstance(blocks, SplitModel),
             precision=self.precision,
         )
-        self.chunks = (step_chunks(self.schedule, env.rank, config.steps)
+        self.chunks = (step_chunks(self.schedule, env.rank,
+                                   max(1, self.last_step - self.first_step))
                        if self.asynchronous else None)
         if self.asynchronous:
             self.engine.unchanged_until_backward = no_update_between(self.schedule.workers[env.rank])
+            self.engine.after_step = self._snapshot_if_due
 
     def _stage_groups(self) -> list[dist.ProcessGroup | None]:
         """A process group for each replicated stage (every rank creates every group)."""
@@ -205,14 +230,16 @@ class PipelineTrainer(BaseTrainer):
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 - bounded, per trainer
     def _minibatch(self, m: int) -> Microbatch:
-        """Minibatch ``m`` of the asynchronous schedule: the global batch of step ``m``."""
-        return self._microbatch(m, (self.sampler.global_indices(m),), 0)
+        """Minibatch ``m`` of the asynchronous schedule: the global batch of step
+        ``first_step + m`` (the schedule starts at the run's first step)."""
+        step = self.first_step + m
+        return self._microbatch(step, (self.sampler.global_indices(step),), 0)
 
     def train_step(self, step: int) -> torch.Tensor:
         if self.chunks is not None:
-            loss = self.engine.execute(self.chunks[step], self._minibatch, step)
+            loss = self.engine.execute(self.chunks[step - self.first_step], self._minibatch, step)
             self.engine.prune_sends(before_step=step + 1 - self.layout.num_stages)
-            if step == self.config.steps - 1:
+            if step == self.last_step - 1:
                 self.engine.finish_sends()
             return loss
         parts = self.sampler.global_indices(step).tensor_split(self.schedule.num_microbatches)
@@ -226,6 +253,81 @@ class PipelineTrainer(BaseTrainer):
         loss = self.engine.execute(self.schedule.workers[self.env.rank], batch, step)
         self.engine.finish_sends()
         return loss
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def _load_checkpoint(self, path: Path) -> dict[str, Any]:
+        """The checkpoint at ``path``, checked against this run (settings, steps, data)."""
+        checkpoint = load_checkpoint(path, self.job.fingerprint(), steps=self.config.steps,
+                                     stop_after=self.config.stop_after)
+        self.check_data_position(checkpoint.get("data"), str(path))
+        return checkpoint
+
+    def _restore(self, checkpoint: dict[str, Any], path: str) -> None:
+        """This stage's parameters, buffers and optimizer state by name (from any layout), the
+        schedule, fp16's loss scale; the random stream and codec state of this rank only where
+        the checkpoint has this layout (on another, rank ``r`` held other blocks)."""
+        load_stage(self.module, self.names, self.optimizer, checkpoint, path=path)
+        self.scheduler.load_state_dict(checkpoint["scheduler"])
+        load_precision(self.precision, checkpoint.get("precision", {}))
+        if checkpoint["layout"] == self._layout_record():
+            own = checkpoint["ranks"][self.env.rank]
+            torch.set_rng_state(own["rng"])
+            if self.wire.codec is not None:
+                self.wire.codec.load_state_dict(own["wire"])
+
+    def _layout_record(self) -> dict[str, Any]:
+        """What a checkpoint records of the layout it was saved with."""
+        return {"bounds": [list(bounds) for bounds in self.layout.bounds],
+                "replicas": list(self.layout.replicas)}
+
+    def _worker_state(self) -> dict[str, Any]:
+        """This worker's part of a checkpoint as it is now: its random stream and codec state;
+        on a stage's replica 0 the stage's model and optimizer state (replicas agree); on rank
+        0 the learning-rate schedule and the loss scale (every worker's are the same)."""
+        own: dict[str, Any] = {
+            "rng": torch.get_rng_state(),
+            "wire": (copy.deepcopy(self.wire.codec.state_dict())
+                     if self.wire.codec is not None else {}),
+        }
+        if self.replica == 0:
+            own["stage"] = stage_state(self.module, self.names, self.optimizer)
+        if self.env.rank == 0:
+            own["scheduler"] = copy.deepcopy(self.scheduler.state_dict())
+            own["precision"] = precision_state(self.precision)
+        return own
+
+    def _snapshot_if_due(self, step: int) -> None:
+        """After this worker's update for minibatch ``step`` of the asynchronous schedule: if
+        its stage has now applied ``done`` updates (whole rounds of its replicas) and a
+        checkpoint of step ``done`` will be saved before the schedule drains, keep the state."""
+        replicas = self.layout.replicas[self.stage]
+        done = (step // replicas + 1) * replicas
+        every = self.config.checkpoint_every
+        if self.out is not None and every and done % every == 0 and done < self.last_step:
+            self.snapshots[done] = self._worker_state()
+
+    def save_checkpoint(self, step: int) -> None:
+        """Save the state after ``step`` steps to ``OUT/checkpoint.pt`` (collective; rank 0
+        writes). Between steps of a flush schedule, and at the drained end of an asynchronous
+        one, that is the state now; within an asynchronous run it is each worker's snapshot of
+        the moment it applied its ``step``-th update (see :meth:`_snapshot_if_due`)."""
+        if self.out is None:
+            return
+        assert not (self.asynchronous and step < self.last_step and step not in self.snapshots), \
+            f"no snapshot of step {step} on rank {self.env.rank}"
+        own = self.snapshots.pop(step, None) or self._worker_state()
+        gathered: list[Any] = [None] * self.env.world_size if self.env.rank == 0 else []
+        dist.gather_object(own, gathered if self.env.rank == 0 else None, dst=0)
+        if self.env.rank != 0:
+            return
+        merged = merge_stages([part["stage"] for part in gathered if "stage" in part])
+        save_atomic({
+            "version": CHECKPOINT_VERSION, "step": step, "fingerprint": self.job.fingerprint(),
+            **merged, "scheduler": own["scheduler"], "precision": own["precision"],
+            "ranks": [{"rng": part["rng"], "wire": part["wire"]} for part in gathered],
+            "data": self.data_position(step), "layout": self._layout_record(),
+        }, self.out / "checkpoint.pt")
 
     # -- evaluation and outputs ------------------------------------------------------------------
 

@@ -1,0 +1,140 @@
+"""A pipeline stage's part of a checkpoint, under the whole model's names, and back into any layout.
+
+Usage::
+
+    part = stage_state(module, names, optimizer)      # each stage's replica 0, on its rank
+    merged = merge_stages([part, ...])                # rank 0: the whole model's state
+    load_stage(module, names, optimizer, merged, path="OUT/checkpoint.pt")
+
+``names`` maps a key of the stage's own ``state_dict`` (``"0.weight"``) to the whole model's
+names of that tensor (:func:`~tandem.runtime.pipeline.setup.model_names`). Parameters, buffers
+and optimizer state are keyed by those names, never by position, so a checkpoint saved with
+one layout (``2-1``, two stages) loads into another (three stages): each stage takes the names
+it holds. A tensor that several names share (tied weights) is stored under each of them.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from tandem.errors import UsageError
+from tandem.runtime.precision import LossScale, StagePrecision
+
+Names = Callable[[str], tuple[str, ...]]
+"""A stage's ``state_dict`` key -> the whole model's names of that tensor."""
+
+
+def _cloned(value: Any) -> Any:
+    """``value`` with every tensor in it copied to the CPU (a snapshot the run cannot change)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().clone()
+    if isinstance(value, dict):
+        return {key: _cloned(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cloned(item) for item in value)
+    return copy.deepcopy(value)
+
+
+def model_state(module: nn.Module, names: Names) -> dict[str, torch.Tensor]:
+    """The stage's parameters and buffers under the whole model's names (copies, on the CPU)."""
+    return {name: tensor.detach().cpu().clone()
+            for key, tensor in module.state_dict().items() for name in names(key)}
+
+
+def optimizer_state(module: nn.Module, names: Names,
+                    optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's per-parameter state keyed by parameter name, and its groups' settings
+    (learning rate, momentum, ...) without their parameter lists."""
+    keys = {id(param): key for key, param in module.named_parameters()}
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    saved = optimizer.state_dict()
+    state: dict[str, Any] = {}
+    for index, values in saved["state"].items():
+        copied = _cloned(values)
+        for name in names(keys[id(params[index])]):
+            state[name] = copied
+    groups = [{key: copy.deepcopy(value) for key, value in group.items() if key != "params"}
+              for group in saved["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def precision_state(precision: StagePrecision) -> dict[str, Any]:
+    """fp16's shared loss scale (None without fp16) and the count of skipped steps."""
+    scale = precision.loss_scale
+    return {"loss_scale": None if scale is None else {"scale": scale.scale,
+                                                      "good_steps": scale.good_steps},
+            "skipped_steps": precision.skipped_steps}
+
+
+def load_precision(precision: StagePrecision, state: dict[str, Any]) -> None:
+    """Continue from :func:`precision_state`'s output (a checkpoint without fp16 leaves the
+    scale at its start)."""
+    scale: LossScale | None = precision.loss_scale
+    if scale is not None and state.get("loss_scale"):
+        scale.scale = float(state["loss_scale"]["scale"])
+        scale.good_steps = int(state["loss_scale"]["good_steps"])
+    precision.skipped_steps = int(state.get("skipped_steps", 0))
+
+
+def stage_state(module: nn.Module, names: Names,
+                optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What one stage contributes to a checkpoint: its model and optimizer state, by name."""
+    return {"model": model_state(module, names),
+            "optimizer": optimizer_state(module, names, optimizer)}
+
+
+def merge_stages(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The whole model's state and optimizer state from every stage's :func:`stage_state`
+    (stages that share a tensor hold equal copies; the first stage's wins); the optimizer's
+    group settings are the first stage's (every stage's are the same)."""
+    model: dict[str, torch.Tensor] = {}
+    state: dict[str, Any] = {}
+    for part in parts:
+        for name, tensor in part["model"].items():
+            model.setdefault(name, tensor)
+        for name, values in part["optimizer"]["state"].items():
+            state.setdefault(name, values)
+    groups = parts[0]["optimizer"]["param_groups"]
+    return {"model": model, "optimizer": {"state": state, "param_groups": groups}}
+
+
+def load_stage(module: nn.Module, names: Names, optimizer: torch.optim.Optimizer,
+               checkpoint: dict[str, Any], *, path: str) -> None:
+    """Load this stage's parameters, buffers and optimizer state by name from a merged
+    checkpoint (``model`` and ``optimizer`` as :func:`merge_stages` makes them)."""
+    saved_model = checkpoint["model"]
+    state = {}
+    for key in module.state_dict():
+        name = next((name for name in names(key) if name in saved_model), None)
+        if name is None:
+            raise UsageError(f"checkpoint {path} holds no tensor named {names(key)[0]!r}, which "
+                             f"this model has; resume with the model it was saved from")
+        state[key] = saved_model[name]
+    module.load_state_dict(state)
+    _load_optimizer(module, names, optimizer, checkpoint["optimizer"])
+
+
+def _load_optimizer(module: nn.Module, names: Names, optimizer: torch.optim.Optimizer,
+                    saved: dict[str, Any]) -> None:
+    """The saved state of each of this stage's parameters (found by any of its names) and the
+    saved group settings, through the optimizer's own ``load_state_dict``."""
+    keys = {id(param): key for key, param in module.named_parameters()}
+    state: dict[int, Any] = {}
+    groups = []
+    index = 0
+    for group, settings in zip(optimizer.param_groups, saved["param_groups"], strict=True):
+        indices = []
+        for param in group["params"]:
+            found = next((saved["state"][name] for name in names(keys[id(param)])
+                          if name in saved["state"]), None)
+            if found is not None:
+                state[index] = found
+            indices.append(index)
+            index += 1
+        groups.append({**settings, "params": indices})
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
