@@ -13,6 +13,7 @@ from tandem.errors import UsageError
 from tandem.plan import Plan
 from tandem.runtime.config import BACKENDS, OPTIMIZERS, SCHEDULES, Job, RunConfig, make_job
 from tandem.runtime.dist import under_launcher, world_size
+from tandem.runtime.faults import check_fault
 from tandem.strategy import PLAN_FLAGS, STRATEGIES, plan_with_flags, strategy_of
 from tandem.sync_spec import GossipSync
 
@@ -106,11 +107,16 @@ def add_train_arguments(parser: argparse.ArgumentParser, defaults: RunConfig) ->
     add("--seed", type=int, default=defaults.seed)
     add("--out", default=defaults.out,
         help="directory for final.pt, metrics.jsonl, trace.json, plan.json, checkpoint.pt")
-    add("--resume", nargs="?", const="auto", default=None,
-        help="resume from a checkpoint (default: OUT/checkpoint.pt)")
+    add("--resume", nargs="?", const="auto", default=None, metavar="auto|PATH",
+        help="resume from a checkpoint: auto (also a bare --resume) resumes OUT/checkpoint.pt "
+        "if it exists and starts afresh if not, so one command line serves every attempt of a "
+        "restarted job; PATH must exist")
     add("--overwrite", action="store_true", default=defaults.overwrite,
         help="start over in an --out that holds another run's outputs (they are removed)")
     add("--checkpoint-every", type=int, default=defaults.checkpoint_every)
+    add("--max-restarts", type=int, default=defaults.max_restarts, metavar="K",
+        help="start the workers again after a failure, up to K times, each resuming from the "
+        "latest checkpoint (needs --resume auto); under torchrun, give torchrun --max-restarts")
     add("--stop-after", type=int, default=None,
         help="stop (with a checkpoint) after this many steps; finish later with --resume")
     add("--eval-every", type=int, default=defaults.eval_every)
@@ -149,6 +155,11 @@ def check_job(job: Job) -> None:
     from tandem.runtime import preflight
 
     run, plan = job.run, job.plan
+    if run.max_restarts and under_launcher():
+        raise UsageError(f"--max-restarts {run.max_restarts} restarts tandem's own workers; under "
+                         f"torchrun give it to torchrun (torchrun --max-restarts "
+                         f"{run.max_restarts} ... -m tandem train ... --resume auto)")
+    check_fault(world_size() if under_launcher() else run.nproc, run.steps)
     if run.split_points is not None and not plan.pipelined:
         raise UsageError(f"--split-points cuts a model into pipeline blocks; it needs --strategy "
                          f"pipeline (this run is {strategy_of(plan)})")
@@ -205,7 +216,8 @@ def run_training(job: Job) -> dict[str, Any] | None:
 
     check_job(job)
     with claim_out(job.run):
-        return launch(train_worker, job, nproc=job.run.nproc, threads=job.run.threads)
+        return launch(train_worker, job, nproc=job.run.nproc, threads=job.run.threads,
+                      max_restarts=job.run.max_restarts)
 
 
 def print_summary(summary: dict[str, Any], as_json: bool) -> None:

@@ -23,6 +23,7 @@ from tandem.data import Batch, Data, GlobalBatchSampler, Samples
 from tandem.data.loader import PlannedLoader
 from tandem.data.shards import ShardSamples
 from tandem.errors import UsageError
+from tandem.runtime.faults import maybe_fail
 from tandem.output_files import write_text
 from tandem.runtime.checkpoint import save_atomic
 from tandem.plan import Plan
@@ -284,6 +285,7 @@ class BaseTrainer(Worker):
         """Optimizer steps ``first`` to ``last - 1``, with logging, evaluation and checkpoints."""
         config, reporter = self.config, self.reporter
         for step in range(first, last):
+            maybe_fail(self.env.rank, step)
             start = time.perf_counter()
             self.loss_total += self.train_step(step)
             self.step_times.append(time.perf_counter() - start)

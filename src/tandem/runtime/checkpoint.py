@@ -56,6 +56,23 @@ class _WholeWrites:
         """Nothing is buffered here."""
 
 
+def resume_path(resume: str | None, out: str | Path | None,
+                name: str = "checkpoint.pt") -> Path | None:
+    """The checkpoint a run resumes from: None without ``--resume``; with ``--resume auto``
+    (or a bare ``--resume``), ``OUT/name`` if it exists and None (start afresh) if not, so the
+    same command line serves every attempt of a restarted job; with ``--resume PATH``, that
+    file's folder's ``name`` (which must exist)."""
+    if resume is None:
+        return None
+    if resume == "auto":
+        if out is None:
+            raise UsageError("--resume auto needs --out DIR (it resumes DIR/checkpoint.pt)")
+        path = Path(out) / name
+        return path if path.is_file() else None
+    given = Path(resume)
+    return given if name == "checkpoint.pt" else given.with_name(name)
+
+
 def load_checkpoint(path: str | Path, fingerprint: dict[str, Any], *, steps: int | None = None,
                     stop_after: int | None = None) -> dict[str, Any]:
     """Load a checkpoint and check that it belongs to a run with the same ``fingerprint`` and,

@@ -75,6 +75,9 @@ class RunConfig:
     such a run is refused; see :mod:`tandem.runtime.out_dir`)."""
     checkpoint_every: int = 0
     """Save a checkpoint every this many steps (0: only when the run ends or stops)."""
+    max_restarts: int = 0
+    """Start the workers again after a failure, up to this many times (with ``--resume auto``
+    they continue from the latest checkpoint); see :func:`tandem.runtime.launch.launch`."""
     stop_after: int | None = None
     """Stop after this many steps, checkpointing, as if the job had been cut off."""
     eval_every: int = 0
@@ -123,6 +126,11 @@ class RunConfig:
             raise UsageError(f"--threads {self.threads} is more than any machine's cores; use at "
                              f"most {MAX_THREADS}, e.g. --threads 1 (one per worker)")
         _at_least("--checkpoint-every", self.checkpoint_every, 0)
+        _at_least("--max-restarts", self.max_restarts, 0)
+        if self.max_restarts and self.resume is None:
+            raise UsageError(f"--max-restarts {self.max_restarts} starts the workers again after "
+                             f"a failure, and without --resume they would start over; add "
+                             f"--resume auto --out DIR --checkpoint-every N")
         if self.loader_workers is not None:
             _at_least("--loader-workers", self.loader_workers, 0)
             if self.loader_workers > MAX_LOADER_WORKERS:

@@ -130,16 +130,30 @@ def init_worker(*, backend: str, timeout_s: float, threads: int) -> WorkerEnv:
         if rank != 0:
             _wait_for_master(rank, deadline, timeout_s)
         try:
+            timeout = datetime.timedelta(seconds=max(1.0, deadline - time.monotonic()))
             with _quiet_native_stderr():
                 dist.init_process_group(
-                    backend, rank=rank, world_size=world_size,
-                    timeout=datetime.timedelta(seconds=max(1.0, deadline - time.monotonic())),
+                    backend, rank=rank, world_size=world_size, timeout=timeout,
                     device_id=device if backend == "nccl" else None,
+                    store=_attempt_store(world_size, timeout),
                 )
         except (dist.DistError, RuntimeError) as exc:
             raise _startup_failure(exc, rank, world_size, timeout_s) from None
     return WorkerEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device,
                      backend=backend)
+
+
+def _attempt_store(world_size: int, timeout: datetime.timedelta) -> dist.Store | None:
+    """Under a torchrun agent that restarts workers: the agent's store, with a prefix of its own
+    per attempt. The agent keeps one store across restarts, and ``init_process_group``'s own
+    (unprefixed) use of it would hand a restarted worker the addresses of the previous attempt's
+    dead ones (gloo: "Connection refused"). None elsewhere: ``init_process_group`` as usual."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"/tandem/attempt_{attempt}", store)
 
 
 def _wait_for_master(rank: int, deadline: float, timeout_s: float) -> None:

@@ -12,7 +12,10 @@ import ctypes
 import logging
 import os
 import re
+import shutil
 import signal
+import sys
+import tempfile
 import uuid
 from typing import Any, Callable, TypeVar
 
@@ -22,6 +25,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from tandem.errors import Interrupted, UsageError, WorkerFailure
 from tandem.runtime.dist import under_launcher
+from tandem.runtime.faults import ATTEMPT, PROGRESS_DIR, last_progress
 
 R = TypeVar("R")
 
@@ -35,15 +39,56 @@ SHUTDOWN_S = 3
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
-def launch(fn: Callable[[Any], R], arg: Any, *, nproc: int, threads: int = 1) -> R | None:
+def launch(fn: Callable[[Any], R], arg: Any, *, nproc: int, threads: int = 1,
+           max_restarts: int = 0) -> R | None:
     """Run ``fn(arg)`` on every worker and return rank 0's result.
 
     Under ``torchrun`` this process is one worker and ``fn`` runs here. Otherwise ``nproc``
     local workers are started; if one fails, the others are stopped and ``WorkerFailure``
-    names the rank and its error (``UsageError`` if the worker found a user mistake).
+    names the rank and its error (``UsageError`` if the worker found a user mistake). With
+    ``max_restarts``, a failed worker group (not a user mistake) is started again, up to that
+    many times, each failure and restart named in one line on stderr; the workers see the
+    attempt in ``TANDEM_ATTEMPT`` (:mod:`tandem.runtime.faults`).
     """
     if under_launcher():
         return fn(arg)
+    progress = tempfile.mkdtemp(prefix="tandem-progress-") if max_restarts else None
+    try:
+        for restarts in range(max_restarts + 1):
+            os.environ[ATTEMPT] = str(restarts)
+            if progress is not None:
+                os.environ[PROGRESS_DIR] = progress
+            try:
+                return _launch_once(fn, arg, nproc=nproc, threads=threads)
+            except WorkerFailure as failure:
+                if restarts == max_restarts:
+                    if max_restarts:
+                        raise WorkerFailure(f"{failure} (after {max_restarts} restart"
+                                            f"{'s' if max_restarts > 1 else ''})") from None
+                    raise
+                print(f"tandem: {_with_step(str(failure), progress)}; restarting the {nproc} "
+                      f"workers (restart {restarts + 1} of {max_restarts})", file=sys.stderr,
+                      flush=True)
+        return None
+    finally:
+        os.environ.pop(ATTEMPT, None)
+        os.environ.pop(PROGRESS_DIR, None)
+        if progress is not None:
+            shutil.rmtree(progress, ignore_errors=True)
+
+
+def _with_step(message: str, progress: str | None) -> str:
+    """``message`` with the step its worker last reached, where it left one."""
+    match = re.match(r"worker rank (\d+)", message)
+    step = last_progress(progress, int(match.group(1))) if match and progress else None
+    if step is None:
+        return message
+    return message.replace(f"worker rank {match.group(1)}",  # type: ignore[union-attr]
+                           f"worker rank {match.group(1)} at step {step}", 1)
+
+
+def _launch_once(fn: Callable[[Any], R], arg: Any, *, nproc: int, threads: int) -> R | None:
+    """One attempt: ``nproc`` workers through PyTorch's elastic agent."""
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     run_id = f"tandem-{uuid.uuid4().hex[:8]}"
     config = LaunchConfig(

@@ -40,9 +40,12 @@ from tandem.runtime.base import (
     save_worker_trace,
     write_run_files,
 )
-from tandem.runtime.checkpoint import CHECKPOINT_VERSION, load_checkpoint, save_atomic
+from tandem.runtime.checkpoint import (
+    CHECKPOINT_VERSION, load_checkpoint, resume_path, save_atomic,
+)
 from tandem.runtime.config import Job
 from tandem.runtime.dist import WorkerEnv
+from tandem.runtime.faults import announce_resume
 from tandem.runtime.reporting import Reporter
 from tandem.runtime.watchdog import Heartbeat
 from tandem.sync import ps_protocol as protocol
@@ -490,11 +493,12 @@ class ParameterServer(Worker):
         }, self.out / f"server-{self.env.rank}.pt")
 
     def _resume(self) -> None:
-        if self.config.resume is None:
+        path = resume_path(self.config.resume, self.out, f"server-{self.env.rank}.pt")
+        state = (None if path is None else
+                 load_checkpoint(path, self.job.fingerprint(), steps=self.config.steps))
+        announce_resume(self.env.rank, path, state["step"] if state else None)
+        if state is None:
             return
-        path = (self.out / f"server-{self.env.rank}.pt" if self.config.resume == "auto" and self.out
-                else Path(str(self.config.resume)).with_name(f"server-{self.env.rank}.pt"))
-        state = load_checkpoint(path, self.job.fingerprint(), steps=self.config.steps)
         for p, saved in zip(self.params, state["shard"]):
             p.data.copy_(saved)
         if self.optimizer is not None and state["optimizer"] is not None:

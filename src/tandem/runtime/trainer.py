@@ -25,9 +25,12 @@ from tandem.errors import UsageError
 from tandem.loss import evaluation
 from tandem.structures import call_model
 from tandem.runtime.base import BaseTrainer, Worker, save_worker_trace
-from tandem.runtime.checkpoint import CHECKPOINT_VERSION, load_checkpoint, save_atomic
+from tandem.runtime.checkpoint import (
+    CHECKPOINT_VERSION, load_checkpoint, resume_path, save_atomic,
+)
 from tandem.runtime.config import Job
 from tandem.runtime.dist import WorkerEnv, init_worker
+from tandem.runtime.faults import announce_resume, attempt, maybe_fail
 from tandem.runtime.launch import die_with_parent, prepare_worker
 from tandem.runtime.precision import Precision
 from tandem.runtime.watchdog import (
@@ -77,6 +80,7 @@ def train_worker(job: Job, *, mirror: Any = None) -> dict[str, Any] | None:
                 raise
         if summary is not None:
             summary["wall_s"] = round(time.perf_counter() - start, 3)
+            summary["restarts"] = attempt()
         return summary
     finally:
         dist.destroy_process_group()
@@ -196,12 +200,12 @@ class Trainer(BaseTrainer):
         return self.env.rank - servers, self.env.world_size - servers
 
     def _load_checkpoint(self) -> dict[str, Any] | None:
-        if self.config.resume is None:
-            return None
-        path = self.out / "checkpoint.pt" if self.config.resume == "auto" and self.out else Path(
-            str(self.config.resume))
-        return load_checkpoint(path, self.job.fingerprint(), steps=self.config.steps,
-                               stop_after=self.config.stop_after)
+        path = resume_path(self.config.resume, self.out)
+        checkpoint = None if path is None else load_checkpoint(
+            path, self.job.fingerprint(), steps=self.config.steps,
+            stop_after=self.config.stop_after)
+        announce_resume(self.env.rank, path, checkpoint["step"] if checkpoint else None)
+        return checkpoint
 
     def _restore(self, checkpoint: dict[str, Any]) -> None:
         """Optimizer, schedule, step and this worker's own state (random stream, strategy state,
@@ -353,6 +357,7 @@ class ParameterServerWorker(Trainer):
         self.start_loading(step, self.config.steps)
         try:
             while not self.stopped:
+                maybe_fail(self.env.rank, step)
                 self.train_step(step)
                 step = client.next_step
         finally:

@@ -1,0 +1,125 @@
+"""Restarted and resized jobs: a worker killed by ``TANDEM_FAULT`` mid-run, the job restarted
+by tandem's launcher (``--max-restarts``) or by torchrun, resuming by itself (``--resume
+auto``), and a stopped run resumed on fewer workers — each against the uninterrupted run."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, max_abs_diff, run_json, run_tandem
+
+RUN = ("train", "--steps", "60", "--batch-size", "60", "--checkpoint-every", "10", "--seed", "3",
+       "--no-progress")
+"""The issue's job: dp, 60 steps, a checkpoint every 10; 60 divides among 4, 3 and 2 workers."""
+
+
+def _with_fault(fault: str, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TANDEM_FAULT": fault}
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        env.pop(key, None)
+    return subprocess.run([sys.executable, "-m", "tandem", *args], capture_output=True,
+                          text=True, env=env, timeout=timeout_s, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("elastic") / "whole"
+    summary = run_json(*RUN, "--nproc", "4", "--out", str(out), timeout_s=300)
+    assert summary["finished"] and summary["restarts"] == 0
+    return out / "final.pt"
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The job with rank 2 killed at step 35 and no restarts: it stops, naming the rank, and
+    leaves the checkpoint of step 30."""
+    out = tmp_path_factory.mktemp("elastic") / "killed"
+    result = _with_fault("2:35", *RUN, "--nproc", "4", "--out", str(out))
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        "tandem train: worker rank 2 died: killed by SIGKILL")
+    assert torch.load(out / "checkpoint.pt", weights_only=False)["step"] == 30
+    return out
+
+
+def test_a_killed_worker_is_restarted_and_the_job_ends_as_if_uninterrupted(
+        uninterrupted: Path, tmp_path: Path) -> None:
+    result = _with_fault("2:35", *RUN, "--nproc", "4", "--out", str(tmp_path), "--max-restarts",
+                         "1", "--resume", "auto", "--json")
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert "tandem: worker rank 2 at step 35 died: killed by SIGKILL; restarting the 4 workers " \
+           "(restart 1 of 1)" in lines
+    assert f"tandem: restart 1: resuming from step 30 ({tmp_path / 'checkpoint.pt'})" in lines
+    summary = __import__("json").loads(result.stdout.strip().splitlines()[-1])
+    assert summary["restarts"] == 1 and summary["finished"]
+    assert max_abs_diff(uninterrupted, tmp_path / "final.pt") <= 1e-6
+
+
+@pytest.mark.parametrize("workers", ["3", "2"])
+def test_a_stopped_job_resumes_on_fewer_workers_with_the_same_result(
+        uninterrupted: Path, killed: Path, tmp_path: Path, workers: str) -> None:
+    out = tmp_path / "resized"
+    shutil.copytree(killed, out, ignore=shutil.ignore_patterns(".tandem.lock"))
+    summary = run_json(*RUN, "--nproc", workers, "--out", str(out), "--resume", "auto",
+                       timeout_s=300)
+    assert summary["finished"] and summary["world_size"] == int(workers)
+    assert max_abs_diff(uninterrupted, out / "final.pt") <= 1e-6
+
+
+def test_torchrun_restarts_the_workers_and_they_resume_by_themselves(
+        uninterrupted: Path, tmp_path: Path) -> None:
+    command = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+               "--max-restarts", "1", "-m", "tandem", *RUN, "--out", str(tmp_path),
+               "--resume", "auto", "--json"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TANDEM_FAULT": "2:35"}
+    result = subprocess.run([sys.executable, *command], capture_output=True, text=True, env=env,
+                            timeout=400, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "tandem: TANDEM_FAULT=2:35: killing rank 2 at step 35" in result.stderr
+    assert f"tandem: restart 1: resuming from step 30 ({tmp_path / 'checkpoint.pt'})" \
+        in result.stderr
+    summary = __import__("json").loads(result.stdout.strip().splitlines()[-1])
+    assert summary["restarts"] == 1
+    assert max_abs_diff(uninterrupted, tmp_path / "final.pt") <= 1e-6
+
+
+def test_resume_auto_starts_afresh_without_a_checkpoint(tmp_path: Path) -> None:
+    summary = run_json("train", "--steps", "3", "--out", str(tmp_path), "--resume", "auto",
+                       timeout_s=120)
+    assert summary["finished"] and summary["steps"] == 3
+
+
+@pytest.mark.parametrize(("args", "fault", "expected"), [
+    (("--max-restarts", "-1", "--resume", "auto"), "",
+     "--max-restarts must be at least 0 (got -1)"),
+    (("--max-restarts", "1"), "",
+     "--max-restarts 1 starts the workers again after a failure, and without --resume"),
+    ((), "2-35", "TANDEM_FAULT='2-35' is not RANK:STEP"),
+    ((), "5:1", "TANDEM_FAULT=5:1 names rank 5 and step 1, but the job has ranks 0-1"),
+])
+def test_bad_restart_settings_are_one_line_and_status_2(
+        tmp_path: Path, args: tuple[str, ...], fault: str, expected: str) -> None:
+    result = _with_fault(fault, "train", "--steps", "2", "--nproc", "2", "--out", str(tmp_path),
+                         "--no-progress", *args, timeout_s=120)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0], lines
+
+
+def test_resume_auto_refuses_a_checkpoint_of_another_model(tmp_path: Path) -> None:
+    assert run_tandem("train", "--steps", "2", "--out", str(tmp_path), "--checkpoint-every",
+                      "1", "--no-progress").returncode == 0
+    result = run_tandem("train", "--steps", "4", "--model", "mlp:hidden=32", "--out",
+                        str(tmp_path), "--resume", "auto", "--no-progress")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "was made with model='mlp', this run has model='mlp:hidden=32'" \
+        in lines[0], lines
