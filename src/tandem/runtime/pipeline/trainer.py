@@ -39,6 +39,7 @@ from tandem.runtime.checkpoint import (
 )
 from tandem.runtime.config import Job
 from tandem.runtime.dist import WorkerEnv, new_group
+from tandem.runtime.faults import announce_resume
 from tandem.runtime.pipeline.checkpoint import (
     load_precision, load_stage, merge_stages, precision_state, stage_state,
 )
@@ -113,6 +114,7 @@ class PipelineTrainer(BaseTrainer):
                                  split_points=config.split_points)
         path = resume_path(config.resume, self.out)
         checkpoint = self._load_checkpoint(path) if path is not None else None
+        announce_resume(env.rank, path, checkpoint["step"] if checkpoint is not None else None)
         self.first_step = int(checkpoint["step"]) if checkpoint is not None else 0
         self.last_step = config.stop_after if config.stop_after is not None else config.steps
         self.layout, self.schedule = pipeline_setup(job, blocks, first_step=self.first_step)
