@@ -35,9 +35,13 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
                     timeout_s: float = 120) -> list[Any]:
     """``fn(rank, world_size, *args)`` on every rank; the results in rank order.
 
-    ``fn`` must be importable (defined at module level). Fails instead of hanging.
+    ``fn`` must be importable (defined at module level). Fails instead of hanging. Each rank
+    is a fresh process (forked from a server process that only imported torch and tandem).
     """
-    context = mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    # one server process per test session imports torch (and tandem) once; each rank is a fork
+    # of it, ready at once, where a spawned rank would spend ~2 s of CPU importing torch again
+    context.set_forkserver_preload(["torch", "torch.distributed", "tandem"])
     results = context.Queue()
     port = free_port()
     processes = [context.Process(target=_entry, args=(r, world_size, port, fn, args, results))
