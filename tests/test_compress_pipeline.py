@@ -17,7 +17,7 @@ from tandem.models import build_model
 from tandem.plan import Plan, Stage
 from tandem.strategy import even_bounds
 from tandem.timeline import Timeline, event_action
-from tests.conftest import max_abs_diff, run_cli, run_json
+from tests.conftest import SharedRun, max_abs_diff, run_cli, run_json
 
 COMMON = ("--model", "mlp", "--data", "digits", "--steps", "20", "--batch-size", "32",
           "--lr", "0.05", "--momentum", "0.9", "--seed", "3", "--strategy", "pipeline",
@@ -46,13 +46,11 @@ def metrics_bytes(out: Path) -> set[float]:
 
 
 @pytest.fixture(scope="module")
-def plain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The uncompressed pipelines: 1F1B on 2 workers and GPipe on a 2-1 layout."""
-    runs = {}
-    for name, layout in (("1f1b", ONE_F_ONE_B), ("2-1", REPLICATED)):
-        runs[name] = tmp_path_factory.mktemp(f"plain-{name}")
-        train(runs[name], *COMMON, *layout)
-    return runs
+def plain(shared_run: SharedRun) -> dict[str, Path]:
+    """The uncompressed pipelines: 1F1B on 2 workers and GPipe on a 2-1 layout (the runs
+    test_pipeline.py compares with single-process training)."""
+    return {name: shared_run(*COMMON, *layout, timeout_s=120)[0]
+            for name, layout in (("1f1b", ONE_F_ONE_B), ("2-1", REPLICATED))}
 
 
 def test_top_k_of_everything_is_lossless_on_1f1b(plain: dict[str, Path], tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from tandem.models import build_model
 from tandem.strategy import even_bounds
 from tandem.timeline import Timeline, event_action
 
-from tests.conftest import max_abs_diff, run_json, run_tandem
+from tests.conftest import SharedRun, max_abs_diff, run_json, run_tandem
 from tests.test_train_dp import reference_training
 
 COMMON = ("--model", "mlp", "--data", "digits", "--steps", "20", "--batch-size", "32",
@@ -39,13 +39,14 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ("1f1b", ("--nproc", "3", "--stages", "2", "--replicas", "2,1")),
     ("gpipe", ("--nproc", "3", "--stages", "2", "--replicas", "2,1")),
 ])
-def test_flush_schedules_match_single_process(single: Path, tmp_path: Path, schedule: str,
-                                              layout: tuple[str, ...]) -> None:
-    summary = run_json("train", *COMMON, "--strategy", "pipeline", "--schedule", schedule,
-                       "--microbatches", "4", *layout, "--out", str(tmp_path))
+def test_flush_schedules_match_single_process(single: Path, shared_run: SharedRun,
+                                              schedule: str, layout: tuple[str, ...]) -> None:
+    """(Two of these runs are test_compress_pipeline.py's uncompressed pipelines too.)"""
+    out, summary = shared_run(*COMMON, "--strategy", "pipeline", "--schedule", schedule,
+                              "--microbatches", "4", *layout)
     assert summary["schedule"] == schedule and summary["steps"] == 20
-    assert max_abs_diff(single, tmp_path / "final.pt") <= 1e-5
-    assert (tmp_path / "trace.json").exists()
+    assert max_abs_diff(single, out / "final.pt") <= 1e-5
+    assert (out / "trace.json").exists()
 
 
 def test_pipeline_from_a_plan(single: Path, tmp_path: Path) -> None:
