@@ -123,3 +123,18 @@ def test_resume_auto_refuses_a_checkpoint_of_another_model(tmp_path: Path) -> No
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "was made with model='mlp', this run has model='mlp:hidden=32'" \
         in lines[0], lines
+
+
+@pytest.mark.parametrize("codec", [None, "topk"])
+def test_parameter_servers_restarted_after_a_killed_worker_end_as_uninterrupted(
+        tmp_path: Path, codec: str | None) -> None:
+    """Servers checkpoint their shards (and, compressed, every codec's state on both ends: error
+    feedback, tracked pulls); a killed worker restarts the group from them."""
+    args = ("train", "--strategy", "ps", "--nproc", "3", "--steps", "40", "--batch-size", "60",
+            "--checkpoint-every", "10", "--seed", "3", *(("--compress", codec) if codec else ()))
+    run_json(*args, "--out", str(tmp_path / "whole"), timeout_s=300)
+    result = _with_fault("2:25", *args, "--out", str(tmp_path / "cut"), "--max-restarts", "1",
+                         "--resume", "auto", "--no-progress")
+    assert result.returncode == 0, result.stderr
+    assert "tandem: restart 1: resuming from step 20" in result.stderr
+    assert max_abs_diff(tmp_path / "whole" / "final.pt", tmp_path / "cut" / "final.pt") == 0.0

@@ -35,7 +35,7 @@ LOCK_NAME = ".tandem.lock"
 RUN_FILES = ("checkpoint.pt", "final.pt", "metrics.jsonl", "trace.json", "gantt.png",
              "config.json")
 """Files that show a run wrote to a directory (with :data:`RUN_PATTERNS`)."""
-RUN_PATTERNS = ("server-*.pt", "trace-rank*.json")
+RUN_PATTERNS = ("server-*.pt", "worker-*.pt", "trace-rank*.json")
 
 
 @contextlib.contextmanager

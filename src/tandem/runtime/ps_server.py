@@ -15,6 +15,7 @@ The server's model and optimizer live on the CPU, and all its messages travel on
 
 from __future__ import annotations
 
+import copy
 import queue
 import threading
 import statistics
@@ -135,6 +136,9 @@ class ParameterServer(Worker):
         """Per worker: decodes its pushes (a codec of its own, for codecs with shared state)."""
         self.encoders: dict[int, protocol.PullEncoder] = {}
         """Per worker: its copy of this shard, and how replies to it are encoded."""
+        self.codec_snapshot: tuple[int, dict[str, Any]] = (-1, {})
+        """The codec state at the last update a checkpoint may be taken after (the version and
+        :meth:`_codec_state`), taken before that version's replies advance the encoders."""
         self.traffic: dict[int, protocol.Traffic] = {}
         """Per worker: the traffic it reported last (all servers together)."""
         self.logged_traffic = protocol.Traffic()
@@ -278,7 +282,12 @@ class ParameterServer(Worker):
                                      end_s=end - self.clock_start, step=self.version - 1))
         self.beat.step = self.version
         self._log()
-        if self.config.checkpoint_every and self.version % self.config.checkpoint_every == 0:
+        at_checkpoint = (self.config.checkpoint_every
+                         and self.version % self.config.checkpoint_every == 0)
+        if at_checkpoint or self.version == self.last_step:
+            # the codecs as the workers' saved state has them: before this version's replies
+            self.codec_snapshot = (self.version, self._codec_state())
+        if at_checkpoint:
             self._checkpoint()
 
     def _clip(self, gradient: torch.Tensor | None) -> torch.Tensor | None:
@@ -490,7 +499,32 @@ class ParameterServer(Worker):
             "fingerprint": self.job.fingerprint(), "shard": [p.detach() for p in self.params],
             "optimizer": self.optimizer.state_dict() if self.optimizer else None,
             "buffers": [b.detach().clone() for b in self.buffers.tensors],
+            "codecs": (self.codec_snapshot[1] if self.codec_snapshot[0] == self.version
+                       else self._codec_state()),
         }, self.out / f"server-{self.env.rank}.pt")
+
+    def _codec_state(self) -> dict[str, Any]:
+        """With a codec, per worker: the state of the decoder of its pushes, and the copy of
+        the shard it holds (``x̂_w``) with the encoder of its pulls (their workers save theirs
+        in ``worker-K.pt`` at the same update)."""
+        if self.codec_text is None:
+            return {}
+        return copy.deepcopy({  # a snapshot: encoding the next replies changes these in place
+            "decoders": {w: d.codec.state_dict() for w, d in self.decoders.items() if d.codec},
+            "encoders": {w: {"copy": e.copy, "codec": e.codec.codec.state_dict()
+                             if e.codec.codec else {}} for w, e in self.encoders.items()},
+        })
+
+    def _load_codec_state(self, state: dict[str, Any]) -> None:
+        for worker, saved in state.get("decoders", {}).items():
+            decoder = self.decoders[worker] = self._codec(feedback=False)
+            if decoder.codec is not None:
+                decoder.codec.load_state_dict(saved)
+        for worker, saved in state.get("encoders", {}).items():
+            encoder = self.encoders[worker] = protocol.PullEncoder(self._codec(feedback=False))
+            encoder.copy = saved["copy"]
+            if encoder.codec.codec is not None:
+                encoder.codec.codec.load_state_dict(saved["codec"])
 
     def _resume(self) -> None:
         path = resume_path(self.config.resume, self.out, f"server-{self.env.rank}.pt")
@@ -505,6 +539,7 @@ class ParameterServer(Worker):
             self.optimizer.load_state_dict(state["optimizer"])
         for b, saved in zip(self.buffers.tensors, state.get("buffers", [])):
             b.copy_(saved)
+        self._load_codec_state(state.get("codecs", {}))
         self.version = int(state["step"])
 
     def _summary(self, evaluation: dict[str, float]) -> dict[str, Any]:

@@ -347,7 +347,31 @@ class ParameterServerWorker(Trainer):
     """
 
     def _load_checkpoint(self) -> dict[str, Any] | None:
+        """None: the servers hold the model. A compressed worker restores its codec state from
+        ``worker-K.pt`` before its first pull, and saves it where the servers checkpoint."""
+        client = self.strategy
+        if not isinstance(client, ParameterServerClient) or not self.plan.compress:
+            return None
+        client.on_pushed = self._save_codec_state
+        path = resume_path(self.config.resume, self.out, f"worker-{self.env.rank}.pt")
+        if path is not None and (path.is_file() or self.config.resume != "auto"):
+            client.resume_state = load_checkpoint(path, self.job.fingerprint(),
+                                                  steps=self.config.steps)["codecs"]
         return None
+
+    def _save_codec_state(self, step: int) -> None:
+        """After the push of ``step``: the codec state that goes with the servers' checkpoint
+        after ``step + 1`` updates (see :meth:`_load_checkpoint`)."""
+        done = step + 1
+        config = self.config
+        if self.out is None or not (done == config.stop_after or (
+                config.checkpoint_every and done % config.checkpoint_every == 0)):
+            return
+        client = self.strategy
+        if isinstance(client, ParameterServerClient):
+            save_atomic({"version": CHECKPOINT_VERSION, "step": done,
+                         "fingerprint": self.job.fingerprint(), "codecs": client.codec_state()},
+                        self.out / f"worker-{self.env.rank}.pt")
 
     def run(self) -> dict[str, Any] | None:
         client = self.strategy

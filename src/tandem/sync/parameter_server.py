@@ -19,6 +19,8 @@ parameters through the CPU.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -63,6 +65,12 @@ class ParameterServerClient(SyncStrategy):
         self.extra_bytes: list[int] = []
         """Per server: bytes of buffers its messages carry after the shard (server 0's only)."""
         self.group: dist.ProcessGroup | None = None
+        self.resume_state: dict[str, Any] | None = None
+        """Codec state of a checkpoint (:meth:`codec_state`), restored before the first pull."""
+        self.on_pushed: Callable[[int], None] | None = None
+        """Called after each push of step ``s`` is sent and before its reply is read: where a
+        compressed worker's codec state matches the servers' checkpoint after ``s + 1``
+        updates."""
 
     def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
         model = model.to(device)
@@ -81,8 +89,32 @@ class ParameterServerClient(SyncStrategy):
             self.pushes.append(push)
             pull = protocol.ShardCodec(self.compress, shapes, keys, feedback=False)
             self.pulls.append(protocol.PullDecoder(pull))
+        if self.resume_state is not None:
+            self.load_codec_state(self.resume_state)
         self._exchange(protocol.PULL, step=0)
         return model
+
+    def codec_state(self) -> dict[str, Any]:
+        """What a compressed worker holds beyond the servers' checkpoint: its copy of the
+        parameters (``x̂``, which compressed pulls advance), its pushes' error feedback and its
+        codecs' random streams."""
+        return {"params": [[p.detach().clone() for p in shard] for shard in self.shards],
+                "pushes": [push.codec.state_dict() if push.codec else {} for push in self.pushes],
+                "pulls": [{"codec": pull.codec.codec.state_dict() if pull.codec.codec else {},
+                           "exact_received": pull.exact_received} for pull in self.pulls]}
+
+    def load_codec_state(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`codec_state` (the servers resume from the same update)."""
+        for shard, saved in zip(self.shards, state["params"]):
+            for p, value in zip(shard, saved):
+                p.data.copy_(value)
+        for push, saved in zip(self.pushes, state["pushes"]):
+            if push.codec is not None:
+                push.codec.load_state_dict(saved)
+        for pull, saved in zip(self.pulls, state["pulls"]):
+            if pull.codec.codec is not None:
+                pull.codec.codec.load_state_dict(saved["codec"])
+            pull.exact_received = bool(saved["exact_received"])
 
     def record_loss(self, loss_sum: torch.Tensor, count: int) -> None:
         """The coming push carries its loss, for server 0's progress and metrics."""
@@ -119,6 +151,8 @@ class ParameterServerClient(SyncStrategy):
                     self.buffers.encode() if extra and kind == protocol.PUSH else extra)
                 sends.append((dist.isend(outgoing, dst=server, tag=protocol.TO_SERVER,
                                          group=self.group), outgoing))
+        if kind == protocol.PUSH and self.on_pushed is not None:
+            self.on_pushed(step)
         with self.action("PL"):
             stop = self._pull()
         for work, _ in sends:
