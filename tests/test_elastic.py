@@ -138,3 +138,21 @@ def test_parameter_servers_restarted_after_a_killed_worker_end_as_uninterrupted(
     assert result.returncode == 0, result.stderr
     assert "tandem: restart 1: resuming from step 20" in result.stderr
     assert max_abs_diff(tmp_path / "whole" / "final.pt", tmp_path / "cut" / "final.pt") == 0.0
+
+
+@pytest.mark.parametrize("strategy", ["localsgd", "easgd", "gossip"])
+def test_strategies_with_their_own_replicas_resume_on_fewer_workers_from_their_mean(
+        tmp_path: Path, strategy: str) -> None:
+    common = ("train", "--strategy", strategy, "--steps", "60", "--batch-size", "60",
+              "--checkpoint-every", "10", "--out", str(tmp_path), "--no-progress")
+    assert run_tandem(*common, "--nproc", "4", "--stop-after", "30").returncode == 0
+    saved = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    models = [rank["model"] for rank in saved["ranks"]]
+    assert len(models) == 4
+    result = run_tandem(*common, "--nproc", "2", "--resume", "auto", "--json")
+    assert result.returncode == 0, result.stderr
+    assert (f"tandem: the checkpoint holds 4 {strategy} workers' own models and this run has 2: "
+            f"each starts from their mean") in result.stderr
+    summary = __import__("json").loads(result.stdout.strip().splitlines()[-1])
+    assert summary["finished"] and summary["world_size"] == 2
+    assert summary["test_accuracy"] > 0.6, summary  # digits after 60 steps of 60: ~0.7-0.9

@@ -168,7 +168,7 @@ BAD_PIPELINES = {
                                     "--microbatches 4 does not divide --batch-size 30"),
     "1f1b with fewer micro-batches than stages": (("--nproc", "4", "--microbatches", "2"),
                                                   "micro-batches"),
-    "resume": (("--nproc", "2", "--resume", "x.pt"), "not supported with --strategy pipeline"),
+    "resume": (("--nproc", "2", "--resume", "x.pt"), "no checkpoint at x.pt"),
     "unreadable schedule file": (("--nproc", "2", "--schedule", "no/such.txt"),
                                  "--schedule 'no/such.txt' is neither"),
 }

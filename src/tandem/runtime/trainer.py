@@ -170,6 +170,7 @@ class Trainer(BaseTrainer):
         self.collective_logging = self.strategy.synchronous
         checkpoint = self._load_checkpoint()
         if checkpoint is not None:
+            checkpoint = self._resized(checkpoint)
             model.load_state_dict(checkpoint["model"])
         self.module = self.strategy.wrap(model, env.device)
         self.current_step = 0
@@ -211,21 +212,49 @@ class Trainer(BaseTrainer):
         """Optimizer, schedule, step and this worker's own state (random stream, strategy state,
         and its model and optimizer where workers' differ)."""
         self.check_data_position(checkpoint.get("data"), str(self.config.resume))
-        ranks = checkpoint["ranks"]
-        if len(ranks) != self.env.world_size:
-            if not self.strategy.replicas_agree or self.plan.compress:
-                raise UsageError(f"the checkpoint holds the state of {len(ranks)} workers, each "
-                                 f"its own; resume with --nproc {len(ranks)}")
-            ranks = [{"rng": ranks[0]["rng"], "sync": {}}] * self.env.world_size
-        own = ranks[self.env.rank]
+        own = checkpoint["ranks"][self.env.rank]
         if "model" in own:
             self.model.load_state_dict(own["model"])
         self.optimizer.load_state_dict(own.get("optimizer", checkpoint["optimizer"]))
         self.scheduler.load_state_dict(checkpoint["scheduler"])
         self.first_step = int(checkpoint["step"])
         torch.set_rng_state(own["rng"])
-        self.strategy.load_state_dict(own["sync"])
+        if own["sync"]:
+            self.strategy.load_state_dict(own["sync"])
         self.precision.load_state_dict(own.get("precision", {}))
+
+    def _resized(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """A checkpoint of another number of workers, made fit for this run's.
+
+        Replicas that agree (dp, ps) continue as they are: the global batch and its order do
+        not depend on the workers, so the result is the same. Replicas that differ between
+        synchronizations (localsgd, easgd, gossip) all start from the mean of the saved models
+        and of their optimizer states (momentum), as after a full averaging round; EASGD keeps
+        its center, gossip's neighbours' copies start from that mean. Rank 0 says so. A codec's
+        per-worker state (error feedback) cannot be split or merged: refused.
+        """
+        ranks = checkpoint["ranks"]
+        world = self.env.world_size
+        if len(ranks) == world:
+            return checkpoint
+        if self.plan.compress:
+            raise UsageError(f"the checkpoint holds {len(ranks)} workers' codec state (error "
+                             f"feedback) for --compress {self.plan.compress.text}, which cannot "
+                             f"be split among {world}; resume with --nproc {len(ranks)}")
+        common = {"rng": ranks[0]["rng"], "precision": ranks[0].get("precision", {})}
+        if self.strategy.replicas_agree:
+            return {**checkpoint, "ranks": [{**common, "sync": {}}] * world}
+        models = [rank["model"] for rank in ranks]
+        optimizers = [rank["optimizer"] for rank in ranks]
+        keep = self.strategy.name == "easgd"
+        if self.env.rank == 0:
+            print(f"tandem: the checkpoint holds {len(ranks)} {self.strategy.name} workers' own "
+                  f"models and this run has {world}: each starts from their mean (and the mean "
+                  f"of their optimizer state){', with the saved center' if keep else ''}",
+                  file=sys.stderr, flush=True)
+        own = {**common, "optimizer": _mean_state(optimizers),
+               "sync": ranks[0]["sync"] if keep else {}}
+        return {**checkpoint, "model": _mean_state(models), "ranks": [own] * world}
 
     def train_step(self, step: int) -> torch.Tensor:
         """One optimizer step on this worker's share of global batch ``step``; returns its loss
@@ -337,6 +366,21 @@ class Trainer(BaseTrainer):
         return {"parameters": sum(p.numel() for p in self.model.parameters()), **summed,
                 "precision": self.config.precision, "clip_grad_norm": self.config.clip_grad_norm,
                 "skipped_steps": int(skipped)}
+
+
+def _mean_state(states: list[Any]) -> Any:
+    """The elementwise mean of state dicts of one structure (floating tensors averaged; other
+    values, such as step counts, taken from the first)."""
+    first = states[0]
+    if isinstance(first, torch.Tensor):
+        if first.is_floating_point():
+            return torch.stack([s.to(first.dtype) for s in states]).mean(dim=0)
+        return first.clone()
+    if isinstance(first, dict):
+        return {key: _mean_state([s[key] for s in states]) for key in first}
+    if isinstance(first, (list, tuple)):
+        return type(first)(_mean_state(list(parts)) for parts in zip(*states))
+    return first
 
 
 class ParameterServerWorker(Trainer):
