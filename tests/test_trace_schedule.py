@@ -4,6 +4,8 @@ they were recorded, are named exactly as its actions (``1F3``, ``1SA3>2``, ``2RA
 
 The runs are the real command line on a tiny model for a few steps: every schedule (GPipe,
 1F1B, PipeDream) on 2 and 4 workers and on replicas 2-1; the simulator is checked on the same.
+The flush schedules' runs are test_pipeline.py's (20 steps of 4 micro-batches, which must equal
+single-process training), shared within the session.
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ from tandem.cluster import Cluster, Level
 from tandem.planning.replay import Workload, replay
 from tandem.schedule import Action, Schedule, generate
 from tandem.timeline import Event, Timeline, event_action, event_kind
-from tests.conftest import run_json
+from tests.conftest import SharedRun, run_json
+from tests.test_pipeline import COMMON as PIPELINE_COMMON
 
 COMMON = ("--model", "mlp", "--data", "digits", "--batch-size", "16", "--strategy", "pipeline")
 FLUSH_STEPS, PIPEDREAM_STEPS, MICROBATCHES = 3, 4, 4
+FLUSH_RUN_STEPS = 20
+"""Steps of the flush schedules' runs (test_pipeline.py's); FLUSH_STEPS is the simulator's."""
 LAYOUTS = [(1, 1), (1, 1, 1, 1), (2, 1)]
 ALL_CASES = [(kind, replicas) for kind in ("gpipe", "1f1b", "pipedream") for replicas in LAYOUTS]
 RUN_CASES = ALL_CASES
@@ -31,24 +36,30 @@ def case_id(case: tuple[str, tuple[int, ...]]) -> str:
     return f"{case[0]}-{'-'.join(map(str, case[1]))}"
 
 
-def expected_actions(kind: str, replicas: tuple[int, ...]) -> list[list[Action]]:
+def expected_actions(kind: str, replicas: tuple[int, ...],
+                     flush_steps: int = FLUSH_STEPS) -> list[list[Action]]:
     """Per worker, every action of the run: a flush schedule's per-step list once per step,
     PipeDream's single schedule over all the run's minibatches."""
     if kind == "pipedream":
         return [list(actions) for actions in generate(kind, replicas, PIPEDREAM_STEPS).workers]
     schedule = generate(kind, replicas, MICROBATCHES)
-    return [list(actions) * FLUSH_STEPS for actions in schedule.workers]
+    return [list(actions) * flush_steps for actions in schedule.workers]
 
 
-def run_flags(kind: str, replicas: tuple[int, ...]) -> tuple[str, ...]:
-    flags = ("--schedule", kind, "--nproc", str(sum(replicas)))
-    if kind == "pipedream":
-        flags += ("--steps", str(PIPEDREAM_STEPS))
-    else:
-        flags += ("--steps", str(FLUSH_STEPS), "--microbatches", str(MICROBATCHES))
-    if any(r > 1 for r in replicas):
-        flags += ("--replicas", ",".join(map(str, replicas)))
-    return flags
+def run(shared_run: SharedRun, tmp_path: Path, kind: str,
+        replicas: tuple[int, ...]) -> tuple[Path, dict]:
+    """The run's ``--out`` and summary: PipeDream's here, a flush schedule's test_pipeline.py's
+    (the same arguments, so one run serves both files)."""
+    layout: tuple[str, ...] = ("--nproc", str(sum(replicas)))
+    replicated = ("--replicas", ",".join(map(str, replicas))) if max(replicas) > 1 else ()
+    if kind != "pipedream":
+        stages = ("--stages", str(len(replicas))) if replicated else ()
+        return shared_run(*PIPELINE_COMMON, "--strategy", "pipeline", "--schedule", kind,
+                          "--microbatches", str(MICROBATCHES), *layout, *stages, *replicated)
+    layout += replicated
+    return tmp_path, run_json("train", *COMMON, "--schedule", kind, "--steps",
+                              str(PIPEDREAM_STEPS), *layout, "--out", str(tmp_path),
+                              timeout_s=120)
 
 
 def worker_events(events: list[Event], worker: int) -> list[Event]:
@@ -57,19 +68,19 @@ def worker_events(events: list[Event], worker: int) -> list[Event]:
 
 
 @pytest.mark.parametrize(("kind", "replicas"), RUN_CASES, ids=map(case_id, RUN_CASES))
-def test_trace_names_every_executed_action_once_in_order(tmp_path: Path, kind: str,
+def test_trace_names_every_executed_action_once_in_order(shared_run: SharedRun, tmp_path: Path,
+                                                         kind: str,
                                                          replicas: tuple[int, ...]) -> None:
-    summary = run_json("train", *COMMON, *run_flags(kind, replicas), "--out", str(tmp_path),
-                       timeout_s=120)
+    out, summary = run(shared_run, tmp_path, kind, replicas)
     assert summary["schedule"] == kind and summary["pipeline"] == "-".join(map(str, replicas))
-    events = Timeline.from_json(json.loads((tmp_path / "trace.json").read_text())).events
-    for worker, actions in enumerate(expected_actions(kind, replicas)):
+    events = Timeline.from_json(json.loads((out / "trace.json").read_text())).events
+    for worker, actions in enumerate(expected_actions(kind, replicas, FLUSH_RUN_STEPS)):
         traced = worker_events(events, worker)
         assert [e.name for e in traced] == [str(a) for a in actions], f"worker {worker}"
         starts = [e.start_s for e in traced]
         assert starts == sorted(starts), f"worker {worker}: events out of execution order"
         assert all(e.end_s >= e.start_s for e in traced)
-        per_step = len(actions) // FLUSH_STEPS
+        per_step = len(actions) // FLUSH_RUN_STEPS
         for index, (event, action) in enumerate(zip(traced, actions)):
             step = action.microbatch if kind == "pipedream" else index // per_step
             if step is not None:
