@@ -6,19 +6,20 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import max_abs_diff, run_json, run_tandem
+from tests.conftest import SharedRun, max_abs_diff, run_json, run_tandem
 
 COMMON = ("--model", "mlp", "--data", "digits", "--steps", "20", "--batch-size", "32",
           "--lr", "0.05", "--momentum", "0.9", "--seed", "3")
 
 
 @pytest.mark.parametrize("servers", ["1", "2"])
-def test_synchronous_parameter_servers_match_allreduce(tmp_path: Path, servers: str) -> None:
-    run_json("train", *COMMON, "--strategy", "dp", "--nproc", "2", "--out", str(tmp_path / "dp"))
+def test_synchronous_parameter_servers_match_allreduce(shared_run: SharedRun, tmp_path: Path,
+                                                       servers: str) -> None:
+    dp, _ = shared_run(*COMMON, "--nproc", "2")  # the run test_train_dp.py compares with
     summary = run_json("train", *COMMON, "--strategy", "ps", "--mode", "sync", "--servers", servers,
                        "--nproc", str(2 + int(servers)), "--out", str(tmp_path / "ps"))
     assert summary["steps"] == 20 and summary["dropped_pushes"] == 0
-    assert max_abs_diff(tmp_path / "dp" / "final.pt", tmp_path / "ps" / "final.pt") <= 1e-5
+    assert max_abs_diff(dp / "final.pt", tmp_path / "ps" / "final.pt") <= 1e-5
     assert (tmp_path / "ps" / "server-0.pt").exists()
 
 
@@ -54,13 +55,14 @@ def test_every_strategy_learns_digits_with_4_workers(name: str) -> None:
 
 
 def test_async_parameter_server_survives_a_dead_worker(tmp_path: Path) -> None:
-    """(``--timeout 30``: at the end the server waits up to that for the receive it had posted
-    for the dead worker; see docs/reliability.md.)"""
+    """(``--timeout 10``: at the end the server waits up to that for the receive it had posted
+    for the dead worker; see docs/reliability.md. 10 s, as in test_hardening_waits.py's stuck
+    worker: every second of it is waited out.)"""
     result = run_tandem(
         "train", "--strategy", "ps", "--mode", "async", "--nproc", "4", "--servers", "1",
         "--model", "tests.faulty_models:kill:rank=2,after=5", "--momentum", "0", "--lr", "0.1",
         "--steps", "150", "--batch-size", "63", "--out", str(tmp_path), "--json", "--no-progress",
-        "--timeout", "30", timeout_s=240,
+        "--timeout", "10", timeout_s=240,
     )
     assert result.returncode == 0, result.stderr
     assert "worker rank 2 died (killed by signal 9)" in result.stderr

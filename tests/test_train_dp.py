@@ -15,7 +15,7 @@ from tandem.data import build_dataset
 from tandem.models import build_model
 from tandem.timeline import Timeline
 
-from tests.conftest import ROOT, max_abs_diff, run_json
+from tests.conftest import ROOT, SharedRun, max_abs_diff, run_json
 
 COMMON = ("--model", "mlp", "--data", "digits", "--steps", "20", "--batch-size", "32",
           "--lr", "0.05", "--momentum", "0.9", "--seed", "3")
@@ -57,10 +57,11 @@ def test_single_worker_matches_plain_pytorch(single: Path) -> None:
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
-def test_dp_matches_single_process(single: Path, tmp_path: Path, nproc: int) -> None:
-    summary = run_json("train", *COMMON, "--nproc", str(nproc), "--out", str(tmp_path))
+def test_dp_matches_single_process(single: Path, shared_run: SharedRun, nproc: int) -> None:
+    """(The 2-worker run is also the ``dp`` that test_strategies.py's servers must equal.)"""
+    out, summary = shared_run(*COMMON, "--nproc", str(nproc))
     assert summary["world_size"] == nproc and summary["steps"] == 20
-    assert max_abs_diff(single / "final.pt", tmp_path / "final.pt") <= 1e-5
+    assert max_abs_diff(single / "final.pt", out / "final.pt") <= 1e-5
 
 
 def test_gradient_accumulation_matches_single_process(single: Path, tmp_path: Path) -> None:
@@ -99,8 +100,9 @@ def test_outputs_and_summary(single: Path) -> None:
     assert all(event.end_s >= event.start_s for event in timeline.events)
 
 
-def test_json_summary_fields(tmp_path: Path) -> None:
-    summary = run_json("train", "--steps", "5", "--nproc", "2", "--batch-size", "16")
+def test_json_summary_fields(shared_run: SharedRun) -> None:
+    """Of the 2-worker run above (any run's summary has them)."""
+    _, summary = shared_run(*COMMON, "--nproc", "2")
     for key in ("test_accuracy", "steps", "samples_per_s", "wall_s", "final_loss",
                 "step_time_s", "world_size"):
         assert key in summary, key
