@@ -10,7 +10,7 @@ import torch
 
 from tandem.data import GlobalBatchSampler, build_dataset
 from tandem.models import build_model
-from tests.conftest import max_abs_diff, run_json, run_tandem
+from tests.conftest import SharedRun, max_abs_diff, run_json, run_tandem
 
 DIGITS = ("--steps", "600", "--nproc", "2", "--seed", "0", "--lr-schedule", "cosine",
           "--no-progress")
@@ -34,12 +34,14 @@ def test_fp16_skips_the_step_whose_gradients_overflow(tmp_path: Path) -> None:
     assert summary["final_loss"] is not None and summary["test_accuracy"] > 0.5
 
 
-def test_clipped_data_parallel_run_equals_a_plain_clipped_loop(tmp_path: Path) -> None:
+CLIPPED = ("--model", "mlp", "--steps", "15", "--batch-size", "32", "--lr", "0.5",
+           "--momentum", "0", "--seed", "1", "--clip-grad-norm", "0.2", "--no-progress")
+
+
+def test_clipped_data_parallel_run_equals_a_plain_clipped_loop(shared_run: SharedRun) -> None:
     """``--clip-grad-norm`` clips the norm of the *global* (allreduced) gradient: 2 workers
     equal one process running ``clip_grad_norm_`` on the whole batch's gradient."""
-    run_json("train", "--model", "mlp", "--steps", "15", "--batch-size", "32", "--lr", "0.5",
-             "--momentum", "0", "--seed", "1", "--clip-grad-norm", "0.2", "--nproc", "2",
-             "--out", str(tmp_path), "--no-progress", timeout_s=120)
+    out, _ = shared_run(*CLIPPED, "--nproc", "2", timeout_s=120)
     data = build_dataset("digits")
     torch.manual_seed(1)
     model = build_model("mlp", data.info)
@@ -54,20 +56,19 @@ def test_clipped_data_parallel_run_equals_a_plain_clipped_loop(tmp_path: Path) -
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.2)))
         optimizer.step()
     assert max(norms) > 0.2  # the clip was active
-    trained = torch.load(tmp_path / "final.pt")
+    trained = torch.load(out / "final.pt")
     assert max(float((trained[k] - v).abs().max()) for k, v in model.state_dict().items()) <= 1e-5
 
 
-def test_clipped_sync_parameter_servers_equal_clipped_dp(tmp_path: Path) -> None:
+def test_clipped_sync_parameter_servers_equal_clipped_dp(shared_run: SharedRun,
+                                                        tmp_path: Path) -> None:
     """In ``ps --mode sync`` the servers clip the workers' mean gradient by its norm over all
-    shards (two servers exchange theirs): the same update as ``dp``."""
-    common = ("--model", "mlp", "--steps", "15", "--batch-size", "32", "--lr", "0.5",
-              "--momentum", "0", "--seed", "1", "--clip-grad-norm", "0.2", "--no-progress")
-    run_json("train", *common, "--nproc", "2", "--out", str(tmp_path / "dp"), timeout_s=120)
-    summary = run_json("train", *common, "--strategy", "ps", "--servers", "2", "--nproc", "4",
+    shards (two servers exchange theirs): the same update as ``dp`` (the run above)."""
+    dp, _ = shared_run(*CLIPPED, "--nproc", "2", timeout_s=120)
+    summary = run_json("train", *CLIPPED, "--strategy", "ps", "--servers", "2", "--nproc", "4",
                        "--out", str(tmp_path / "ps"), timeout_s=120)
     assert summary["clip_grad_norm"] == 0.2 and summary["skipped_steps"] == 0
-    assert max_abs_diff(tmp_path / "dp" / "final.pt", tmp_path / "ps" / "final.pt") <= 1e-5
+    assert max_abs_diff(dp / "final.pt", tmp_path / "ps" / "final.pt") <= 1e-5
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

@@ -3,6 +3,7 @@ of strategies whose workers differ between synchronizations."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -65,21 +66,31 @@ def test_codec_state_round_trips() -> None:
     assert torch.equal(sent[0], sent[1])
 
 
-def test_resume_with_other_worker_count_is_refused(tmp_path: Path) -> None:
-    args = ("--model", "mlp", "--data", "digits", "--steps", "6", "--batch-size", "32",
-            "--compress", "topk:ratio=0.1", "--out", str(tmp_path))
-    run_json("train", *args, "--nproc", "2", "--stop-after", "3")
-    result = run_tandem("train", *args, "--nproc", "4", "--resume", "--no-progress")
+STOPPED = ("--model", "mlp", "--data", "digits", "--steps", "6", "--batch-size", "32")
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-worker topk run stopped after 3 of 6 steps; each test resumes a copy of it."""
+    out = tmp_path_factory.mktemp("stopped")
+    run_json("train", *STOPPED, "--compress", "topk:ratio=0.1", "--nproc", "2",
+             "--stop-after", "3", "--out", str(out))
+    return out
+
+
+def test_resume_with_other_worker_count_is_refused(stopped: Path, tmp_path: Path) -> None:
+    out = shutil.copytree(stopped, tmp_path / "run")
+    result = run_tandem("train", *STOPPED, "--compress", "topk:ratio=0.1", "--nproc", "4",
+                        "--out", str(out), "--resume", "--no-progress")
     assert result.returncode != 0
     assert "the checkpoint holds the state of 2 workers, each its own; resume with --nproc 2" \
         in result.stderr
 
 
-def test_resume_with_another_codec_is_refused(tmp_path: Path) -> None:
-    args = ("--model", "mlp", "--data", "digits", "--steps", "6", "--batch-size", "32",
-            "--nproc", "2", "--out", str(tmp_path))
-    run_json("train", *args, "--compress", "topk:ratio=0.1", "--stop-after", "3")
-    result = run_tandem("train", *args, "--compress", "sign", "--resume", "--no-progress")
+def test_resume_with_another_codec_is_refused(stopped: Path, tmp_path: Path) -> None:
+    out = shutil.copytree(stopped, tmp_path / "run")
+    result = run_tandem("train", *STOPPED, "--compress", "sign", "--nproc", "2",
+                        "--out", str(out), "--resume", "--no-progress")
     assert result.returncode == 2
     assert "made with compress='topk:ratio=0.1', this run has compress='sign'" in result.stderr
 
