@@ -76,9 +76,15 @@ def test_a_stopped_job_resumes_on_fewer_workers_with_the_same_result(
 
 def test_torchrun_restarts_the_workers_and_they_resume_by_themselves(
         uninterrupted: Path, tmp_path: Path) -> None:
-    command = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-               "--max-restarts", "1", "-m", "tandem", *RUN, "--out", str(tmp_path),
-               "--resume", "auto", "--json"]
+    import socket
+
+    with socket.socket() as probe:  # a free port for the rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = ["-m", "torch.distributed.run", "--nnodes", "1:2", "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", "last_call_timeout=1",
+               "--nproc-per-node", "4", "--max-restarts", "1", "-m", "tandem", *RUN,
+               "--out", str(tmp_path), "--resume", "auto", "--json"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TANDEM_FAULT": "2:35"}
     result = subprocess.run([sys.executable, *command], capture_output=True, text=True, env=env,
                             timeout=400, cwd=ROOT)
