@@ -83,8 +83,8 @@ def test_resume_with_other_worker_count_is_refused(stopped: Path, tmp_path: Path
     result = run_tandem("train", *STOPPED, "--compress", "topk:ratio=0.1", "--nproc", "4",
                         "--out", str(out), "--resume", "--no-progress")
     assert result.returncode != 0
-    assert "the checkpoint holds the state of 2 workers, each its own; resume with --nproc 2" \
-        in result.stderr
+    assert ("the checkpoint holds 2 workers' codec state (error feedback) for --compress "
+            "topk:ratio=0.1, which cannot be split among 4; resume with --nproc 2") in result.stderr
 
 
 def test_resume_with_another_codec_is_refused(stopped: Path, tmp_path: Path) -> None:
