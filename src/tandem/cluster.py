@@ -70,6 +70,24 @@ def parse_size(text: str) -> float:
     return value
 
 
+def parse_duration(text: str | float, flag: str) -> float:
+    """Seconds of a duration option's value: a number with a unit (``1ms``, ``20us``, ``0.5s``,
+    ``300s``) or a bare number of seconds (``300``); ``flag`` names it in errors."""
+    raw = str(text).strip()
+    try:
+        value = float(raw)
+    except ValueError:
+        match = re.fullmatch(_NUMBER + r"\s*(\S*)", raw)
+        if match is None or match.group(2) not in TIME_UNITS:
+            raise UsageError(f"{flag} {raw!r} is not a duration; write seconds or a number with "
+                             f"a unit ({', '.join(TIME_UNITS)}), e.g. {flag} 1ms") from None
+        value = float(match.group(1)) * TIME_UNITS[match.group(2)]
+    if not math.isfinite(value) or value < 0:
+        raise UsageError(f"{flag} {raw!r} must be a finite duration of at least 0, e.g. "
+                         f"{flag} 1ms")
+    return value
+
+
 def parse_latency(text: str) -> float:
     """Seconds of ``text`` such as ``5us`` or ``1ms``."""
     value = _parse_quantity(text, TIME_UNITS, "latency", "5us or 1ms")

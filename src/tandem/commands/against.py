@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem import strict_json
-from tandem.cluster import Cluster, parse_latency
+from tandem.cluster import Cluster, parse_duration
 from tandem.commands.args import build_cluster
 from tandem.errors import UsageError
 from tandem.plan import Plan
@@ -137,7 +137,8 @@ def describe_machine(args: argparse.Namespace, run: RecordedRun,
 
     plan = run.plan
     options = SimOptions(batch_scale=run.settings["batch_size"] / run.micro_batch,
-                         num_steps=SIMULATED_STEPS, compute_overhead_s=args.overhead,
+                         num_steps=SIMULATED_STEPS,
+                         compute_overhead_s=parse_duration(args.overhead, "--overhead"),
                          compress=None if plan.pipelined or plan.compress is None
                          else plan.compress.text)
     parameter_bytes = sum(layer.parameter_bytes for layer in profile.layers)
@@ -154,7 +155,8 @@ def describe_machine(args: argparse.Namespace, run: RecordedRun,
         measured["calibration"] = calibration.to_dict()
     if args.allreduce_latency:
         options = dataclasses.replace(options,
-                                      allreduce_latency_s=parse_latency(args.allreduce_latency))
+                                      allreduce_latency_s=parse_duration(args.allreduce_latency,
+                                                                         "--allreduce-latency"))
     return cluster, options, measured
 
 

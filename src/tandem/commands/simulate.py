@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from tandem import strict_json
-from tandem.cluster import Cluster, parse_bandwidth, parse_latency
+from tandem.cluster import Cluster, parse_bandwidth, parse_duration
 from tandem.commands.args import (
     add_cluster_args,
     add_source_args,
@@ -122,7 +122,8 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allreduce", choices=ALGORITHMS, default="auto",
                    help="allreduce algorithm (default auto: the cheapest)")
     p.add_argument("--allreduce-latency", metavar="TIME",
-                   help="latency of one allreduce step, e.g. 20us (default: the links')")
+                   help="latency of one allreduce step, e.g. 20us or 0.00002 (seconds) "
+                   "(default: the links')")
     p.add_argument("--compression", type=float, default=1.0, metavar="R",
                    help="divide allreduce bytes by R (e.g. 2 for fp16 gradients)")
     p.add_argument("--activation-compression", type=float, default=1.0, metavar="R",
@@ -132,8 +133,9 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
                    "(default: steps take no time)")
     p.add_argument("--optimizer-state", type=float, default=1.0, metavar="X",
                    help="optimizer state bytes per parameter byte (SGD momentum 1, Adam 2)")
-    p.add_argument("--overhead", type=float, default=0.0, metavar="SECONDS",
-                   help="fixed framework seconds added to every forward and backward")
+    p.add_argument("--overhead", default="0", metavar="TIME",
+                   help="fixed framework time added to every forward and backward, e.g. 1ms, "
+                   "50us or 0.001 (seconds) (default 0)")
 
 
 def add_codec_args(p: argparse.ArgumentParser, *, compress: bool = True) -> None:
@@ -151,18 +153,18 @@ def add_codec_args(p: argparse.ArgumentParser, *, compress: bool = True) -> None
 
 def sim_options(args: argparse.Namespace, profile: ModelProfile, **changes: Any) -> SimOptions:
     """The :class:`SimOptions` of the shared arguments."""
-    if args.overhead < 0:
-        raise UsageError(f"--overhead must not be negative (got {args.overhead})")
+    overhead_s = parse_duration(args.overhead, "--overhead")
     options = SimOptions(
         batch_scale=batch_scale(profile, args.batch_size if args.profile else None,
                                 args.profile_batch),
         allreduce=args.allreduce,
-        allreduce_latency_s=parse_latency(args.allreduce_latency) if args.allreduce_latency else None,
+        allreduce_latency_s=(parse_duration(args.allreduce_latency, "--allreduce-latency")
+                             if args.allreduce_latency else None),
         gradient_compression=args.compression,
         activation_compression=args.activation_compression,
         optimizer_Bps=parse_bandwidth(args.optimizer_bandwidth) if args.optimizer_bandwidth else None,
         optimizer_state_factor=args.optimizer_state,
-        compute_overhead_s=args.overhead,
+        compute_overhead_s=overhead_s,
         compress=getattr(args, "codec", None),
         codec_speedup=getattr(args, "codec_speedup", 1.0),
     )
@@ -265,7 +267,10 @@ def run(args: argparse.Namespace) -> int:
     if plan.pipelined and plan.compress is not None and args.activation_compression == 1.0:
         print(f"tandem simulate: note: the plan's activation codec {plan.compress.text} is not "
               f"modelled; give its ratio with --activation-compression R", file=sys.stderr)
-    result = simulate(plan, profile, cluster, sim_options(args, profile))
+    options = sim_options(args, profile)
+    if profile.batch_size is None and args.profile_batch:  # known now: report samples/s too
+        profile = dataclasses.replace(profile, batch_size=args.profile_batch)
+    result = simulate(plan, profile, cluster, options)
     human = sys.stderr if args.json else sys.stdout
     print(format_result(result, cluster), file=human)
     if args.trace:

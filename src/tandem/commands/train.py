@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem import strict_json
+from tandem.cluster import parse_duration
 from tandem.errors import UsageError
 from tandem.plan import Plan
 from tandem.runtime.config import BACKENDS, OPTIMIZERS, SCHEDULES, Job, RunConfig, make_job
@@ -123,10 +124,26 @@ def add_train_arguments(parser: argparse.ArgumentParser, defaults: RunConfig) ->
     add("--log-every", type=int, default=defaults.log_every)
     add("--threads", type=int, default=defaults.threads, help="intra-op threads per CPU worker")
     add("--backend", default=defaults.backend, help=f"one of: {', '.join(BACKENDS)}")
-    add("--timeout", type=float, default=defaults.timeout_s, dest="timeout_s",
-        help="seconds a worker waits for the others before the job stops")
+    add("--timeout", type=_duration("--timeout"), default=defaults.timeout_s, dest="timeout_s",
+        metavar="TIME", help="how long a worker waits for the others before the job stops, "
+        "e.g. 300 (seconds), 90s or 5000ms (default 300)")
     add("--no-progress", action="store_false", dest="progress", help="hide the progress bar")
     add("--json", action="store_true", help="print the summary as one JSON object on stdout")
+
+
+def _duration(flag: str) -> Any:
+    """An argparse type: seconds of a duration with or without a unit (one line if not); a
+    bare number is left for :class:`RunConfig` to check (its message gives the range)."""
+    def parse(text: str) -> float:
+        try:
+            return float(text)
+        except ValueError:
+            pass
+        try:
+            return parse_duration(text, flag)
+        except UsageError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return parse
 
 
 def given_plan_flags(args: argparse.Namespace) -> dict[str, Any]:
