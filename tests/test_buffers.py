@@ -103,6 +103,10 @@ def _strategy_buffers(rank: int, world_size: int) -> dict[str, Any]:
         model = strategy.unwrap(module)
         for buffer in model.buffers():
             buffer.fill_(rank + 1 if buffer.is_floating_point() else 10 * rank)
+        # every rank's buffers set before any averaging: AD-PSGD's passive side answers from a
+        # thread started in wrap, and answered with unset buffers when the active side was
+        # quicker (CI: 0.5 for 1.5)
+        torch.distributed.barrier()
         optimizer = torch.optim.SGD(module.parameters(), lr=0.0)
         if name != "dp":  # DDP's own broadcast runs in its forward
             strategy.update(module, optimizer, step=0)
