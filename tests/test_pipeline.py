@@ -62,10 +62,12 @@ def test_pipeline_from_a_plan(single: Path, tmp_path: Path) -> None:
     assert max_abs_diff(single, tmp_path / "final.pt") <= 1e-5
 
 
-def pipedream_reference(num_stages: int, steps: int, vertical_sync: bool) -> dict[str, torch.Tensor]:
+def pipedream_reference(num_stages: int, steps: int, vertical_sync: bool,
+                        restart: int | None = None) -> dict[str, torch.Tensor]:
     """PipeDream's semantics written out sequentially: stage ``s`` computes minibatch ``k`` with
     its weights after ``max(0, k - (S - s) + 1)`` updates (stage 0's count under vertical sync),
-    and applies the resulting gradient as its ``k``-th update."""
+    and applies the resulting gradient as its ``k``-th update. Resumed at ``restart``, the
+    pipeline fills again: no minibatch uses weights older than the restart's."""
     data = build_dataset("digits")
     torch.manual_seed(3)
     model = build_model("mlp", data.info)
@@ -77,6 +79,8 @@ def pipedream_reference(num_stages: int, steps: int, vertical_sync: bool) -> dic
         versions = [max(0, k - (num_stages - s) + 1) for s in range(num_stages)]
         if vertical_sync:
             versions = [versions[0]] * num_stages
+        if restart is not None and k >= restart:
+            versions = [max(restart, v) for v in versions]
         weights = [{n: t.clone().requires_grad_() for n, t in history[s][versions[s]].items()}
                    for s in range(num_stages)]
         batch = sampler.global_indices(k)

@@ -14,14 +14,8 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
-from torch.func import functional_call
-from torch.nn import functional as F
 
-from tandem.data import GlobalBatchSampler, build_dataset
-from tandem.models import build_model
-from tandem.strategy import even_bounds
-
+from tests import test_pipeline
 from tests.conftest import SharedRun, max_abs_diff, run_json, run_tandem
 
 COMMON = ("--model", "mlp", "--data", "digits", "--steps", "20", "--batch-size", "32",
@@ -141,38 +135,9 @@ def test_tied_fp16_pipeline_resumes_with_its_loss_scale(tmp_path: Path) -> None:
 @functools.cache
 def pipedream_reference(steps: int, restart: int | None,
                         vertical_sync: bool) -> dict[str, torch.Tensor]:
-    """PipeDream on 3 stages written out sequentially (COMMON's settings): stage ``s`` computes
-    minibatch ``k`` with its weights after ``max(0, k - (3 - s) + 1)`` updates (stage 0's count
-    under vertical sync) and applies the gradient as its ``k``-th update. Resumed at
-    ``restart``, the pipeline fills again: no minibatch uses weights older than the restart's."""
-    data = build_dataset("digits")
-    torch.manual_seed(3)
-    model = build_model("mlp", data.info)
-    num_stages = 3
-    stages = [nn.Sequential(*list(model)[a:b]) for a, b in even_bounds(len(model), num_stages)]
-    optimizers = [torch.optim.SGD(stage.parameters(), lr=0.05, momentum=0.9) for stage in stages]
-    history = [[{n: p.detach().clone() for n, p in stage.named_parameters()}] for stage in stages]
-    sampler = GlobalBatchSampler(len(data.train), global_batch_size=32, seed=3)
-    for k in range(steps):
-        versions = [max(0, k - (num_stages - s) + 1) for s in range(num_stages)]
-        if vertical_sync:
-            versions = [versions[0]] * num_stages
-        if restart is not None and k >= restart:
-            versions = [max(restart, v) for v in versions]
-        weights = [{n: t.clone().requires_grad_() for n, t in history[s][versions[s]].items()}
-                   for s in range(num_stages)]
-        batch = sampler.global_indices(k)
-        h = data.train.inputs[batch]
-        for stage, stage_weights in zip(stages, weights):
-            h = functional_call(stage, stage_weights, (h,))
-        loss = F.cross_entropy(h, data.train.targets[batch])
-        grads = iter(torch.autograd.grad(loss, [t for w in weights for t in w.values()]))
-        for stage, optimizer, past in zip(stages, optimizers, history):
-            for p in stage.parameters():
-                p.grad = next(grads)
-            optimizer.step()
-            past.append({n: p.detach().clone() for n, p in stage.named_parameters()})
-    return model.state_dict()
+    """test_pipeline's sequential PipeDream on 3 stages (COMMON's settings), resumed at
+    ``restart``."""
+    return test_pipeline.pipedream_reference(3, steps, vertical_sync, restart)
 
 
 def differs(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:

@@ -80,6 +80,21 @@ MAX_SEED = 2**32 - 1
 the offsets added to it."""
 
 
+def path_spec(spec: str, cls: type[T], *, what: str, example: str) -> tuple[str, T]:
+    """The path and options of ``PREFIX:PATH[:key=value,...]`` (``folder:``, ``shards:``); a
+    last ``:``-part with ``=`` in it is the options, so the path may hold colons."""
+    prefix, _, rest = spec.partition(":")
+    path_text, options_text = rest, ""
+    head, sep, tail = rest.rpartition(":")
+    if sep and "=" in tail:
+        path_text, options_text = head, tail
+    if not path_text:
+        raise UsageError(f"--data {spec!r} names no {what}; write {prefix}:PATH, e.g. "
+                         f"{example}")
+    _, raw = split_spec(f"{prefix}:{options_text}", what=prefix)
+    return path_text, fill_options(cls, raw, spec=spec, what=prefix)
+
+
 def check_seed(name: str, value: int) -> None:
     """Raise ``ValueError`` unless ``value`` is a seed in ``[0, MAX_SEED]``."""
     if not 0 <= value <= MAX_SEED:

@@ -22,7 +22,7 @@ import torch
 from tandem.data.bundle import DataBundle, Split, check_split, split_held_out
 from tandem.data.info import DataInfo
 from tandem.errors import UsageError
-from tandem.options import check_seed, fill_options, split_spec
+from tandem.options import check_seed, path_spec
 
 EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".gif", ".ppm", ".pgm", ".tif",
                         ".tiff", ".webp"})
@@ -49,44 +49,45 @@ class FolderOptions:
 
 def parse_folder_spec(spec: str) -> tuple[Path, FolderOptions]:
     """The directory and options of ``folder:PATH[:key=value,...]``."""
-    rest = spec.partition(":")[2]
-    path_text, options_text = rest, ""
-    head, sep, tail = rest.rpartition(":")
-    if sep and "=" in tail:
-        path_text, options_text = head, tail
-    if not path_text:
-        raise UsageError(f"--data {spec!r} names no folder; write folder:PATH, e.g. "
-                         f"folder:./images")
-    _, raw = split_spec(f"folder:{options_text}", what="dataset")
-    return Path(path_text).expanduser(), fill_options(FolderOptions, raw, spec=spec,
-                                                      what="dataset")
+    path, options = path_spec(spec, FolderOptions, what="folder", example="folder:./images")
+    return Path(path).expanduser(), options
 
 
 def load_folder(spec: str) -> DataBundle:
     """Read the image folder of ``spec`` into a train and a test split."""
+    root, options, classes, files = folder_splits(spec)
+    (train_x, test_x), _ = _read_all([files["train"], files["test"]], options, spec)
+    train = Split(inputs=train_x, targets=_labels(files["train"]))
+    test = Split(inputs=test_x, targets=_labels(files["test"]))
+    info = DataInfo(task="classify", input_shape=tuple(train.inputs.shape[1:]),
+                    num_classes=len(classes))
+    return DataBundle(name=f"folder:{root}", train=train, test=test, info=info)
+
+
+def folder_splits(spec: str) -> tuple[Path, FolderOptions, list[str],
+                                      dict[str, list[tuple[Path, int]]]]:
+    """The directory, options, class names and each split's ``(image file, label)`` pairs of
+    ``folder:PATH``: its ``train/`` and ``test/`` folders, or a seeded held-out fraction (the
+    files are listed, not read; ``tandem pack`` packs the same splits)."""
     root, options = parse_folder_spec(spec)
     if not root.is_dir():
         raise UsageError(f"--data {spec}: {root} is not a directory; give a folder with one "
                          f"subfolder of images per class")
     if (root / "train").is_dir() and (root / "test").is_dir():
         classes = _classes(root / "train", spec)
-        train_files = _files(root / "train", classes, spec)
-        test_files = _files(root / "test", classes, spec, allow_empty_classes=True)
-        (train_x, test_x), channels = _read_all([train_files, test_files], options, spec)
-        train = Split(inputs=train_x, targets=_labels(train_files))
-        test = Split(inputs=test_x, targets=_labels(test_files))
-    else:
-        classes = _classes(root, spec)
-        files = _files(root, classes, spec)
-        (inputs,), channels = _read_all([files], options, spec)
-        try:
-            check_split(len(files), options.test)
-        except ValueError as exc:
-            raise UsageError(f"--data {spec}: {len(files)} images, and {exc}") from None
-        train, test = split_held_out(inputs, _labels(files), options.test, options.split_seed)
-    info = DataInfo(task="classify", input_shape=tuple(train.inputs.shape[1:]),
-                    num_classes=len(classes))
-    return DataBundle(name=f"folder:{root}", train=train, test=test, info=info)
+        return root, options, classes, {
+            "train": _files(root / "train", classes, spec),
+            "test": _files(root / "test", classes, spec, allow_empty_classes=True)}
+    classes = _classes(root, spec)
+    every = _files(root, classes, spec)
+    try:
+        check_split(len(every), options.test)
+    except ValueError as exc:
+        raise UsageError(f"--data {spec}: {len(every)} images, and {exc}") from None
+    train, test = split_held_out(torch.arange(len(every)), _labels(every), options.test,
+                                 options.split_seed)
+    return root, options, classes, {"train": [every[int(i)] for i in train.inputs],
+                                    "test": [every[int(i)] for i in test.inputs]}
 
 
 def _classes(root: Path, spec: str) -> list[str]:

@@ -67,7 +67,7 @@ def pack(source: str, out: Path, *, shard_size: int = DEFAULT_SHARD_SIZE,
     _check_out(out)
     spec = f"folder:{source}" if Path(source).is_dir() and ":" not in source else source
     if spec.partition(":")[0] == "folder":
-        files, info, decode = _folder_splits(spec)
+        files, info, decode = _image_folder(spec)
         samples = {split: _image_samples(files[split]) for split in SPLITS}
         counts = {split: len(files[split]) for split in SPLITS}
         name = spec
@@ -82,9 +82,14 @@ def pack(source: str, out: Path, *, shard_size: int = DEFAULT_SHARD_SIZE,
             info = None
         samples = {"train": _tensor_samples(data.train), "test": _tensor_samples(data.test)}
         counts = {"train": len(data.train), "test": len(data.test)}
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{INDEX_NAME}.partial").touch()
+    except OSError as exc:
+        raise UsageError(f"--out {out} is not a writable directory ({exc.strerror}); choose "
+                         f"one you can write") from None
     if progress is not None:
         progress.begin(sum(counts.values()))
-    out.mkdir(parents=True, exist_ok=True)
     tick = progress.advance if progress is not None else (lambda count: None)
     splits = {split: tuple(_write_split(out, split, samples[split], shard_size, tick))
               for split in SPLITS}
@@ -186,35 +191,15 @@ def _encode_target(value: Any) -> dict[str, bytes]:
 
 # -- image folders -------------------------------------------------------------------------------
 
-def _folder_splits(spec: str) -> tuple[dict[str, list[tuple[Path, int]]], DataInfo,
+def _image_folder(spec: str) -> tuple[dict[str, list[tuple[Path, int]]], DataInfo,
                                        dict[str, Any]]:
     """The image files of each split of ``folder:PATH`` (split as ``folder:PATH`` splits them),
     what they decode to, and how."""
     from PIL import Image, UnidentifiedImageError
 
-    from tandem.data.bundle import check_split, split_held_out
-    from tandem.data.folder import _classes, _files, parse_folder_spec
+    from tandem.data.folder import folder_splits
 
-    root, options = parse_folder_spec(spec)
-    if not root.is_dir():
-        raise UsageError(f"tandem pack {spec}: {root} is not a directory; give a folder with "
-                         f"one subfolder of images per class")
-    if (root / "train").is_dir() and (root / "test").is_dir():
-        classes = _classes(root / "train", spec)
-        files = {"train": _files(root / "train", classes, spec),
-                 "test": _files(root / "test", classes, spec, allow_empty_classes=True)}
-    else:
-        classes = _classes(root, spec)
-        every = _files(root, classes, spec)
-        try:
-            check_split(len(every), options.test)
-        except ValueError as exc:
-            raise UsageError(f"tandem pack {spec}: {len(every)} images, and {exc}") from None
-        numbers = torch.arange(len(every))
-        labels = torch.tensor([label for _, label in every])
-        train, test = split_held_out(numbers, labels, options.test, options.split_seed)
-        files = {"train": [every[int(i)] for i in train.inputs],
-                 "test": [every[int(i)] for i in test.inputs]}
+    _, options, classes, files = folder_splits(spec)
     modes, sizes = set(), set()
     for path, _ in (item for split in SPLITS for item in files[split]):
         try:

@@ -52,7 +52,7 @@ from tandem.data.sampler import GlobalBatchSampler, shard_sizes
 from tandem.data.samples import Batch, Samples
 from tandem.data.storage import CachedStorage, EmulatedStorage, Storage
 from tandem.errors import UsageError
-from tandem.options import fill_options, split_spec
+from tandem.options import path_spec
 
 INDEX_NAME = "index.json"
 INDEX_FORMAT = "tandem-shards/1"
@@ -137,16 +137,9 @@ class ShardOptions:
 
 def parse_shards_spec(spec: str) -> tuple[Path, ShardOptions]:
     """The directory and options of ``shards:DIR[:key=value,...]``."""
-    rest = spec.partition(":")[2]
-    path_text, options_text = rest, ""
-    head, sep, tail = rest.rpartition(":")
-    if sep and "=" in tail:
-        path_text, options_text = head, tail
-    if not path_text:
-        raise UsageError(f"--data {spec!r} names no directory; write shards:DIR, e.g. "
-                         f"shards:./digits-shards (made by tandem pack)")
-    _, raw = split_spec(f"shards:{options_text}", what="shards")
-    return Path(path_text).expanduser(), fill_options(ShardOptions, raw, spec=spec, what="shards")
+    path, options = path_spec(spec, ShardOptions, what="directory",
+                              example="shards:./digits-shards (made by tandem pack)")
+    return Path(path).expanduser(), options
 
 
 def read_index(root: Path, *, spec: str, storage: Storage | None = None) -> ShardIndex:
