@@ -19,7 +19,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def run_tandem(*args: str, timeout_s: float = 180) -> subprocess.CompletedProcess[str]:
     """Run ``python -m tandem ARGS`` with one thread per process; fail the test on a hang."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    # this checkout's src first (a git worktree's, not the one the editable install names)
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(key, None)
     return subprocess.run(
