@@ -66,6 +66,12 @@ class ParameterServerSync:
             raise UsageError(f"--backup applies to --mode sync only (got --mode {self.mode}); "
                              f"drop --backup or use --mode sync")
 
+    def updates_per_step(self, workers: int) -> int:
+        """Server updates that make one optimizer step of ``--batch-size`` samples: one in
+        ``sync`` mode (the workers' mean), one per worker in ``async`` and ``ssp`` (each push is
+        an update of one worker's share), so ``--steps`` reads the same samples in every mode."""
+        return 1 if self.mode == "sync" else workers
+
     @property
     def server_clips(self) -> bool:
         """Whether ``--clip-grad-norm`` clips on the servers: in ``sync`` mode the applied

@@ -98,6 +98,10 @@ def add_train_arguments(parser: argparse.ArgumentParser, defaults: RunConfig) ->
     add("--momentum", type=float, default=defaults.momentum, help="SGD momentum")
     add("--weight-decay", type=float, default=defaults.weight_decay)
     add("--warmup-steps", type=int, default=defaults.warmup_steps)
+    add("--async-compensation", default=defaults.async_compensation, choices=None,
+        metavar="auto|off", help="asynchronous strategies (ps --mode async/ssp, pipedream): "
+        "take the momentum asynchrony adds off the optimizer's and scale the learning rate for "
+        "the updates' staleness (default auto; see docs/large_batch.md)")
     add("--precision", default=defaults.precision,
         help="fp32, or bf16/fp16 mixed precision (autocast; fp16 scales the loss and skips "
         "steps whose gradients overflow, counting them in the summary's skipped_steps)")

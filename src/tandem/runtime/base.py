@@ -25,6 +25,7 @@ from tandem.data.shards import ShardSamples
 from tandem.errors import UsageError
 from tandem.runtime.faults import maybe_fail
 from tandem.output_files import write_text
+from tandem.runtime.asynchrony import Compensation, apply_compensation, compensation_for
 from tandem.runtime.checkpoint import save_atomic
 from tandem.plan import Plan
 from tandem.runtime.config import Job, RunConfig
@@ -162,6 +163,8 @@ class BaseTrainer(Worker):
         self.logged = 0
         self.logged_bytes = 0.0
         self.pending_log: tuple[Any, torch.Tensor, int, dict[str, Any]] | None = None
+        self.compensation = Compensation(delay=0, momentum=config.momentum, lr_scale=1.0)
+        """How this worker's optimizer compensates stale updates (set by setup_optimizer)."""
         self.reporter = Reporter(enabled=False, show_progress=False, metrics_path=None,
                                  total_steps=config.steps, first_step=0)
 
@@ -226,9 +229,12 @@ class BaseTrainer(Worker):
             self.loader.close()
             self.loader = None
 
-    def setup_optimizer(self, params: Any) -> None:
-        """Create the optimizer and learning-rate schedule over ``params``."""
+    def setup_optimizer(self, params: Any, delay: int = 0, every_stage: bool = False) -> None:
+        """Create the optimizer and learning-rate schedule over ``params``, compensated for
+        updates ``delay`` versions stale (:mod:`tandem.runtime.asynchrony`)."""
         self.optimizer = build_optimizer(self.config, params)
+        self.compensation = compensation_for(self.config, delay, every_stage=every_stage)
+        apply_compensation(self.optimizer, self.compensation)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(self.config, step)
         )
@@ -404,4 +410,6 @@ class BaseTrainer(Worker):
                 self.data_wait_s / max(train_s - (self.first_data_wait_s or 0.0), 1e-12), 6),
             "data_first_wait_s": round(self.first_data_wait_s or 0.0, 4),
             "loader_workers": self.task.loader_workers,
+            "async_compensation": (self.compensation.describe() if self.compensation.delay
+                                   else None),
         }

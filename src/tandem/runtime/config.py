@@ -11,6 +11,7 @@ from typing import Any
 from tandem.errors import UsageError
 from tandem.options import MAX_SEED
 from tandem.plan import Plan
+from tandem.runtime.asynchrony import COMPENSATIONS
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "cosine")
@@ -61,6 +62,9 @@ class RunConfig:
     precision: str = "fp32"
     """``fp32``, or ``bf16``/``fp16`` mixed precision (autocast; fp16 with a loss scaler that
     skips overflowed steps), see :mod:`tandem.runtime.precision`."""
+    async_compensation: str = "auto"
+    """Compensate the staleness of asynchronous updates (``auto``) or not (``off``); see
+    :mod:`tandem.runtime.asynchrony`."""
     clip_grad_norm: float | None = None
     """Clip the gradients' global L2 norm to this (None: no clipping)."""
     lr_schedule: str = "constant"
@@ -159,6 +163,7 @@ class RunConfig:
         _choice("--optimizer", self.optimizer, OPTIMIZERS)
         _choice("--lr-schedule", self.lr_schedule, SCHEDULES)
         _choice("--precision", self.precision, PRECISIONS)
+        _choice("--async-compensation", self.async_compensation, COMPENSATIONS)
         if self.clip_grad_norm is not None and not (self.clip_grad_norm > 0
                                                     and math.isfinite(self.clip_grad_norm)):
             raise UsageError(f"--clip-grad-norm must be a positive finite number (got "
@@ -215,6 +220,16 @@ class Job:
                              f"does not run tensor parallelism yet; use a plan of degree 1")
         self._check_straggler()
         self._check_precision()
+        if self.run.async_compensation == "off" and not _stale(self.plan):
+            raise UsageError("--async-compensation off applies to strategies whose updates are "
+                             "stale (ps --mode async or ssp, --schedule pipedream); this plan's "
+                             "are not, so drop it")
+        servers = self.plan.num_servers
+        if self.run.eval_every and servers > 1:
+            raise UsageError(f"--eval-every {self.run.eval_every} evaluates the model during "
+                             f"training, which --servers {servers} hold in parts that are at "
+                             f"different updates; use --servers 1, or drop --eval-every (the "
+                             f"model is evaluated at the end)")
 
     def _check_precision(self) -> None:
         """PipeDream's asynchronous stages step at different times: no loss scale they could
@@ -314,6 +329,16 @@ def make_job(strategy: str = "dp", flags: Mapping[str, Any] | None = None, *,
         plan = profiled_plan(plan, split, data.train, batch_size=run.batch_size,
                              threads=run.threads)
     return Job(run=run, plan=plan, objects=objects)
+
+
+def _stale(plan: Plan) -> bool:
+    """Whether ``plan``'s updates are computed on stale weights (compensated; see
+    :mod:`tandem.runtime.asynchrony`)."""
+    if plan.pipelined:
+        return plan.schedule == "pipedream"
+    from tandem.sync_spec import ParameterServerSync
+
+    return isinstance(plan.sync, ParameterServerSync) and plan.sync.mode != "sync"
 
 
 def _ranks(first: int, last: int) -> str:

@@ -41,6 +41,7 @@ from tandem.runtime.base import (
     save_worker_trace,
     write_run_files,
 )
+from tandem.runtime.asynchrony import apply_compensation, compensation_for
 from tandem.runtime.checkpoint import (
     CHECKPOINT_VERSION, load_checkpoint, resume_path, save_atomic,
 )
@@ -116,8 +117,13 @@ class ParameterServer(Worker):
         self.params = [p for _, p in named[start:end]]
         self.shapes = [p.shape for p in self.params]
         self.keys = [name for name, _ in named[start:end]]
-        self.optimizer = build_optimizer(config, self.params) if self.params else None
         self.workers = list(range(self.sync.servers, env.world_size))
+        self.optimizer = build_optimizer(config, self.params) if self.params else None
+        # asynchronous updates are as stale as the other workers' pushes between two of one's
+        delay = len(self.workers) - 1 if self.sync.mode != "sync" else 0
+        self.compensation = compensation_for(config, delay, share=1 / len(self.workers))
+        if self.optimizer is not None:
+            apply_compensation(self.optimizer, self.compensation)
         self.required = len(self.workers) - self.sync.backup
         self.version = 0
         self.skipped_steps = 0
@@ -145,7 +151,11 @@ class ParameterServer(Worker):
         self.logged_version = 0
         self.clock_start = time.perf_counter()
         self.last_step = config.stop_after if config.stop_after is not None else config.steps
-        """Updates to serve before stopping (``--stop-after``, else ``--steps``)."""
+        """Steps to serve before stopping (``--stop-after``, else ``--steps``)."""
+        self.per_step = self.sync.updates_per_step(len(self.workers))
+        """Updates per step (:meth:`ParameterServerSync.updates_per_step`)."""
+        self.last_update = self.last_step * self.per_step
+        """Updates to serve before stopping."""
         self.events: list[Event] = []
         """This server's updates (``0ST``), for ``trace.json``."""
         self.buffers = protocol.Buffers(
@@ -241,7 +251,7 @@ class ParameterServer(Worker):
         for worker, (step, phase) in sorted(stuck.items()):
             self._give_up(worker, f"is stuck at step {step} ({phase}), no progress for "
                                   f"{after_s:g} s")
-        if self.version < self.last_step and set(self.workers) <= self.dead | self.finished:
+        if self.version < self.last_update and set(self.workers) <= self.dead | self.finished:
             raise WorkerFailure(f"every worker died (ranks {', '.join(map(str, sorted(self.dead)))}); "
                                 f"server {self.env.rank} stops at update {self.version}")
         self._release_waiting()
@@ -267,11 +277,11 @@ class ParameterServer(Worker):
         if self.optimizer is not None and gradient is not None:
             for p, g in zip(self.params, _split(gradient, self.params)):
                 p.grad = g
-            factor = lr_factor(self.config, self.version)
+            factor = lr_factor(self.config, self.version // self.per_step)
             if self.sync.staleness_lr:
                 factor /= max(1, staleness)
             for group in self.optimizer.param_groups:
-                group["lr"] = self.config.lr * factor
+                group["lr"] = self.config.lr * self.compensation.lr_scale * factor
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
@@ -282,9 +292,13 @@ class ParameterServer(Worker):
                                      end_s=end - self.clock_start, step=self.version - 1))
         self.beat.step = self.version
         self._log()
+        every = self.config.eval_every * self.per_step
+        if every and self.version % every == 0 and self.version < self.last_update:
+            # one server holds the whole model (Job refuses --eval-every with more)
+            self.reporter.record(step=self.version // self.per_step, **self._evaluate())
         at_checkpoint = (self.config.checkpoint_every
-                         and self.version % self.config.checkpoint_every == 0)
-        if at_checkpoint or self.version == self.last_step:
+                         and self.version % (self.config.checkpoint_every * self.per_step) == 0)
+        if at_checkpoint or self.version == self.last_update:
             # the codecs as the workers' saved state has them: before this version's replies
             self.codec_snapshot = (self.version, self._codec_state())
         if at_checkpoint:
@@ -316,14 +330,16 @@ class ParameterServer(Worker):
         self.loss[1] += header.count
 
     def _log(self) -> None:
-        if self.version % self.config.log_every and self.version != self.last_step:
-            self.reporter.advance()
+        if self.version % self.per_step:
             return
         self.reporter.advance()
+        if self.version % (self.config.log_every * self.per_step) and \
+                self.version != self.last_update:
+            return
         if self.loss[1]:
             elapsed = time.perf_counter() - self.started
             self.last_loss = self.loss[0] / self.loss[1]
-            self.reporter.record(step=self.version, loss=self.last_loss,
+            self.reporter.record(step=self.version // self.per_step, loss=self.last_loss,
                                  samples_per_s=self._samples_per_s(elapsed),
                                  **self._traffic_per_step())
         self.loss = [0.0, 0]
@@ -337,7 +353,7 @@ class ParameterServer(Worker):
         a push's header counts the replies received before it), and the compression ratio."""
         total = self._total_traffic()
         window = total - self.logged_traffic
-        steps = max(1, self.version - self.logged_version)
+        steps = max(1, (self.version - self.logged_version) // self.per_step)
         self.logged_traffic, self.logged_version = total, self.version
         return {"pushed_bytes_per_step": window.pushed_bytes / steps,
                 "pulled_bytes_per_step": window.pulled_bytes / steps,
@@ -354,7 +370,7 @@ class ParameterServer(Worker):
         """Apply pushes until ``steps`` updates, then stop every worker."""
         self.started = time.perf_counter()
         self.waiting: list[int] = []
-        while self.version < self.last_step:
+        while self.version < self.last_update:
             received = self._receive(poll=self.sync.mode != "sync")
             if received is not None:
                 self._handle(*received)
@@ -394,7 +410,7 @@ class ParameterServer(Worker):
             mean = self.gradient_sum / self.required if self.params else None
             self._take_buffers(min(self.waiting))
             self._apply(mean, self.version)
-            stop = self.version >= self.last_step
+            stop = self.version >= self.last_update
             for worker in self.waiting:
                 self._reply(worker, stop=stop)
             self.waiting = []
@@ -411,7 +427,7 @@ class ParameterServer(Worker):
             return
         live = [w for w in self.workers if w not in self.dead and w not in self.finished]
         slowest = min((self.pushes[w] for w in live), default=0)
-        stop = self.version >= self.last_step
+        stop = self.version >= self.last_update
         still = []
         for worker in self.waiting:
             bound = self.sync.staleness if self.sync.mode == "ssp" else None
@@ -446,7 +462,7 @@ class ParameterServer(Worker):
         self.reporter = Reporter(
             enabled=rank0, show_progress=self.config.progress, total_steps=self.config.steps,
             metrics_path=self.out / "metrics.jsonl" if self.out and rank0 else None,
-            first_step=self.version,
+            first_step=self.version // self.per_step,
         )
         with self.reporter:
             self.serve()
@@ -456,7 +472,7 @@ class ParameterServer(Worker):
             if not rank0:
                 return None
             evaluation = self._evaluate()
-            self.reporter.record(step=self.version, **evaluation)
+            self.reporter.record(step=self.version // self.per_step, **evaluation)
         self._checkpoint()
         return self._summary(evaluation)
 
@@ -495,7 +511,7 @@ class ParameterServer(Worker):
         if self.out is None:
             return
         save_atomic({
-            "version": CHECKPOINT_VERSION, "step": self.version,
+            "version": CHECKPOINT_VERSION, "step": self.version // self.per_step,
             "fingerprint": self.job.fingerprint(), "shard": [p.detach() for p in self.params],
             "optimizer": self.optimizer.state_dict() if self.optimizer else None,
             "buffers": [b.detach().clone() for b in self.buffers.tensors],
@@ -540,11 +556,11 @@ class ParameterServer(Worker):
         for b, saved in zip(self.buffers.tensors, state.get("buffers", [])):
             b.copy_(saved)
         self._load_codec_state(state.get("codecs", {}))
-        self.version = int(state["step"])
+        self.version = int(state["step"]) * self.per_step
 
     def _summary(self, evaluation: dict[str, float]) -> dict[str, Any]:
         wall = time.perf_counter() - self.started
-        finished = self.version >= self.config.steps
+        finished = self.version >= self.config.steps * self.per_step
         if self.out:
             if finished:
                 state = {n: t.detach().cpu() for n, t in self.model.state_dict().items()}
@@ -555,13 +571,16 @@ class ParameterServer(Worker):
             **plan_summary(self.job.plan), "mode": self.sync.mode, "model": self.config.model,
             "data": self.config.data, "world_size": self.env.world_size,
             "servers": self.sync.servers, "workers": len(self.workers),
-            "backup": self.sync.backup, "steps": self.version, "finished": finished,
+            "backup": self.sync.backup, "steps": self.version // self.per_step,
+            "updates": self.version, "finished": finished,
             "global_batch_size": self.config.batch_size, "final_loss": self.last_loss,
             **self.task.summary_fields(), "precision": self.config.precision,
             "clip_grad_norm": self.config.clip_grad_norm, "skipped_steps": self.skipped_steps,
             **evaluation, "samples_per_s": self._samples_per_s(wall),
             "updates_per_s": self.version / max(wall, 1e-9),
-            "step_time_s": wall / max(self.version, 1), "train_s": round(wall, 4),
+            "step_time_s": wall / max(self.version // self.per_step, 1),
+            "train_s": round(wall, 4), "async_compensation": (
+                self.compensation.describe() if self.compensation.delay else None),
             "dropped_pushes": self.dropped, "dead_workers": sorted(self.dead),
             "pushes": {str(w): self.pushes[w] for w in self.workers},
             "mean_staleness": statistics.fmean(self.staleness) if self.staleness else 0.0,
@@ -571,7 +590,7 @@ class ParameterServer(Worker):
 
     def _traffic_summary(self) -> dict[str, float]:
         """The run's bytes, both ways, from the workers' final reports (their goodbyes)."""
-        total, steps = self._total_traffic(), max(1, self.version)
+        total, steps = self._total_traffic(), max(1, self.version // self.per_step)
         return {"sync_bytes": total.sent_bytes,
                 "pushed_bytes": total.pushed_bytes, "pulled_bytes": total.pulled_bytes,
                 "pushed_bytes_per_step": total.pushed_bytes / steps,

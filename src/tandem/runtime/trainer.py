@@ -167,6 +167,11 @@ class Trainer(BaseTrainer):
         straggler = config.straggler_factor()
         self.slowdown = straggler[1] if straggler and straggler[0] == env.rank else 1.0
         self.stopped = False
+        sync = self.plan.sync
+        self.updates_per_step = (sync.updates_per_step(self.data_world)
+                                 if isinstance(sync, ParameterServerSync) else 1)
+        """Updates of the model per optimizer step: a worker's ``step`` counts updates, and it
+        reads the global batch of step ``step // updates_per_step`` (asynchronous ps)."""
         self.collective_logging = self.strategy.synchronous
         checkpoint = self._load_checkpoint()
         if checkpoint is not None:
@@ -266,8 +271,10 @@ class Trainer(BaseTrainer):
         DDP's ``0AR`` spans the last backward, during which its buckets are reduced.
         """
         self.current_step = step
-        global_count = len(self.sampler.global_indices(step))
-        indices = self.sampler.local_indices(step, rank=self.data_rank, world_size=self.data_world)
+        batch_step = step // self.updates_per_step
+        global_count = len(self.sampler.global_indices(batch_step))
+        indices = self.sampler.local_indices(batch_step, rank=self.data_rank,
+                                             world_size=self.data_world)
         scale = self.data_world / global_count
         micros = self.take_batch(indices).split(self.plan.accumulate)
         loss_total = torch.zeros((), device=self.env.device)
@@ -406,8 +413,10 @@ class ParameterServerWorker(Trainer):
     def _save_codec_state(self, step: int) -> None:
         """After the push of ``step``: the codec state that goes with the servers' checkpoint
         after ``step + 1`` updates (see :meth:`_load_checkpoint`)."""
-        done = step + 1
-        config = self.config
+        config, per_step = self.config, self.updates_per_step
+        if (step + 1) % per_step:
+            return
+        done = (step + 1) // per_step
         if self.out is None or not (done == config.stop_after or (
                 config.checkpoint_every and done % config.checkpoint_every == 0)):
             return
@@ -422,7 +431,7 @@ class ParameterServerWorker(Trainer):
         if not isinstance(client, ParameterServerClient):
             raise TypeError(f"a parameter-server worker needs a ps client, not {client!r}")
         step = client.next_step
-        self.start_loading(step, self.config.steps)
+        self.start_loading(step // self.updates_per_step, self.config.steps)
         try:
             while not self.stopped:
                 maybe_fail(self.env.rank, step)

@@ -126,7 +126,8 @@ class PipelineTrainer(BaseTrainer):
         self.groups = self._stage_groups()
         self.links = self._links()
         ties = self._ties(blocks)
-        self.setup_optimizer(self.module.parameters())
+        self.setup_optimizer(self.module.parameters(), delay=self._delay(),
+                             every_stage=bool(job.plan.vertical_sync))
         self.shapes = StageShapes(inputs=boundaries[start - 1] if start else (),
                                   outputs=boundaries[end - 1] if end < len(blocks) else ())
         self.wire = Wire.build(job.plan.compress.text if job.plan.compress else None,
@@ -156,6 +157,15 @@ class PipelineTrainer(BaseTrainer):
         if self.asynchronous:
             self.engine.unchanged_until_backward = no_update_between(self.schedule.workers[env.rank])
             self.engine.after_step = self._snapshot_if_due
+
+    def _delay(self) -> int:
+        """How stale this stage's updates count as: none in a flushed schedule; in PipeDream's,
+        ``S - 1`` for every stage — the pipeline holds ``S`` minibatches, and a stage's gradient
+        depends on every stage's weights (counting only the stages after it, ``S - 1 - s``,
+        trained worse: docs/large_batch.md)."""
+        if self.schedule.kind != "pipedream":
+            return 0
+        return len(self.layout.bounds) - 1
 
     def _stage_groups(self) -> list[dist.ProcessGroup | None]:
         """A process group for each replicated stage (every rank creates every group)."""

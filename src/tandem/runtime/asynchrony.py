@@ -1,0 +1,103 @@
+"""Compensation of asynchronous training's stale updates: the optimizer settings a worker or
+stage uses when its gradients are computed on weights ``delay`` updates old.
+
+Asynchrony acts as extra momentum: Mitliagkas, Zhang, Hadjis and Ré ("Asynchrony begets
+momentum, with an application to deep learning", 2016) show that ``M`` asynchronous workers
+(updates ``M - 1`` versions stale) behave like SGD with an implicit momentum of ``1 - 1/M``
+added to the optimizer's own, so the explicit momentum that trains well synchronously is too
+much asynchronously: with the defaults (momentum 0.9) and four workers, the sum passes 1 and
+training stalls or diverges. The compensation (``--async-compensation auto``, the default)
+takes the implicit momentum ``delay / (delay + 1)`` off the explicit one (never below 0), and
+multiplies the learning rate by ``lr_scale``, so that the long-run step size ``lr / (1 -
+momentum)`` of the synchronous run is divided by the staleness-aware factor of Zhang, Gupta,
+Lian and Liu ("Staleness-aware async-SGD for distributed deep learning", 2016) — see
+:func:`compensation` for the rule and docs/large_batch.md for the measurements that chose it.
+
+Optimizers without momentum keep their learning rate; Adam-family optimizers (adam, adamw,
+lamb) compensate their first-moment coefficient ``beta1`` the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from tandem.runtime.config import RunConfig
+
+COMPENSATIONS = ("auto", "off")
+ADAM_BETA1 = 0.9
+"""``beta1`` of the Adam-family optimizers (PyTorch's default, which tandem uses)."""
+"""``--async-compensation`` choices."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Compensation:
+    """The settings of a worker whose updates are ``delay`` versions stale."""
+
+    delay: int
+    """Versions between the weights a gradient is computed on and those it updates."""
+    momentum: float
+    """The explicit momentum (SGD, LARS) or ``beta1`` (Adam family) to use."""
+    lr_scale: float
+    """Multiplier of the learning rate."""
+
+    def describe(self) -> dict[str, float]:
+        """The summary's account of it."""
+        return {"delay": self.delay, "momentum": round(self.momentum, 6),
+                "lr_scale": round(self.lr_scale, 6)}
+
+
+def compensation(mode: str, momentum: float, delay: int, *, share: float = 1.0,
+                 heavy_ball: bool = True, every_stage: bool = False) -> Compensation:
+    """The compensated settings for updates ``delay`` versions stale, each computed on
+    ``share`` of the global batch, under ``mode`` (``off``: none).
+
+    Rules (``auto``), chosen by measurement (docs/large_batch.md, "Asynchronous training"):
+
+    - updates of a part of the batch (parameter servers, ``share = 1/W``, ``delay = W - 1``):
+      momentum ``m' = max(0, m - d/(d+1))`` (Mitliagkas et al.), and the learning rate scaled
+      so the long-run step ``lr / (1 - m)`` per sample is the synchronous run's (the linear
+      scaling rule of Goyal et al. applied to one update's ``share``):
+      ``lr_scale = share (1 - m') / (1 - m)``;
+    - updates of whole batches (PipeDream, ``delay = S - 1``): no explicit momentum (the
+      asynchrony supplies it) and the long-run step divided by ``sqrt(d + 1)``:
+      ``lr_scale = 1 / ((1 - m) sqrt(d + 1))``; with vertical sync (``every_stage``: the last
+      stages, which PipeDream alone keeps fresh, are ``d`` versions stale too) by ``d + 1``,
+      the staleness-aware rate of Zhang et al.
+
+    Adam's first moment is an average, not a sum (its step does not grow by ``1 / (1 -
+    beta1)``), so without ``heavy_ball`` the factors ``(1 - m') / (1 - m)`` are left out.
+    """
+    if mode == "off" or delay <= 0:
+        return Compensation(delay=max(delay, 0), momentum=momentum, lr_scale=1.0)
+    if share < 1.0:
+        kept = max(0.0, momentum - delay / (delay + 1))
+        growth = (1 - kept) / (1 - momentum) if heavy_ball else 1.0
+        return Compensation(delay=delay, momentum=kept, lr_scale=share * growth)
+    growth = 1 / (1 - momentum) if heavy_ball else 1.0
+    divisor = delay + 1 if every_stage else math.sqrt(delay + 1)
+    return Compensation(delay=delay, momentum=0.0, lr_scale=growth / divisor)
+
+
+def compensation_for(config: RunConfig, delay: int, *, share: float = 1.0,
+                     every_stage: bool = False) -> Compensation:
+    """:func:`compensation` for a run's optimizer: its momentum, or Adam's ``beta1``."""
+    heavy_ball = config.optimizer in ("sgd", "lars")
+    coefficient = config.momentum if heavy_ball else ADAM_BETA1
+    return compensation(config.async_compensation, coefficient, delay, share=share,
+                        heavy_ball=heavy_ball, every_stage=every_stage)
+
+
+def apply_compensation(optimizer: torch.optim.Optimizer, comp: Compensation) -> None:
+    """Set ``optimizer``'s momentum (or ``beta1``) and scale its learning rate; call before a
+    learning-rate scheduler is made over it (the scheduler starts from these rates)."""
+    for group in optimizer.param_groups:
+        group["lr"] *= comp.lr_scale
+        if "betas" in group:
+            group["betas"] = (comp.momentum, group["betas"][1])
+        elif "momentum" in group:
+            group["momentum"] = comp.momentum

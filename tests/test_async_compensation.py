@@ -1,0 +1,95 @@
+"""Asynchronous strategies train with the default optimizer settings: the compensation of
+stale updates (:mod:`tandem.runtime.asynchrony`), and a step of an asynchronous parameter
+server reading a whole global batch."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from tandem.runtime.asynchrony import apply_compensation, compensation
+from tests.conftest import SharedRun, run_tandem
+
+
+def test_parameter_server_updates_take_off_the_implicit_momentum_and_keep_the_step_per_sample() -> None:
+    # 4 workers: updates 3 stale, each of a quarter of the batch (Mitliagkas et al.: implicit
+    # momentum 1 - 1/4 = 0.75 of the explicit 0.9 leaves 0.15)
+    comp = compensation("auto", 0.9, 3, share=0.25)
+    assert comp.momentum == pytest.approx(0.15)
+    # long-run step per sample: lr * scale / (1 - m') / (B/4) == lr / (1 - 0.9) / B
+    assert 0.05 * comp.lr_scale / (1 - comp.momentum) / 16 == pytest.approx(0.05 / 0.1 / 64)
+
+
+def test_pipedream_drops_momentum_and_divides_the_long_run_step() -> None:
+    comp = compensation("auto", 0.9, 3)
+    assert comp.momentum == 0.0
+    assert comp.lr_scale == pytest.approx(1 / 0.1 / math.sqrt(4))
+    vertical = compensation("auto", 0.9, 3, every_stage=True)
+    assert vertical.lr_scale == pytest.approx(1 / 0.1 / 4)
+
+
+def test_no_delay_or_off_changes_nothing_and_adam_keeps_its_step_size() -> None:
+    for comp in (compensation("auto", 0.9, 0), compensation("off", 0.9, 3, share=0.25)):
+        assert (comp.momentum, comp.lr_scale) == (0.9, 1.0)
+    adam = compensation("auto", 0.9, 3, share=0.25, heavy_ball=False)
+    assert (adam.momentum, adam.lr_scale) == (pytest.approx(0.15), 0.25)
+
+
+def test_applied_to_sgd_and_adam_groups() -> None:
+    param = torch.nn.Parameter(torch.zeros(2))
+    sgd = torch.optim.SGD([param], lr=0.05, momentum=0.9)
+    apply_compensation(sgd, compensation("auto", 0.9, 3, share=0.25))
+    assert sgd.param_groups[0]["lr"] == pytest.approx(0.05 * 2.125)
+    assert sgd.param_groups[0]["momentum"] == pytest.approx(0.15)
+    adam = torch.optim.Adam([param], lr=1e-3)
+    apply_compensation(adam, compensation("auto", 0.9, 1, heavy_ball=False))
+    assert adam.param_groups[0]["betas"] == (0.0, 0.999)
+
+
+DEFAULTS = ("--data", "digits", "--steps", "300", "--batch-size", "64")
+
+
+def test_async_parameter_server_learns_with_the_defaults(shared_run: SharedRun) -> None:
+    _, summary = shared_run("--strategy", "ps", "--mode", "async", "--nproc", "5", *DEFAULTS)
+    assert summary["test_accuracy"] >= 0.9, summary
+    # a step is a global batch: one update per worker's share of it
+    assert (summary["steps"], summary["updates"]) == (300, 1200)
+    assert summary["async_compensation"] == {"delay": 3, "momentum": 0.15, "lr_scale": 2.125}
+
+
+def test_pipedream_learns_with_the_defaults(shared_run: SharedRun) -> None:
+    _, summary = shared_run("--strategy", "pipeline", "--schedule", "pipedream", "--nproc", "4",
+                            *DEFAULTS)
+    assert summary["test_accuracy"] >= 0.9, summary
+    assert summary["async_compensation"]["delay"] == 3
+
+
+def test_async_steps_checkpoint_log_and_evaluate_per_global_batch(shared_run: SharedRun) -> None:
+    out, summary = shared_run("--strategy", "ps", "--mode", "ssp", "--nproc", "4", "--steps",
+                              "12", "--log-every", "4", "--eval-every", "6",
+                              "--checkpoint-every", "6", "--async-compensation", "off")
+    assert (summary["steps"], summary["updates"], summary["finished"]) == (12, 36, True)
+    assert summary["async_compensation"] is None
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in records if "loss" in r]
+    evaluated = [r["step"] for r in records if "test_accuracy" in r]
+    assert [r["step"] for r in logged] == [4, 8, 12]
+    assert evaluated == [6, 12]
+    assert torch.load(out / "server-0.pt", weights_only=False)["step"] == 12
+
+
+def test_bad_compensation_and_mid_run_evaluation_of_split_servers_are_one_line() -> None:
+    result = run_tandem("train", "--strategy", "ps", "--mode", "async", "--nproc", "3",
+                        "--async-compensation", "yes")
+    assert result.returncode == 2 and "--async-compensation 'yes'" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    result = run_tandem("train", "--strategy", "dp", "--nproc", "2", "--async-compensation", "off")
+    assert result.returncode == 2 and "--async-compensation off" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    result = run_tandem("train", "--strategy", "ps", "--servers", "2", "--nproc", "4",
+                        "--eval-every", "5")
+    assert result.returncode == 2 and "--servers 1" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
