@@ -75,3 +75,37 @@ def pipeline_hang(info: DataInfo, rank: int = 1, after: int = 3, how: str = "han
         nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU()),
         nn.Sequential(_FaultyBlock(rank, after, how), nn.Linear(32, info.num_classes)),
     )
+
+
+class _InfiniteGradient(torch.autograd.Function):
+    """The identity forward; the backward multiplies the gradient by infinity."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        return grad * float("inf")
+
+
+class _InfiniteGradientAt(nn.Module):
+    """Passes its input on; on its ``at``-th training call the gradient through it is not
+    finite (the loss stays finite)."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at, self.calls = at, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.calls += 1
+            if self.calls == self.at:
+                return _InfiniteGradient.apply(x)
+        return x
+
+
+def inf_gradient(info: DataInfo, at: int = 3) -> nn.Module:
+    """A linear classifier whose gradients are not finite on its ``at``-th training forward
+    (every rank), with a finite loss: divergence only a gradient shows."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, info.num_classes), _InfiniteGradientAt(at))

@@ -21,3 +21,12 @@ class Interrupted(KeyboardInterrupt):
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
         self.signum = signum
+
+
+class Diverged(WorkerFailure):
+    """Training diverged: a worker's loss became non-finite or exploded (or a gradient or the
+    parameters did); the message names the step, the worker and the likely fix.
+
+    The command line prints it in one line and exits with status 1 (the job is stopped, not
+    refused: the settings were valid). See :mod:`tandem.runtime.divergence`.
+    """

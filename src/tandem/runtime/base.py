@@ -30,6 +30,8 @@ from tandem.runtime.checkpoint import save_atomic
 from tandem.plan import Plan
 from tandem.runtime.config import Job, RunConfig
 from tandem.runtime.dist import WorkerEnv
+from tandem.runtime.divergence import LossWatch
+from tandem.runtime.precision import Precision, StagePrecision
 from tandem.runtime.reporting import Reporter
 from tandem.runtime.task import Task
 from tandem.runtime.watchdog import Heartbeat
@@ -123,6 +125,11 @@ class Worker(abc.ABC):
 class BaseTrainer(Worker):
     """State of one worker's run; :meth:`run` trains, evaluates and writes the outputs."""
 
+    module: torch.nn.Module
+    """The part of the model this worker trains (set by the subclass)."""
+    precision: Precision | StagePrecision
+    """Its mixed precision and clipping (set by the subclass)."""
+
     def __init__(self, job: Job, env: WorkerEnv, beat: Heartbeat) -> None:
         config = job.run
         self.job = job
@@ -167,6 +174,10 @@ class BaseTrainer(Worker):
         """How this worker's optimizer compensates stale updates (set by setup_optimizer)."""
         self.reporter = Reporter(enabled=False, show_progress=False, metrics_path=None,
                                  total_steps=config.steps, first_step=0)
+        self.divergence = LossWatch(config, where=f"worker {env.rank} (rank {env.rank})",
+                                    rank=env.rank, device=env.device)
+        """This worker's losses, judged for divergence (:mod:`tandem.runtime.divergence`);
+        subclasses observe them and may name the worker otherwise."""
 
     def data_partitions(self) -> int:
         """Workers that each take a share of every global batch (the data-parallel ranks); 1
@@ -297,12 +308,27 @@ class BaseTrainer(Worker):
             self.step_times.append(time.perf_counter() - start)
             reporter.advance()
             done = step + 1
-            if done % config.log_every == 0 or done == last:
+            logging = done % config.log_every == 0 or done == last
+            saving = done == last or bool(config.checkpoint_every
+                                          and done % config.checkpoint_every == 0)
+            self.check_divergence(step, thorough=logging or saving)
+            if logging:
                 self._log(done, final=done == last)
             if config.eval_every and done % config.eval_every == 0 and done < last:
                 reporter.record(step=done, **self.evaluate())
-            if done == last or (config.checkpoint_every and done % config.checkpoint_every == 0):
+            if saving:  # never a checkpoint (nor final.pt) of diverged parameters
+                self.divergence.check_parameters(self.module.parameters(), step)
                 self.save_checkpoint(done)
+
+    def check_divergence(self, step: int, *, thorough: bool) -> None:
+        """After step ``step``: stop the run if its loss, or an earlier one not yet read,
+        diverged (read now if ``thorough``, else only where reading is free), or if fp16 has
+        skipped too many steps in a row (:mod:`tandem.runtime.divergence`)."""
+        if thorough:
+            self.divergence.poll()
+        else:
+            self.divergence.poll_if_cheap()
+        self.divergence.check_overflows(step, self.precision.skipped_in_a_row)
 
     def sent_bytes(self) -> float:
         """Bytes this worker has sent to synchronize training so far (activations, gradients,

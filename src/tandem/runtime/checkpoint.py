@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -97,3 +98,27 @@ def load_checkpoint(path: str | Path, fingerprint: dict[str, Any], *, steps: int
             raise UsageError(f"checkpoint {path} was saved after {state['step']} steps, but this "
                              f"run has {flag} {limit}; resume with {flag} {state['step']} or more")
     return state
+
+
+def load_schedule(optimizer: torch.optim.Optimizer, scheduler: Any, state: dict[str, Any],
+                  *, announce: bool) -> None:
+    """Continue the saved learning-rate schedule ``state`` at this run's learning rate.
+
+    A checkpoint's optimizer and schedule hold the learning rate it was trained with; resuming
+    with another ``--lr`` (the fix for a run that diverged) must use the new one, so the base
+    rates this run's optimizer was built with replace the saved ones, and (``announce``) one
+    line says so. The same ``--lr`` changes nothing.
+    """
+    base_lrs = list(scheduler.base_lrs)
+    scheduler.load_state_dict(state)
+    saved = list(scheduler.base_lrs)
+    if saved == base_lrs:
+        return
+    scheduler.base_lrs = base_lrs
+    for group, base, factor in zip(optimizer.param_groups, base_lrs, scheduler.lr_lambdas):
+        group["initial_lr"] = base
+        group["lr"] = base * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # noqa: SLF001
+    if announce:
+        print(f"tandem: resuming with the learning rate {base_lrs[0]:g} (the checkpoint was "
+              f"trained with {saved[0]:g})", file=sys.stderr, flush=True)

@@ -20,10 +20,13 @@ import uuid
 from typing import Any, Callable, TypeVar
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.elastic.multiprocessing.errors import (
+    ChildFailedError, ProcessFailure, get_error_handler,
+)
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from tandem.errors import Interrupted, UsageError, WorkerFailure
+from tandem.errors import Diverged, Interrupted, UsageError, WorkerFailure
+from tandem.runtime import divergence
 from tandem.runtime.dist import under_launcher
 from tandem.runtime.faults import ATTEMPT, PROGRESS_DIR, last_progress
 
@@ -32,6 +35,7 @@ R = TypeVar("R")
 _NOISY_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
 _USAGE_ERROR = re.compile(r"(?:\w+\.)*UsageError: (.*)", re.DOTALL)
 _WORKER_FAILURE = re.compile(r"(?:\w+\.)*WorkerFailure: (.*)", re.DOTALL)
+_DIVERGED = re.compile(r"(?:\w+\.)*Diverged: (.*)", re.DOTALL)
 LAUNCHED = "TANDEM_LAUNCHED"
 """Set in the environment of the workers this module starts (to the job's run id)."""
 SHUTDOWN_S = 3
@@ -45,8 +49,10 @@ def launch(fn: Callable[[Any], R], arg: Any, *, nproc: int, threads: int = 1,
 
     Under ``torchrun`` this process is one worker and ``fn`` runs here. Otherwise ``nproc``
     local workers are started; if one fails, the others are stopped and ``WorkerFailure``
-    names the rank and its error (``UsageError`` if the worker found a user mistake). With
-    ``max_restarts``, a failed worker group (not a user mistake) is started again, up to that
+    names the rank and its error (``UsageError`` if the worker found a user mistake,
+    ``Diverged`` if training diverged). With
+    ``max_restarts``, a failed worker group (not a user mistake, nor divergence, which a restart
+    from the last checkpoint would only repeat) is started again, up to that
     many times, each failure and restart named in one line on stderr; the workers see the
     attempt in ``TANDEM_ATTEMPT`` (:mod:`tandem.runtime.faults`).
     """
@@ -60,6 +66,8 @@ def launch(fn: Callable[[Any], R], arg: Any, *, nproc: int, threads: int = 1,
                 os.environ[PROGRESS_DIR] = progress
             try:
                 return _launch_once(fn, arg, nproc=nproc, threads=threads)
+            except Diverged:
+                raise
             except WorkerFailure as failure:
                 if restarts == max_restarts:
                     if max_restarts:
@@ -133,6 +141,19 @@ def prepare_worker() -> None:
     die_with_parent()
 
 
+def end_diverged(error: Diverged) -> None:
+    """In a worker this module started: record ``error`` for the launcher (as the elastic
+    agent's ``record`` does) and end the process now, with status 1, skipping the interpreter's
+    teardown, where a background receive still waiting in the process group (a parameter
+    server's mailbox) aborts the process with a C++ error on stderr. Elsewhere a no-op."""
+    if LAUNCHED not in os.environ:
+        return
+    get_error_handler().record_exception(error)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
 def die_with_parent() -> None:
     """Ask Linux to kill this process when its parent ends (no orphans); elsewhere a no-op."""
     try:
@@ -154,8 +175,10 @@ def _message(failure: ProcessFailure) -> str:
 def _failure(exc: ChildFailedError) -> Exception:
     """One line naming the worker that caused the job to stop, and why.
 
-    In order of preference: a user mistake a worker found, a worker killed by a signal, a
-    worker's diagnosis of a peer that fell silent, then the first failure in time.
+    In order of preference: a user mistake a worker found, a worker's divergence (the first
+    step's, then the lowest rank's, of those found before the others were stopped), a worker
+    killed by a signal, a worker's diagnosis of a peer that fell silent, then the first
+    failure in time.
     """
     messages = {rank: _message(failure) for rank, failure in exc.failures.items()}
     stops = {failure.signal_name() for failure in exc.failures.values() if failure.exitcode < 0}
@@ -164,6 +187,10 @@ def _failure(exc: ChildFailedError) -> Exception:
     for message in messages.values():
         if match := _USAGE_ERROR.match(message):
             return UsageError(match.group(1).strip().splitlines()[0])
+    diverged = [match.group(1).strip().splitlines()[0] for message in messages.values()
+                if (match := _DIVERGED.match(message))]
+    if diverged:
+        return Diverged(min(diverged, key=divergence.order))
     for rank, failure in sorted(exc.failures.items()):
         if failure.exitcode < 0 and failure.signal_name() not in ("SIGTERM", "<N/A>"):
             return WorkerFailure(f"worker rank {rank} died: killed by {failure.signal_name()}")

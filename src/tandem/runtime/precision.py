@@ -51,6 +51,8 @@ class Precision:
         self.precision, self.device, self.clip = precision, device, clip
         self.scaler = (torch.amp.GradScaler(device.type) if precision == "fp16" else None)
         self.skipped_steps = 0
+        self.skipped_in_a_row = 0
+        """Skipped steps since the last applied one (many in a row is divergence)."""
         self.found_inf = False
         self.last_norm: float | None = None
         """The global gradient norm before clipping, at the last :meth:`unscale_and_clip`."""
@@ -102,6 +104,7 @@ class Precision:
             return
         if self.found_inf:
             self.skipped_steps += 1
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if self.found_inf else 0
         self.scaler.update()
 
     def state_dict(self) -> dict[str, Any]:
@@ -169,6 +172,8 @@ class StagePrecision:
         self.loss_scale = LossScale() if precision == "fp16" else None
         self.counted = {id(p) for p in counted}
         self.skipped_steps = 0
+        self.skipped_in_a_row = 0
+        """Steps skipped since the last applied one (many in a row is divergence)."""
         self.last_norm: float | None = None
         """The whole model's gradient norm before clipping, at the last step (with clipping)."""
 
@@ -216,4 +221,5 @@ class StagePrecision:
         if self.loss_scale is not None:
             self.loss_scale.update(overflow)
             self.skipped_steps += int(overflow)
+            self.skipped_in_a_row = self.skipped_in_a_row + 1 if overflow else 0
         return not overflow

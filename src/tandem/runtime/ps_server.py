@@ -16,6 +16,7 @@ The server's model and optimizer live on the CPU, and all its messages travel on
 from __future__ import annotations
 
 import copy
+import math
 import queue
 import threading
 import statistics
@@ -47,6 +48,7 @@ from tandem.runtime.checkpoint import (
 )
 from tandem.runtime.config import Job
 from tandem.runtime.dist import WorkerEnv
+from tandem.runtime.divergence import diverged, first_non_finite
 from tandem.runtime.faults import announce_resume
 from tandem.runtime.reporting import Reporter
 from tandem.runtime.watchdog import Heartbeat
@@ -380,6 +382,8 @@ class ParameterServer(Worker):
         kind = header.kind
         if kind == protocol.PUSH and not self.pushes:
             self.started = time.perf_counter()  # rates count from the first gradient, not start-up
+        if kind == protocol.PUSH:
+            self._check_push(sender, header, gradient)
         if kind == protocol.PULL:
             self._reply(sender)
         elif kind == protocol.BYE:
@@ -414,6 +418,27 @@ class ParameterServer(Worker):
             for worker in self.waiting:
                 self._reply(worker, stop=stop)
             self.waiting = []
+
+    def _check_push(self, sender: int, header: protocol.Header,
+                    gradient: torch.Tensor | None) -> None:
+        """Stop the run on a push whose loss or gradient is not finite, naming its worker:
+        divergence in fp32 and bf16. With fp16 it is an overflow, skipped by :meth:`_apply`
+        (the worker stops the run if its steps keep overflowing, see
+        :mod:`tandem.runtime.divergence`)."""
+        if self.config.precision == "fp16":
+            return
+        mean = header.loss / header.count if header.count else 0.0
+        if math.isfinite(mean):
+            bad = first_non_finite([gradient]) if gradient is not None else None
+            if bad is None:
+                return
+            problem, loss = f"the gradient became {bad}", None
+        else:
+            problem, loss = f"loss became {mean}", mean
+        where = (f"worker {sender - self.sync.servers} (rank {sender}), pushed to server "
+                 f"{self.env.rank}")
+        raise diverged(self.config, problem=problem, step_index=header.step, where=where,
+                       rank=sender, loss=loss)
 
     def _take_buffers(self, worker: int) -> None:
         """The model's buffers become those ``worker`` pushed with its gradient (server 0)."""
@@ -507,7 +532,14 @@ class ParameterServer(Worker):
         return evaluation(self.task.score(self.model, 0, len(self.task.test_samples)))
 
     def _checkpoint(self) -> None:
-        """Each server saves its shard, optimizer and version (``server-K.pt``, atomically)."""
+        """Each server saves its shard, optimizer and version (``server-K.pt``, atomically),
+        unless its parameters are no longer finite: then the run stops (divergence) and the
+        last good checkpoint stays."""
+        bad = first_non_finite(self.params)
+        if bad is not None:
+            raise diverged(self.config, problem=f"the parameters became {bad}",
+                           step_index=self.version - 1, at="after", rank=self.env.rank,
+                           where=f"server {self.env.rank} (rank {self.env.rank})")
         if self.out is None:
             return
         save_atomic({

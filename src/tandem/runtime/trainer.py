@@ -21,17 +21,17 @@ import torch
 import torch.distributed as dist
 
 from tandem.data import shard_sizes
-from tandem.errors import UsageError
+from tandem.errors import Diverged, UsageError, WorkerFailure
 from tandem.loss import evaluation
 from tandem.structures import call_model
 from tandem.runtime.base import BaseTrainer, Worker, save_worker_trace
 from tandem.runtime.checkpoint import (
-    CHECKPOINT_VERSION, load_checkpoint, resume_path, save_atomic,
+    CHECKPOINT_VERSION, load_checkpoint, load_schedule, resume_path, save_atomic,
 )
 from tandem.runtime.config import Job
 from tandem.runtime.dist import WorkerEnv, init_worker
 from tandem.runtime.faults import announce_resume, attempt, maybe_fail
-from tandem.runtime.launch import die_with_parent, prepare_worker
+from tandem.runtime.launch import die_with_parent, end_diverged, prepare_worker
 from tandem.runtime.precision import Precision
 from tandem.runtime.watchdog import (
     FENCED_EXIT,
@@ -68,6 +68,7 @@ def train_worker(job: Job, *, mirror: Any = None) -> dict[str, Any] | None:
     start = time.perf_counter()
     env = init_worker(backend=config.backend, timeout_s=config.timeout_s, threads=config.threads)
     store = dist.distributed_c10d._get_default_store()
+    diverged = False
     try:
         job.check_world(env.world_size)
         with Heartbeat(store, env.rank, env.world_size, fenceable=SUPERVISED in os.environ,
@@ -75,15 +76,24 @@ def train_worker(job: Job, *, mirror: Any = None) -> dict[str, Any] | None:
             try:
                 summary = make_worker(job, env, beat).run()
             except RuntimeError as exc:
-                if is_communication_error(exc):
+                if not isinstance(exc, WorkerFailure) and is_communication_error(exc):
                     raise beat.diagnose(exc) from exc
                 raise
         if summary is not None:
             summary["wall_s"] = round(time.perf_counter() - start, 3)
             summary["restarts"] = attempt()
         return summary
+    except Diverged as exc:
+        # a diverged worker ends with the process group in place: a background receive (a
+        # parameter server's mailbox) may be waiting in it, and tearing it down under that
+        # receive aborts the process with a C++ error on stderr; the launcher stops the rest
+        diverged = True
+        if SUPERVISED not in os.environ:  # a supervised one tells its supervisor first
+            end_diverged(exc)
+        raise
     finally:
-        dist.destroy_process_group()
+        if not diverged:
+            dist.destroy_process_group()
 
 
 def _fault_tolerant_worker(job: Job) -> bool:
@@ -99,7 +109,8 @@ def _supervise(job: Job) -> None:
     The child never outlives this process (it dies with it), and ends when the servers give
     up on it: a stuck one ends itself once fenced (exit ``FENCED_EXIT``), and a frozen one, whose
     heartbeat stops, is killed here after ``SILENT_AFTER_S`` (the servers report both). A
-    mistake of the user's that the child finds (``UsageError``) stops the job, as elsewhere.
+    mistake of the user's that the child finds (``UsageError``) and its divergence
+    (``Diverged``) stop the job, as elsewhere.
     """
     os.environ[SUPERVISED] = "1"
     context = multiprocessing.get_context("spawn")
@@ -113,8 +124,9 @@ def _supervise(job: Job) -> None:
             child.kill()
             child.join()
             return
-    if mistakes.poll():  # the user's mistake (every worker makes it): stop the job
-        raise UsageError(mistakes.recv())
+    if mistakes.poll():  # the user's mistake (every worker makes it), or divergence: stop the job
+        kind, message = mistakes.recv()
+        raise (Diverged if kind == "diverged" else UsageError)(message)
     if child.exitcode not in (0, FENCED_EXIT):
         code = child.exitcode or 0
         how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
@@ -130,8 +142,11 @@ def _supervised_worker(job: Job, mirror: Any, mistake: Any) -> None:
     try:
         train_worker(job, mirror=mirror)
     except UsageError as exc:
-        mistake.send(str(exc))
+        mistake.send(("usage", str(exc)))
         sys.exit(2)
+    except Diverged as exc:
+        mistake.send(("diverged", str(exc)))
+        sys.exit(1)
 
 
 def make_worker(job: Job, env: WorkerEnv, beat: Heartbeat) -> Worker:
@@ -163,6 +178,7 @@ class Trainer(BaseTrainer):
         model = self.task.build_model()
         self.loss_terms_per_sample = 1
         self.data_rank, self.data_world = self._data_position()
+        self.divergence.where = f"worker {self.data_rank} (rank {env.rank})"
         self.strategy: SyncStrategy = build_strategy(job, self.data_rank, self.data_world)
         straggler = config.straggler_factor()
         self.slowdown = straggler[1] if straggler and straggler[0] == env.rank else 1.0
@@ -221,7 +237,8 @@ class Trainer(BaseTrainer):
         if "model" in own:
             self.model.load_state_dict(own["model"])
         self.optimizer.load_state_dict(own.get("optimizer", checkpoint["optimizer"]))
-        self.scheduler.load_state_dict(checkpoint["scheduler"])
+        load_schedule(self.optimizer, self.scheduler, checkpoint["scheduler"],
+                      announce=self.env.rank == 0)
         self.first_step = int(checkpoint["step"])
         torch.set_rng_state(own["rng"])
         if own["sync"]:
@@ -299,6 +316,8 @@ class Trainer(BaseTrainer):
             if self.slowdown > 1.0:
                 time.sleep((self.slowdown - 1.0) * (time.perf_counter() - t0))
         self.beat.phase = "step"
+        self.divergence.observe(step, loss_total, len(indices))
+        self.divergence.poll_if_cheap()  # on CPU: before a diverged gradient leaves this worker
         self.local_predictions += len(indices)
         self.strategy.record_loss(loss_total, len(indices))
         self.strategy.check_gradients(self.module, step)
@@ -436,6 +455,7 @@ class ParameterServerWorker(Trainer):
             while not self.stopped:
                 maybe_fail(self.env.rank, step)
                 self.train_step(step)
+                self.check_divergence(step, thorough=True)  # the push read the loss anyway
                 step = client.next_step
         finally:
             self.stop_loading()

@@ -168,6 +168,9 @@ class StageEngine:
         self.after_step: Callable[[int], None] | None = None
         """Called after each optimizer step with the step it belongs to (for the asynchronous
         schedule, its minibatch's): where a checkpoint can catch a stage's state in passing."""
+        self.on_loss: Callable[[int, torch.Tensor, int], None] | None = None
+        """The last stage calls it with each micro-batch's step, summed loss and samples (the
+        asynchronous schedule computes a step's loss in another step's chunk of actions)."""
         self.unchanged_until_backward: set[int] = set()
         """Minibatches with no weight update between their forward and backward on this worker
         (PipeDream's last stage): they run on the live parameters, which is the same version."""
@@ -356,6 +359,8 @@ class StageEngine:
                 assert micro.targets is not None
                 loss = self.loss_fn(out, micro.targets) * micro.size
                 self.loss_total += loss.detach()
+                if self.on_loss is not None:
+                    self.on_loss(micro.step, loss.detach(), micro.size)
                 out = loss * (micro.scale * self.precision.loss_factor)
             else:
                 out = _as_specs(out if isinstance(out, tuple) else (out,), self.shapes.outputs)

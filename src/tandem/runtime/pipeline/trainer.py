@@ -35,7 +35,7 @@ from tandem.data import Batch
 from tandem.loss import evaluation, score_batch
 from tandem.runtime.base import BaseTrainer
 from tandem.runtime.checkpoint import (
-    CHECKPOINT_VERSION, load_checkpoint, resume_path, save_atomic,
+    CHECKPOINT_VERSION, load_checkpoint, load_schedule, resume_path, save_atomic,
 )
 from tandem.runtime.config import Job
 from tandem.runtime.dist import WorkerEnv, new_group
@@ -119,6 +119,8 @@ class PipelineTrainer(BaseTrainer):
         self.last_step = config.stop_after if config.stop_after is not None else config.steps
         self.layout, self.schedule = pipeline_setup(job, blocks, first_step=self.first_step)
         self.stage, self.replica = self.schedule.stage_of(env.rank)
+        replica = f" replica {self.replica}" if self.layout.replicas[self.stage] > 1 else ""
+        self.divergence.where = f"stage {self.stage}{replica} (rank {env.rank})"
         start, end = self.layout.bounds[self.stage]
         boundaries = boundary_specs(blocks, example)
         self.module = nn.Sequential(*list(blocks)[start:end]).to(env.device)
@@ -154,6 +156,7 @@ class PipelineTrainer(BaseTrainer):
         self.chunks = (step_chunks(self.schedule, env.rank,
                                    max(1, self.last_step - self.first_step))
                        if self.asynchronous else None)
+        self.engine.on_loss = self.divergence.observe
         if self.asynchronous:
             self.engine.unchanged_until_backward = no_update_between(self.schedule.workers[env.rank])
             self.engine.after_step = self._snapshot_if_due
@@ -280,7 +283,8 @@ class PipelineTrainer(BaseTrainer):
         schedule, fp16's loss scale; the random stream and codec state of this rank only where
         the checkpoint has this layout (on another, rank ``r`` held other blocks)."""
         load_stage(self.module, self.names, self.optimizer, checkpoint, path=path)
-        self.scheduler.load_state_dict(checkpoint["scheduler"])
+        load_schedule(self.optimizer, self.scheduler, checkpoint["scheduler"],
+                      announce=self.env.rank == 0)
         load_precision(self.precision, checkpoint.get("precision", {}))
         if checkpoint["layout"] == self._layout_record():
             own = checkpoint["ranks"][self.env.rank]
