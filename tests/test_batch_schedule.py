@@ -118,6 +118,22 @@ def test_fixed_batch_is_unchanged_and_resume_math_agrees() -> None:
         grown.extend(9, 80)
 
 
+def test_shard_epochs_are_cut_for_the_schedule() -> None:
+    """Shards: each partition reads its share of every scheduled batch from its own stream."""
+    from tandem.data.shards import ShardBatchSampler
+
+    sampler = ShardBatchSampler([10, 7, 13], global_batch_size=4, seed=0, partitions=2,
+                                shuffle_buffer=4, schedule=((0, 4), (3, 8)))
+    for epoch in range(3):
+        steps = sampler.epoch_steps(epoch)
+        for rank in range(2):
+            taken = [i for step in steps
+                     for i in sampler.local_indices(step, rank=rank, world_size=2).tolist()]
+            assert taken == sampler.partition_stream(epoch, rank).tolist()
+        seen = [i for step in steps for i in sampler.global_indices(step).tolist()]
+        assert sorted(seen) == list(range(30))
+
+
 # -- the auto policy -------------------------------------------------------------------------
 
 
@@ -226,3 +242,23 @@ def test_auto_runs_under_dp_and_records_its_schedule(tmp_path: Path) -> None:
     assert summary["batch_schedule_grown"] == "32@0"
     checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
     assert checkpoint["data"]["batch_schedule"] == "32@0"
+
+
+def test_sync_ps_with_a_schedule_matches_one_process(shared_run: SharedRun) -> None:
+    single, _ = shared_run(*COMMON, "--nproc", "1")
+    ps, summary = shared_run(*COMMON, "--strategy", "ps", "--nproc", "3", "--servers", "1")
+    assert (summary["batch_schedule"], summary["global_batch_size"]) == (SCHEDULE, 256)
+    assert max_abs_diff(single / "final.pt", ps / "final.pt") <= 1e-5
+
+
+@pytest.mark.parametrize("strategy", [
+    ("--strategy", "ps", "--nproc", "3", "--servers", "1", "--mode", "async"),
+    ("--strategy", "gossip", "--nproc", "2", "--async-gossip"),
+    ("--strategy", "pipeline", "--nproc", "2", "--schedule", "pipedream"),
+])
+def test_asynchronous_strategies_follow_the_schedule(shared_run: SharedRun,
+                                                     strategy: tuple[str, ...]) -> None:
+    out, summary = shared_run(*COMMON, *strategy)
+    assert (summary["batch_schedule"], summary["global_batch_size"]) == (SCHEDULE, 256)
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["batch_size"] for r in logged if "batch_size" in r][-1] == 256
