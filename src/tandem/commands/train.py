@@ -12,7 +12,9 @@ from tandem import strict_json
 from tandem.cluster import parse_duration
 from tandem.errors import UsageError
 from tandem.plan import Plan
-from tandem.runtime.config import BACKENDS, OPTIMIZERS, SCHEDULES, Job, RunConfig, make_job
+from tandem.runtime.config import (
+    BACKENDS, OPTIMIZERS, SCHEDULES, Job, RunConfig, make_job, resolve_batch_size,
+)
 from tandem.runtime.dist import under_launcher, world_size
 from tandem.runtime.faults import check_fault
 from tandem.strategy import PLAN_FLAGS, STRATEGIES, plan_with_flags, strategy_of
@@ -86,8 +88,13 @@ def add_train_arguments(parser: argparse.ArgumentParser, defaults: RunConfig) ->
     add("--replicas", help="replicas of each pipeline stage, e.g. 2,1")
     add("--vertical-sync", action="store_true", default=None,
         help="pipedream schedule: every stage uses the weight version stage 0 used")
-    add("--batch-size", type=int, default=defaults.batch_size,
-        help="global minibatch (all workers together)")
+    add("--batch-size", type=int, default=None,
+        help=f"global minibatch (all workers together; default {defaults.batch_size}, or the "
+        f"first batch of --batch-schedule)")
+    add("--batch-schedule", default=defaults.batch_schedule, metavar="BATCH@STEP,...|auto",
+        help="change the global batch during training, e.g. 64@0,128@200,256@400 (64 from step "
+        "0, 128 from step 200, ...), instead of decaying the learning rate; auto (--strategy "
+        "dp): double the batch at log steps while the gradient noise scale exceeds twice it")
     add("--accumulate", type=int,
         help="data parallelism: gradient-accumulation micro-steps per optimizer step (default 1)")
     add("--find-unused-parameters", action="store_true", default=defaults.find_unused_parameters,
@@ -108,7 +115,9 @@ def add_train_arguments(parser: argparse.ArgumentParser, defaults: RunConfig) ->
     add("--clip-grad-norm", type=float, default=defaults.clip_grad_norm, metavar="X",
         help="clip the gradients' global L2 norm to X (over every worker or stage that holds "
         "a part of it)")
-    add("--lr-schedule", default=defaults.lr_schedule, help=f"one of: {', '.join(SCHEDULES)}")
+    add("--lr-schedule", default=defaults.lr_schedule,
+        help=f"one of: {', '.join(SCHEDULES)} (step:0.2@200,400 multiplies the learning rate "
+        f"by 0.2 at step 200 and again at 400)")
     add("--seed", type=int, default=defaults.seed)
     add("--out", default=defaults.out,
         help="directory for final.pt, metrics.jsonl, trace.json, plan.json, checkpoint.pt")
@@ -161,7 +170,8 @@ def job_from_args(args: argparse.Namespace) -> Job:
     given = given_plan_flags(args)
     processes = world_size() if under_launcher() else args.nproc
     fields = RunConfig.__dataclass_fields__
-    settings = {key: value for key, value in vars(args).items() if key in fields and key != "nproc"}
+    settings = resolve_batch_size(
+        {key: value for key, value in vars(args).items() if key in fields and key != "nproc"})
     if args.plan is None:
         return make_job(args.strategy or "dp", given,
                         nproc=1 if processes is None else processes, **settings)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import itertools
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -74,12 +75,15 @@ class Samples(abc.ABC):
         """Samples ``start`` to ``end - 1`` (evaluation walks a split in order)."""
         return self.take(torch.arange(start, end))
 
-    def batch_sampler(self, *, global_batch_size: int, seed: int,
-                      partitions: int) -> GlobalBatchSampler:
+    def batch_sampler(self, *, global_batch_size: int, seed: int, partitions: int,
+                      schedule: Sequence[tuple[int, int]] | None = None) -> GlobalBatchSampler:
         """The order of training: global batches addressed by step, each cut into
-        ``partitions`` shares (the data-parallel ranks). Held samples are shuffled as one
-        whole, so the batches do not depend on ``partitions``; streamed ones are not."""
-        return GlobalBatchSampler(len(self), global_batch_size=global_batch_size, seed=seed)
+        ``partitions`` shares (the data-parallel ranks); ``schedule`` changes the batch size
+        at given steps (``(first_step, batch_size)`` pairs, see :class:`GlobalBatchSampler`).
+        Held samples are shuffled as one whole, so the batches do not depend on
+        ``partitions``; streamed ones are not."""
+        return GlobalBatchSampler(len(self), global_batch_size=global_batch_size, seed=seed,
+                                  schedule=schedule)
 
 
 class TensorSamples(Samples):

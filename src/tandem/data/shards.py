@@ -40,6 +40,7 @@ import io
 import json
 import os
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -235,11 +236,12 @@ class ShardSamples(Samples):
         return ShardSamples(self.index, self.split, storage=self.storage, shuffle=self.shuffle,
                             device=device)
 
-    def batch_sampler(self, *, global_batch_size: int, seed: int,
-                      partitions: int) -> GlobalBatchSampler:
+    def batch_sampler(self, *, global_batch_size: int, seed: int, partitions: int,
+                      schedule: Sequence[tuple[int, int]] | None = None) -> GlobalBatchSampler:
         return ShardBatchSampler([s.samples for s in self.shards],
                                  global_batch_size=global_batch_size, seed=seed,
-                                 partitions=partitions, shuffle_buffer=self.shuffle)
+                                 partitions=partitions, shuffle_buffer=self.shuffle,
+                                 schedule=schedule)
 
     def take(self, indices: torch.Tensor) -> Batch:
         wanted = [int(i) for i in indices.tolist()]
@@ -419,8 +421,10 @@ class ShardBatchSampler(GlobalBatchSampler):
     docstring); ``local_indices(step, rank=p, world_size=partitions)`` is its share."""
 
     def __init__(self, shard_samples: list[int], *, global_batch_size: int, seed: int,
-                 partitions: int, shuffle_buffer: int) -> None:
-        super().__init__(sum(shard_samples), global_batch_size=global_batch_size, seed=seed)
+                 partitions: int, shuffle_buffer: int,
+                 schedule: Sequence[tuple[int, int]] | None = None) -> None:
+        super().__init__(sum(shard_samples), global_batch_size=global_batch_size, seed=seed,
+                         schedule=schedule)
         if partitions < 1:
             raise ValueError(f"need at least one partition (got {partitions})")
         self.shard_samples = list(shard_samples)
@@ -434,12 +438,14 @@ class ShardBatchSampler(GlobalBatchSampler):
                              f"{world_size}")
         return super().local_indices(step, rank=rank, world_size=world_size)
 
-    def partition_lengths(self) -> list[int]:
-        """Samples each partition reads in one epoch: its share of every global batch."""
-        full, last = divmod(self.num_samples, self.global_batch_size)
-        per_full = shard_sizes(self.global_batch_size, self.partitions)
-        per_last = shard_sizes(last, self.partitions)
-        return [full * a + b for a, b in zip(per_full, per_last)]
+    def partition_lengths(self, epoch: int) -> list[int]:
+        """Samples each partition reads in ``epoch``: its share of every global batch (the
+        batches of an epoch differ in size under a batch schedule)."""
+        lengths = [0] * self.partitions
+        for size in self.epoch_batch_sizes(epoch):
+            for p, share in enumerate(shard_sizes(size, self.partitions)):
+                lengths[p] += share
+        return lengths
 
     def shard_order(self, epoch: int) -> list[int]:
         """The order of the shards in ``epoch``."""
@@ -451,7 +457,7 @@ class ShardBatchSampler(GlobalBatchSampler):
         order = self.shard_order(epoch)
         sequence = np.concatenate([np.arange(self.shard_starts[s], self.shard_starts[s + 1])
                                    for s in order]) if order else np.zeros(0, dtype=np.int64)
-        lengths = self.partition_lengths()
+        lengths = self.partition_lengths(epoch)
         start = sum(lengths[:partition])
         own = sequence[start:start + lengths[partition]]
         rng = np.random.default_rng([self.seed, epoch, partition])
@@ -464,8 +470,7 @@ class ShardBatchSampler(GlobalBatchSampler):
         streams = [self.partition_stream(epoch, p) for p in range(self.partitions)]
         taken = [0] * self.partitions
         pieces = []
-        for batch in range(self.batches_per_epoch):
-            size = min(self.global_batch_size, self.num_samples - batch * self.global_batch_size)
+        for size in self.epoch_batch_sizes(epoch):
             for p, share in enumerate(shard_sizes(size, self.partitions)):
                 pieces.append(streams[p][taken[p]:taken[p] + share])
                 taken[p] += share

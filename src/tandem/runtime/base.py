@@ -7,6 +7,7 @@ evaluated, and how its full state is gathered and checkpointed.
 from __future__ import annotations
 
 import abc
+import bisect
 import dataclasses
 import json
 import math
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from tandem import strict_json
+from tandem.batch_schedule import AUTO, auto_next_batch, format_schedule, parse_batch_schedule
 from tandem.data import Batch, Data, GlobalBatchSampler, Samples
 from tandem.data.loader import PlannedLoader
 from tandem.data.shards import ShardSamples
@@ -28,7 +30,7 @@ from tandem.output_files import write_text
 from tandem.runtime.asynchrony import Compensation, apply_compensation, compensation_for
 from tandem.runtime.checkpoint import save_atomic
 from tandem.plan import Plan
-from tandem.runtime.config import Job, RunConfig
+from tandem.runtime.config import Job, RunConfig, step_decay
 from tandem.runtime.dist import WorkerEnv
 from tandem.runtime.divergence import LossWatch
 from tandem.runtime.precision import Precision, StagePrecision
@@ -54,12 +56,29 @@ def build_optimizer(config: RunConfig, params: Any) -> torch.optim.Optimizer:
 
 
 def lr_factor(config: RunConfig, step: int) -> float:
-    """Learning-rate multiplier at ``step``: linear warm-up, then constant or cosine decay."""
+    """Learning-rate multiplier at ``step``: linear warm-up, then constant, cosine decay, or
+    step decay (``step:FACTOR@STEP,...``: times FACTOR at each STEP reached)."""
     if step < config.warmup_steps:
         return (step + 1) / config.warmup_steps
+    if config.lr_schedule.startswith("step:"):
+        factor, milestones = step_decay(config.lr_schedule, steps=config.steps)
+        return factor ** bisect.bisect_right(milestones, step)
     if config.lr_schedule == "cosine":
         progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
         return 0.5 * (1.0 + math.cos(math.pi * progress))
+    return 1.0
+
+
+def batch_lr_factor(config: RunConfig, batch_size: int) -> float:
+    """Learning-rate multiplier for a step of global batch ``batch_size``: 1, the learning rate
+    does not follow the batch of a ``--batch-schedule``.
+
+    MERGE (issue 14, --lr-scaling): the one place where the current batch meets the learning
+    rate; with ``scaled_lr(config, batch_size)`` of the lr-scaling work, return
+    ``scaled_lr(config, batch_size) / config.lr``. Every trainer's learning rate goes through
+    here (:meth:`BaseTrainer.setup_optimizer`, the parameter server's step).
+    """
+    del config, batch_size
     return 1.0
 
 
@@ -144,7 +163,7 @@ class BaseTrainer(Worker):
         self.test: Samples = self.data.test.to(env.device)
         self.sampler: GlobalBatchSampler = self.data.train.batch_sampler(
             global_batch_size=config.batch_size, seed=config.seed,
-            partitions=self.data_partitions())
+            partitions=self.data_partitions(), schedule=config.parsed_batch_schedule())
         self.loader: PlannedLoader | None = None
         self.data_wait_s = 0.0
         """Seconds this worker's steps waited for their batches (read, or handed over), after
@@ -208,7 +227,37 @@ class BaseTrainer(Worker):
         reads (epoch, samples into it), the ranks the order was cut for, and the shards."""
         train = self.data.train
         return {**self.sampler.position(step), "partitions": self.data_partitions(),
-                "shards": train.index.fingerprint if isinstance(train, ShardSamples) else None}
+                "shards": train.index.fingerprint if isinstance(train, ShardSamples) else None,
+                "batch_size": self.sampler.batch_size_at(step),
+                "batch_schedule": format_schedule(self.sampler.schedule)}
+
+    def restore_batch_schedule(self, recorded: dict[str, Any] | None) -> None:
+        """``--batch-schedule auto``: continue with the batches the checkpointed run had grown
+        to (a fixed schedule is the run's own, and checked by the fingerprint)."""
+        if self.config.batch_schedule != AUTO or not recorded or "batch_schedule" not in recorded:
+            return
+        for step, batch in parse_batch_schedule(recorded["batch_schedule"],
+                                                steps=self.config.steps)[1:]:
+            self.sampler.extend(step, batch)
+
+    def grow_batch(self, done: int) -> None:
+        """``--batch-schedule auto``, after ``done`` steps at a log step: the batch of the steps
+        from ``done`` on, by :func:`tandem.batch_schedule.auto_next_batch` (every worker decides
+        the same: the largest decision wins)."""
+        if self.config.batch_schedule != AUTO or done >= self.config.steps:
+            return
+        current = self.sampler.batch_size_at(done)
+        # MERGE (issue 14, noise scale): the data-parallel trainer's gradient-noise-scale
+        # estimate; until it is merged this trainer has none and the batch stays as it is
+        estimate_fn = getattr(self, "noise_scale", None)
+        estimate = estimate_fn() if callable(estimate_fn) else None
+        workers = self.data_partitions()
+        chosen = auto_next_batch(current, estimate, workers=workers,
+                                 max_batch=len(self.data.train))
+        agreed = torch.tensor(float(chosen), dtype=torch.float64, device=self.loss_total.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        if int(agreed) > current:
+            self.sampler.extend(done, int(agreed))
 
     def check_data_position(self, recorded: dict[str, Any] | None, path: str) -> None:
         """Refuse to resume streamed data whose order would differ from the checkpoint's."""
@@ -247,7 +296,8 @@ class BaseTrainer(Worker):
         self.compensation = compensation_for(self.config, delay, every_stage=every_stage)
         apply_compensation(self.optimizer, self.compensation)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: lr_factor(self.config, step)
+            self.optimizer, lambda step: lr_factor(self.config, step) * batch_lr_factor(
+                self.config, self.sampler.batch_size_at(step))
         )
 
     @abc.abstractmethod
@@ -314,6 +364,7 @@ class BaseTrainer(Worker):
             self.check_divergence(step, thorough=logging or saving)
             if logging:
                 self._log(done, final=done == last)
+                self.grow_batch(done)
             if config.eval_every and done % config.eval_every == 0 and done < last:
                 reporter.record(step=done, **self.evaluate())
             if saving:  # never a checkpoint (nor final.pt) of diverged parameters
@@ -354,7 +405,8 @@ class BaseTrainer(Worker):
         """
         steps = range(self.logged, done)
         fields = {"step": done, "lr": self.scheduler.get_last_lr()[0],
-                  "samples_per_s": self._samples_per_s(len(steps))}
+                  "batch_size": self.sampler.batch_size_at(done - 1),
+                  "samples_per_s": self._samples_per_s(steps)}
         sent = self.sent_bytes()
         total = torch.stack([self.loss_total.to(torch.float64),
                              torch.tensor(sent - self.logged_bytes, dtype=torch.float64,
@@ -385,9 +437,11 @@ class BaseTrainer(Worker):
         fields["sent_bytes_per_step"] = float(total[1]) / max(1, fields.pop("steps_logged"))
         self.reporter.record(loss=self.loss, **fields)
 
-    def _samples_per_s(self, num_steps: int) -> float:
-        window = self.step_times[-num_steps:]
-        return self.config.batch_size * len(window) / max(sum(window), 1e-12)
+    def _samples_per_s(self, steps: range) -> float:
+        """Samples per second of ``steps`` (the last ones timed), each at its scheduled batch."""
+        window = self.step_times[-len(steps):] if len(steps) else []
+        samples = sum(self.sampler.batch_size_at(step) for step in steps[-len(window):])
+        return samples / max(sum(window), 1e-12) if window else 0.0
 
     def _write_outputs(self, finished: bool) -> None:
         """Rank 0 writes ``trace.json``, ``gantt.png``, ``config.json`` and ``final.pt``.
@@ -427,9 +481,14 @@ class BaseTrainer(Worker):
         return {
             **plan_summary(self.plan), "model": self.config.model, "data": self.config.data,
             "world_size": self.env.world_size, "backend": self.env.backend,
-            "steps": last_step, "finished": finished, "global_batch_size": self.config.batch_size,
+            "steps": last_step, "finished": finished,
+            "global_batch_size": self.sampler.batch_size_at(last_step - 1),
+            "batch_schedule": self.config.batch_schedule,
+            **({"batch_schedule_grown": format_schedule(self.sampler.schedule)}
+               if self.config.batch_schedule == AUTO else {}),
             "final_loss": self.loss, **evaluation, **self.task.summary_fields(),
-            "samples_per_s": self.config.batch_size * len(self.step_times) / max(train_s, 1e-12),
+            "samples_per_s": sum(self.sampler.batch_size_at(step) for step in range(
+                self.first_step, self.first_step + len(self.step_times))) / max(train_s, 1e-12),
             "step_time_s": statistics.median(timed) if timed else 0.0,
             "train_s": round(train_s, 4), "out": str(self.out) if self.out else None,
             "data_wait_fraction": round(

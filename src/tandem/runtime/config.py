@@ -8,13 +8,16 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from tandem.batch_schedule import AUTO, BatchSchedule, parse_batch_schedule
 from tandem.errors import UsageError
 from tandem.options import MAX_SEED
 from tandem.plan import Plan
 from tandem.runtime.asynchrony import COMPENSATIONS
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
-SCHEDULES = ("constant", "cosine")
+SCHEDULES = ("constant", "cosine", "step:FACTOR@STEP,...")
+"""``--lr-schedule`` forms: constant, cosine decay, or step decay (``step:0.2@200,400``
+multiplies the learning rate by 0.2 at step 200 and again at step 400)."""
 BACKENDS = ("auto", "gloo", "nccl")
 PRECISIONS = ("fp32", "bf16", "fp16")
 """``--precision`` choices (:mod:`tandem.runtime.precision` implements them)."""
@@ -51,7 +54,12 @@ class RunConfig:
     steps: int = 100
     """Optimizer steps in the whole run."""
     batch_size: int = 64
-    """Global minibatch: samples per optimizer step over all workers together."""
+    """Global minibatch: samples per optimizer step over all workers together (with
+    ``batch_schedule``, the batch of step 0)."""
+    batch_schedule: str | None = None
+    """``BATCH@STEP,...`` (``64@0,128@200``): the global batch from each step on, instead of
+    (or besides) decaying the learning rate; or ``auto`` (data parallelism: grow the batch toward
+    the measured gradient noise scale). See :mod:`tandem.batch_schedule`."""
     optimizer: str = "sgd"
     lr: float = 0.05
     momentum: float = 0.9
@@ -68,7 +76,8 @@ class RunConfig:
     clip_grad_norm: float | None = None
     """Clip the gradients' global L2 norm to this (None: no clipping)."""
     lr_schedule: str = "constant"
-    """After warm-up: ``constant`` or ``cosine`` decay to 0 at the last step."""
+    """After warm-up: ``constant``, ``cosine`` decay to 0 at the last step, or
+    ``step:FACTOR@STEP,...`` (multiply by FACTOR at each STEP)."""
     seed: int = 0
     out: str | None = None
     """Directory for ``final.pt``, ``metrics.jsonl``, ``trace.json`` and checkpoints."""
@@ -118,6 +127,7 @@ class RunConfig:
             raise UsageError(f"--seed must be between 0 and {MAX_SEED} (got {self.seed}); "
                              f"e.g. --seed 0")
         self.straggler_factor()
+        self._check_batch_schedule()
         if self.resume is not None and self.resume == "auto" and self.out is None:
             raise UsageError("--resume without a path needs --out DIR (it resumes DIR/checkpoint.pt)")
 
@@ -161,7 +171,10 @@ class RunConfig:
 
     def _check_optimizer(self) -> None:
         _choice("--optimizer", self.optimizer, OPTIMIZERS)
-        _choice("--lr-schedule", self.lr_schedule, SCHEDULES)
+        if self.lr_schedule.startswith("step:"):
+            step_decay(self.lr_schedule, steps=self.steps)
+        else:
+            _choice("--lr-schedule", self.lr_schedule, SCHEDULES[:2] + ("step:0.2@200,400",))
         _choice("--precision", self.precision, PRECISIONS)
         _choice("--async-compensation", self.async_compensation, COMPENSATIONS)
         if self.clip_grad_norm is not None and not (self.clip_grad_norm > 0
@@ -177,6 +190,30 @@ class RunConfig:
         if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
             raise UsageError(f"--weight-decay must be a finite number >= 0 (got "
                              f"{self.weight_decay}); e.g. --weight-decay 1e-4, or 0 for none")
+
+    def _check_batch_schedule(self) -> None:
+        schedule = self.parsed_batch_schedule()
+        if schedule is not None and schedule[0][1] != self.batch_size:
+            raise UsageError(f"--batch-schedule {self.batch_schedule} starts with a batch of "
+                             f"{schedule[0][1]}, but --batch-size is {self.batch_size}; drop "
+                             f"--batch-size (the schedule's first batch is the run's) or make "
+                             f"them agree")
+        if self.batch_schedule == AUTO and self.loader_workers:
+            raise UsageError(f"--batch-schedule auto decides the batch as training goes, but "
+                             f"--loader-workers {self.loader_workers} reads batches ahead; use "
+                             f"--loader-workers 0 or a fixed --batch-schedule")
+
+    def parsed_batch_schedule(self) -> BatchSchedule | None:
+        """``batch_schedule`` as ``(first_step, batch_size)`` pairs; None without one or for
+        ``auto`` (which starts at ``batch_size`` and grows as training goes)."""
+        if self.batch_schedule is None or self.batch_schedule == AUTO:
+            return None
+        return parse_batch_schedule(self.batch_schedule, steps=self.steps)
+
+    def batches(self) -> tuple[int, ...]:
+        """Every global batch size the run may use as known before it starts."""
+        schedule = self.parsed_batch_schedule()
+        return tuple(batch for _, batch in schedule) if schedule else (self.batch_size,)
 
     def straggler_factor(self) -> tuple[int, float] | None:
         """``(rank, factor)`` of ``--straggler``, or None."""
@@ -230,6 +267,21 @@ class Job:
                              f"training, which --servers {servers} hold in parts that are at "
                              f"different updates; use --servers 1, or drop --eval-every (the "
                              f"model is evaluated at the end)")
+        self._check_auto_batch()
+
+    def _check_auto_batch(self) -> None:
+        """``--batch-schedule auto`` reads the gradient noise scale that data parallelism's
+        allreduce measures; other strategies have no such estimate."""
+        from tandem.sync_spec import AllReduceSync
+        from tandem.strategy import strategy_of
+
+        if self.run.batch_schedule != AUTO:
+            return
+        if self.plan.pipelined or not isinstance(self.plan.sync, AllReduceSync):
+            raise UsageError(f"--batch-schedule auto grows the batch toward the gradient noise "
+                             f"scale that --strategy dp measures, and this run is "
+                             f"{strategy_of(self.plan)}; use --strategy dp, or give the schedule "
+                             f"(e.g. --batch-schedule 64@0,128@200)")
 
     def _check_precision(self) -> None:
         """PipeDream's asynchronous stages step at different times: no loss scale they could
@@ -272,18 +324,25 @@ class Job:
                 f"the plan {self.plan.config} needs {self.plan.num_workers} processes but the job "
                 f"has {world_size}; use --nproc {self.plan.num_workers} (or torchrun's "
                 f"--nproc-per-node) or plan for {world_size}")
-        parts, batch = self.plan.num_microbatches or 1, self.run.batch_size
+        for batch in self.run.batches():
+            self._check_batch(batch)
+
+    def _check_batch(self, batch: int) -> None:
+        """The global batch ``batch`` (the run's, or one of its schedule's) splits evenly."""
+        parts = self.plan.num_microbatches or 1
+        name = (f"--batch-size {batch}" if self.run.batch_schedule is None else
+                f"the batch {batch} of --batch-schedule {self.run.batch_schedule}")
         if self.plan.pipelined and batch % parts:
-            raise UsageError(f"--microbatches {parts} does not divide --batch-size {batch}; "
-                             f"choose a batch size that is a multiple of {parts}")
+            raise UsageError(f"--microbatches {parts} does not divide {name}; choose batches "
+                             f"that are multiples of {parts}")
         workers = self.plan.stages[0].replicas
         if not self.plan.pipelined and batch % workers:
             raise UsageError(
-                f"--batch-size {batch} is not divisible by the {workers} workers; use a multiple "
+                f"{name} is not divisible by the {workers} workers; use a multiple "
                 f"of {workers}, e.g. {workers * max(1, round(batch / workers))}")
         if not self.plan.pipelined and batch % parts:
             raise UsageError(
-                f"each worker's share of the batch ({batch // workers}) is not divisible by "
+                f"each worker's share of {name} ({batch // workers}) is not divisible by "
                 f"--accumulate {self.plan.accumulate}; choose an --accumulate that divides "
                 f"{batch // workers}")
 
@@ -294,7 +353,8 @@ class Job:
         run = self.run
         return {"model": run.model, "data": run.data, "loss": run.loss,
                 "strategy": strategy_of(self.plan),
-                "batch_size": run.batch_size, "optimizer": run.optimizer, "seed": run.seed,
+                "batch_size": run.batch_size, "batch_schedule": run.batch_schedule,
+                "optimizer": run.optimizer, "seed": run.seed,
                 "compress": self.plan.compress.text if self.plan.compress else None}
 
 
@@ -309,7 +369,7 @@ def make_job(strategy: str = "dp", flags: Mapping[str, Any] | None = None, *,
     from tandem.runtime.preflight import build_checked
     from tandem.strategy import STRATEGIES, plan_from_flags
 
-    run = RunConfig(**settings)
+    run = RunConfig(**resolve_batch_size(settings))
     data, model = build_checked(run, objects)
     if isinstance(model, nn.Sequential) or not (strategy in STRATEGIES
                                                 and STRATEGIES[strategy].pipelined):
@@ -339,6 +399,41 @@ def _stale(plan: Plan) -> bool:
     from tandem.sync_spec import ParameterServerSync
 
     return isinstance(plan.sync, ParameterServerSync) and plan.sync.mode != "sync"
+def resolve_batch_size(settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` with ``batch_size`` taken from ``batch_schedule`` where only the schedule
+    gives it (a ``batch_size`` of None means not given)."""
+    settings = dict(settings)
+    if settings.get("batch_size") is None:
+        settings.pop("batch_size", None)
+        text = settings.get("batch_schedule")
+        if text is not None and text != AUTO:
+            first = parse_batch_schedule(text, steps=2**62)  # RunConfig checks the steps
+            settings["batch_size"] = first[0][1]
+    return settings
+
+
+def step_decay(text: str, *, steps: int) -> tuple[float, tuple[int, ...]]:
+    """``(factor, steps)`` of ``--lr-schedule step:FACTOR@STEP,...``; one line if malformed."""
+    example = "e.g. step:0.2@200,400 (times 0.2 at step 200 and again at 400)"
+    factor_text, at, steps_text = text.removeprefix("step:").partition("@")
+    try:
+        factor = float(factor_text)
+        milestones = tuple(int(part) for part in steps_text.split(","))
+        if not at:
+            raise ValueError(text)
+    except ValueError:
+        raise UsageError(f"--lr-schedule {text!r} is not step:FACTOR@STEP,STEP,...; "
+                         f"{example}") from None
+    if not (0 < factor < 1 or 1 < factor) or not math.isfinite(factor):
+        raise UsageError(f"--lr-schedule {text!r}: the factor must be a positive finite number "
+                         f"other than 1; {example}")
+    if any(b <= a for a, b in zip(milestones, milestones[1:])) or milestones[0] < 1:
+        raise UsageError(f"--lr-schedule {text!r}: the steps must increase and be at least 1; "
+                         f"{example}")
+    if milestones[-1] >= steps:
+        raise UsageError(f"--lr-schedule {text!r} decays at step {milestones[-1]}, but the run "
+                         f"has --steps {steps}; use steps below {steps} or more --steps")
+    return factor, milestones
 
 
 def _ranks(first: int, last: int) -> str:

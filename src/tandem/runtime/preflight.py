@@ -107,11 +107,22 @@ def _first_line(exc: BaseException) -> str:
 
 
 def check_batch(run: RunConfig, data: Data) -> None:
-    """A global batch takes at most the whole training split."""
+    """A global batch (each of a ``--batch-schedule``) takes at most the whole training split;
+    ``--batch-schedule auto`` needs samples held, whose order does not depend on the batches
+    to come (a shard stream's epoch order does)."""
     samples = len(data.train)
     if run.batch_size > samples:
         raise UsageError(f"--batch-size {run.batch_size} is more than the {samples} training "
                          f"samples of --data {run.data}; use at most {samples}, or more data")
+    for batch in run.batches():
+        if batch > samples:
+            raise UsageError(f"--batch-schedule {run.batch_schedule} has a batch of {batch}, "
+                             f"more than the {samples} training samples of --data {run.data}; "
+                             f"use batches of at most {samples}")
+    if run.batch_schedule == "auto" and data.train.streams:
+        raise UsageError(f"--batch-schedule auto cannot stream --data {run.data} (a shard "
+                         f"stream's epoch is cut for the batches to come, which auto decides "
+                         f"as it goes); give the schedule, e.g. --batch-schedule 64@0,128@200")
 
 
 def check_output(model: nn.Module, data: Data, run: RunConfig, objects: Any = None) -> None:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tandem.batch_schedule import batch_at
 from tandem.errors import WorkerFailure
 from tandem.loss import evaluation
 from tandem.runtime.task import Task
@@ -36,6 +37,7 @@ from tandem.runtime.base import (
     MAX_TRACED_STEPS,
     Worker,
     build_optimizer,
+    batch_lr_factor,
     lr_factor,
     merge_worker_traces,
     plan_summary,
@@ -137,6 +139,9 @@ class ParameterServer(Worker):
         self.checked_at = time.monotonic()
         self.finished: set[int] = set()
         self.loss = [0.0, 0]
+        self.samples_pushed = 0
+        """Samples of every gradient pushed to this server (each push carries its count)."""
+        self.batch_schedule = config.parsed_batch_schedule() or ((0, config.batch_size),)
         self.last_loss = float("nan")
         self.update_times: list[float] = []
         self.replies: dict[int, tuple[Any, torch.Tensor]] = {}
@@ -279,7 +284,9 @@ class ParameterServer(Worker):
         if self.optimizer is not None and gradient is not None:
             for p, g in zip(self.params, _split(gradient, self.params)):
                 p.grad = g
-            factor = lr_factor(self.config, self.version // self.per_step)
+            step = self.version // self.per_step
+            factor = lr_factor(self.config, step) * batch_lr_factor(
+                self.config, self.batch_at(step))
             if self.sync.staleness_lr:
                 factor /= max(1, staleness)
             for group in self.optimizer.param_groups:
@@ -330,6 +337,12 @@ class ParameterServer(Worker):
     def _count_loss(self, header: protocol.Header) -> None:
         self.loss[0] += header.loss
         self.loss[1] += header.count
+        self.samples_pushed += header.count
+
+    def batch_at(self, step: int) -> int:
+        """The global batch of step ``step`` (``--batch-schedule``; the workers take their
+        share of the batch of the step the servers are at)."""
+        return batch_at(self.batch_schedule, step)
 
     def _log(self) -> None:
         if self.version % self.per_step:
@@ -342,6 +355,7 @@ class ParameterServer(Worker):
             elapsed = time.perf_counter() - self.started
             self.last_loss = self.loss[0] / self.loss[1]
             self.reporter.record(step=self.version // self.per_step, loss=self.last_loss,
+                                 batch_size=self.batch_at(self.version // self.per_step - 1),
                                  samples_per_s=self._samples_per_s(elapsed),
                                  **self._traffic_per_step())
         self.loss = [0.0, 0]
@@ -363,8 +377,7 @@ class ParameterServer(Worker):
                 "compression_ratio": total.compression_ratio}
 
     def _samples_per_s(self, elapsed: float) -> float:
-        local_batch = self.config.batch_size / len(self.workers)
-        return sum(self.pushes.values()) * local_batch / max(elapsed, 1e-9)
+        return self.samples_pushed / max(elapsed, 1e-9)
 
     # -- modes -----------------------------------------------------------------------------------
 
@@ -605,7 +618,8 @@ class ParameterServer(Worker):
             "servers": self.sync.servers, "workers": len(self.workers),
             "backup": self.sync.backup, "steps": self.version // self.per_step,
             "updates": self.version, "finished": finished,
-            "global_batch_size": self.config.batch_size, "final_loss": self.last_loss,
+            "global_batch_size": self.batch_at(max(self.version // self.per_step - 1, 0)),
+            "batch_schedule": self.config.batch_schedule, "final_loss": self.last_loss,
             **self.task.summary_fields(), "precision": self.config.precision,
             "clip_grad_norm": self.config.clip_grad_norm, "skipped_steps": self.skipped_steps,
             **evaluation, "samples_per_s": self._samples_per_s(wall),

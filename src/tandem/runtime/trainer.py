@@ -233,6 +233,7 @@ class Trainer(BaseTrainer):
         """Optimizer, schedule, step and this worker's own state (random stream, strategy state,
         and its model and optimizer where workers' differ)."""
         self.check_data_position(checkpoint.get("data"), str(self.config.resume))
+        self.restore_batch_schedule(checkpoint.get("data"))
         own = checkpoint["ranks"][self.env.rank]
         if "model" in own:
             self.model.load_state_dict(own["model"])
