@@ -12,6 +12,7 @@ import json
 import math
 import statistics
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +25,11 @@ from tandem.data.loader import PlannedLoader
 from tandem.data.shards import ShardSamples
 from tandem.errors import UsageError
 from tandem.runtime.faults import maybe_fail
+from tandem.runtime.optimizers import Lamb, Lars
 from tandem.output_files import write_text
 from tandem.runtime.checkpoint import save_atomic
 from tandem.plan import Plan
-from tandem.runtime.config import Job, RunConfig
+from tandem.runtime.config import DEFAULT_BASE_BATCH, Job, RunConfig
 from tandem.runtime.dist import WorkerEnv
 from tandem.runtime.reporting import Reporter
 from tandem.runtime.task import Task
@@ -41,13 +43,45 @@ GANTT_STEPS = 3
 """``gantt.png`` draws the last this many traced steps (the steady state, readable)."""
 
 
-def build_optimizer(config: RunConfig, params: Any) -> torch.optim.Optimizer:
-    """The optimizer named in ``config``."""
+def build_optimizer(config: RunConfig,
+                    params: Iterable[torch.Tensor | tuple[str, torch.Tensor]], *,
+                    batch_size: int | None = None) -> torch.optim.Optimizer:
+    """The optimizer named in ``config`` over ``params`` (tensors, or ``(name, tensor)`` pairs
+    as ``named_parameters()`` gives them), at :func:`scaled_lr` for ``batch_size`` (default
+    ``config.batch_size``).
+
+    LARS and LAMB get two groups, always in this order (a pipeline stage's checkpoint matches
+    groups by position): the weights (``ndim >= 2``), with trust ratio and weight decay, then the
+    biases and normalization parameters (``ndim <= 1``), with neither, as in both papers. Their
+    norms are taken per whole parameter, which every worker holds: data-parallel replicas hold
+    the whole model, a pipeline stage whole parameters, and a parameter server a shard of whole
+    parameters (:func:`tandem.sync.ps_protocol.shard_ranges` cuts between tensors)."""
+    tensors = [p[1] if isinstance(p, tuple) else p for p in params]
+    lr = scaled_lr(config, batch_size)
     if config.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum,
+        return torch.optim.SGD(tensors, lr=lr, momentum=config.momentum,
                                weight_decay=config.weight_decay)
+    if config.optimizer in ("lars", "lamb"):
+        groups = [{"params": [p for p in tensors if p.ndim > 1]},
+                  {"params": [p for p in tensors if p.ndim <= 1], "weight_decay": 0.0,
+                   "trust": False}]
+        if config.optimizer == "lars":
+            return Lars(groups, lr=lr, momentum=config.momentum,
+                        weight_decay=config.weight_decay)
+        return Lamb(groups, lr=lr, weight_decay=config.weight_decay)
     cls = torch.optim.Adam if config.optimizer == "adam" else torch.optim.AdamW
-    return cls(params, lr=config.lr, weight_decay=config.weight_decay)
+    return cls(tensors, lr=lr, weight_decay=config.weight_decay)
+
+
+def scaled_lr(config: RunConfig, batch_size: int | None = None) -> float:
+    """The learning rate at global batch ``batch_size`` (default ``config.batch_size``): ``--lr``
+    itself, or with ``--lr-scaling`` the ``--lr`` given for ``--base-batch`` B0 times ``B/B0``
+    (linear) or ``sqrt(B/B0)`` (sqrt); warm-up and schedule multiply it (:func:`lr_factor`)."""
+    batch = config.batch_size if batch_size is None else batch_size
+    if config.lr_scaling is None:
+        return config.lr
+    ratio = batch / (config.base_batch or DEFAULT_BASE_BATCH)
+    return config.lr * (ratio if config.lr_scaling == "linear" else math.sqrt(ratio))
 
 
 def lr_factor(config: RunConfig, step: int) -> float:
@@ -396,6 +430,7 @@ class BaseTrainer(Worker):
             **plan_summary(self.plan), "model": self.config.model, "data": self.config.data,
             "world_size": self.env.world_size, "backend": self.env.backend,
             "steps": last_step, "finished": finished, "global_batch_size": self.config.batch_size,
+            "lr": scaled_lr(self.config),
             "final_loss": self.loss, **evaluation, **self.task.summary_fields(),
             "samples_per_s": self.config.batch_size * len(self.step_times) / max(train_s, 1e-12),
             "step_time_s": statistics.median(timed) if timed else 0.0,

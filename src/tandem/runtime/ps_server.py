@@ -39,6 +39,7 @@ from tandem.runtime.base import (
     merge_worker_traces,
     plan_summary,
     save_worker_trace,
+    scaled_lr,
     write_run_files,
 )
 from tandem.runtime.checkpoint import (
@@ -271,7 +272,7 @@ class ParameterServer(Worker):
             if self.sync.staleness_lr:
                 factor /= max(1, staleness)
             for group in self.optimizer.param_groups:
-                group["lr"] = self.config.lr * factor
+                group["lr"] = scaled_lr(self.config) * factor
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
@@ -556,7 +557,8 @@ class ParameterServer(Worker):
             "data": self.config.data, "world_size": self.env.world_size,
             "servers": self.sync.servers, "workers": len(self.workers),
             "backup": self.sync.backup, "steps": self.version, "finished": finished,
-            "global_batch_size": self.config.batch_size, "final_loss": self.last_loss,
+            "global_batch_size": self.config.batch_size, "lr": scaled_lr(self.config),
+            "final_loss": self.last_loss,
             **self.task.summary_fields(), "precision": self.config.precision,
             "clip_grad_norm": self.config.clip_grad_norm, "skipped_steps": self.skipped_steps,
             **evaluation, "samples_per_s": self._samples_per_s(wall),
