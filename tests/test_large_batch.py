@@ -236,3 +236,13 @@ def test_lamb_resumes_to_the_uninterrupted_result(single: dict[str, tuple[Path, 
     second = run_json(*args, "--resume")
     assert second["steps"] == 8 and second["finished"]
     assert max_abs_diff(single["lamb"][0] / "final.pt", tmp_path / "final.pt") <= 1e-6
+
+
+def test_pipeline_stages_resume_to_one_process(single: dict[str, tuple[Path, dict]],
+                                               tmp_path: Path) -> None:
+    """Each stage's optimizer over its whole parameters; its two groups reload by position."""
+    args = ("train", *COMMON, "--optimizer", "lamb", *LR["lamb"], "--strategy", "pipeline",
+            "--schedule", "1f1b", "--microbatches", "4", "--nproc", "2", "--out", str(tmp_path))
+    assert run_json(*args, "--stop-after", "4")["steps"] == 4
+    assert run_json(*args, "--resume")["finished"]
+    assert max_abs_diff(single["lamb"][0] / "final.pt", tmp_path / "final.pt") <= 1e-5
