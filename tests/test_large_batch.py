@@ -160,6 +160,16 @@ def test_lr_scaling_values() -> None:
             [0.8] * len(optimizer.param_groups))
 
 
+def test_easgd_moves_at_the_scaled_lr() -> None:
+    """EASGD's moving rate is lr * rho at the run's (scaled) learning rate."""
+    from tandem.runtime.config import make_job
+    from tandem.sync import build_strategy
+
+    job = make_job("easgd", {"--rho": 0.5}, nproc=2, batch_size=128, lr=0.05,
+                   lr_scaling="linear", base_batch=32)
+    assert build_strategy(job, 0, 2).alpha == pytest.approx(0.05 * 4 * 0.5)  # type: ignore[attr-defined]
+
+
 def _fields(config: RunConfig) -> dict[str, object]:
     return {name: getattr(config, name) for name in RunConfig.__dataclass_fields__}
 
