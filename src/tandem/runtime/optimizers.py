@@ -28,7 +28,28 @@ def _where_both_positive(a: torch.Tensor, b: torch.Tensor,
                        torch.ones_like(a))
 
 
-class Lars(torch.optim.Optimizer):
+class _PerParameter(torch.optim.Optimizer):
+    """An optimizer whose update of each parameter depends on that parameter alone."""
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None  # type: ignore[override]
+             ) -> float | None:
+        """One update of every parameter that has a gradient."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for w in group["params"]:
+                if w.grad is not None:
+                    self._update(w, group)
+        return loss
+
+    def _update(self, w: torch.Tensor, group: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+
+class Lars(_PerParameter):
     """LARS (You, Gitman and Ginsburg 2017, "Large Batch Training of Convolutional Networks"),
     Algorithm 1, for each parameter ``w`` with gradient ``g``::
 
@@ -45,19 +66,6 @@ class Lars(torch.optim.Optimizer):
         defaults = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay, "eta": eta,
                     "trust": trust}
         super().__init__(params, defaults)
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """One update of every parameter that has a gradient."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for w in group["params"]:
-                if w.grad is not None:
-                    self._update(w, group)
-        return loss
 
     def _update(self, w: torch.Tensor, group: dict[str, Any]) -> None:
         g, beta = w.grad, group["weight_decay"]
@@ -77,7 +85,7 @@ class Lars(torch.optim.Optimizer):
         w.sub_(buffer)
 
 
-class Lamb(torch.optim.Optimizer):
+class Lamb(_PerParameter):
     """LAMB (You et al. 2019, "Large Batch Optimization for Deep Learning: Training BERT in 76
     minutes"), Algorithm 2 with phi the identity, for each parameter ``w`` with gradient ``g``
     at step ``t`` (from 1)::
@@ -95,19 +103,6 @@ class Lamb(torch.optim.Optimizer):
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
                     "trust": trust}
         super().__init__(params, defaults)
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """One update of every parameter that has a gradient."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for w in group["params"]:
-                if w.grad is not None:
-                    self._update(w, group)
-        return loss
 
     def _update(self, w: torch.Tensor, group: dict[str, Any]) -> None:
         g = w.grad

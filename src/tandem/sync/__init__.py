@@ -46,7 +46,7 @@ def _gossip(job: Job, rank: int, world_size: int) -> SyncStrategy:
 
 
 def _elastic(job: Job) -> ElasticAveraging:
-    """EASGD's moving rate is ``lr * rho`` at the run's learning rate (scaled by ``--lr-scaling``)."""
+    """EASGD: its moving rate is ``lr * rho`` at the run's lr (scaled by ``--lr-scaling``)."""
     from tandem.runtime.base import scaled_lr
 
     sync = job.plan.sync
