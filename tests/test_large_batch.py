@@ -39,7 +39,8 @@ def gradients(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> 
 
 def moved(params: list[torch.Tensor]) -> float:
     """How far ``params`` are from the model's initial ones (the test trains at all)."""
-    return max(float((a - b.detach()).abs().max()) for a, b in zip(params, small_model().parameters()))
+    initial = small_model().parameters()
+    return max(float((a - b.detach()).abs().max()) for a, b in zip(params, initial))
 
 
 def train_with_tandem(config: RunConfig) -> list[torch.Tensor]:
