@@ -13,7 +13,8 @@ from tandem.cluster import parse_duration
 from tandem.errors import UsageError
 from tandem.plan import Plan
 from tandem.runtime.config import (
-    BACKENDS, OPTIMIZERS, SCHEDULES, Job, RunConfig, make_job, resolve_batch_size,
+    BACKENDS, DEFAULT_BASE_BATCH, OPTIMIZERS, SCHEDULES, Job, RunConfig, make_job,
+    resolve_batch_size,
 )
 from tandem.runtime.dist import under_launcher, world_size
 from tandem.runtime.faults import check_fault
@@ -100,10 +101,17 @@ def add_train_arguments(parser: argparse.ArgumentParser, defaults: RunConfig) ->
     add("--find-unused-parameters", action="store_true", default=defaults.find_unused_parameters,
         help="data parallelism: parameters forward does not use get a zero gradient (DDP's "
         "find_unused_parameters); without it they stop the run, named")
-    add("--optimizer", default=defaults.optimizer, help=f"one of: {', '.join(OPTIMIZERS)}")
+    add("--optimizer", default=defaults.optimizer,
+        help=f"one of: {', '.join(OPTIMIZERS)} (lars and lamb: layer-wise trust ratios for large "
+        f"batches, see docs/large_batch.md)")
     add("--lr", type=float, default=defaults.lr, help="learning rate")
     add("--momentum", type=float, default=defaults.momentum, help="SGD momentum")
     add("--weight-decay", type=float, default=defaults.weight_decay)
+    add("--lr-scaling", default=defaults.lr_scaling, metavar="linear|sqrt",
+        help="--lr is for a global batch of --base-batch B0; use it times B/B0 (linear, Goyal "
+        "et al. 2017; pair it with --warmup-steps) or sqrt(B/B0) at --batch-size B")
+    add("--base-batch", type=int, default=defaults.base_batch, metavar="B0",
+        help=f"the batch --lr is for under --lr-scaling (default {DEFAULT_BASE_BATCH})")
     add("--warmup-steps", type=int, default=defaults.warmup_steps)
     add("--async-compensation", default=defaults.async_compensation, choices=None,
         metavar="auto|off", help="asynchronous strategies (ps --mode async/ssp, pipedream): "
@@ -202,7 +210,7 @@ def check_job(job: Job) -> None:
         from tandem.compress import check_compress
 
         check_compress(plan.compress.text, strategy=strategy_of(plan),
-                       sgd_momentum=run.momentum if run.optimizer == "sgd" else 0.0)
+                       sgd_momentum=run.momentum if run.optimizer in ("sgd", "lars") else 0.0)
     if not under_launcher():
         job.check_world(run.nproc)
         if isinstance(plan.sync, GossipSync):

@@ -13,6 +13,7 @@ import json
 import math
 import statistics
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +27,12 @@ from tandem.data.loader import PlannedLoader
 from tandem.data.shards import ShardSamples
 from tandem.errors import UsageError
 from tandem.runtime.faults import maybe_fail
+from tandem.runtime.optimizers import Lamb, Lars
 from tandem.output_files import write_text
 from tandem.runtime.asynchrony import Compensation, apply_compensation, compensation_for
 from tandem.runtime.checkpoint import save_atomic
 from tandem.plan import Plan
-from tandem.runtime.config import Job, RunConfig, step_decay
+from tandem.runtime.config import DEFAULT_BASE_BATCH, Job, RunConfig, step_decay
 from tandem.runtime.dist import WorkerEnv
 from tandem.runtime.divergence import LossWatch
 from tandem.runtime.precision import Precision, StagePrecision
@@ -46,13 +48,45 @@ GANTT_STEPS = 3
 """``gantt.png`` draws the last this many traced steps (the steady state, readable)."""
 
 
-def build_optimizer(config: RunConfig, params: Any) -> torch.optim.Optimizer:
-    """The optimizer named in ``config``."""
+def build_optimizer(config: RunConfig,
+                    params: Iterable[torch.Tensor | tuple[str, torch.Tensor]], *,
+                    batch_size: int | None = None) -> torch.optim.Optimizer:
+    """The optimizer named in ``config`` over ``params`` (tensors, or ``(name, tensor)`` pairs
+    as ``named_parameters()`` gives them), at :func:`scaled_lr` for ``batch_size`` (default
+    ``config.batch_size``).
+
+    LARS and LAMB get two groups, always in this order (a pipeline stage's checkpoint matches
+    groups by position): the weights (``ndim >= 2``), with trust ratio and weight decay, then the
+    biases and normalization parameters (``ndim <= 1``), with neither, as in both papers. Their
+    norms are taken per whole parameter, which every worker holds: data-parallel replicas hold
+    the whole model, a pipeline stage whole parameters, and a parameter server a shard of whole
+    parameters (:func:`tandem.sync.ps_protocol.shard_ranges` cuts between tensors)."""
+    tensors = [p[1] if isinstance(p, tuple) else p for p in params]
+    lr = scaled_lr(config, batch_size)
     if config.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum,
+        return torch.optim.SGD(tensors, lr=lr, momentum=config.momentum,
                                weight_decay=config.weight_decay)
+    if config.optimizer in ("lars", "lamb"):
+        groups = [{"params": [p for p in tensors if p.ndim > 1]},
+                  {"params": [p for p in tensors if p.ndim <= 1], "weight_decay": 0.0,
+                   "trust": False}]
+        if config.optimizer == "lars":
+            return Lars(groups, lr=lr, momentum=config.momentum,
+                        weight_decay=config.weight_decay)
+        return Lamb(groups, lr=lr, weight_decay=config.weight_decay)
     cls = torch.optim.Adam if config.optimizer == "adam" else torch.optim.AdamW
-    return cls(params, lr=config.lr, weight_decay=config.weight_decay)
+    return cls(tensors, lr=lr, weight_decay=config.weight_decay)
+
+
+def scaled_lr(config: RunConfig, batch_size: int | None = None) -> float:
+    """The learning rate at global batch ``batch_size`` (default ``config.batch_size``): ``--lr``
+    itself, or with ``--lr-scaling`` the ``--lr`` given for ``--base-batch`` B0 times ``B/B0``
+    (linear) or ``sqrt(B/B0)`` (sqrt); warm-up and schedule multiply it (:func:`lr_factor`)."""
+    batch = config.batch_size if batch_size is None else batch_size
+    if config.lr_scaling is None:
+        return config.lr
+    ratio = batch / (config.base_batch or DEFAULT_BASE_BATCH)
+    return config.lr * (ratio if config.lr_scaling == "linear" else math.sqrt(ratio))
 
 
 def lr_factor(config: RunConfig, step: int) -> float:
@@ -70,16 +104,14 @@ def lr_factor(config: RunConfig, step: int) -> float:
 
 
 def batch_lr_factor(config: RunConfig, batch_size: int) -> float:
-    """Learning-rate multiplier for a step of global batch ``batch_size``: 1, the learning rate
-    does not follow the batch of a ``--batch-schedule``.
-
-    MERGE (issue 14, --lr-scaling): the one place where the current batch meets the learning
-    rate; with ``scaled_lr(config, batch_size)`` of the lr-scaling work, return
-    ``scaled_lr(config, batch_size) / config.lr``. Every trainer's learning rate goes through
-    here (:meth:`BaseTrainer.setup_optimizer`, the parameter server's step).
-    """
-    del config, batch_size
-    return 1.0
+    """Learning-rate multiplier for a step of global batch ``batch_size`` against the run's
+    first batch (``config.batch_size``, which :func:`build_optimizer` scaled for): 1 without
+    ``--lr-scaling`` (the learning rate does not follow a ``--batch-schedule``), else the ratio
+    of :func:`scaled_lr` at the two batches. Every trainer's learning rate goes through here
+    (:meth:`BaseTrainer.setup_optimizer`, the parameter server's step)."""
+    if config.lr_scaling is None:
+        return 1.0
+    return scaled_lr(config, batch_size) / scaled_lr(config)
 
 
 def plan_summary(plan: Plan) -> dict[str, Any]:
@@ -486,6 +518,7 @@ class BaseTrainer(Worker):
             "batch_schedule": self.config.batch_schedule,
             **({"batch_schedule_grown": format_schedule(self.sampler.schedule)}
                if self.config.batch_schedule == AUTO else {}),
+            "lr": scaled_lr(self.config),
             "final_loss": self.loss, **evaluation, **self.task.summary_fields(),
             "samples_per_s": sum(self.sampler.batch_size_at(step) for step in range(
                 self.first_step, self.first_step + len(self.step_times))) / max(train_s, 1e-12),

@@ -14,7 +14,12 @@ from tandem.options import MAX_SEED
 from tandem.plan import Plan
 from tandem.runtime.asynchrony import COMPENSATIONS
 
-OPTIMIZERS = ("sgd", "adam", "adamw")
+OPTIMIZERS = ("sgd", "adam", "adamw", "lars", "lamb")
+LR_SCALINGS = ("linear", "sqrt")
+"""``--lr-scaling`` choices: ``--lr`` times B/B0 or sqrt(B/B0) (see
+:func:`tandem.runtime.base.scaled_lr`)."""
+DEFAULT_BASE_BATCH = 64
+"""``--base-batch`` when ``--lr-scaling`` is given without it."""
 SCHEDULES = ("constant", "cosine", "step:FACTOR@STEP,...")
 """``--lr-schedule`` forms: constant, cosine decay, or step decay (``step:0.2@200,400``
 multiplies the learning rate by 0.2 at step 200 and again at step 400)."""
@@ -63,8 +68,13 @@ class RunConfig:
     optimizer: str = "sgd"
     lr: float = 0.05
     momentum: float = 0.9
-    """Momentum of SGD (ignored by Adam/AdamW, which use their betas)."""
+    """Momentum of SGD and LARS (ignored by Adam/AdamW/LAMB, which use their betas)."""
     weight_decay: float = 0.0
+    lr_scaling: str | None = None
+    """``linear`` or ``sqrt``: ``lr`` is for a global batch of ``base_batch`` and the run uses it
+    times B/B0 or sqrt(B/B0) (:func:`tandem.runtime.base.scaled_lr`); None: ``lr`` as given."""
+    base_batch: int | None = None
+    """The batch B0 that ``lr`` is for under ``lr_scaling`` (None: ``DEFAULT_BASE_BATCH``)."""
     warmup_steps: int = 0
     """Steps of linear learning-rate warm-up from 0."""
     precision: str = "fp32"
@@ -119,6 +129,7 @@ class RunConfig:
         model, the plan or the machine run in ``Job`` and in ``tandem train``'s ``check_job``."""
         self._check_counts()
         self._check_optimizer()
+        self._check_lr_scaling()
         _choice("--backend", self.backend, BACKENDS)
         if not 0 < self.timeout_s <= MAX_TIMEOUT_S:
             raise UsageError(f"--timeout must be a number of seconds above 0 and at most "
@@ -214,6 +225,19 @@ class RunConfig:
         """Every global batch size the run may use as known before it starts."""
         schedule = self.parsed_batch_schedule()
         return tuple(batch for _, batch in schedule) if schedule else (self.batch_size,)
+
+    def _check_lr_scaling(self) -> None:
+        if self.lr_scaling is not None:
+            _choice("--lr-scaling", self.lr_scaling, LR_SCALINGS)
+        if self.base_batch is None:
+            return
+        if self.lr_scaling is None:
+            raise UsageError(f"--base-batch {self.base_batch} is the batch --lr is for, which "
+                             f"only --lr-scaling uses; add --lr-scaling linear (or sqrt), or "
+                             f"drop --base-batch")
+        if self.base_batch < 1:
+            raise UsageError(f"--base-batch must be at least 1 (got {self.base_batch}); e.g. "
+                             f"--base-batch {DEFAULT_BASE_BATCH}")
 
     def straggler_factor(self) -> tuple[int, float] | None:
         """``(rank, factor)`` of ``--straggler``, or None."""

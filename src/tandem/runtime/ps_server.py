@@ -42,6 +42,7 @@ from tandem.runtime.base import (
     merge_worker_traces,
     plan_summary,
     save_worker_trace,
+    scaled_lr,
     write_run_files,
 )
 from tandem.runtime.asynchrony import apply_compensation, compensation_for
@@ -290,7 +291,7 @@ class ParameterServer(Worker):
             if self.sync.staleness_lr:
                 factor /= max(1, staleness)
             for group in self.optimizer.param_groups:
-                group["lr"] = self.config.lr * self.compensation.lr_scale * factor
+                group["lr"] = scaled_lr(self.config) * self.compensation.lr_scale * factor
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
@@ -619,7 +620,8 @@ class ParameterServer(Worker):
             "backup": self.sync.backup, "steps": self.version // self.per_step,
             "updates": self.version, "finished": finished,
             "global_batch_size": self.batch_at(max(self.version // self.per_step - 1, 0)),
-            "batch_schedule": self.config.batch_schedule, "final_loss": self.last_loss,
+            "batch_schedule": self.config.batch_schedule, "lr": scaled_lr(self.config),
+            "final_loss": self.last_loss,
             **self.task.summary_fields(), "precision": self.config.precision,
             "clip_grad_norm": self.config.clip_grad_norm, "skipped_steps": self.skipped_steps,
             **evaluation, "samples_per_s": self._samples_per_s(wall),

@@ -45,6 +45,15 @@ def _gossip(job: Job, rank: int, world_size: int) -> SyncStrategy:
     return Gossip(GossipMixer(graph, matrix, rank))
 
 
+def _elastic(job: Job) -> ElasticAveraging:
+    """EASGD: its moving rate is ``lr * rho`` at the run's lr (scaled by ``--lr-scaling``)."""
+    from tandem.runtime.base import scaled_lr
+
+    sync = job.plan.sync
+    assert isinstance(sync, ElasticAveragingSync)
+    return ElasticAveraging(sync.period, sync.rho, scaled_lr(job.run))
+
+
 def _codec(job: Job) -> str | None:
     return job.plan.compress.text if job.plan.compress else None
 
@@ -55,8 +64,7 @@ SYNC_STRATEGIES: dict[type, Callable[[Job, int, int], SyncStrategy]] = {
         job.plan.num_servers, _codec(job), rank=rank, num_workers=world,
         timeout_s=job.run.timeout_s),
     GossipSync: _gossip,
-    ElasticAveragingSync: lambda job, rank, world: ElasticAveraging(
-        job.plan.sync.period, job.plan.sync.rho, job.run.lr),  # type: ignore[union-attr]
+    ElasticAveragingSync: lambda job, rank, world: _elastic(job),
     LocalSGDSync: lambda job, rank, world: LocalSGD(job.plan.sync.period),  # type: ignore[union-attr]
 }
 """Sync-spec type -> the strategy a data-parallel worker runs for it."""
