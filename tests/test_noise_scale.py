@@ -52,9 +52,10 @@ def test_moving_averages_divide_after_smoothing() -> None:
     assert noise.estimate() is None
     noise.update(1.0, 10.0, steps=1)
     assert noise.estimate() == pytest.approx(10.0)  # bias-corrected: not pulled toward 0
-    noise.update(-0.5, 20.0, steps=1)  # decay 1/2: sq_norm 0.25/0.75, trace 7.5/0.75
-    assert noise.components() == pytest.approx((1 / 3, 10.0))
-    assert noise.estimate() == pytest.approx(30.0)  # not the mean of 10 and -40
+    # decay 1/2: sq_norm (0.5/2 + 0.5/2) / 0.75, trace (5/2 + 20/2) / 0.75
+    noise.update(0.5, 20.0, steps=1)
+    assert noise.components() == pytest.approx((2 / 3, 50 / 3))
+    assert noise.estimate() == pytest.approx(25.0)  # not the mean of 10 and 40
     noise.update(-10.0, 20.0, steps=2)
     assert noise.estimate() is None and "not positive" in noise.summary()["noise_scale_note"]
 
