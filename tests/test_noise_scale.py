@@ -57,7 +57,11 @@ def test_moving_averages_divide_after_smoothing() -> None:
     assert noise.components() == pytest.approx((2 / 3, 50 / 3))
     assert noise.estimate() == pytest.approx(25.0)  # not the mean of 10 and 40
     noise.update(-10.0, 20.0, steps=2)
-    assert noise.estimate() is None and "not positive" in noise.summary()["noise_scale_note"]
+    assert noise.estimate() is None and "|G|² is not positive" in noise.summary()["noise_scale_note"]
+    noise = NoiseScale("a codec")
+    noise.update(1.0, -5.0, steps=1)
+    assert noise.estimate() is None
+    assert "tr(Σ) is not positive" in noise.summary()["noise_scale_note"]
 
 
 def brute_force_noise_scale(seed: int) -> float:

@@ -60,8 +60,9 @@ def _noise_factor(batch: float, population: int | None) -> float:
 
 def noise_scale(trace: float, sq_norm: float) -> float | None:
     """``tr(Σ)/|G|²``, or None where the estimate of ``|G|²`` is not positive (the noise then
-    hides the gradient at these batch sizes: B_simple is far above them)."""
-    return trace / sq_norm if sq_norm > 0 else None
+    hides the gradient at these batch sizes: B_simple is far above them) or that of ``tr(Σ)``
+    is not (the averaged gradient's norm exceeds the workers': a codec's decoded mean)."""
+    return trace / sq_norm if sq_norm > 0 and trace > 0 else None
 
 
 class NoiseScale:
@@ -121,6 +122,10 @@ class NoiseScale:
             note = (f"the estimate of |G|² is not positive ({parts[0]:.3g}): the gradient noise "
                     f"hides the gradient at these batch sizes, so B_simple is far above them; "
                     f"measure over more steps or with fewer workers (a smaller per-worker batch)")
+        elif parts is not None and parts[1] <= 0:
+            note = (f"the estimate of tr(Σ) is not positive ({parts[1]:.3g}): the averaged "
+                    f"gradient's squared norm exceeds the workers' own, which exact averaging "
+                    f"cannot do; {self.note or 'measure over more steps'}")
         detail = None if parts is None else {
             "gradient_sq_norm": parts[0], "noise_trace": parts[1], "steps_measured": self.steps,
             "ema_steps": self.ema_steps}
