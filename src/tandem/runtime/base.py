@@ -28,6 +28,7 @@ from tandem.data.shards import ShardSamples
 from tandem.errors import UsageError
 from tandem.runtime.faults import maybe_fail
 from tandem.runtime.optimizers import Lamb, Lars
+from tandem.runtime.noise_scale import NoiseScale
 from tandem.output_files import write_text
 from tandem.runtime.asynchrony import Compensation, apply_compensation, compensation_for
 from tandem.runtime.checkpoint import save_atomic
@@ -229,6 +230,20 @@ class BaseTrainer(Worker):
                                     rank=env.rank, device=env.device)
         """This worker's losses, judged for divergence (:mod:`tandem.runtime.divergence`);
         subclasses observe them and may name the worker otherwise."""
+        self.noise = NoiseScale.unavailable(
+            f"the gradient noise scale is measured in data parallelism only (--strategy dp, "
+            f"from each worker's gradient and their allreduced mean); strategy "
+            f"{strategy_of(job.plan)} has no such pair")
+        """The gradient noise scale's moving averages (see :meth:`noise_scale`)."""
+        self.noise_window: torch.Tensor | None = None
+        """Where estimates of a subclass that measures them are summed until the next report:
+        ``[sum of |G|² estimates, sum of tr(Σ) estimates, their count]`` (float64)."""
+
+    def noise_scale(self) -> float | None:
+        """The current estimate of the gradient noise scale B_simple = tr(Σ)/|G|² (the ratio of
+        moving averages as of the last report whose sums arrived), or None where it is not
+        measured or not yet positive (``self.noise.summary()`` says why)."""
+        return self.noise.estimate()
 
     def data_partitions(self) -> int:
         """Workers that each take a share of every global batch (the data-parallel ranks); 1
@@ -279,10 +294,7 @@ class BaseTrainer(Worker):
         if self.config.batch_schedule != AUTO or done >= self.config.steps:
             return
         current = self.sampler.batch_size_at(done)
-        # MERGE (issue 14, noise scale): the data-parallel trainer's gradient-noise-scale
-        # estimate; until it is merged this trainer has none and the batch stays as it is
-        estimate_fn = getattr(self, "noise_scale", None)
-        estimate = estimate_fn() if callable(estimate_fn) else None
+        estimate = self.noise_scale()  # None until measured: the batch stays as it is
         workers = self.data_partitions()
         chosen = auto_next_batch(current, estimate, workers=workers,
                                  max_batch=len(self.data.train))
@@ -444,6 +456,9 @@ class BaseTrainer(Worker):
                              torch.tensor(sent - self.logged_bytes, dtype=torch.float64,
                                           device=self.loss_total.device)])
         fields["steps_logged"] = len(steps)
+        if self.noise_window is not None:  # rides on the loss's allreduce
+            total = torch.cat([total, self.noise_window.to(total.device)])
+            self.noise_window = torch.zeros_like(self.noise_window)
         self.logged_bytes = sent
         if self.collective_logging:
             count = sum(len(self.sampler.global_indices(s)) for s in steps)
@@ -466,7 +481,13 @@ class BaseTrainer(Worker):
         if work is not None:
             work.wait()
         self.loss = float(total[0]) / count
-        fields["sent_bytes_per_step"] = float(total[1]) / max(1, fields.pop("steps_logged"))
+        steps_logged = fields.pop("steps_logged")
+        fields["sent_bytes_per_step"] = float(total[1]) / max(1, steps_logged)
+        if len(total) > 2:
+            sq_norm, trace, count = (float(x) for x in total[2:5])
+            if count > 0:
+                self.noise.update(sq_norm / count, trace / count, steps=steps_logged)
+            fields["noise_scale"] = self.noise.estimate()
         self.reporter.record(loss=self.loss, **fields)
 
     def _samples_per_s(self, steps: range) -> float:
@@ -527,7 +548,7 @@ class BaseTrainer(Worker):
             "data_wait_fraction": round(
                 self.data_wait_s / max(train_s - (self.first_data_wait_s or 0.0), 1e-12), 6),
             "data_first_wait_s": round(self.first_data_wait_s or 0.0, 4),
-            "loader_workers": self.task.loader_workers,
+            "loader_workers": self.task.loader_workers, **self.noise.summary(),
             "async_compensation": (self.compensation.describe() if self.compensation.delay
                                    else None),
         }

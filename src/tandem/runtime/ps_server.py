@@ -53,6 +53,7 @@ from tandem.runtime.config import Job
 from tandem.runtime.dist import WorkerEnv
 from tandem.runtime.divergence import diverged, first_non_finite
 from tandem.runtime.faults import announce_resume
+from tandem.runtime.noise_scale import NoiseScale
 from tandem.runtime.reporting import Reporter
 from tandem.runtime.watchdog import Heartbeat
 from tandem.sync import ps_protocol as protocol
@@ -633,7 +634,10 @@ class ParameterServer(Worker):
             "pushes": {str(w): self.pushes[w] for w in self.workers},
             "mean_staleness": statistics.fmean(self.staleness) if self.staleness else 0.0,
             "max_staleness": max(self.staleness, default=0), **self._traffic_summary(),
-            "out": str(self.out) if self.out else None,
+            "out": str(self.out) if self.out else None, **NoiseScale.unavailable(
+                "the gradient noise scale is measured in data parallelism only (--strategy dp, "
+                "from each worker's gradient and their allreduced mean); parameter servers "
+                "apply each worker's gradient on its own").summary(),
         }
 
     def _traffic_summary(self) -> dict[str, float]:

@@ -32,6 +32,8 @@ from tandem.runtime.config import Job
 from tandem.runtime.dist import WorkerEnv, init_worker
 from tandem.runtime.faults import announce_resume, attempt, maybe_fail
 from tandem.runtime.launch import die_with_parent, end_diverged, prepare_worker
+from tandem.runtime.launch import die_with_parent, prepare_worker
+from tandem.runtime.noise_scale import NoiseScale, two_batch_estimates
 from tandem.runtime.precision import Precision
 from tandem.runtime.watchdog import (
     FENCED_EXIT,
@@ -41,6 +43,7 @@ from tandem.runtime.watchdog import (
     is_communication_error,
 )
 from tandem.sync import ParameterServerClient, SyncStrategy, build_strategy
+from tandem.sync.allreduce import AllReduce
 from tandem.sync_spec import (
     AllReduceSync,
     ElasticAveragingSync,
@@ -204,8 +207,57 @@ class Trainer(BaseTrainer):
         self.precision = Precision(config.precision, env.device,
                                    clip=None if server_clips else config.clip_grad_norm)
         self.strategy.step_fn = self.precision.step
+        self._start_noise_scale()
         if checkpoint is not None:
             self._restore(checkpoint)
+
+    def _start_noise_scale(self) -> None:
+        """Measure the gradient noise scale where the strategy is DDP's allreduce among two or
+        more workers; else say why not."""
+        if not isinstance(self.strategy, AllReduce):
+            return  # BaseTrainer's reason: not data parallelism
+        if self.data_world < 2:
+            self.noise = NoiseScale.unavailable(
+                "one worker: the gradient noise scale needs gradients of two batch sizes (each "
+                "worker's own and their mean); run with --nproc 2 or more")
+            return
+        compress = self.plan.compress
+        notes = [] if compress is None else [
+            f"with --compress {compress.text} the averaged gradient is the codec's decoded mean, "
+            f"not the exact one: the compression error adds to its squared norm, so |G|² is "
+            f"overestimated and tr(Σ) underestimated, and noise_scale is biased low (error "
+            f"feedback moves it further)"]
+        if self.data.train.streams:
+            notes.append("streamed shards are read in shard order, not drawn at random, so the "
+                         "estimate also counts the differences between the workers' shards")
+        self.noise = NoiseScale("; ".join(notes) or None)
+        self.noise_window = torch.zeros(3, dtype=torch.float64, device=self.env.device)
+
+    def _measure_noise(self, global_count: int, local_count: int) -> None:
+        """Add this step's estimates of |G|² and tr(Σ) from this worker's gradient (a mean over
+        its ``local_count`` samples) and the averaged one (over ``global_count``), read by the
+        hook before the loss scale is removed and before any clipping; an overflowed step (or a
+        worker without samples) adds none. Nothing is synchronized here: the sums ride on the
+        next report's allreduce (:meth:`BaseTrainer._log`)."""
+        norms = self.strategy.bucket_norms.take() if isinstance(self.strategy, AllReduce) else None
+        if norms is None or self.noise_window is None or not 0 < local_count < global_count:
+            return
+        local_sq, mean_sq = norms
+        scaler = self.precision.scaler
+        loss_scale = scaler.get_scale() if scaler is not None else 1.0
+        # each worker's loss is scaled by data_world / global_count (see train_step), so its
+        # gradient is its samples' mean times data_world * local_count / global_count
+        share = self.data_world * local_count / global_count
+        local_sq = local_sq / (share * loss_scale) ** 2
+        mean_sq = mean_sq / loss_scale**2
+        # batches are drawn without replacement from the shuffled training set
+        population = None if self.data.train.streams else len(self.train)
+        sq_norm, trace = two_batch_estimates(local_sq, mean_sq, local_count, global_count,
+                                             population=population)
+        finite = torch.isfinite(sq_norm) & torch.isfinite(trace)
+        zero = torch.zeros_like(sq_norm)
+        self.noise_window += torch.stack([torch.where(finite, sq_norm, zero),
+                                          torch.where(finite, trace, zero), finite.double()])
 
     def data_partitions(self) -> int:
         return self._data_position()[1]
@@ -245,6 +297,7 @@ class Trainer(BaseTrainer):
         if own["sync"]:
             self.strategy.load_state_dict(own["sync"])
         self.precision.load_state_dict(own.get("precision", {}))
+        self.noise.load_state_dict(own.get("noise", {}))
 
     def _resized(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """A checkpoint of another number of workers, made fit for this run's.
@@ -319,6 +372,7 @@ class Trainer(BaseTrainer):
         self.beat.phase = "step"
         self.divergence.observe(step, loss_total, len(indices))
         self.divergence.poll_if_cheap()  # on CPU: before a diverged gradient leaves this worker
+        self._measure_noise(global_count, len(indices))
         self.local_predictions += len(indices)
         self.strategy.record_loss(loss_total, len(indices))
         self.strategy.check_gradients(self.module, step)
@@ -359,7 +413,8 @@ class Trainer(BaseTrainer):
         if self.out is None:
             return
         own: dict[str, Any] = {"rng": torch.get_rng_state(), "sync": self.strategy.state_dict(),
-                               "precision": self.precision.state_dict()}
+                               "precision": self.precision.state_dict(),
+                               "noise": self.noise.state_dict()}
         if not self.strategy.replicas_agree:
             own["model"] = self.model.state_dict()
             own["optimizer"] = self.optimizer.state_dict()

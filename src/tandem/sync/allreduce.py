@@ -7,6 +7,11 @@ other workers before every forward, and once more after the last one, so that ev
 With ``--compress CODEC``, a DDP communication hook encodes each bucket's gradients, exchanges
 the payloads (allreduce when they can be summed, allgather otherwise) and decodes their mean;
 see :mod:`tandem.compress`.
+
+Either way the hook DDP runs is wrapped by :func:`~tandem.sync.grad_norms.measured_hook`
+(PyTorch's own ``allreduce_hook`` stands for DDP's built-in allreduce, with the same result), which
+records each step's local and averaged squared gradient norms in :attr:`AllReduce.bucket_norms`
+for the gradient noise scale.
 """
 
 from __future__ import annotations
@@ -16,11 +21,13 @@ from typing import Any, ContextManager, cast
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from tandem.compress import ByteMeter, Compression, build_compression
 from tandem.sync.base import SyncStrategy
 from tandem.sync.flat import broadcast_buffers
+from tandem.sync.grad_norms import BucketNorms, MeasuredHookState, measured_hook
 
 
 class AllReduce(SyncStrategy):
@@ -34,6 +41,8 @@ class AllReduce(SyncStrategy):
         self.compression: Compression | None = build_compression(compress) if compress else None
         self.meter = ByteMeter(world_size=1)
         self.steps = 0
+        self.bucket_norms = BucketNorms()
+        """Squared norms of this worker's gradient and of the averaged one, per step."""
 
     def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
         model = model.to(device)
@@ -41,8 +50,10 @@ class AllReduce(SyncStrategy):
         module = DistributedDataParallel(model, device_ids=device_ids,
                                          find_unused_parameters=self.find_unused_parameters)
         self.meter = ByteMeter(world_size=dist.get_world_size())
-        if self.compression is not None:
-            module.register_comm_hook(*self.compression.ddp_hook(model, self.meter))
+        state, hook = (self.compression.ddp_hook(model, self.meter)
+                       if self.compression is not None else (None, allreduce_hook))
+        module.register_comm_hook(MeasuredHookState(self.bucket_norms, state, hook),
+                                  measured_hook)
         return module
 
     def state_dict(self) -> dict[str, Any]:
