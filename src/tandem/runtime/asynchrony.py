@@ -39,7 +39,8 @@ class Compensation:
     """The settings of a worker whose updates are ``delay`` versions stale."""
 
     delay: int
-    """Versions between the weights a gradient is computed on and those it updates."""
+    """Versions between the weights a gradient is computed on and those it updates, as
+    compensated (0: nothing is, stale or not)."""
     momentum: float
     """The explicit momentum (SGD, LARS) or ``beta1`` (Adam family) to use."""
     lr_scale: float
@@ -73,7 +74,7 @@ def compensation(mode: str, momentum: float, delay: int, *, share: float = 1.0,
     beta1)``), so without ``heavy_ball`` the factors ``(1 - m') / (1 - m)`` are left out.
     """
     if mode == "off" or delay <= 0:
-        return Compensation(delay=max(delay, 0), momentum=momentum, lr_scale=1.0)
+        return Compensation(delay=0, momentum=momentum, lr_scale=1.0)  # nothing compensated
     if share < 1.0:
         kept = max(0.0, momentum - delay / (delay + 1))
         growth = (1 - kept) / (1 - momentum) if heavy_ball else 1.0
