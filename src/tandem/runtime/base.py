@@ -33,6 +33,7 @@ from tandem.runtime.reporting import Reporter
 from tandem.runtime.task import Task
 from tandem.runtime.watchdog import Heartbeat
 from tandem.strategy import strategy_of
+from tandem.sync_spec import ElasticAveragingSync
 from tandem.timeline import Event, Timeline, plot_gantt
 
 MAX_TRACED_STEPS = 1000
@@ -41,11 +42,14 @@ GANTT_STEPS = 3
 """``gantt.png`` draws the last this many traced steps (the steady state, readable)."""
 
 
-def build_optimizer(config: RunConfig, params: Any) -> torch.optim.Optimizer:
-    """The optimizer named in ``config``."""
+def build_optimizer(config: RunConfig, params: Any, *,
+                    nesterov: bool = False) -> torch.optim.Optimizer:
+    """The optimizer named in ``config``; ``nesterov``: SGD with Nesterov momentum (EAMSGD's
+    workers; :class:`~tandem.runtime.config.Job` has checked that the optimizer is SGD with
+    momentum)."""
     if config.optimizer == "sgd":
         return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum,
-                               weight_decay=config.weight_decay)
+                               weight_decay=config.weight_decay, nesterov=nesterov)
     cls = torch.optim.Adam if config.optimizer == "adam" else torch.optim.AdamW
     return cls(params, lr=config.lr, weight_decay=config.weight_decay)
 
@@ -227,8 +231,11 @@ class BaseTrainer(Worker):
             self.loader = None
 
     def setup_optimizer(self, params: Any) -> None:
-        """Create the optimizer and learning-rate schedule over ``params``."""
-        self.optimizer = build_optimizer(self.config, params)
+        """Create the optimizer and learning-rate schedule over ``params`` (with Nesterov
+        momentum for EAMSGD's workers)."""
+        sync = self.plan.sync
+        nesterov = isinstance(sync, ElasticAveragingSync) and sync.nesterov
+        self.optimizer = build_optimizer(self.config, params, nesterov=nesterov)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(self.config, step)
         )

@@ -11,6 +11,7 @@ from typing import Any
 from tandem.errors import UsageError
 from tandem.options import MAX_SEED
 from tandem.plan import Plan
+from tandem.sync_spec import ElasticAveragingSync
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "cosine")
@@ -215,6 +216,20 @@ class Job:
                              f"does not run tensor parallelism yet; use a plan of degree 1")
         self._check_straggler()
         self._check_precision()
+        self._check_nesterov()
+
+    def _check_nesterov(self) -> None:
+        """EAMSGD's Nesterov momentum is SGD's, and needs some (``--momentum`` is its delta)."""
+        sync = self.plan.sync
+        if not (isinstance(sync, ElasticAveragingSync) and sync.nesterov):
+            return
+        if self.run.optimizer != "sgd":
+            raise UsageError(f"--nesterov gives SGD Nesterov momentum, but this run has "
+                             f"--optimizer {self.run.optimizer}; use --optimizer sgd or drop "
+                             f"--nesterov")
+        if self.run.momentum <= 0:
+            raise UsageError(f"--nesterov needs a momentum, but this run has --momentum "
+                             f"{self.run.momentum:g}; give --momentum 0.9 (say) or drop --nesterov")
 
     def _check_precision(self) -> None:
         """PipeDream's asynchronous stages step at different times: no loss scale they could

@@ -49,6 +49,7 @@ from tandem.runtime.dist import WorkerEnv
 from tandem.runtime.faults import announce_resume
 from tandem.runtime.reporting import Reporter
 from tandem.runtime.watchdog import Heartbeat
+from tandem.strategy import strategy_of
 from tandem.sync import ps_protocol as protocol
 from tandem.sync_spec import ParameterServerSync
 from tandem.timeline import Event, plot_gantt
@@ -99,10 +100,14 @@ class ParameterServer(Worker):
     """Server ``rank`` of the plan's ``sync.servers``: serves pushes until ``config.steps``
     updates."""
 
+    spec: type = ParameterServerSync
+    """The sync spec this server serves (subclasses serve others)."""
+
     def __init__(self, job: Job, env: WorkerEnv, beat: Heartbeat) -> None:
         config = job.run
-        if not isinstance(job.plan.sync, ParameterServerSync):
-            raise TypeError(f"a parameter server needs a ps plan, not {job.plan.sync!r}")
+        if not isinstance(job.plan.sync, self.spec):
+            raise TypeError(f"{type(self).__name__} needs a {self.spec.__name__} plan, not "
+                            f"{job.plan.sync!r}")
         self.job, self.config, self.sync, self.env, self.beat = job, config, job.plan.sync, env, beat
         self.codec_text = job.plan.compress.text if job.plan.compress else None
         self.out = Path(config.out) if config.out else None
@@ -116,12 +121,12 @@ class ParameterServer(Worker):
         self.params = [p for _, p in named[start:end]]
         self.shapes = [p.shape for p in self.params]
         self.keys = [name for name, _ in named[start:end]]
-        self.optimizer = build_optimizer(config, self.params) if self.params else None
+        self.optimizer = self._server_optimizer()
         self.workers = list(range(self.sync.servers, env.world_size))
-        self.required = len(self.workers) - self.sync.backup
+        self.required = self._required_pushes()
         self.version = 0
         self.skipped_steps = 0
-        self._clips = job.run.clip_grad_norm is not None and self.sync.server_clips
+        self._clips = self._server_clips()
         self.staleness: list[int] = []
         self.dropped = 0
         self.pushes: Counter[int] = Counter()
@@ -159,6 +164,22 @@ class ParameterServer(Worker):
         self.group = cpu_group(timeout_s=config.timeout_s)  # where the workers make theirs
         self.mailbox = Mailbox(self.push_bytes + self.buffers.num_bytes, len(self.workers),
                                self.group)
+
+    def _server_optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer that applies the pushed gradients to this server's shard."""
+        return build_optimizer(self.config, self.params) if self.params else None
+
+    def _required_pushes(self) -> int:
+        """``sync`` mode: pushes a step applies (all but the backup workers')."""
+        return len(self.workers) - self.sync.backup
+
+    def _server_clips(self) -> bool:
+        """Whether ``--clip-grad-norm`` clips here (see ``ParameterServerSync.server_clips``)."""
+        return self.config.clip_grad_norm is not None and self.sync.server_clips
+
+    def _reply_values(self, worker: int) -> torch.Tensor:
+        """The flat shard a reply to ``worker`` carries: the current parameters."""
+        return flatten(self.params) if self.params else torch.zeros(0)
 
     def _codec(self, *, feedback: bool) -> protocol.ShardCodec:
         return protocol.ShardCodec(self.codec_text, self.shapes, self.keys, feedback=feedback)
@@ -206,8 +227,7 @@ class ParameterServer(Worker):
                 previous[0].wait()
             if worker not in self.encoders:
                 self.encoders[worker] = protocol.PullEncoder(self._codec(feedback=False))
-            data = self.encoders[worker].encode(flatten(self.params) if self.params else
-                                                torch.zeros(0))
+            data = self.encoders[worker].encode(self._reply_values(worker))
             header = protocol.Header(kind=protocol.PARAMS, version=self.version, stop=stop)
             outgoing = protocol.message(header, data, self.buffers.encode())
             self.replies[worker] = (dist.isend(outgoing, dst=worker, tag=protocol.TO_WORKER,
@@ -470,7 +490,7 @@ class ParameterServer(Worker):
         timeline.write(self.out / "trace.json")
         shown = sorted({e.step for e in timeline.events if e.step >= 0})[-GANTT_STEPS:]
         plot_gantt(timeline, self.out / "gantt.png", steps=set(shown) or None,
-                   title=f"ps {self.sync.mode}, {self.config.model.partition(':')[0]}, "
+                   title=f"{strategy_of(self.job.plan)} {self.sync.mode}, {self.config.model.partition(':')[0]}, "
                          f"{self.env.world_size} processes (measured)")
 
     def _gather(self) -> None:
@@ -552,10 +572,10 @@ class ParameterServer(Worker):
             write_run_files(self.job, self.out)
             self._write_trace()
         return {
-            **plan_summary(self.job.plan), "mode": self.sync.mode, "model": self.config.model,
+            **plan_summary(self.job.plan), **self._mode_summary(), "model": self.config.model,
             "data": self.config.data, "world_size": self.env.world_size,
             "servers": self.sync.servers, "workers": len(self.workers),
-            "backup": self.sync.backup, "steps": self.version, "finished": finished,
+            "steps": self.version, "finished": finished,
             "global_batch_size": self.config.batch_size, "final_loss": self.last_loss,
             **self.task.summary_fields(), "precision": self.config.precision,
             "clip_grad_norm": self.config.clip_grad_norm, "skipped_steps": self.skipped_steps,
@@ -563,11 +583,15 @@ class ParameterServer(Worker):
             "updates_per_s": self.version / max(wall, 1e-9),
             "step_time_s": wall / max(self.version, 1), "train_s": round(wall, 4),
             "dropped_pushes": self.dropped, "dead_workers": sorted(self.dead),
-            "pushes": {str(w): self.pushes[w] for w in self.workers},
-            "mean_staleness": statistics.fmean(self.staleness) if self.staleness else 0.0,
-            "max_staleness": max(self.staleness, default=0), **self._traffic_summary(),
+            "pushes": {str(w): self.pushes[w] for w in self.workers}, **self._traffic_summary(),
             "out": str(self.out) if self.out else None,
         }
+
+    def _mode_summary(self) -> dict[str, Any]:
+        """The summary's fields of this kind of server: its mode, backup workers, staleness."""
+        return {"mode": self.sync.mode, "backup": self.sync.backup,
+                "mean_staleness": statistics.fmean(self.staleness) if self.staleness else 0.0,
+                "max_staleness": max(self.staleness, default=0)}
 
     def _traffic_summary(self) -> dict[str, float]:
         """The run's bytes, both ways, from the workers' final reports (their goodbyes)."""

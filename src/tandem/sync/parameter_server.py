@@ -137,7 +137,7 @@ class ParameterServerClient(SyncStrategy):
         """Send ``kind`` (with gradients for a push) to every server, then take back parameters."""
         bodies: list[torch.Tensor | int] = [push.body_bytes for push in self.pushes]
         if kind == protocol.PUSH:
-            bodies = [push.encode(_gradient(params).cpu())[0]
+            bodies = [push.encode(self._pushed(params).cpu())[0]
                       for push, params in zip(self.pushes, self.shards)]
         self._count_sent()
         header = protocol.Header(kind=kind, step=step, loss=self.loss[0], count=self.loss[1],
@@ -159,6 +159,10 @@ class ParameterServerClient(SyncStrategy):
             work.wait()
         self.next_step = self.versions[0]
         return stop
+
+    def _pushed(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """What a push sends a server of its shard ``params``: their gradient, flat."""
+        return _gradient(params)
 
     def _pull(self) -> bool:
         """Take back every server's reply (the parameters); True when a server says stop."""
