@@ -18,7 +18,7 @@ from tandem.data import build_dataset
 from tandem.models import build_model
 from tandem.runtime.elastic_server import elastic_update
 from tandem.sync.averaging import paper_variables
-from tests.conftest import ROOT, SharedRun, run_json, run_tandem
+from tests.conftest import ROOT, VGG, SharedRun, run_cli, run_json, run_tandem
 
 MUST_SHOW = ("--strategy", "easgd", "--mode", "async", "--nproc", "5", "--steps", "300",
              "--batch-size", "64", "--data", "digits")
@@ -185,3 +185,14 @@ def test_bad_input_is_one_line_and_status_2(case: str) -> None:
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and expected in lines[0], result.stderr
     assert result.stdout == ""
+
+
+def test_the_simulator_refuses_asynchronous_easgd(capsys: pytest.CaptureFixture[str]) -> None:
+    """It models synchronous EASGD only: one line, not a synchronous prediction."""
+    common = ("simulate", "--profile", VGG, "--devices", "5", "--bandwidth", "10Gb/s",
+              "--plan", "easgd")
+    code, _, err = run_cli(capsys, *common, "--mode", "async")
+    assert code == 2 and err.count("\n") == 1
+    assert "the simulator models synchronous EASGD only (this plan has --mode async" in err
+    code, _, err = run_cli(capsys, *common, "--nesterov", "--json")
+    assert code == 0, err

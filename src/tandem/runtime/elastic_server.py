@@ -13,7 +13,9 @@ and waits for the reply. The server computes, with moving rate ``alpha = lr * rh
 
 and the worker continues from the reply: Algorithm 1's read of the center, the worker's move
 and the server's ``x̃ <- x̃ + diff``, with the read and the update in one step (no other worker's
-update falls between them). The server holds no optimizer: the workers keep their own.
+update falls between them). The server holds no optimizer: the workers keep their own. The
+workers start together (their first pulls are answered once all have asked); from then on
+nothing waits for anything but the server's reply.
 
 Everything else is the parameter server's (:class:`~tandem.runtime.ps_server.ParameterServer`):
 the gloo side group and messages, the workers' liveness (a worker that dies or is stuck is left
@@ -88,7 +90,15 @@ class ElasticServer(ParameterServer):
         return moved if moved is not None else super()._reply_values(worker)
 
     def _release_waiting(self) -> None:
-        """Nothing waits: every push is answered as it is applied."""
+        """The workers start together: their first pulls (held in :attr:`waiting`) are
+        answered once every live worker has asked, so that all start from the center at once
+        (the paper's ``x_i = x̃`` at the start) however long each took to start up. After that
+        nothing waits: every push is answered as it is applied."""
+        live = {w for w in self.workers if w not in self.dead and w not in self.finished}
+        if self.waiting and live <= set(self.waiting):
+            for worker in self.waiting:
+                self._reply(worker)
+            self.waiting = []
 
     def _samples_per_s(self, elapsed: float) -> float:
         local_batch = self.config.batch_size / len(self.workers)
@@ -104,7 +114,8 @@ class ElasticServer(ParameterServer):
 
     def _handle(self, sender: int, header: protocol.Header, values: torch.Tensor | None) -> None:
         if header.kind == protocol.PULL:
-            self._reply(sender)
+            self.waiting.append(sender)
+            self._release_waiting()
         elif header.kind == protocol.BYE:
             self.finished.add(sender)
         else:

@@ -451,17 +451,23 @@ class ElasticWorker(ParameterServerWorker):
     """A worker of asynchronous EASGD: local steps with its own optimizer, an elastic exchange
     with the servers every period (:class:`~tandem.sync.ElasticClient`), on its own clock.
 
-    Its local steps continue from the servers' version, which is also where its learning-rate
-    schedule resumes; a resumed worker starts from the saved center with fresh momentum (the
-    servers' checkpoint holds the center, not the workers' own variables).
+    It takes the center when it is ready to train (the servers answer once every worker has
+    asked, so that all start together however long each took to set up). Its local steps
+    continue from the servers' version, which is also where its learning-rate schedule resumes;
+    a resumed worker starts from the saved center with fresh momentum (the servers' checkpoint
+    holds the center, not the workers' own variables).
     """
 
-    def setup_optimizer(self, params: Any) -> None:
-        super().setup_optimizer(params)
-        first = self.strategy.next_step if isinstance(self.strategy, ElasticClient) else 0
-        if first:
+    def run(self) -> dict[str, Any] | None:
+        client = self.strategy
+        if not isinstance(client, ElasticClient):
+            raise TypeError(f"an EASGD worker needs an elastic client, not {client!r}")
+        client.pull()
+        if client.next_step:
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-                self.optimizer, lambda step: lr_factor(self.config, step), last_epoch=first - 1)
+                self.optimizer, lambda step: lr_factor(self.config, step),
+                last_epoch=client.next_step - 1)
+        return super().run()
 
 
 WORKERS: dict[type, Callable[[Job, WorkerEnv, Heartbeat], Worker]] = {

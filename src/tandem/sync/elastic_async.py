@@ -5,7 +5,8 @@
 Usage (inside a job whose ranks ``0 .. num_servers-1`` run ``ElasticServer``)::
 
     client = ElasticClient(1, period=4, rank=0, num_workers=4)
-    module = client.wrap(model, device)      # starts from the center
+    module = client.wrap(model, device)
+    client.pull()                            # ready: starts from the center with the others
 
 The exchange is a parameter-server push and pull (:class:`ParameterServerClient`'s messages
 and gloo side group): the push carries the worker's parameters ``x_i`` instead of a gradient,
@@ -30,6 +31,7 @@ class ElasticClient(ParameterServerClient):
     name = "easgd"
     local_optimizer = True
     replicas_agree = False
+    pull_on_wrap = False  # the servers start every worker together, once all are ready
 
     def __init__(self, num_servers: int, period: int, *, rank: int = 0, num_workers: int = 1,
                  timeout_s: float = 300.0) -> None:

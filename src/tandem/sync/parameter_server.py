@@ -43,6 +43,9 @@ class ParameterServerClient(SyncStrategy):
 
     name = "ps"
     local_optimizer = False
+    pull_on_wrap = True
+    """Whether :meth:`wrap` takes the servers' parameters (else the worker calls :meth:`pull`
+    when it is ready to train)."""
 
     def __init__(self, num_servers: int, compress: str | None = None, *, rank: int = 0,
                  num_workers: int = 1, timeout_s: float = 300.0) -> None:
@@ -91,8 +94,13 @@ class ParameterServerClient(SyncStrategy):
             self.pulls.append(protocol.PullDecoder(pull))
         if self.resume_state is not None:
             self.load_codec_state(self.resume_state)
-        self._exchange(protocol.PULL, step=0)
+        if self.pull_on_wrap:
+            self.pull()
         return model
+
+    def pull(self) -> None:
+        """Take the servers' parameters (the first exchange; see :attr:`pull_on_wrap`)."""
+        self._exchange(protocol.PULL, step=0)
 
     def codec_state(self) -> dict[str, Any]:
         """What a compressed worker holds beyond the servers' checkpoint: its copy of the
