@@ -22,18 +22,20 @@ from tandem.sync_spec import (
 from tests.conftest import ROOT, SharedRun, max_abs_diff, run_cli, run_json, run_tandem
 
 INAPPLICABLE = {
-    "dp --mode": (("--mode", "async"), "--mode applies to --strategy ps only (this run has "
-                                       "--strategy dp); add --strategy ps or drop it"),
+    "dp --mode": (("--mode", "async"), "--mode applies to --strategy ps or easgd only (this run "
+                                       "has --strategy dp); add --strategy ps or drop it"),
     "dp --backup": (("--backup", "1"), "--backup applies to --strategy ps only"),
     "dp --topology": (("--topology", "ring"), "--topology applies to --strategy gossip only"),
     "dp --rho": (("--rho", "0.5"), "--rho applies to --strategy easgd only"),
     "dp --period": (("--period", "3"), "--period applies to --strategy easgd or localsgd only"),
-    "dp --servers": (("--servers", "1"), "--servers applies to --strategy ps only"),
+    "dp --servers": (("--servers", "1"), "--servers applies to --strategy ps or easgd only"),
+    "dp --nesterov": (("--nesterov",), "--nesterov applies to --strategy easgd only"),
     "dp --schedule": (("--schedule", "gpipe"), "--schedule applies to --strategy pipeline only"),
     "dp --vertical-sync": (("--vertical-sync",), "--vertical-sync applies to --strategy pipeline"),
     "dp --async-gossip": (("--async-gossip",), "--async-gossip applies to --strategy gossip only"),
     "gossip --servers": (("--strategy", "gossip", "--nproc", "4", "--servers", "2"),
-                         "--servers applies to --strategy ps only (this run has --strategy gossip)"),
+                         "--servers applies to --strategy ps or easgd only (this run has "
+                         "--strategy gossip)"),
     "ps --topology": (("--strategy", "ps", "--nproc", "3", "--topology", "torus"),
                       "--topology applies to --strategy gossip only (this run has --strategy ps)"),
     "ps --stages": (("--strategy", "ps", "--nproc", "3", "--stages", "2"),
@@ -49,7 +51,8 @@ INAPPLICABLE = {
     "easgd --weights": (("--strategy", "easgd", "--nproc", "2", "--weights", "uniform"),
                         "--weights applies to --strategy gossip only"),
     "pipeline --mode": (("--strategy", "pipeline", "--nproc", "2", "--mode", "sync"),
-                        "--mode applies to --strategy ps only (this run has --strategy pipeline)"),
+                        "--mode applies to --strategy ps or easgd only (this run has --strategy "
+                        "pipeline)"),
     "pipeline --accumulate": (("--strategy", "pipeline", "--nproc", "2", "--accumulate", "2"),
                               "(this run has --strategy pipeline)"),
     "1f1b --vertical-sync": (("--strategy", "pipeline", "--nproc", "2", "--vertical-sync"),
@@ -75,7 +78,8 @@ def test_an_option_of_another_strategy_is_one_line_and_status_2(
 
 def test_every_plan_flag_belongs_to_a_strategy() -> None:
     """The table the errors come from: each strategy's own flags, and nobody else's."""
-    assert owners("--servers") == ("ps",)
+    assert owners("--servers") == ("ps", "easgd")
+    assert owners("--nesterov") == ("easgd",)
     assert owners("--period") == ("easgd", "localsgd")
     assert owners("--microbatches") == ("pipeline",)
     assert owners("--compress") == ()
@@ -89,6 +93,8 @@ def test_every_plan_flag_belongs_to_a_strategy() -> None:
     ("gossip", {"--topology": "torus", "--weights": "uniform"}, 4,
      GossipSync(topology="torus", weights="uniform")),
     ("easgd", {"--rho": 0.5, "--period": 2}, 4, ElasticAveragingSync(rho=0.5, period=2)),
+    ("easgd", {"--mode": "async", "--servers": 2, "--nesterov": True}, 6,
+     ElasticAveragingSync(mode="async", servers=2, nesterov=True)),
     ("localsgd", {"--period": 8}, 4, LocalSGDSync(period=8)),
     ("pipeline", {"--replicas": "2,1", "--schedule": "gpipe", "--microbatches": 6}, 3, None),
 ])

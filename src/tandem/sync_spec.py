@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Union
 from tandem.errors import UsageError
 
 PS_MODES = ("sync", "async", "ssp")
+EASGD_MODES = ("sync", "async")
 GOSSIP_WEIGHTS = ("uniform", "metropolis")
 
 
@@ -119,20 +120,45 @@ class GossipSync:
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
 class ElasticAveragingSync:
-    """EASGD: workers step on their own and move elastically towards a center variable."""
+    """EASGD (Zhang, Choromanska and LeCun, 2015): workers step on their own and move
+    elastically towards a center variable, every ``period`` local steps; synchronously (an
+    allreduce among the workers, each holding the center) or asynchronously (the center on
+    server processes, each worker exchanging with them on its own clock: the paper's
+    Algorithm 1). ``nesterov`` gives the workers Nesterov momentum: EAMSGD (Algorithm 2)."""
 
     method: ClassVar[str] = "easgd"
-    FLAGS: ClassVar[dict[str, str]] = {"--rho": "rho", "--period": "period"}
+    FLAGS: ClassVar[dict[str, str]] = {"--rho": "rho", "--period": "period", "--mode": "mode",
+                                       "--servers": "servers", "--nesterov": "nesterov"}
 
     rho: float = 1.0
-    """Elasticity; the moving rate is ``lr * rho``."""
+    """Elasticity; the moving rate is ``alpha = lr * rho``."""
     period: int = 4
-    """Elastic update every this many steps (tau)."""
+    """Elastic update every this many local steps of a worker (tau)."""
+    mode: str = "sync"
+    """``sync`` (every worker meets the others every period) or ``async`` (a server holds the
+    center; no barrier between workers)."""
+    servers: int | None = None
+    """``async``: server processes holding the center's shards, counted within the job's
+    processes (ranks ``0..servers-1``). None: 1 in ``async`` mode, 0 in ``sync`` (always an int
+    after construction)."""
+    nesterov: bool = False
+    """EAMSGD: the workers' SGD uses Nesterov momentum (``--momentum`` is its delta)."""
 
     def __post_init__(self) -> None:
         if not (self.rho > 0 and math.isfinite(self.rho)):
             raise UsageError(f"--rho must be a positive number (got {self.rho})")
         _check_period(self.period)
+        if self.mode not in EASGD_MODES:
+            raise UsageError(f"--mode {self.mode!r} is not one of: {', '.join(EASGD_MODES)} for "
+                             f"--strategy easgd (bounded staleness is --strategy ps --mode ssp)")
+        if self.mode == "sync" and self.servers:
+            raise UsageError(f"--servers {self.servers} applies to --strategy easgd --mode async "
+                             f"only (synchronous EASGD keeps the center on every worker); add "
+                             f"--mode async or drop --servers")
+        if self.mode == "async" and self.servers is not None and self.servers < 1:
+            raise UsageError(f"--servers must be at least 1 (got {self.servers})")
+        if self.servers is None:  # frozen: the default is settled once, here
+            object.__setattr__(self, "servers", 1 if self.mode == "async" else 0)
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)

@@ -20,6 +20,7 @@ from tandem.planning.search import Candidate, SearchOptions, SearchResult, searc
 from tandem.profile import ModelProfile
 from tandem.schedule import SCHEDULE_KINDS
 from tandem.strategy import strategy_of
+from tandem.sync_spec import ParameterServerSync
 
 _DURATION = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|min|h)?\s*")
 _SECONDS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, None: 1.0}
@@ -134,9 +135,11 @@ def family_command(plan: Plan) -> str:
     sync = plan.sync
     default = type(sync)()
     flags = []
+    shown = ("--topology", "--period", *(("--servers", "--mode") if isinstance(
+        sync, ParameterServerSync) else ()))  # said even when default (EASGD's are sync, none)
     for flag, name in sync.FLAGS.items():
         value = getattr(sync, name)
-        if value != getattr(default, name) or flag in ("--servers", "--mode", "--topology", "--period"):
+        if value != getattr(default, name) or flag in shown:
             flags.append(flag if value is True else f"{flag} {value}")
     return (f"tandem train --strategy {strategy_of(plan)} {' '.join(flags)} "
             f"--nproc {plan.num_workers} ...")

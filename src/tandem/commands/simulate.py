@@ -78,7 +78,7 @@ def add_sync_args(p: argparse.ArgumentParser) -> None:
     """The options of the sync specs, as ``tandem train`` spells them (each spec's ``FLAGS``)."""
     group = p.add_argument_group("synchronization (with --plan ps, gossip, localsgd or easgd)")
     group.add_argument("--servers", type=int, help="ps: server processes (default 1)")
-    group.add_argument("--mode", help="ps: sync, async or ssp (default sync)")
+    group.add_argument("--mode", help="ps: sync, async or ssp; easgd: sync (default sync)")
     group.add_argument("--staleness", type=int, help="ps --mode ssp: bound on how far ahead")
     group.add_argument("--staleness-lr", action="store_true", default=None,
                        help="ps: scale stale updates' learning rate (no effect on time)")
@@ -90,6 +90,8 @@ def add_sync_args(p: argparse.ArgumentParser) -> None:
     group.add_argument("--gossip-step", type=float, help="gossip: CHOCO step (no effect on time)")
     group.add_argument("--period", type=int, help="localsgd, easgd: steps between averagings")
     group.add_argument("--rho", type=float, help="easgd: elasticity (no effect on time)")
+    group.add_argument("--nesterov", action="store_true", default=None,
+                       help="easgd: EAMSGD's Nesterov momentum (no effect on time)")
 
 
 def sync_from_args(method: str, args: argparse.Namespace) -> Any:

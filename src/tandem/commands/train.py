@@ -49,9 +49,10 @@ def add_train_arguments(parser: argparse.ArgumentParser, defaults: RunConfig) ->
         "micro-batches, sync options and codec; --nproc defaults to its workers")
     add("--strategy", default=None,
         help=f"one of: {', '.join(STRATEGIES)} (default dp)")
-    add("--servers", type=int, help="ps: parameter-server processes, counted within --nproc "
-        "(default 1)")
-    add("--mode", help="ps: sync, async or ssp (default sync)")
+    add("--servers", type=int, help="ps, easgd --mode async: parameter-server processes, "
+        "counted within --nproc (default 1)")
+    add("--mode", help="ps: sync, async or ssp; easgd: sync (an allreduce every period) or "
+        "async (the center on --servers, each worker on its own clock) (default sync)")
     add("--staleness", type=int, help="ps --mode ssp: updates a worker may run ahead of the "
         "slowest (default 2)")
     add("--staleness-lr", action="store_true", default=None,
@@ -69,6 +70,8 @@ def add_train_arguments(parser: argparse.ArgumentParser, defaults: RunConfig) ->
     add("--period", type=int,
         help="localsgd: average every H steps; easgd: elastic update period tau (default 4)")
     add("--rho", type=float, help="easgd: elasticity, moving rate lr*rho (default 1)")
+    add("--nesterov", action="store_true", default=None,
+        help="easgd: EAMSGD, the workers' SGD with Nesterov momentum (--momentum is its delta)")
     add("--compress", default=None, metavar="CODEC[:k=v]",
         help="dp, ps, gossip, pipeline: compression: fp16, bf16, qsgd:levels=7, sign, "
         "topk:ratio=0.01, randk:ratio=0.01, powersgd:rank=2 (see docs/compression.md)")

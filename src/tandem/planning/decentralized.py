@@ -37,6 +37,7 @@ from collections import defaultdict
 from typing import Any
 
 from tandem.cluster import Cluster
+from tandem.errors import UsageError
 from tandem.plan import Plan
 from tandem.planning.collectives import allreduce_s, link_level, port
 from tandem.planning.families import STEPS, Clock, Costs, Network, Records, family_costs, family_result
@@ -181,6 +182,11 @@ def simulate_averaging(plan: Plan, profile: ModelProfile, cluster: Cluster, opti
     """Simulate local SGD or EASGD over one period (see the module docstring); a ``SimResult``."""
     sync = plan.sync
     assert isinstance(sync, (LocalSGDSync, ElasticAveragingSync))
+    if isinstance(sync, ElasticAveragingSync) and sync.mode != "sync":
+        raise UsageError(f"the simulator models synchronous EASGD only (this plan has --mode "
+                         f"{sync.mode}, whose workers exchange with servers on their own "
+                         f"clocks); simulate it with --mode sync, or --plan ps --mode async for "
+                         f"the servers' traffic")
     costs = family_costs(plan, profile, cluster, options)
     costs.codec = None  # the runtime averages float32 parameters
     reduce = allreduce_s(cluster, costs.workers, costs.parameter_bytes, options.allreduce,

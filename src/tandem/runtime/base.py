@@ -41,6 +41,7 @@ from tandem.runtime.reporting import Reporter
 from tandem.runtime.task import Task
 from tandem.runtime.watchdog import Heartbeat
 from tandem.strategy import strategy_of
+from tandem.sync_spec import ElasticAveragingSync
 from tandem.timeline import Event, Timeline, plot_gantt
 
 MAX_TRACED_STEPS = 1000
@@ -51,10 +52,11 @@ GANTT_STEPS = 3
 
 def build_optimizer(config: RunConfig,
                     params: Iterable[torch.Tensor | tuple[str, torch.Tensor]], *,
-                    batch_size: int | None = None) -> torch.optim.Optimizer:
+                    batch_size: int | None = None, nesterov: bool = False) -> torch.optim.Optimizer:
     """The optimizer named in ``config`` over ``params`` (tensors, or ``(name, tensor)`` pairs
     as ``named_parameters()`` gives them), at :func:`scaled_lr` for ``batch_size`` (default
-    ``config.batch_size``).
+    ``config.batch_size``); ``nesterov``: SGD with Nesterov momentum (EAMSGD's workers;
+    :class:`~tandem.runtime.config.Job` has checked that the optimizer is SGD with momentum).
 
     LARS and LAMB get two groups, always in this order (a pipeline stage's checkpoint matches
     groups by position): the weights (``ndim >= 2``), with trust ratio and weight decay, then the
@@ -66,7 +68,7 @@ def build_optimizer(config: RunConfig,
     lr = scaled_lr(config, batch_size)
     if config.optimizer == "sgd":
         return torch.optim.SGD(tensors, lr=lr, momentum=config.momentum,
-                               weight_decay=config.weight_decay)
+                               weight_decay=config.weight_decay, nesterov=nesterov)
     if config.optimizer in ("lars", "lamb"):
         groups = [{"params": [p for p in tensors if p.ndim > 1]},
                   {"params": [p for p in tensors if p.ndim <= 1], "weight_decay": 0.0,
@@ -334,9 +336,12 @@ class BaseTrainer(Worker):
             self.loader = None
 
     def setup_optimizer(self, params: Any, delay: int = 0, every_stage: bool = False) -> None:
-        """Create the optimizer and learning-rate schedule over ``params``, compensated for
-        updates ``delay`` versions stale (:mod:`tandem.runtime.asynchrony`)."""
-        self.optimizer = build_optimizer(self.config, params)
+        """Create the optimizer and learning-rate schedule over ``params`` (with Nesterov
+        momentum for EAMSGD's workers), compensated for updates ``delay`` versions stale
+        (:mod:`tandem.runtime.asynchrony`)."""
+        sync = self.plan.sync
+        nesterov = isinstance(sync, ElasticAveragingSync) and sync.nesterov
+        self.optimizer = build_optimizer(self.config, params, nesterov=nesterov)
         self.compensation = compensation_for(self.config, delay, every_stage=every_stage)
         apply_compensation(self.optimizer, self.compensation)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(

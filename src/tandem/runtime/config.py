@@ -13,6 +13,7 @@ from tandem.errors import UsageError
 from tandem.options import MAX_SEED
 from tandem.plan import Plan
 from tandem.runtime.asynchrony import COMPENSATIONS
+from tandem.sync_spec import ElasticAveragingSync
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "lars", "lamb")
 LR_SCALINGS = ("linear", "sqrt")
@@ -292,6 +293,7 @@ class Job:
                              f"different updates; use --servers 1, or drop --eval-every (the "
                              f"model is evaluated at the end)")
         self._check_auto_batch()
+        self._check_nesterov()
 
     def _check_auto_batch(self) -> None:
         """``--batch-schedule auto`` reads the gradient noise scale that data parallelism's
@@ -306,6 +308,19 @@ class Job:
                              f"scale that --strategy dp measures, and this run is "
                              f"{strategy_of(self.plan)}; use --strategy dp, or give the schedule "
                              f"(e.g. --batch-schedule 64@0,128@200)")
+
+    def _check_nesterov(self) -> None:
+        """EAMSGD's Nesterov momentum is SGD's, and needs some (``--momentum`` is its delta)."""
+        sync = self.plan.sync
+        if not (isinstance(sync, ElasticAveragingSync) and sync.nesterov):
+            return
+        if self.run.optimizer != "sgd":
+            raise UsageError(f"--nesterov gives SGD Nesterov momentum, but this run has "
+                             f"--optimizer {self.run.optimizer}; use --optimizer sgd or drop "
+                             f"--nesterov")
+        if self.run.momentum <= 0:
+            raise UsageError(f"--nesterov needs a momentum, but this run has --momentum "
+                             f"{self.run.momentum:g}; give --momentum 0.9 (say) or drop --nesterov")
 
     def _check_precision(self) -> None:
         """PipeDream's asynchronous stages step at different times: no loss scale they could

@@ -45,7 +45,7 @@ from tandem.runtime.base import (
     scaled_lr,
     write_run_files,
 )
-from tandem.runtime.asynchrony import apply_compensation, compensation_for
+from tandem.runtime.asynchrony import Compensation, apply_compensation, compensation_for
 from tandem.runtime.checkpoint import (
     CHECKPOINT_VERSION, load_checkpoint, resume_path, save_atomic,
 )
@@ -56,6 +56,7 @@ from tandem.runtime.faults import announce_resume
 from tandem.runtime.noise_scale import NoiseScale
 from tandem.runtime.reporting import Reporter
 from tandem.runtime.watchdog import Heartbeat
+from tandem.strategy import strategy_of
 from tandem.sync import ps_protocol as protocol
 from tandem.sync_spec import ParameterServerSync
 from tandem.timeline import Event, plot_gantt
@@ -106,10 +107,14 @@ class ParameterServer(Worker):
     """Server ``rank`` of the plan's ``sync.servers``: serves pushes until ``config.steps``
     updates."""
 
+    spec: type = ParameterServerSync
+    """The sync spec this server serves (subclasses serve others)."""
+
     def __init__(self, job: Job, env: WorkerEnv, beat: Heartbeat) -> None:
         config = job.run
-        if not isinstance(job.plan.sync, ParameterServerSync):
-            raise TypeError(f"a parameter server needs a ps plan, not {job.plan.sync!r}")
+        if not isinstance(job.plan.sync, self.spec):
+            raise TypeError(f"{type(self).__name__} needs a {self.spec.__name__} plan, not "
+                            f"{job.plan.sync!r}")
         self.job, self.config, self.sync, self.env, self.beat = job, config, job.plan.sync, env, beat
         self.codec_text = job.plan.compress.text if job.plan.compress else None
         self.out = Path(config.out) if config.out else None
@@ -124,16 +129,14 @@ class ParameterServer(Worker):
         self.shapes = [p.shape for p in self.params]
         self.keys = [name for name, _ in named[start:end]]
         self.workers = list(range(self.sync.servers, env.world_size))
-        self.optimizer = build_optimizer(config, self.params) if self.params else None
-        # asynchronous updates are as stale as the other workers' pushes between two of one's
-        delay = len(self.workers) - 1 if self.sync.mode != "sync" else 0
-        self.compensation = compensation_for(config, delay, share=1 / len(self.workers))
+        self.optimizer = self._server_optimizer()
+        self.compensation = self._compensation()
         if self.optimizer is not None:
             apply_compensation(self.optimizer, self.compensation)
-        self.required = len(self.workers) - self.sync.backup
+        self.required = self._required_pushes()
         self.version = 0
         self.skipped_steps = 0
-        self._clips = job.run.clip_grad_norm is not None and self.sync.server_clips
+        self._clips = self._server_clips()
         self.staleness: list[int] = []
         self.dropped = 0
         self.pushes: Counter[int] = Counter()
@@ -161,8 +164,8 @@ class ParameterServer(Worker):
         self.clock_start = time.perf_counter()
         self.last_step = config.stop_after if config.stop_after is not None else config.steps
         """Steps to serve before stopping (``--stop-after``, else ``--steps``)."""
-        self.per_step = self.sync.updates_per_step(len(self.workers))
-        """Updates per step (:meth:`ParameterServerSync.updates_per_step`)."""
+        self.per_step = self._updates_per_step()
+        """Updates (``version``) per step."""
         self.last_update = self.last_step * self.per_step
         """Updates to serve before stopping."""
         self.events: list[Event] = []
@@ -178,6 +181,33 @@ class ParameterServer(Worker):
         self.group = cpu_group(timeout_s=config.timeout_s)  # where the workers make theirs
         self.mailbox = Mailbox(self.push_bytes + self.buffers.num_bytes, len(self.workers),
                                self.group)
+
+    def _server_optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer that applies the pushed gradients to this server's shard."""
+        return build_optimizer(self.config, self.params) if self.params else None
+
+    def _compensation(self) -> Compensation:
+        """How the optimizer compensates stale updates: asynchronous ones are as stale as the
+        other workers' pushes between two of one's, each of one worker's share of the batch
+        (:mod:`tandem.runtime.asynchrony`)."""
+        delay = len(self.workers) - 1 if self.sync.mode != "sync" else 0
+        return compensation_for(self.config, delay, share=1 / len(self.workers))
+
+    def _updates_per_step(self) -> int:
+        """Updates per step (:meth:`ParameterServerSync.updates_per_step`)."""
+        return self.sync.updates_per_step(len(self.workers))
+
+    def _required_pushes(self) -> int:
+        """``sync`` mode: pushes a step applies (all but the backup workers')."""
+        return len(self.workers) - self.sync.backup
+
+    def _server_clips(self) -> bool:
+        """Whether ``--clip-grad-norm`` clips here (see ``ParameterServerSync.server_clips``)."""
+        return self.config.clip_grad_norm is not None and self.sync.server_clips
+
+    def _reply_values(self, worker: int) -> torch.Tensor:
+        """The flat shard a reply to ``worker`` carries: the current parameters."""
+        return flatten(self.params) if self.params else torch.zeros(0)
 
     def _codec(self, *, feedback: bool) -> protocol.ShardCodec:
         return protocol.ShardCodec(self.codec_text, self.shapes, self.keys, feedback=feedback)
@@ -225,8 +255,7 @@ class ParameterServer(Worker):
                 previous[0].wait()
             if worker not in self.encoders:
                 self.encoders[worker] = protocol.PullEncoder(self._codec(feedback=False))
-            data = self.encoders[worker].encode(flatten(self.params) if self.params else
-                                                torch.zeros(0))
+            data = self.encoders[worker].encode(self._reply_values(worker))
             header = protocol.Header(kind=protocol.PARAMS, version=self.version, stop=stop)
             outgoing = protocol.message(header, data, self.buffers.encode())
             self.replies[worker] = (dist.isend(outgoing, dst=worker, tag=protocol.TO_WORKER,
@@ -526,7 +555,7 @@ class ParameterServer(Worker):
         timeline.write(self.out / "trace.json")
         shown = sorted({e.step for e in timeline.events if e.step >= 0})[-GANTT_STEPS:]
         plot_gantt(timeline, self.out / "gantt.png", steps=set(shown) or None,
-                   title=f"ps {self.sync.mode}, {self.config.model.partition(':')[0]}, "
+                   title=f"{strategy_of(self.job.plan)} {self.sync.mode}, {self.config.model.partition(':')[0]}, "
                          f"{self.env.world_size} processes (measured)")
 
     def _gather(self) -> None:
@@ -615,10 +644,10 @@ class ParameterServer(Worker):
             write_run_files(self.job, self.out)
             self._write_trace()
         return {
-            **plan_summary(self.job.plan), "mode": self.sync.mode, "model": self.config.model,
+            **plan_summary(self.job.plan), **self._mode_summary(), "model": self.config.model,
             "data": self.config.data, "world_size": self.env.world_size,
             "servers": self.sync.servers, "workers": len(self.workers),
-            "backup": self.sync.backup, "steps": self.version // self.per_step,
+            "steps": self.version // self.per_step,
             "updates": self.version, "finished": finished,
             "global_batch_size": self.batch_at(max(self.version // self.per_step - 1, 0)),
             "batch_schedule": self.config.batch_schedule, "lr": scaled_lr(self.config),
@@ -631,14 +660,18 @@ class ParameterServer(Worker):
             "train_s": round(wall, 4), "async_compensation": (
                 self.compensation.describe() if self.compensation.delay else None),
             "dropped_pushes": self.dropped, "dead_workers": sorted(self.dead),
-            "pushes": {str(w): self.pushes[w] for w in self.workers},
-            "mean_staleness": statistics.fmean(self.staleness) if self.staleness else 0.0,
-            "max_staleness": max(self.staleness, default=0), **self._traffic_summary(),
+            "pushes": {str(w): self.pushes[w] for w in self.workers}, **self._traffic_summary(),
             "out": str(self.out) if self.out else None, **NoiseScale.unavailable(
                 "the gradient noise scale is measured in data parallelism only (--strategy dp, "
-                "from each worker's gradient and their allreduced mean); parameter servers "
-                "apply each worker's gradient on its own").summary(),
+                "from each worker's gradient and their allreduced mean); servers take each "
+                "worker's push on its own").summary(),
         }
+
+    def _mode_summary(self) -> dict[str, Any]:
+        """The summary's fields of this kind of server: its mode, backup workers, staleness."""
+        return {"mode": self.sync.mode, "backup": self.sync.backup,
+                "mean_staleness": statistics.fmean(self.staleness) if self.staleness else 0.0,
+                "max_staleness": max(self.staleness, default=0)}
 
     def _traffic_summary(self) -> dict[str, float]:
         """The run's bytes, both ways, from the workers' final reports (their goodbyes)."""

@@ -24,7 +24,7 @@ from tandem.data import shard_sizes
 from tandem.errors import Diverged, UsageError, WorkerFailure
 from tandem.loss import evaluation
 from tandem.structures import call_model
-from tandem.runtime.base import BaseTrainer, Worker, save_worker_trace
+from tandem.runtime.base import BaseTrainer, Worker, lr_factor, save_worker_trace
 from tandem.runtime.checkpoint import (
     CHECKPOINT_VERSION, load_checkpoint, load_schedule, resume_path, save_atomic,
 )
@@ -42,7 +42,7 @@ from tandem.runtime.watchdog import (
     Heartbeat,
     is_communication_error,
 )
-from tandem.sync import ParameterServerClient, SyncStrategy, build_strategy
+from tandem.sync import ElasticClient, ParameterServerClient, SyncStrategy, build_strategy
 from tandem.sync.allreduce import AllReduce
 from tandem.sync_spec import (
     AllReduceSync,
@@ -100,10 +100,11 @@ def train_worker(job: Job, *, mirror: Any = None) -> dict[str, Any] | None:
 
 
 def _fault_tolerant_worker(job: Job) -> bool:
-    """Workers of asynchronous parameter-server training may die without stopping the job."""
+    """Workers of asynchronous parameter-server training (``ps`` and EASGD) may die without
+    stopping the job."""
     sync = job.plan.sync
-    return (isinstance(sync, ParameterServerSync) and sync.mode != "sync"
-            and SUPERVISED not in os.environ and int(os.environ.get("RANK", "0")) >= sync.servers)
+    return (isinstance(sync, (ParameterServerSync, ElasticAveragingSync)) and sync.mode != "sync"
+            and SUPERVISED not in os.environ and int(os.environ.get("RANK", "0")) >= job.plan.num_servers)
 
 
 def _supervise(job: Job) -> None:
@@ -169,6 +170,16 @@ def _parameter_server_role(job: Job, env: WorkerEnv, beat: Heartbeat) -> Worker:
 
         return ParameterServer(job, env, beat)
     return ParameterServerWorker(job, env, beat)
+
+
+def _elastic_role(job: Job, env: WorkerEnv, beat: Heartbeat) -> Worker:
+    """Synchronous EASGD: every rank a worker. Asynchronous: ranks below the plan's server count
+    hold the center, the others train."""
+    if env.rank >= job.plan.num_servers:
+        return ElasticWorker(job, env, beat) if job.plan.num_servers else Trainer(job, env, beat)
+    from tandem.runtime.elastic_server import ElasticServer
+
+    return ElasticServer(job, env, beat)
 
 
 class Trainer(BaseTrainer):
@@ -521,8 +532,31 @@ class ParameterServerWorker(Trainer):
         return None
 
 
+class ElasticWorker(ParameterServerWorker):
+    """A worker of asynchronous EASGD: local steps with its own optimizer, an elastic exchange
+    with the servers every period (:class:`~tandem.sync.ElasticClient`), on its own clock.
+
+    It takes the center when it is ready to train (the servers answer once every worker has
+    asked, so that all start together however long each took to set up). Its local steps
+    continue from the servers' version, which is also where its learning-rate schedule resumes;
+    a resumed worker starts from the saved center with fresh momentum (the servers' checkpoint
+    holds the center, not the workers' own variables).
+    """
+
+    def run(self) -> dict[str, Any] | None:
+        client = self.strategy
+        if not isinstance(client, ElasticClient):
+            raise TypeError(f"an EASGD worker needs an elastic client, not {client!r}")
+        client.pull()
+        if client.next_step:
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+                self.optimizer, lambda step: lr_factor(self.config, step),
+                last_epoch=client.next_step - 1)
+        return super().run()
+
+
 WORKERS: dict[type, Callable[[Job, WorkerEnv, Heartbeat], Worker]] = {
-    AllReduceSync: Trainer, GossipSync: Trainer, ElasticAveragingSync: Trainer,
+    AllReduceSync: Trainer, GossipSync: Trainer, ElasticAveragingSync: _elastic_role,
     LocalSGDSync: Trainer, ParameterServerSync: _parameter_server_role,
 }
 """Sync-spec type -> the worker that runs a data-parallel plan with it (the strategy inside a

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from tandem.sync.allreduce import AllReduce
 from tandem.sync.averaging import ElasticAveraging, LocalSGD
 from tandem.sync.base import SyncStrategy
+from tandem.sync.elastic_async import ElasticClient
 from tandem.sync.gossip import AsyncGossip, ChocoGossip, Gossip, GossipMixer
 from tandem.sync.parameter_server import ParameterServerClient
 from tandem.sync_spec import (
@@ -27,8 +28,8 @@ from tandem.sync_spec import (
 if TYPE_CHECKING:
     from tandem.runtime.config import Job
 
-__all__ = ["SYNC_STRATEGIES", "AllReduce", "AsyncGossip", "ChocoGossip", "ElasticAveraging", "Gossip",
-           "LocalSGD", "ParameterServerClient", "SyncStrategy", "build_strategy"]
+__all__ = ["SYNC_STRATEGIES", "AllReduce", "AsyncGossip", "ChocoGossip", "ElasticAveraging",
+           "ElasticClient", "Gossip", "LocalSGD", "ParameterServerClient", "SyncStrategy", "build_strategy"]
 
 def _gossip(job: Job, rank: int, world_size: int) -> SyncStrategy:
     from tandem.topology import build_topology, mixing_matrix
@@ -45,12 +46,17 @@ def _gossip(job: Job, rank: int, world_size: int) -> SyncStrategy:
     return Gossip(GossipMixer(graph, matrix, rank))
 
 
-def _elastic(job: Job) -> ElasticAveraging:
-    """EASGD: its moving rate is ``lr * rho`` at the run's lr (scaled by ``--lr-scaling``)."""
+def _elastic(job: Job, rank: int, world_size: int) -> SyncStrategy:
+    """Synchronous EASGD (an allreduce among the workers), or asynchronous (with servers); the
+    moving rate is ``lr * rho`` at the run's lr (scaled by ``--lr-scaling``)."""
     from tandem.runtime.base import scaled_lr
 
     sync = job.plan.sync
-    assert isinstance(sync, ElasticAveragingSync)
+    if not isinstance(sync, ElasticAveragingSync):
+        raise TypeError(f"easgd needs an elastic-averaging sync spec, not {sync!r}")
+    if sync.mode == "async":
+        return ElasticClient(job.plan.num_servers, sync.period, rank=rank,
+                             num_workers=world_size, timeout_s=job.run.timeout_s)
     return ElasticAveraging(sync.period, sync.rho, scaled_lr(job.run))
 
 
@@ -64,7 +70,7 @@ SYNC_STRATEGIES: dict[type, Callable[[Job, int, int], SyncStrategy]] = {
         job.plan.num_servers, _codec(job), rank=rank, num_workers=world,
         timeout_s=job.run.timeout_s),
     GossipSync: _gossip,
-    ElasticAveragingSync: lambda job, rank, world: _elastic(job),
+    ElasticAveragingSync: _elastic,
     LocalSGDSync: lambda job, rank, world: LocalSGD(job.plan.sync.period),  # type: ignore[union-attr]
 }
 """Sync-spec type -> the strategy a data-parallel worker runs for it."""

@@ -3,10 +3,20 @@
 Buffers (BatchNorm's running statistics): local SGD averages the floating-point ones with the
 parameters; EASGD averages them every period (its center variable holds parameters only), and
 its final model is the center with the workers' mean buffers.
+
+EAMSGD (EASGD whose workers use Nesterov momentum, the paper's Algorithm 2) runs on
+``torch.optim.SGD(nesterov=True)``, which keeps Sutskever et al.'s form of Nesterov momentum:
+its parameters are the point ``y = x + delta v`` where the paper evaluates the gradient, not the
+paper's ``x``. The two are the same method under that change of variables (with a constant
+learning rate ``eta``: ``v = -eta b`` for torch's momentum buffer ``b``, so ``x = y + eta delta
+b``), and :func:`paper_variables` applies it around every elastic exchange, so the elastic move
+acts on ``x`` as Algorithm 2 says (tested against a transcription of it).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -15,6 +25,28 @@ from torch import nn
 
 from tandem.sync.base import SyncStrategy
 from tandem.sync.flat import average_model, average_tensors, float_buffers, flatten, unflatten_into
+
+
+@contextlib.contextmanager
+def paper_variables(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Within: parameters of Nesterov SGD groups hold the paper's ``x = y + lr * delta * b``
+    (see the module's docstring), so that an elastic move changes ``x`` and leaves ``v``; on
+    exit they hold ``y`` again, moved as ``x`` was. Other parameters are left as they are."""
+    shifts: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for group in optimizer.param_groups:
+        if not group.get("nesterov"):
+            continue
+        for p in group["params"]:
+            buffer = optimizer.state.get(p, {}).get("momentum_buffer")
+            if buffer is not None:
+                shift = group["lr"] * group["momentum"] * buffer
+                p.data.add_(shift)
+                shifts.append((p, shift))
+    try:
+        yield
+    finally:
+        for p, shift in shifts:
+            p.data.sub_(shift)
 
 
 class LocalSGD(SyncStrategy):
@@ -71,17 +103,22 @@ class ElasticAveraging(SyncStrategy):
     def update(self, module: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> bool:
         self.step_optimizer(optimizer)
         if (step + 1) % self.period == 0:
-            assert self.center is not None
-            params, buffers = list(module.parameters()), float_buffers(module)
-            difference = flatten(params) - self.center
-            total = torch.cat([difference, *(b.detach().reshape(-1) for b in buffers)])
-            with self.action("AR"):
-                dist.all_reduce(total)
-            unflatten_into(flatten(params) - self.alpha * difference, params)
-            self.center += self.alpha * total[: difference.numel()]
-            unflatten_into(total[difference.numel():] / dist.get_world_size(), buffers)
-            self.bytes_sent += total.numel() * total.element_size()
+            with paper_variables(optimizer):
+                self._elastic_round(module)
         return False
+
+    def _elastic_round(self, module: nn.Module) -> None:
+        """Move every worker and the center towards each other; average the buffers."""
+        assert self.center is not None
+        params, buffers = list(module.parameters()), float_buffers(module)
+        difference = flatten(params) - self.center
+        total = torch.cat([difference, *(b.detach().reshape(-1) for b in buffers)])
+        with self.action("AR"):
+            dist.all_reduce(total)
+        unflatten_into(flatten(params) - self.alpha * difference, params)
+        self.center += self.alpha * total[: difference.numel()]
+        unflatten_into(total[difference.numel():] / dist.get_world_size(), buffers)
+        self.bytes_sent += total.numel() * total.element_size()
 
     def state_dict(self) -> dict[str, Any]:
         return {"center": self.center}

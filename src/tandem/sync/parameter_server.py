@@ -43,6 +43,9 @@ class ParameterServerClient(SyncStrategy):
 
     name = "ps"
     local_optimizer = False
+    pull_on_wrap = True
+    """Whether :meth:`wrap` takes the servers' parameters (else the worker calls :meth:`pull`
+    when it is ready to train)."""
 
     def __init__(self, num_servers: int, compress: str | None = None, *, rank: int = 0,
                  num_workers: int = 1, timeout_s: float = 300.0) -> None:
@@ -91,8 +94,13 @@ class ParameterServerClient(SyncStrategy):
             self.pulls.append(protocol.PullDecoder(pull))
         if self.resume_state is not None:
             self.load_codec_state(self.resume_state)
-        self._exchange(protocol.PULL, step=0)
+        if self.pull_on_wrap:
+            self.pull()
         return model
+
+    def pull(self) -> None:
+        """Take the servers' parameters (the first exchange; see :attr:`pull_on_wrap`)."""
+        self._exchange(protocol.PULL, step=0)
 
     def codec_state(self) -> dict[str, Any]:
         """What a compressed worker holds beyond the servers' checkpoint: its copy of the
@@ -137,7 +145,7 @@ class ParameterServerClient(SyncStrategy):
         """Send ``kind`` (with gradients for a push) to every server, then take back parameters."""
         bodies: list[torch.Tensor | int] = [push.body_bytes for push in self.pushes]
         if kind == protocol.PUSH:
-            bodies = [push.encode(_gradient(params).cpu())[0]
+            bodies = [push.encode(self._pushed(params).cpu())[0]
                       for push, params in zip(self.pushes, self.shards)]
         self._count_sent()
         header = protocol.Header(kind=kind, step=step, loss=self.loss[0], count=self.loss[1],
@@ -159,6 +167,10 @@ class ParameterServerClient(SyncStrategy):
             work.wait()
         self.next_step = self.versions[0]
         return stop
+
+    def _pushed(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """What a push sends a server of its shard ``params``: their gradient, flat."""
+        return _gradient(params)
 
     def _pull(self) -> bool:
         """Take back every server's reply (the parameters); True when a server says stop."""
