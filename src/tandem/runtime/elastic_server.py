@@ -85,6 +85,10 @@ class ElasticServer(ParameterServer):
         """None: the workers step on their own parameters, never on stale ones."""
         return compensation_for(self.config, 0)
 
+    def _updates(self) -> int:
+        """The elastic exchanges applied (one per push)."""
+        return sum(self.pushes.values())
+
     def _updates_per_step(self) -> int:
         """1: the version counts global steps (see :meth:`_advance`)."""
         return 1

@@ -193,6 +193,10 @@ class ParameterServer(Worker):
         delay = len(self.workers) - 1 if self.sync.mode != "sync" else 0
         return compensation_for(self.config, delay, share=1 / len(self.workers))
 
+    def _updates(self) -> int:
+        """Updates of the model so far (the summary's ``updates``)."""
+        return self.version
+
     def _updates_per_step(self) -> int:
         """Updates per step (:meth:`ParameterServerSync.updates_per_step`)."""
         return self.sync.updates_per_step(len(self.workers))
@@ -648,7 +652,7 @@ class ParameterServer(Worker):
             "data": self.config.data, "world_size": self.env.world_size,
             "servers": self.sync.servers, "workers": len(self.workers),
             "steps": self.version // self.per_step,
-            "updates": self.version, "finished": finished,
+            "updates": self._updates(), "finished": finished,
             "global_batch_size": self.batch_at(max(self.version // self.per_step - 1, 0)),
             "batch_schedule": self.config.batch_schedule, "lr": scaled_lr(self.config),
             "final_loss": self.last_loss,
