@@ -29,9 +29,9 @@ if TYPE_CHECKING:
     from tandem.runtime.config import RunConfig
 
 COMPENSATIONS = ("auto", "off")
+"""``--async-compensation`` choices."""
 ADAM_BETA1 = 0.9
 """``beta1`` of the Adam-family optimizers (PyTorch's default, which tandem uses)."""
-"""``--async-compensation`` choices."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -98,6 +98,14 @@ def apply_compensation(optimizer: torch.optim.Optimizer, comp: Compensation) -> 
     learning-rate scheduler is made over it (the scheduler starts from these rates)."""
     for group in optimizer.param_groups:
         group["lr"] *= comp.lr_scale
+    restore_momentum(optimizer, comp)
+
+
+def restore_momentum(optimizer: torch.optim.Optimizer, comp: Compensation) -> None:
+    """Set ``optimizer``'s momentum (or ``beta1``) to ``comp``'s: after loading a checkpoint's
+    optimizer state, whose groups carry the momentum of the run that saved it (another mode,
+    schedule or number of workers compensates differently)."""
+    for group in optimizer.param_groups:
         if "betas" in group:
             group["betas"] = (comp.momentum, group["betas"][1])
         elif "momentum" in group:
