@@ -47,7 +47,8 @@ def test_applied_to_sgd_and_adam_groups() -> None:
     assert sgd.param_groups[0]["momentum"] == pytest.approx(0.15)
     adam = torch.optim.Adam([param], lr=1e-3)
     apply_compensation(adam, compensation("auto", 0.9, 1, heavy_ball=False))
-    assert adam.param_groups[0]["betas"] == (0.0, 0.999)
+    assert adam.param_groups[0]["betas"] == (pytest.approx(0.4), 0.999)  # 0.9 - 1/2
+    assert adam.param_groups[0]["lr"] == pytest.approx(1e-3 / 2 ** 0.5)
 
 
 def test_a_resumed_optimizer_takes_this_runs_momentum_not_the_checkpoints() -> None:

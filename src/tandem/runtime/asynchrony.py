@@ -71,7 +71,9 @@ def compensation(mode: str, momentum: float, delay: int, *, share: float = 1.0,
       the staleness-aware rate of Zhang et al.
 
     Adam's first moment is an average, not a sum (its step does not grow by ``1 / (1 -
-    beta1)``), so without ``heavy_ball`` the factors ``(1 - m') / (1 - m)`` are left out.
+    beta1)``), so without ``heavy_ball`` the factors ``(1 - m') / (1 - m)`` are left out, and
+    PipeDream keeps ``beta1' = max(0, beta1 - d/(d+1))`` as the parameter servers do (with no
+    first moment at all, Adam trained a compressed PipeDream worse: docs/large_batch.md).
     """
     if mode == "off" or delay <= 0:
         return Compensation(delay=0, momentum=momentum, lr_scale=1.0)  # nothing compensated
@@ -79,9 +81,11 @@ def compensation(mode: str, momentum: float, delay: int, *, share: float = 1.0,
         kept = max(0.0, momentum - delay / (delay + 1))
         growth = (1 - kept) / (1 - momentum) if heavy_ball else 1.0
         return Compensation(delay=delay, momentum=kept, lr_scale=share * growth)
-    growth = 1 / (1 - momentum) if heavy_ball else 1.0
     divisor = delay + 1 if every_stage else math.sqrt(delay + 1)
-    return Compensation(delay=delay, momentum=0.0, lr_scale=growth / divisor)
+    if not heavy_ball:
+        kept = max(0.0, momentum - delay / (delay + 1))
+        return Compensation(delay=delay, momentum=kept, lr_scale=1 / divisor)
+    return Compensation(delay=delay, momentum=0.0, lr_scale=1 / ((1 - momentum) * divisor))
 
 
 def compensation_for(config: RunConfig, delay: int, *, share: float = 1.0,
