@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from tandem.runtime.asynchrony import apply_compensation, compensation
+from tandem.runtime.asynchrony import apply_compensation, compensation, restore_momentum
+from tandem.runtime.trainer import async_batch_share
 from tests.conftest import SharedRun, run_tandem
 
 
@@ -46,7 +47,32 @@ def test_applied_to_sgd_and_adam_groups() -> None:
     assert sgd.param_groups[0]["momentum"] == pytest.approx(0.15)
     adam = torch.optim.Adam([param], lr=1e-3)
     apply_compensation(adam, compensation("auto", 0.9, 1, heavy_ball=False))
-    assert adam.param_groups[0]["betas"] == (0.0, 0.999)
+    assert adam.param_groups[0]["betas"] == (pytest.approx(0.4), 0.999)  # 0.9 - 1/2
+    assert adam.param_groups[0]["lr"] == pytest.approx(1e-3 / 2 ** 0.5)
+
+
+def test_a_resumed_optimizer_takes_this_runs_momentum_not_the_checkpoints() -> None:
+    param = torch.nn.Parameter(torch.zeros(2))
+    saved = torch.optim.SGD([param], lr=0.05, momentum=0.9).state_dict()  # a sync run's
+    resumed = torch.optim.SGD([param], lr=0.05, momentum=0.9)
+    comp = compensation("auto", 0.9, 3, share=0.25)  # resumed asynchronously
+    apply_compensation(resumed, comp)
+    resumed.load_state_dict(saved)
+    assert resumed.param_groups[0]["momentum"] == 0.9  # what loading alone leaves
+    restore_momentum(resumed, comp)
+    assert resumed.param_groups[0]["momentum"] == pytest.approx(0.15)
+
+
+@pytest.mark.parametrize("first", [0, 40])
+def test_asynchronous_workers_read_every_share_of_every_batch_once(first: int) -> None:
+    workers = 4
+    # every worker computes its first update on the version all pull; each later reply
+    # carries a version no other worker gets, in whatever order the servers apply pushes
+    reads = [async_batch_share(first, rank=r, workers=workers, first=first)
+             for r in range(workers)]
+    reads += [async_batch_share(v, rank=v % 3, workers=workers, first=first)
+              for v in range(first + 1, first + 41)]
+    assert sorted(reads) == [(first // workers + u // workers, u % workers) for u in range(44)]
 
 
 DEFAULTS = ("--data", "digits", "--steps", "300", "--batch-size", "64")
@@ -88,6 +114,14 @@ def test_bad_compensation_and_mid_run_evaluation_of_split_servers_are_one_line()
     assert len(result.stderr.strip().splitlines()) == 1
     result = run_tandem("train", "--strategy", "dp", "--nproc", "2", "--async-compensation", "off")
     assert result.returncode == 2 and "--async-compensation off" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    result = run_tandem("train", "--strategy", "ps", "--mode", "async", "--nproc", "3",
+                        "--staleness-lr")
+    assert result.returncode == 2 and "--async-compensation off" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    result = run_tandem("train", "--strategy", "ps", "--mode", "ssp", "--nproc", "3",
+                        "--compress", "topk:ratio=0.1", "--checkpoint-every", "5")
+    assert result.returncode == 2 and "--mode sync" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     result = run_tandem("train", "--strategy", "ps", "--servers", "2", "--nproc", "4",
                         "--eval-every", "5")

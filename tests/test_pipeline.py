@@ -67,12 +67,15 @@ def pipedream_reference(num_stages: int, steps: int, vertical_sync: bool,
     """PipeDream's semantics written out sequentially: stage ``s`` computes minibatch ``k`` with
     its weights after ``max(0, k - (S - s) + 1)`` updates (stage 0's count under vertical sync),
     and applies the resulting gradient as its ``k``-th update. Resumed at ``restart``, the
-    pipeline fills again: no minibatch uses weights older than the restart's."""
+    pipeline fills again: no minibatch uses weights older than the restart's. The optimizer is
+    the defaults' (lr 0.05, momentum 0.9) compensated as docs/large_batch.md says: no momentum,
+    and the long-run step 0.05 / (1 - 0.9) divided by sqrt(S), or by S with vertical sync."""
     data = build_dataset("digits")
     torch.manual_seed(3)
     model = build_model("mlp", data.info)
     stages = [nn.Sequential(*list(model)[a:b]) for a, b in even_bounds(len(model), num_stages)]
-    optimizers = [torch.optim.SGD(stage.parameters(), lr=0.05, momentum=0.9) for stage in stages]
+    step = 0.05 / (1 - 0.9) / (num_stages if vertical_sync else num_stages ** 0.5)
+    optimizers = [torch.optim.SGD(stage.parameters(), lr=step, momentum=0.0) for stage in stages]
     history = [[{n: p.detach().clone() for n, p in stage.named_parameters()}] for stage in stages]
     sampler = GlobalBatchSampler(len(data.train), global_batch_size=32, seed=3)
     for k in range(steps):

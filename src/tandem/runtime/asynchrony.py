@@ -29,9 +29,9 @@ if TYPE_CHECKING:
     from tandem.runtime.config import RunConfig
 
 COMPENSATIONS = ("auto", "off")
+"""``--async-compensation`` choices."""
 ADAM_BETA1 = 0.9
 """``beta1`` of the Adam-family optimizers (PyTorch's default, which tandem uses)."""
-"""``--async-compensation`` choices."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -71,7 +71,9 @@ def compensation(mode: str, momentum: float, delay: int, *, share: float = 1.0,
       the staleness-aware rate of Zhang et al.
 
     Adam's first moment is an average, not a sum (its step does not grow by ``1 / (1 -
-    beta1)``), so without ``heavy_ball`` the factors ``(1 - m') / (1 - m)`` are left out.
+    beta1)``), so without ``heavy_ball`` the factors ``(1 - m') / (1 - m)`` are left out, and
+    PipeDream keeps ``beta1' = max(0, beta1 - d/(d+1))`` as the parameter servers do (with no
+    first moment at all, Adam trained a compressed PipeDream worse: docs/large_batch.md).
     """
     if mode == "off" or delay <= 0:
         return Compensation(delay=0, momentum=momentum, lr_scale=1.0)  # nothing compensated
@@ -79,9 +81,11 @@ def compensation(mode: str, momentum: float, delay: int, *, share: float = 1.0,
         kept = max(0.0, momentum - delay / (delay + 1))
         growth = (1 - kept) / (1 - momentum) if heavy_ball else 1.0
         return Compensation(delay=delay, momentum=kept, lr_scale=share * growth)
-    growth = 1 / (1 - momentum) if heavy_ball else 1.0
     divisor = delay + 1 if every_stage else math.sqrt(delay + 1)
-    return Compensation(delay=delay, momentum=0.0, lr_scale=growth / divisor)
+    if not heavy_ball:
+        kept = max(0.0, momentum - delay / (delay + 1))
+        return Compensation(delay=delay, momentum=kept, lr_scale=1 / divisor)
+    return Compensation(delay=delay, momentum=0.0, lr_scale=1 / ((1 - momentum) * divisor))
 
 
 def compensation_for(config: RunConfig, delay: int, *, share: float = 1.0,
@@ -98,6 +102,14 @@ def apply_compensation(optimizer: torch.optim.Optimizer, comp: Compensation) -> 
     learning-rate scheduler is made over it (the scheduler starts from these rates)."""
     for group in optimizer.param_groups:
         group["lr"] *= comp.lr_scale
+    restore_momentum(optimizer, comp)
+
+
+def restore_momentum(optimizer: torch.optim.Optimizer, comp: Compensation) -> None:
+    """Set ``optimizer``'s momentum (or ``beta1``) to ``comp``'s: after loading a checkpoint's
+    optimizer state, whose groups carry the momentum of the run that saved it (another mode,
+    schedule or number of workers compensates differently)."""
+    for group in optimizer.param_groups:
         if "betas" in group:
             group["betas"] = (comp.momentum, group["betas"][1])
         elif "momentum" in group:

@@ -52,10 +52,10 @@ GANTT_STEPS = 3
 
 def build_optimizer(config: RunConfig,
                     params: Iterable[torch.Tensor | tuple[str, torch.Tensor]], *,
-                    batch_size: int | None = None, nesterov: bool = False) -> torch.optim.Optimizer:
+                    nesterov: bool = False) -> torch.optim.Optimizer:
     """The optimizer named in ``config`` over ``params`` (tensors, or ``(name, tensor)`` pairs
-    as ``named_parameters()`` gives them), at :func:`scaled_lr` for ``batch_size`` (default
-    ``config.batch_size``); ``nesterov``: SGD with Nesterov momentum (EAMSGD's workers;
+    as ``named_parameters()`` gives them), at :func:`scaled_lr` for the run's first batch;
+    ``nesterov``: SGD with Nesterov momentum (EAMSGD's workers;
     :class:`~tandem.runtime.config.Job` has checked that the optimizer is SGD with momentum).
 
     LARS and LAMB get two groups, always in this order (a pipeline stage's checkpoint matches
@@ -65,7 +65,7 @@ def build_optimizer(config: RunConfig,
     the whole model, a pipeline stage whole parameters, and a parameter server a shard of whole
     parameters (:func:`tandem.sync.ps_protocol.shard_ranges` cuts between tensors)."""
     tensors = [p[1] if isinstance(p, tuple) else p for p in params]
-    lr = scaled_lr(config, batch_size)
+    lr = scaled_lr(config)
     if config.optimizer == "sgd":
         return torch.optim.SGD(tensors, lr=lr, momentum=config.momentum,
                                weight_decay=config.weight_decay, nesterov=nesterov)
@@ -304,6 +304,9 @@ class BaseTrainer(Worker):
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
         if int(agreed) > current:
             self.sampler.extend(done, int(agreed))
+            # the scheduler set step ``done``'s rate for the old batch: set it again
+            self.scheduler.last_epoch -= 1
+            self.scheduler.step()
 
     def check_data_position(self, recorded: dict[str, Any] | None, path: str) -> None:
         """Refuse to resume streamed data whose order would differ from the checkpoint's."""
@@ -344,10 +347,13 @@ class BaseTrainer(Worker):
         self.optimizer = build_optimizer(self.config, params, nesterov=nesterov)
         self.compensation = compensation_for(self.config, delay, every_stage=every_stage)
         apply_compensation(self.optimizer, self.compensation)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: lr_factor(self.config, step) * batch_lr_factor(
-                self.config, self.sampler.batch_size_at(step))
-        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.lr_multiplier)
+
+    def lr_multiplier(self, step: int) -> float:
+        """The scheduler's factor of the optimizer's learning rate at ``step``: warm-up and
+        schedule, times the batch's (``--lr-scaling`` with a ``--batch-schedule``)."""
+        return lr_factor(self.config, step) * batch_lr_factor(
+            self.config, self.sampler.batch_size_at(step))
 
     @abc.abstractmethod
     def train_step(self, step: int) -> torch.Tensor:
@@ -413,7 +419,8 @@ class BaseTrainer(Worker):
             self.check_divergence(step, thorough=logging or saving)
             if logging:
                 self._log(done, final=done == last)
-                self.grow_batch(done)
+                if done % config.log_every == 0:  # not at a --stop-after, or a resume differs
+                    self.grow_batch(done)
             if config.eval_every and done % config.eval_every == 0 and done < last:
                 reporter.record(step=done, **self.evaluate())
             if saving:  # never a checkpoint (nor final.pt) of diverged parameters

@@ -282,6 +282,7 @@ class Job:
                              f"does not run tensor parallelism yet; use a plan of degree 1")
         self._check_straggler()
         self._check_precision()
+        self._check_async_ps()
         if self.run.async_compensation == "off" and not _stale(self.plan):
             raise UsageError("--async-compensation off applies to strategies whose updates are "
                              "stale (ps --mode async or ssp, --schedule pipedream); this plan's "
@@ -294,6 +295,27 @@ class Job:
                              f"model is evaluated at the end)")
         self._check_auto_batch()
         self._check_nesterov()
+
+    def _check_async_ps(self) -> None:
+        """Asynchronous parameter servers: ``--staleness-lr`` is a compensation of its own, and
+        a compressed worker's codec state has no point in time that matches the servers'
+        checkpoint (they apply its pushes among the others')."""
+        from tandem.sync_spec import ParameterServerSync
+
+        sync, run = self.plan.sync, self.run
+        if not (isinstance(sync, ParameterServerSync) and sync.mode != "sync"):
+            return
+        if sync.staleness_lr and run.async_compensation == "auto":
+            raise UsageError("--staleness-lr divides each update's learning rate by its "
+                             "staleness, which --async-compensation auto (the default) already "
+                             "does for the expected staleness; add --async-compensation off to "
+                             "use --staleness-lr alone, or drop --staleness-lr")
+        resumable = run.resume is not None or run.stop_after is not None or run.checkpoint_every
+        if self.plan.compress and resumable:
+            raise UsageError(f"--compress {self.plan.compress.text} with --mode {sync.mode} cannot "
+                             f"be checkpointed (each worker's codec state would not match the "
+                             f"servers' checkpoint, which they take among its pushes); drop "
+                             f"--resume/--stop-after/--checkpoint-every, or use --mode sync")
 
     def _check_auto_batch(self) -> None:
         """``--batch-schedule auto`` reads the gradient noise scale that data parallelism's
@@ -438,6 +460,8 @@ def _stale(plan: Plan) -> bool:
     from tandem.sync_spec import ParameterServerSync
 
     return isinstance(plan.sync, ParameterServerSync) and plan.sync.mode != "sync"
+
+
 def resolve_batch_size(settings: dict[str, Any]) -> dict[str, Any]:
     """``settings`` with ``batch_size`` taken from ``batch_schedule`` where only the schedule
     gives it (a ``batch_size`` of None means not given)."""

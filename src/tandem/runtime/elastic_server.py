@@ -113,11 +113,6 @@ class ElasticServer(ParameterServer):
                 self._reply(worker)
             self.waiting = []
 
-    def _samples_per_s(self, elapsed: float) -> float:
-        local_batch = self.config.batch_size / len(self.workers)
-        pushes = sum(self.pushes.values())
-        return pushes * self.sync.period * local_batch / max(elapsed, 1e-9)
-
     def _mode_summary(self) -> dict[str, Any]:
         return {"mode": self.sync.mode, "period": self.sync.period, "rho": self.sync.rho,
                 "moving_rate": self.alpha, "nesterov": self.sync.nesterov,
@@ -167,5 +162,6 @@ class ElasticServer(ParameterServer):
             self.version += 1
             self.beat.step = self.version
             self._log()
+            self._maybe_evaluate()
             if self.config.checkpoint_every and self.version % self.config.checkpoint_every == 0:
                 self._checkpoint()

@@ -45,7 +45,9 @@ from tandem.runtime.base import (
     scaled_lr,
     write_run_files,
 )
-from tandem.runtime.asynchrony import Compensation, apply_compensation, compensation_for
+from tandem.runtime.asynchrony import (
+    Compensation, apply_compensation, compensation_for, restore_momentum,
+)
 from tandem.runtime.checkpoint import (
     CHECKPOINT_VERSION, load_checkpoint, resume_path, save_atomic,
 )
@@ -105,7 +107,7 @@ class Mailbox:
 
 class ParameterServer(Worker):
     """Server ``rank`` of the plan's ``sync.servers``: serves pushes until ``config.steps``
-    updates."""
+    steps (``per_step`` updates each: one in ``sync`` mode, one per worker otherwise)."""
 
     spec: type = ParameterServerSync
     """The sync spec this server serves (subclasses serve others)."""
@@ -336,10 +338,7 @@ class ParameterServer(Worker):
                                      end_s=end - self.clock_start, step=self.version - 1))
         self.beat.step = self.version
         self._log()
-        every = self.config.eval_every * self.per_step
-        if every and self.version % every == 0 and self.version < self.last_update:
-            # one server holds the whole model (Job refuses --eval-every with more)
-            self.reporter.record(step=self.version // self.per_step, **self._evaluate())
+        self._maybe_evaluate()
         at_checkpoint = (self.config.checkpoint_every
                          and self.version % (self.config.checkpoint_every * self.per_step) == 0)
         if at_checkpoint or self.version == self.last_update:
@@ -347,6 +346,13 @@ class ParameterServer(Worker):
             self.codec_snapshot = (self.version, self._codec_state())
         if at_checkpoint:
             self._checkpoint()
+
+    def _maybe_evaluate(self) -> None:
+        """Evaluate at an ``--eval-every`` step before the last (one server holds the whole
+        model: Job refuses ``--eval-every`` with more)."""
+        every = self.config.eval_every * self.per_step
+        if every and self.version % every == 0 and self.version < self.last_update:
+            self.reporter.record(step=self.version // self.per_step, **self._evaluate())
 
     def _clip(self, gradient: torch.Tensor | None) -> torch.Tensor | None:
         """Scale the step's mean gradient to ``--clip-grad-norm`` by its global norm: this
@@ -400,7 +406,7 @@ class ParameterServer(Worker):
         return sum(self.traffic.values(), protocol.Traffic())
 
     def _traffic_per_step(self) -> dict[str, float]:
-        """Bytes per update since the last metrics line (as far as the workers have reported:
+        """Bytes per step since the last metrics line (as far as the workers have reported:
         a push's header counts the replies received before it), and the compression ratio."""
         total = self._total_traffic()
         window = total - self.logged_traffic
@@ -417,7 +423,8 @@ class ParameterServer(Worker):
     # -- modes -----------------------------------------------------------------------------------
 
     def serve(self) -> None:
-        """Apply pushes until ``steps`` updates, then stop every worker."""
+        """Apply pushes until ``steps`` steps (``last_update`` updates), then stop every
+        worker."""
         self.started = time.perf_counter()
         self.waiting: list[int] = []
         while self.version < self.last_update:
@@ -485,8 +492,8 @@ class ParameterServer(Worker):
             problem, loss = f"loss became {mean}", mean
         where = (f"worker {sender - self.sync.servers} (rank {sender}), pushed to server "
                  f"{self.env.rank}")
-        raise diverged(self.config, problem=problem, step_index=header.step, where=where,
-                       rank=sender, loss=loss)
+        raise diverged(self.config, problem=problem, step_index=header.step // self.per_step,
+                       where=where, rank=sender, loss=loss)
 
     def _take_buffers(self, worker: int) -> None:
         """The model's buffers become those ``worker`` pushed with its gradient (server 0)."""
@@ -543,6 +550,7 @@ class ParameterServer(Worker):
                 save_worker_trace(self.out, self.env.rank, self.clock_start, self.events)
             self._gather()
             if not rank0:
+                self._checkpoint()  # its shard where the run ends (server 0's: after evaluating)
                 return None
             evaluation = self._evaluate()
             self.reporter.record(step=self.version // self.per_step, **evaluation)
@@ -586,8 +594,8 @@ class ParameterServer(Worker):
         bad = first_non_finite(self.params)
         if bad is not None:
             raise diverged(self.config, problem=f"the parameters became {bad}",
-                           step_index=self.version - 1, at="after", rank=self.env.rank,
-                           where=f"server {self.env.rank} (rank {self.env.rank})")
+                           step_index=self.version // self.per_step - 1, at="after",
+                           rank=self.env.rank, where=f"server {self.env.rank} (rank {self.env.rank})")
         if self.out is None:
             return
         save_atomic({
@@ -633,6 +641,7 @@ class ParameterServer(Worker):
             p.data.copy_(saved)
         if self.optimizer is not None and state["optimizer"] is not None:
             self.optimizer.load_state_dict(state["optimizer"])
+            restore_momentum(self.optimizer, self.compensation)
         for b, saved in zip(self.buffers.tensors, state.get("buffers", [])):
             b.copy_(saved)
         self._load_codec_state(state.get("codecs", {}))
@@ -659,7 +668,7 @@ class ParameterServer(Worker):
             **self.task.summary_fields(), "precision": self.config.precision,
             "clip_grad_norm": self.config.clip_grad_norm, "skipped_steps": self.skipped_steps,
             **evaluation, "samples_per_s": self._samples_per_s(wall),
-            "updates_per_s": self.version / max(wall, 1e-9),
+            "updates_per_s": self._updates() / max(wall, 1e-9),
             "step_time_s": wall / max(self.version // self.per_step, 1),
             "train_s": round(wall, 4), "async_compensation": (
                 self.compensation.describe() if self.compensation.delay else None),

@@ -24,7 +24,8 @@ from tandem.data import shard_sizes
 from tandem.errors import Diverged, UsageError, WorkerFailure
 from tandem.loss import evaluation
 from tandem.structures import call_model
-from tandem.runtime.base import BaseTrainer, Worker, lr_factor, save_worker_trace
+from tandem.runtime.asynchrony import restore_momentum
+from tandem.runtime.base import BaseTrainer, Worker, save_worker_trace
 from tandem.runtime.checkpoint import (
     CHECKPOINT_VERSION, load_checkpoint, load_schedule, resume_path, save_atomic,
 )
@@ -32,7 +33,6 @@ from tandem.runtime.config import Job
 from tandem.runtime.dist import WorkerEnv, init_worker
 from tandem.runtime.faults import announce_resume, attempt, maybe_fail
 from tandem.runtime.launch import die_with_parent, end_diverged, prepare_worker
-from tandem.runtime.launch import die_with_parent, prepare_worker
 from tandem.runtime.noise_scale import NoiseScale, two_batch_estimates
 from tandem.runtime.precision import Precision
 from tandem.runtime.watchdog import (
@@ -201,7 +201,9 @@ class Trainer(BaseTrainer):
         self.updates_per_step = (sync.updates_per_step(self.data_world)
                                  if isinstance(sync, ParameterServerSync) else 1)
         """Updates of the model per optimizer step: a worker's ``step`` counts updates, and it
-        reads the global batch of step ``step // updates_per_step`` (asynchronous ps)."""
+        reads the share :meth:`batch_share` gives (asynchronous ps)."""
+        self.first_update = 0
+        """The servers' version this worker's first update computes on (a resumed run's)."""
         self.collective_logging = self.strategy.synchronous
         checkpoint = self._load_checkpoint()
         if checkpoint is not None:
@@ -301,6 +303,7 @@ class Trainer(BaseTrainer):
         if "model" in own:
             self.model.load_state_dict(own["model"])
         self.optimizer.load_state_dict(own.get("optimizer", checkpoint["optimizer"]))
+        restore_momentum(self.optimizer, self.compensation)
         load_schedule(self.optimizer, self.scheduler, checkpoint["scheduler"],
                       announce=self.env.rank == 0)
         self.first_step = int(checkpoint["step"])
@@ -343,8 +346,21 @@ class Trainer(BaseTrainer):
                "sync": ranks[0]["sync"] if keep else {}}
         return {**checkpoint, "model": _mean_state(models), "ranks": [own] * world}
 
+    def batch_share(self, step: int) -> tuple[int, int]:
+        """The global batch and the share of it (among ``data_world``) that this worker's
+        ``step`` reads: its own share of batch ``step``; for an asynchronous ps worker, whose
+        ``step`` is the servers' update count it computes on, update ``u`` of the run reads share
+        ``u % W`` of batch ``u // W`` — each reply carries a version no other worker gets, so
+        the ``W`` workers' first updates are ``0..W-1`` (their ranks) and the one after a reply
+        of version ``v`` is ``v + W - 1`` (the other workers each hold one in flight)."""
+        if self.updates_per_step == 1:
+            return step, self.data_rank
+        return async_batch_share(step, rank=self.data_rank, workers=self.updates_per_step,
+                                 first=self.first_update)
+
     def train_step(self, step: int) -> torch.Tensor:
-        """One optimizer step on this worker's share of global batch ``step``; returns its loss
+        """One optimizer step on this worker's share of global batch ``step`` (see
+        :meth:`batch_share` for asynchronous parameter servers); returns its loss
         summed over its samples (each micro-batch's mean loss times its samples).
 
         Its trace follows the plan's one-stage schedule: ``0F{m}``/``0B{m}`` for each micro-batch
@@ -353,10 +369,9 @@ class Trainer(BaseTrainer):
         DDP's ``0AR`` spans the last backward, during which its buckets are reduced.
         """
         self.current_step = step
-        batch_step = step // self.updates_per_step
+        batch_step, share = self.batch_share(step)
         global_count = len(self.sampler.global_indices(batch_step))
-        indices = self.sampler.local_indices(batch_step, rank=self.data_rank,
-                                             world_size=self.data_world)
+        indices = self.sampler.local_indices(batch_step, rank=share, world_size=self.data_world)
         scale = self.data_world / global_count
         micros = self.take_batch(indices).split(self.plan.accumulate)
         loss_total = torch.zeros((), device=self.env.device)
@@ -381,7 +396,7 @@ class Trainer(BaseTrainer):
             if self.slowdown > 1.0:
                 time.sleep((self.slowdown - 1.0) * (time.perf_counter() - t0))
         self.beat.phase = "step"
-        self.divergence.observe(step, loss_total, len(indices))
+        self.divergence.observe(batch_step, loss_total, len(indices))
         self.divergence.poll_if_cheap()  # on CPU: before a diverged gradient leaves this worker
         self._measure_noise(global_count, len(indices))
         self.local_predictions += len(indices)
@@ -461,6 +476,17 @@ class Trainer(BaseTrainer):
                 "skipped_steps": int(skipped)}
 
 
+def async_batch_share(version: int, *, rank: int, workers: int, first: int = 0) -> tuple[int, int]:
+    """The global batch and share of it that an asynchronous ps worker of index ``rank`` (of
+    ``workers``) reads for the update it computes on the servers' ``version``: the run's update
+    ``u`` reads share ``u % workers`` of batch ``u // workers``, where the workers' first
+    updates (on version ``first``, which they all pull) are ``first + rank`` and the update
+    after a reply of version ``v`` is ``v + workers - 1`` (every reply carries a version no
+    other worker gets, and the other workers each hold one update in flight)."""
+    update = first + rank if version == first else version + workers - 1
+    return update // workers, update % workers
+
+
 def _mean_state(states: list[Any]) -> Any:
     """The elementwise mean of state dicts of one structure (floating tensors averaged; other
     values, such as step counts, taken from the first)."""
@@ -516,13 +542,15 @@ class ParameterServerWorker(Trainer):
         client = self.strategy
         if not isinstance(client, ParameterServerClient):
             raise TypeError(f"a parameter-server worker needs a ps client, not {client!r}")
-        step = client.next_step
-        self.start_loading(step // self.updates_per_step, self.config.steps)
+        step = self.first_update = client.next_step
+        per_step = self.updates_per_step
+        self.start_loading(step // per_step, self.config.steps)
         try:
             while not self.stopped:
-                maybe_fail(self.env.rank, step)
+                maybe_fail(self.env.rank, step // per_step)
                 self.train_step(step)
-                self.check_divergence(step, thorough=True)  # the push read the loss anyway
+                # the push read the loss anyway
+                self.check_divergence(step // per_step, thorough=True)
                 step = client.next_step
         finally:
             self.stop_loading()
@@ -550,8 +578,7 @@ class ElasticWorker(ParameterServerWorker):
         client.pull()
         if client.next_step:
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-                self.optimizer, lambda step: lr_factor(self.config, step),
-                last_epoch=client.next_step - 1)
+                self.optimizer, self.lr_multiplier, last_epoch=client.next_step - 1)
         return super().run()
 
 

@@ -55,7 +55,8 @@ class ParameterServerClient(SyncStrategy):
         self.versions: list[int] = [0] * num_servers
         """Parameter version (updates applied) of each server's shard in the worker's model."""
         self.next_step = 0
-        """The step the servers are at: the next global batch this worker should take."""
+        """The servers' version (updates applied): the update this worker computes next (its
+        global batch and share: :meth:`tandem.runtime.trainer.Trainer.batch_share`)."""
         self.loss = (0.0, 0)
         self.traffic = protocol.Traffic()
         """Bytes of this worker's messages with all servers, both ways."""

@@ -85,7 +85,8 @@ class Header:
 
     kind: int
     step: int = 0
-    """PUSH: the global batch the gradient is of."""
+    """PUSH: the servers' version the gradient was computed on (the global batch in ``sync``
+    mode; ``version // workers`` otherwise)."""
     version: int = 0
     """PUSH: the shard's version the gradient was computed at; PARAMS: the server's version."""
     loss: float = 0.0

@@ -43,6 +43,7 @@ from tandem.runtime.faults import announce_resume
 from tandem.runtime.pipeline.checkpoint import (
     load_precision, load_stage, merge_stages, precision_state, stage_state,
 )
+from tandem.runtime.asynchrony import restore_momentum
 from tandem.runtime.pipeline.engine import Microbatch, StageEngine, StageShapes, Tie
 from tandem.runtime.pipeline.setup import (
     boundary_specs, example_inputs, model_names, pipeline_blocks, pipeline_setup,
@@ -283,6 +284,7 @@ class PipelineTrainer(BaseTrainer):
         schedule, fp16's loss scale; the random stream and codec state of this rank only where
         the checkpoint has this layout (on another, rank ``r`` held other blocks)."""
         load_stage(self.module, self.names, self.optimizer, checkpoint, path=path)
+        restore_momentum(self.optimizer, self.compensation)
         load_schedule(self.optimizer, self.scheduler, checkpoint["scheduler"],
                       announce=self.env.rank == 0)
         load_precision(self.precision, checkpoint.get("precision", {}))
