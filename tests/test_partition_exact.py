@@ -145,8 +145,17 @@ def brute_force(profile, cluster, options, level=None, start=frozenset(), end=No
             for index, ((compute, params, stash, cut_in, cut_out), r) in enumerate(zip(costs, reps)):
                 used += r + (gaps[index - 1] if index > 0 else 0)
                 if memory is not None:
-                    in_flight = 1 + math.ceil((lv.num_units - used) / r)
-                    if in_flight * (stash + params) / per_unit > memory:
+                    # a device holds weights, gradients, optimizer state, stashed versions and
+                    # the activations in flight; PipeDream: 1 + ceil(later units / r)
+                    # minibatches and one version less; flush schedules: a 1/r share, no version
+                    later = lv.num_units - used
+                    if options.schedule == "pipedream":
+                        minibatches = 1 + math.ceil(later / r)
+                        versions = minibatches - 1
+                    else:
+                        minibatches, versions = 1 / r, 0
+                    weights = params * (2 + options.optimizer_state_factor + versions)
+                    if (weights + minibatches * stash) / per_unit > memory:
                         worst = math.inf
                         break
                 worst = max(worst, stage_time(profile, None, compute, params, r, lv.bandwidth_Bps,
@@ -177,6 +186,8 @@ def cases(seed: int, count: int):
             straight=rng.random() < 0.15,
             allow_idle=rng.random() < 0.3,
             memory_bytes=rng.choice([None, None, rng.uniform(1e8, 2e9)]),
+            schedule=rng.choice(["pipedream", "pipedream", "1f1b", "gpipe"]),
+            optimizer_state_factor=rng.choice([0.0, 1.0, 2.0]),
         )
         yield profile, Cluster(levels=levels), options
 

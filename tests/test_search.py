@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tandem.cluster import flat_cluster, parse_cluster
-from tandem.planning import make_plan
+from tandem.planning import make_plan, partition_plan
 from tandem.planning.search import SearchOptions, search
 from tandem.planning.simulate import SimOptions, simulate
 from tandem.profile import load_profile
@@ -41,8 +41,8 @@ def test_memory_is_a_constraint() -> None:
     # the search must return a plan that fits, slower than the one that does not.
     profile = PROFILES["vgg16"]
     limited = flat_cluster(num_devices=8, bandwidth="10Gb/s", memory="16GB")
-    partitioner = make_plan(profile, flat_cluster(num_devices=8, bandwidth="10Gb/s"))
-    partitioner.schedule = "pipedream"
+    partitioner = partition_plan(profile, flat_cluster(num_devices=8, bandwidth="10Gb/s"))
+    partitioner = partitioner.rescheduled("pipedream")
     too_big = simulate(partitioner, profile, limited)
     assert not too_big.fits_memory and too_big.peak_memory_bytes > 16e9
     found = search(profile, limited, QUICK, partitioner_plan=partitioner)

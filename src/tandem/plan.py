@@ -79,11 +79,21 @@ class Plan:
     num_devices: int
     """Devices in the cluster (some may be idle with ``--allow-idle``)."""
     bottleneck_s: float = 0.0
-    """Predicted time per minibatch of the slowest stage (the pipeline's throughput)."""
+    """Predicted time per step (one global minibatch) of the plan as it runs: the simulator's
+    for ``predicted_schedule`` (``tandem plan`` and ``tandem search``), or the partitioner's
+    estimate for a bare partition (:func:`tandem.planning.planner.partition_plan`)."""
     single_s: float = 0.0
-    """Predicted time per minibatch on one device."""
+    """Predicted time per minibatch on one device (the same predictor)."""
     data_parallel_s: float = 0.0
-    """Predicted time per minibatch of data parallelism on all devices."""
+    """Predicted time per minibatch of data parallelism on all devices (the same predictor)."""
+    estimate_s: float | None = None
+    """The partitioner's cost-model estimate of the time per minibatch (PipeDream's steady
+    state), shown beside the simulator's ``bottleneck_s``; None when no partitioner ran."""
+    samples_per_s: float | None = None
+    """Predicted samples per second, when the minibatch's sample count is known."""
+    candidates: list[dict[str, Any]] = field(default_factory=list)
+    """The plans the planner compared (its partition, the flat plan at the slowest link, data
+    parallelism, one device): each with its estimate, its simulated step time and memory."""
     layer_order: list[int] | None = None
     """Layer indices in stage order; None means 0..num_layers-1 (an ``nn.Sequential``)."""
     level_configs: list[str] = field(default_factory=list)
@@ -105,8 +115,9 @@ class Plan:
     compress: CodecSpec | None = None
     """Codec of what the workers exchange (gradients, pushes, parameters or activations)."""
     predicted_schedule: str | None = None
-    """The schedule ``bottleneck_s`` assumes (PipeDream's planner: ``pipedream``, its steady
-    state); None when the plan predicts nothing."""
+    """The schedule ``bottleneck_s`` assumes (the plan's own once ``tandem plan`` or ``tandem
+    search`` simulated it; ``pipedream``, its steady state, for a bare partition); None when
+    the plan predicts nothing."""
     solve_s: float = 0.0
     """Seconds spent solving."""
     options: dict[str, Any] = field(default_factory=dict)
@@ -267,6 +278,9 @@ class Plan:
             "sync": sync_to_dict(self.sync),
             "compress": self.compress.text if self.compress else None,
             "predicted_schedule": self.predicted_schedule,
+            "estimate_s": self.estimate_s,
+            "samples_per_s": self.samples_per_s,
+            "candidates": self.candidates,
             "options": self.options,
         }
 
@@ -309,7 +323,8 @@ _STAGE_KEYS = ("start", "end", "replicas", "time_s", "compute_s", "parameter_byt
 _PLAN_KEYS = ("num_layers", "num_devices", "bottleneck_s", "single_s", "data_parallel_s",
               "layer_order", "level_configs", "schedule", "num_microbatches", "schedule_text",
               "vertical_sync",
-              "tensor_degree", "predicted_schedule", "solve_s", "options")  # fmt: skip
+              "tensor_degree", "predicted_schedule", "estimate_s", "samples_per_s", "candidates",
+              "solve_s", "options")  # fmt: skip
 
 
 _DATA_PARALLEL_ONLY = ("PU", "PL", "GX")

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from tandem import strict_json
-from tandem.cluster import Cluster, format_bandwidth, parse_size
+from tandem.cluster import Cluster, format_bandwidth, parse_duration, parse_size
 from tandem.commands.args import add_cluster_args, add_source_args, build_cluster, load_source
 from tandem.commands.output_paths import check_output_files
+from tandem.errors import UsageError
 from tandem.plan import Plan
 from tandem.planning import PartitionOptions, make_plan
+from tandem.planning.simulate import SimOptions
 from tandem.profile import ModelProfile
 from tandem.schedule import SCHEDULE_KINDS
 
@@ -35,11 +38,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="ignore activation transfer, as PipeDream's optimizer does by default")
     p.add_argument("--straight", action="store_true", help="one device per stage, no replication")
     p.add_argument("--allow-idle", action="store_true", help="leave devices idle when faster")
-    p.add_argument("--schedule", choices=SCHEDULE_KINDS, default=None,
-                   help="schedule the plan runs (default 1f1b; the predicted times are PipeDream's "
-                   "steady state whatever it is: tandem simulate --plan predicts the schedule)")
+    p.add_argument("--schedule", choices=SCHEDULE_KINDS, default="1f1b",
+                   help="schedule the plan runs and is simulated with (default 1f1b)")
     p.add_argument("--microbatches", type=int, default=None,
-                   help="micro-batches per step the plan runs (default: max(stages, replicas))")
+                   help="micro-batches per step the plan runs (default: the fastest the simulator "
+                   "finds among max(stages, replicas) and 2 and 4 times that)")
+    p.add_argument("--profile-batch", type=int,
+                   help="minibatch the profile was measured at, if it does not say (PipeDream's "
+                   "graph.txt): the plan then predicts samples per second")
+    p.add_argument("--optimizer-state", type=float, default=1.0, metavar="X",
+                   help="optimizer state bytes per parameter byte, for the memory budget (SGD "
+                   "with momentum 1, Adam 2; default 1)")
+    p.add_argument("--overhead", default="0", metavar="TIME",
+                   help="fixed framework time added to every forward and backward in the "
+                   "simulations, e.g. 1ms or 50us (default 0)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.add_argument("-o", "--output", help="write the plan JSON here")
     p.set_defaults(run=run)
@@ -55,26 +67,59 @@ def _options(args: argparse.Namespace) -> PartitionOptions:
     )
 
 
+def sim_options(args: argparse.Namespace) -> SimOptions:
+    """The simulator's options of ``tandem plan``: the plan's compression ratios, the optimizer
+    state the memory budget counts, the fixed overhead."""
+    return SimOptions(
+        gradient_compression=args.gradient_compression,
+        activation_compression=args.activation_compression,
+        optimizer_state_factor=args.optimizer_state,
+        compute_overhead_s=parse_duration(args.overhead, "--overhead"),
+    )
+
+
 def format_plan(plan: Plan, profile: ModelProfile, cluster: Cluster) -> str:
-    """A readable table of stages and the predicted speedups."""
+    """A readable table of stages, the predictions and the candidates compared."""
     lines = [f"cluster: {cluster.describe()}",
              f"plan {plan.config}: {len(plan.stages)} stages on "
              f"{sum(s.replicas for s in plan.stages)} of {plan.num_devices} devices",
-             f"{'stage':>5} {'layers':>11} {'replicas':>8} {'time ms':>10} {'memory MB':>10}  first layer"]  # fmt: skip
+             f"{'stage':>5} {'layers':>11} {'replicas':>8} {'est. ms':>10} {'memory MB':>10}  first layer"]  # fmt: skip
     for index, stage in enumerate(plan.stages):
         first = profile.layers[plan.layers()[stage.start]].name[:30]
         lines.append(f"{index:>5} {f'{stage.start}..{stage.end - 1}':>11} {stage.replicas:>8} "
                      f"{stage.time_s * 1e3:10.3f} {stage.memory_bytes / 1e6:10.1f}  {first}")  # fmt: skip
     if len(plan.level_configs) > 1:
         lines.append("per level (innermost first): " + ", ".join(plan.level_configs))
-    lines.append(f"bottleneck {plan.bottleneck_s * 1e3:.3f} ms per minibatch; "
-                 f"speedup {plan.speedup_vs_single:.2f}x vs one device, "
-                 f"{plan.speedup_vs_dp:.2f}x vs data parallel on {plan.num_devices} "
-                 f"(solved in {plan.solve_s:.3f} s)")  # fmt: skip
-    lines.append(f"runs {plan.schedule} with {plan.num_microbatches} micro-batches per step; the "
-                 f"times above are {plan.predicted_schedule}'s steady state (tandem simulate "
-                 f"--plan predicts the schedule it runs)")
+    rate = f" ({plan.samples_per_s:.1f} samples/s)" if plan.samples_per_s is not None else ""
+    estimate = (f"; the partitioner estimated {plan.estimate_s * 1e3:.3f} ms (PipeDream's steady "
+                f"state)" if plan.estimate_s is not None else "")
+    lines.append(f"runs {plan.schedule} with {plan.num_microbatches} micro-batches per step: "
+                 f"simulated {plan.bottleneck_s * 1e3:.3f} ms per step{rate}{estimate}")
+    lines.append(f"speedup {_ratio(plan.single_s, plan.bottleneck_s)} vs one device, "
+                 f"{_ratio(plan.data_parallel_s, plan.bottleneck_s)} vs data parallel on "
+                 f"{plan.num_devices} (simulated; planned in {plan.solve_s:.3f} s)")
+    if plan.candidates:
+        lines.append(f"{'candidate':>10} {'plan':>16} {'schedule':>9} {'micro':>5} {'est. ms':>10} "
+                     f"{'sim. ms':>10} {'peak MB':>10}  ")
+        for row in plan.candidates:
+            lines.append(_candidate_line(row))
     return "\n".join(lines)
+
+
+def _ratio(reference: float, value: float) -> str:
+    return f"{reference / value:.2f}x" if reference > 0 and value > 0 else "n/a"
+
+
+def _candidate_line(row: dict) -> str:
+    if row["config"] is None:
+        return f"{row['name']:>10} {'-':>16}  {row['note']}"
+    def ms(value: float | None) -> str:
+        return f"{value * 1e3:10.3f}" if value is not None else f"{'-':>10}"
+    fit = "" if row["fits_memory"] else "  does not fit"
+    mark = "  <- chosen" if row["chosen"] else ""
+    return (f"{row['name']:>10} {row['config'][:16]:>16} {row['schedule']:>9} "
+            f"{row['num_microbatches']:>5} {ms(row['estimate_s'])} {ms(row['simulated_s'])} "
+            f"{row['peak_memory_bytes'] / 1e6:10.1f}{fit}{mark}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,7 +128,13 @@ def run(args: argparse.Namespace) -> int:
     cluster = build_cluster(args)
     options = _options(args)
     profile = load_source(args)
-    plan = make_plan(profile, cluster, options).rescheduled(args.schedule, args.microbatches)
+    if profile.batch_size is None and args.profile_batch:
+        profile = dataclasses.replace(profile, batch_size=args.profile_batch)
+    elif args.profile_batch is not None and args.profile_batch != profile.batch_size:
+        raise UsageError(f"--profile-batch {args.profile_batch} contradicts the profile's own "
+                         f"minibatch {profile.batch_size}; drop --profile-batch")
+    plan = make_plan(profile, cluster, options, schedule=args.schedule,
+                     num_microbatches=args.microbatches, sim=sim_options(args))
     human = sys.stderr if args.json else sys.stdout
     print(format_plan(plan, profile, cluster), file=human)
     if args.output:

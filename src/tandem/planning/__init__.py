@@ -1,6 +1,7 @@
-"""Planning: PipeDream's partitioner over a profile's layer states (pure Python + numpy)."""
+"""Planning: PipeDream's partitioner, the simulator and the planner that picks among plans."""
 
-from tandem.planning.partition import Partition, PartitionOptions, partition
-from tandem.planning.planner import make_plan
+from tandem.planning.partition import NoPlanFits, Partition, PartitionOptions, partition
+from tandem.planning.planner import make_plan, partition_plan
 
-__all__ = ["Partition", "PartitionOptions", "make_plan", "partition"]
+__all__ = ["NoPlanFits", "Partition", "PartitionOptions", "make_plan", "partition",
+           "partition_plan"]

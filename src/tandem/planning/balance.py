@@ -18,7 +18,7 @@ from tandem.cluster import flat_cluster
 from tandem.errors import UsageError
 from tandem.plan import Plan, Stage
 from tandem.planning.partition import PartitionOptions
-from tandem.planning.planner import make_plan
+from tandem.planning.planner import partition_plan
 from tandem.profile import ModelProfile, topological_order
 
 
@@ -53,7 +53,8 @@ def pipeline_bounds(profile: ModelProfile, replicas: Sequence[int]) -> list[tupl
         return balanced_bounds([layer.compute_s for layer in profile.layers], replicas)
     # one device per stage and activations ignored: no transfer is costed, so any bandwidth
     cluster = flat_cluster(num_devices=len(replicas), bandwidth=1e9)
-    plan = make_plan(profile, cluster, PartitionOptions(straight=True, activation_compression=None))
+    plan = partition_plan(profile, cluster,
+                          PartitionOptions(straight=True, activation_compression=None))
     assert plan.layer_order is None, "a chain's layers stay in order"
     return [(stage.start, stage.end) for stage in plan.stages]
 

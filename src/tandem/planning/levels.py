@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tandem.planning.antichain import States
+from tandem.planning.memory import stage_memory_bytes
 
 Piece = tuple[int, int, int, float, float, float]
 """A stage of one level: (before, state, replicas, time_s, allreduce_s, transfer_s)."""
@@ -50,6 +51,10 @@ class LevelProblem:
     """Plans may leave units unused."""
     all_rows: bool
     """Solve every segment start (needed by the level above), not only row 0."""
+    schedule: str = "pipedream"
+    """The schedule whose memory is budgeted (:mod:`tandem.planning.memory`)."""
+    optimizer_state_factor: float = 1.0
+    """Optimizer state bytes per parameter byte."""
     transfer_bytes: np.ndarray = field(init=False)
     """``[p, j]``: bytes a non-first stage moves per minibatch in its larger direction."""
 
@@ -100,12 +105,22 @@ class LevelProblem:
 
     def fits(self, row: np.ndarray | int, state: np.ndarray | int,
              replicas: np.ndarray, used: np.ndarray) -> np.ndarray:  # fmt: skip
-        """Whether the stage's in-flight weights and activations fit in device memory."""
+        """Whether a device of the stage holds its weights, gradients, optimizer state, stashed
+        versions and in-flight activations (:mod:`tandem.planning.memory`) within the limit.
+
+        ``used`` counts the units up to and including this stage, so ``num_units - used`` follow
+        it. At an outer level a unit's ``D`` devices share the segment's bytes evenly, an
+        estimate: the level below has checked each of its own stages, and the planner checks the
+        whole plan's devices again (:func:`tandem.planning.planner.make_plan`).
+        """
         if self.memory_bytes is None:
             return np.ones(np.broadcast(replicas, used).shape, dtype=bool)
-        in_flight = 1 + np.ceil((self.num_units - used) / replicas)
-        per_minibatch = self.stash_bytes[row, state] + self.parameter_bytes[row, state]
-        return in_flight * per_minibatch / self.devices_per_unit <= self.memory_bytes
+        share = 1.0 / self.devices_per_unit
+        need = stage_memory_bytes(
+            self.schedule, parameter_bytes=self.parameter_bytes[row, state] * share,
+            activation_bytes=self.stash_bytes[row, state] * share, replicas=replicas,
+            downstream=self.num_units - used, optimizer_state_factor=self.optimizer_state_factor)
+        return need <= self.memory_bytes
 
     def piece(self, before: int, state: int, replicas: int, *, first: bool) -> Piece:
         """The stage after ``before`` up to ``state`` as a :data:`Piece`."""

@@ -17,9 +17,11 @@ first one of its pipeline, at least ``2 a_k / (B r) / R`` to receive its input a
 ``2 a_j / (B r) / R`` to send its output (none after the model's last layer). At outer levels
 ``C`` is the best time of the segment on one unit of the level below. The plan minimizes the
 slowest stage (the pipeline's steady-state time per minibatch) with exactly as many units as the
-level has, unless idle units are allowed. With a memory limit, a stage on ``r`` units with
-``d`` units after it keeps ``1 + ceil(d / r)`` minibatches in flight, each stashing the stage's
-activations and a copy of its weights, spread over ``D`` devices.
+level has, unless idle units are allowed. With a memory limit, every stage's devices must hold
+what :mod:`tandem.planning.memory` says they hold under ``options.schedule`` (PipeDream's: a
+stage on ``r`` units with ``d`` units after it keeps ``1 + ceil(d / r)`` minibatches in flight
+and as many weight versions less one; flush schedules: its share of one minibatch), plus
+gradients and optimizer state.
 
 What it does not model: overlap of communication with compute beyond the max above, pipeline
 fill and drain, latency, and stragglers — see ``tandem simulate`` for those.
@@ -27,6 +29,7 @@ fill and drain, latency, and stragglers — see ``tandem simulate`` for those.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -37,8 +40,13 @@ from tandem.errors import UsageError
 from tandem.planning.antichain import States, build_states
 from tandem.planning.bounded import solve_row0
 from tandem.planning.levels import LevelProblem, LevelTable, solve_level
+from tandem.planning.memory import FLUSH_SCHEDULES
 from tandem.planning.parametric import solve_level_fast
 from tandem.profile import ModelProfile
+
+
+class NoPlanFits(UsageError):
+    """No partition meets the memory limit (or, with exactly every unit used, exists at all)."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -57,6 +65,11 @@ class PartitionOptions:
     """Allow plans that leave units idle when that is faster."""
     memory_bytes: float | None = None
     """Per-device memory limit in bytes; None for no limit."""
+    schedule: str = "pipedream"
+    """The schedule whose memory a limit budgets (:mod:`tandem.planning.memory`): PipeDream's
+    in-flight minibatches and stashed weights, or a flush schedule's (``gpipe``, ``1f1b``)."""
+    optimizer_state_factor: float = 1.0
+    """Optimizer state bytes per parameter byte (SGD with momentum 1, Adam 2)."""
     exact_dp: bool = False
     """Always fill the dynamic program's table, never the parametric search (which is exact too;
     this is for testing)."""
@@ -70,6 +83,12 @@ class PartitionOptions:
             raise UsageError(f"--gradient-compression must be a positive number (got {ratio})")
         if self.memory_bytes is not None and not self.memory_bytes > 0:
             raise UsageError(f"memory limit must be positive (got {self.memory_bytes} bytes)")
+        if self.schedule not in ("pipedream", *FLUSH_SCHEDULES):
+            raise UsageError(f"unknown schedule {self.schedule!r}: use pipedream, "
+                             f"{' or '.join(FLUSH_SCHEDULES)}")
+        if not (self.optimizer_state_factor >= 0 and math.isfinite(self.optimizer_state_factor)):
+            raise UsageError(f"--optimizer-state must be a number >= 0 (got "
+                             f"{self.optimizer_state_factor})")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -86,6 +105,10 @@ class StageChoice:
     """Predicted time per minibatch of this stage (the pipeline runs at the slowest stage)."""
     level_replicas: tuple[int, ...]
     """Replica count at each level, innermost first."""
+    devices: tuple[int, ...] = ()
+    """The devices running the stage: at every level a segment takes the next units of each
+    unit that holds it, so an inner pipeline replicated over servers keeps its stages' links
+    inside each server."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -136,6 +159,8 @@ def partition(
             straight=options.straight,
             allow_idle=options.allow_idle,
             all_rows=level_index < top,
+            schedule=options.schedule,
+            optimizer_state_factor=options.optimizer_state_factor,
         )
         table = _solve(problem, options, final=level_index == top)
         tables.append(table)
@@ -190,7 +215,7 @@ def _assemble(
     top = len(tables) - 1
     bottleneck = float(tables[top].best[0, states.num_states - 1, -1])
     if not math.isfinite(bottleneck):
-        raise UsageError(_infeasible_message(cluster, memory))
+        raise NoPlanFits(_infeasible_message(cluster, memory))
     stages = _expand(tables, top, 0, states.num_states - 1, ())
     configs = tuple(
         "-".join(str(r) for r in _level_config(stages, level)) for level in range(len(tables))
@@ -226,22 +251,31 @@ def _level_config(stages: list[StageChoice], level: int) -> list[int]:
 
 
 def _expand(
-    tables: list[LevelTable], level: int, row: int, state: int, outer: tuple[int, ...]
-) -> list[StageChoice]:
-    """Flatten the stages of ``tables[level]`` for segment (row, state] into device stages."""
+    tables: list[LevelTable], level: int, row: int, state: int, outer: tuple[int, ...],
+    containers: tuple[int, ...] = (0,),
+) -> list[StageChoice]:  # fmt: skip
+    """Flatten the stages of ``tables[level]`` for segment (row, state] into device stages.
+
+    ``containers`` are the first devices of the units of the level above that each run the
+    segment; a stage on ``r`` units takes the next ``r`` units (of ``D`` devices) in each.
+    """
     pieces = tables[level].backtrack(row, state)
+    size = tables[level].problem.devices_per_unit
     stages: list[StageChoice] = []
+    used = 0
     for before, end, replicas, time_s, comm_s, moved_s in pieces:
+        units = tuple(first + (used + i) * size for first in containers for i in range(replicas))
+        used += replicas
         if level == 0:
             stages.append(StageChoice(before=before, state=end, replicas=replicas,
-                                      time_s=time_s, level_replicas=(replicas, *outer)))  # fmt: skip
+                                      time_s=time_s, level_replicas=(replicas, *outer),
+                                      devices=units))  # fmt: skip
             continue
-        inner = _expand(tables, level - 1, before + 1, end, (replicas, *outer))
+        inner = _expand(tables, level - 1, before + 1, end, (replicas, *outer), units)
         for choice in inner:
             scaled = max((choice.time_s + comm_s) / replicas, moved_s)
-            stages.append(StageChoice(
-                before=choice.before, state=choice.state, replicas=choice.replicas * replicas,
-                time_s=scaled, level_replicas=choice.level_replicas))  # fmt: skip
+            stages.append(dataclasses.replace(choice, replicas=choice.replicas * replicas,
+                                              time_s=scaled))
     return stages
 
 

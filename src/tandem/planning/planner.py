@@ -1,32 +1,58 @@
-"""From a profile and a cluster to a :class:`~tandem.plan.Plan`, timing the solve.
+"""From a profile and a cluster to the plan the simulator rates fastest among those it can make.
 
 Usage::
 
-    plan = make_plan(profile, cluster, PartitionOptions(activation_compression=None))
-    print(plan.config, plan.bottleneck_s)
+    plan = make_plan(profile, cluster)                 # 1F1B, simulated, memory checked
+    plan.config, plan.bottleneck_s, plan.estimate_s, plan.candidates
+    bare = partition_plan(profile, cluster, PartitionOptions(activation_compression=None))
+
+:func:`partition_plan` is PipeDream's partitioner alone, its times its cost model's. The planner
+(:func:`make_plan`) asks it for a plan on the cluster as it is and, for a hierarchical cluster,
+on a flat cluster of as many devices at the slowest link; it adds data parallelism on every
+device and one device, simulates each (:mod:`tandem.planning.simulate`) with the schedule the
+plan will run, and returns the fastest that fits the devices' memory, its time the simulator's
+(``bottleneck_s``) beside the partitioner's estimate (``estimate_s``). Every candidate, with
+both figures and its memory, is listed in ``plan.candidates``. A memory limit that no candidate
+meets is an error naming the smallest memory at which one would.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
+from collections.abc import Callable
+from typing import Any
 
-from tandem.cluster import Cluster
-from tandem.plan import Plan, Stage
-from tandem.planning.partition import Partition, PartitionOptions, partition
+from tandem.cluster import Cluster, Level
+from tandem.errors import UsageError
+from tandem.plan import Plan, Stage, default_microbatches
+from tandem.planning.memory import FLUSH_SCHEDULES, stage_memory_bytes
+from tandem.planning.partition import NoPlanFits, Partition, PartitionOptions, partition
+from tandem.planning.simulate import SimOptions, SimResult, data_parallel_plan, simulate
 from tandem.profile import ModelProfile, topological_order
 
+MICROBATCH_FACTORS = (1, 2, 4)
+"""Flush schedules without a given count: micro-batches tried, as multiples of the default."""
+MEMORY_RETRIES = 3
+"""Times the partitioner re-solves a hierarchical cluster under a tighter limit when its plan's
+devices exceed the memory (its outer levels estimate a unit's memory as an even share)."""
+MEMORY_TOLERANCE = 1e-3
+"""Relative precision of the smallest memory reported when nothing fits."""
 
-def make_plan(
+
+def partition_plan(
     profile: ModelProfile, cluster: Cluster, options: PartitionOptions | None = None
 ) -> Plan:
-    """Solve PipeDream's partitioning and describe the result as a plan."""
+    """PipeDream's partitioning as a plan: its times the partitioner's cost model (PipeDream's
+    steady state, ``predicted_schedule`` ``pipedream``), its stages' memory the shared model's
+    for ``options.schedule``."""
     options = options or PartitionOptions()
     started = time.perf_counter()
     solved = partition(profile, cluster, options)
     solve_s = time.perf_counter() - started
     order = _layer_order(profile, solved)
-    stages = _stages(profile, solved, order)
+    stages = _stages(profile, solved, order, options)
     return Plan(
         stages=stages,
         num_layers=profile.num_layers,
@@ -34,6 +60,7 @@ def make_plan(
         bottleneck_s=solved.bottleneck_s,
         single_s=solved.single_s,
         data_parallel_s=solved.data_parallel_s,
+        estimate_s=solved.bottleneck_s,
         layer_order=None if order == list(range(profile.num_layers)) else order,
         level_configs=list(solved.level_configs),
         predicted_schedule="pipedream",
@@ -48,6 +75,242 @@ def make_plan(
     )
 
 
+@dataclasses.dataclass(kw_only=True, slots=True)
+class _Candidate:
+    """One plan the planner compared."""
+
+    name: str
+    plan: Plan | None
+    estimate_s: float | None = None
+    result: SimResult | None = None
+    note: str = ""
+
+    @property
+    def fits(self) -> bool:
+        return self.result is not None and self.result.fits_memory
+
+    def row(self, chosen: bool) -> dict[str, Any]:
+        result = self.result
+        return {
+            "name": self.name, "chosen": chosen,
+            "config": self.plan.config if self.plan else None,
+            "schedule": self.plan.schedule if self.plan else None,
+            "num_microbatches": self.plan.num_microbatches if self.plan else None,
+            "estimate_s": self.estimate_s,
+            "simulated_s": result.step_time_s if result else None,
+            "samples_per_s": result.samples_per_s if result else None,
+            "peak_memory_bytes": result.peak_memory_bytes if result else None,
+            "fits_memory": self.fits if result else None,
+            "note": self.note,
+        }
+
+
+def make_plan(
+    profile: ModelProfile, cluster: Cluster, options: PartitionOptions | None = None, *,
+    schedule: str = "1f1b", num_microbatches: int | None = None, sim: SimOptions | None = None,
+) -> Plan:  # fmt: skip
+    """The fastest plan, by the simulator, among the partitioner's on ``cluster``, the
+    partitioner's on a flat cluster at the slowest link, data parallelism and one device; run
+    with ``schedule`` (pipelines) and ``num_microbatches`` (None: the best of the default and
+    its multiples :data:`MICROBATCH_FACTORS` for flush schedules). :class:`UsageError` when no
+    candidate fits the memory limit (``options.memory_bytes`` or the cluster's), naming the
+    smallest memory that would do."""
+    options = options or PartitionOptions()
+    sim = dataclasses.replace(sim or SimOptions(), record=False)
+    memory = options.memory_bytes if options.memory_bytes is not None else cluster.memory_bytes
+    cluster = dataclasses.replace(cluster, memory_bytes=memory)
+    options = dataclasses.replace(options, memory_bytes=memory, schedule=schedule,
+                                  optimizer_state_factor=sim.optimizer_state_factor)
+    started = time.perf_counter()
+    candidates = _candidates(profile, cluster, options, schedule, num_microbatches, sim)
+    fitting = [c for c in candidates if c.fits]
+    if not fitting:
+        raise NoPlanFits(_no_fit_message(profile, cluster, options, sim, memory, candidates))
+    best = min(fitting, key=lambda c: c.result.step_time_s)  # type: ignore[union-attr]
+    return _chosen_plan(best, candidates, options, time.perf_counter() - started)
+
+
+def _candidates(profile: ModelProfile, cluster: Cluster, options: PartitionOptions,
+                schedule: str, num_microbatches: int | None,
+                sim: SimOptions) -> list[_Candidate]:  # fmt: skip
+    evaluate = _evaluator(profile, cluster, schedule, num_microbatches, sim)
+    found = [_partitioned("partition", profile, cluster, options, evaluate)]
+    if len(cluster.levels) > 1:
+        flat = _flat_at_slowest_link(cluster)
+        found.append(_partitioned("flat", profile, flat, options, evaluate))
+    if not options.straight or cluster.num_devices == 1:
+        dp = data_parallel_plan(profile, cluster.num_devices)
+        found.append(evaluate("dp", dp, _dp_estimate(found)))
+    single = dataclasses.replace(data_parallel_plan(profile, 1), num_devices=cluster.num_devices)
+    found.append(evaluate("single", single, _single_estimate(found)))
+    return found
+
+
+Evaluate = Callable[[str, Plan, "float | None"], _Candidate]
+
+
+def _evaluator(profile: ModelProfile, cluster: Cluster, schedule: str,
+               num_microbatches: int | None, sim: SimOptions) -> Evaluate:
+    """Simulate a candidate as it would run: pipelines with ``schedule`` and the best
+    micro-batch count tried; one-stage plans as data parallelism."""
+    batch = profile.batch_size * sim.batch_scale if profile.batch_size else None
+
+    def evaluate(name: str, plan: Plan, estimate_s: float | None) -> _Candidate:
+        if len(plan.stages) == 1:
+            variants = [plan]
+        else:
+            variants = [plan.rescheduled(schedule, count)
+                        for count in _microbatch_counts(plan, schedule, num_microbatches, batch)]
+        best: _Candidate | None = None
+        for variant in variants:
+            result = simulate(variant, profile, cluster, sim)
+            trial = _Candidate(name=name, plan=variant, estimate_s=estimate_s, result=result)
+            if best is None or _better(trial, best):
+                best = trial
+        assert best is not None
+        return best
+
+    return evaluate
+
+
+def _better(trial: _Candidate, best: _Candidate) -> bool:
+    """Fitting before not fitting, then faster."""
+    if trial.fits != best.fits:
+        return trial.fits
+    return trial.result.step_time_s < best.result.step_time_s  # type: ignore[union-attr]
+
+
+def _microbatch_counts(plan: Plan, schedule: str, given: int | None,
+                       batch: float | None) -> list[int | None]:
+    if schedule not in FLUSH_SCHEDULES:
+        return [None]
+    if given is not None:
+        return [given]
+    base = default_microbatches(plan.replicas, schedule)
+    counts = [base * factor for factor in MICROBATCH_FACTORS]
+    if batch is not None:  # no micro-batch smaller than one sample
+        counts = [count for count in counts if count <= batch] or [base]
+    return list(dict.fromkeys(counts))
+
+
+def _partitioned(name: str, profile: ModelProfile, cluster: Cluster, options: PartitionOptions,
+                 evaluate: Evaluate) -> _Candidate:
+    """The partitioner's plan on ``cluster``; on a hierarchical cluster whose plan overflows
+    memory, re-solved up to :data:`MEMORY_RETRIES` times under a limit shrunk by the overflow."""
+    limit = options.memory_bytes
+    attempt = options
+    candidate = _Candidate(name=name, plan=None)
+    for _ in range(1 + MEMORY_RETRIES):
+        try:
+            plan = partition_plan(profile, cluster, attempt)
+        except NoPlanFits as exc:
+            return candidate if candidate.plan is not None else _Candidate(
+                name=name, plan=None, note=str(exc))
+        candidate = evaluate(name, plan, plan.estimate_s)
+        result = candidate.result
+        if candidate.fits or limit is None or result is None or len(cluster.levels) == 1:
+            return candidate
+        shrink = limit / result.peak_memory_bytes
+        attempt = dataclasses.replace(attempt, memory_bytes=attempt.memory_bytes * shrink * 0.999)
+    candidate.note = "its devices exceed the memory limit"
+    return candidate
+
+
+def _flat_at_slowest_link(cluster: Cluster) -> Cluster:
+    """As many devices as ``cluster`` on one level with its slowest bandwidth and latency."""
+    slowest = min(cluster.levels, key=lambda level: level.bandwidth_Bps)
+    level = Level(num_units=cluster.num_devices, bandwidth_Bps=slowest.bandwidth_Bps,
+                  latency_s=max(level.latency_s for level in cluster.levels))
+    return dataclasses.replace(cluster, levels=(level,), name=f"{cluster.num_devices} devices")
+
+
+def _dp_estimate(found: list[_Candidate]) -> float | None:
+    return next((c.plan.data_parallel_s for c in found if c.plan is not None), None)
+
+
+def _single_estimate(found: list[_Candidate]) -> float | None:
+    return next((c.plan.single_s for c in found if c.plan is not None), None)
+
+
+def _chosen_plan(best: _Candidate, candidates: list[_Candidate], options: PartitionOptions,
+                 solve_s: float) -> Plan:
+    """The winner, its predictions the simulator's, the references and every candidate."""
+    by_name = {c.name: c for c in candidates}
+    assert best.plan is not None and best.result is not None
+    reference = {name: by_name[name].result for name in ("single", "dp") if name in by_name}
+    return dataclasses.replace(
+        best.plan,
+        bottleneck_s=best.result.step_time_s,
+        predicted_schedule=best.plan.schedule,
+        estimate_s=best.estimate_s,
+        single_s=_step(reference.get("single")),
+        data_parallel_s=_step(reference.get("dp")),
+        samples_per_s=best.result.samples_per_s,
+        candidates=[c.row(c is best) for c in candidates],
+        solve_s=solve_s,
+        stages=[dataclasses.replace(stage, memory_bytes=_stage_peak(best.result, index))
+                for index, stage in enumerate(best.plan.stages)],
+        options={**best.plan.options, "memory_bytes": options.memory_bytes,
+                 "chosen": best.name},
+    )
+
+
+def _step(result: SimResult | None) -> float:
+    return result.step_time_s if result is not None else 0.0
+
+
+def _stage_peak(result: SimResult, stage: int) -> float:
+    return max(w.peak_memory_bytes for w in result.workers if w.stage == stage and
+               w.role == "worker")
+
+
+def _no_fit_message(profile: ModelProfile, cluster: Cluster, options: PartitionOptions,
+                    sim: SimOptions, memory: float | None, candidates: list[_Candidate]) -> str:
+    peaks = [c.result.peak_memory_bytes for c in candidates if c.result is not None]
+    need = min([smallest_memory_bytes(profile, cluster, options, sim), *peaks])
+    return (f"no plan fits in {memory / 1e9:g} GB per device on {cluster.num_devices} devices "
+            f"(pipelines, data parallelism, one device): the smallest needs "
+            f"{math.ceil(need / 1e7) / 100:g} GB; raise --memory to at least that, add "
+            f"devices, or use a smaller batch")
+
+
+def smallest_memory_bytes(profile: ModelProfile, cluster: Cluster, options: PartitionOptions,
+                          sim: SimOptions | None = None) -> float:
+    """The least per-device memory at which some plan on ``cluster``'s devices fits: bisection
+    on the limit of the partitioner on a flat cluster (memory does not depend on the links; idle
+    devices allowed), within :data:`MEMORY_TOLERANCE`, confirmed by the simulator."""
+    sim = dataclasses.replace(sim or SimOptions(), record=False)
+    flat = _flat_at_slowest_link(cluster)
+    relaxed = dataclasses.replace(options, allow_idle=True, straight=False)
+
+    def peak(limit: float) -> float | None:
+        try:
+            plan = partition_plan(profile, flat, dataclasses.replace(relaxed, memory_bytes=limit))
+        except NoPlanFits:
+            return None
+        plan = plan.rescheduled(options.schedule)
+        unlimited = dataclasses.replace(flat, memory_bytes=None)
+        return simulate(plan, profile, unlimited, sim).peak_memory_bytes
+
+    whole = profile.layers
+    params = sum(layer.parameter_bytes for layer in whole)
+    acts = sum(layer.activation_bytes for layer in whole)
+    high = float(stage_memory_bytes(options.schedule, parameter_bytes=params, activation_bytes=acts,
+                                    replicas=1, downstream=0,
+                                    optimizer_state_factor=options.optimizer_state_factor))
+    high = max(high, 1.0)
+    found = peak(high) or high
+    low = 0.0
+    while high - low > MEMORY_TOLERANCE * high:
+        middle = (low + high) / 2
+        reached = peak(middle)
+        if reached is None:
+            low = middle
+        else:
+            high, found = middle, min(found, reached)
+    return found
+
+
 def _layer_order(profile: ModelProfile, solved: Partition) -> list[int]:
     rank = {layer: position for position, layer in
             enumerate(topological_order(profile.num_layers, profile.edge_list()))}  # fmt: skip
@@ -57,20 +320,26 @@ def _layer_order(profile: ModelProfile, solved: Partition) -> list[int]:
     return order
 
 
-def _stages(profile: ModelProfile, solved: Partition, order: list[int]) -> list[Stage]:
+def _stages(profile: ModelProfile, solved: Partition, order: list[int],
+            options: PartitionOptions) -> list[Stage]:
     stages: list[Stage] = []
     position = 0
     total_replicas = [choice.replicas for choice in solved.stages]
+    devices = [d for choice in solved.stages for d in choice.devices]
+    interleaved = devices != list(range(len(devices)))
     for index, choice in enumerate(solved.stages):
         layers = [profile.layers[i] for i in order[position : position + _size(solved, choice)]]
         params = sum(layer.parameter_bytes for layer in layers)
         stash = sum(layer.activation_bytes for layer in layers)
-        downstream = sum(total_replicas[index + 1 :])
-        in_flight = 1 + math.ceil(downstream / choice.replicas)
+        memory = stage_memory_bytes(
+            options.schedule, parameter_bytes=params, activation_bytes=stash,
+            replicas=choice.replicas, downstream=sum(total_replicas[index + 1 :]),
+            optimizer_state_factor=options.optimizer_state_factor)
         stages.append(Stage(
             start=position, end=position + len(layers), replicas=choice.replicas,
             time_s=choice.time_s, compute_s=sum(layer.compute_s for layer in layers),
-            parameter_bytes=params, memory_bytes=in_flight * (stash + params)))  # fmt: skip
+            parameter_bytes=params, memory_bytes=float(memory),
+            devices=list(choice.devices) if interleaved else None))  # fmt: skip
         position += len(layers)
     return stages
 

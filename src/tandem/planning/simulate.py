@@ -29,7 +29,9 @@ worker's time between updates for asynchronous methods) and count ``updates_per_
 
 Memory per device: parameters, their gradients, optimizer state (``optimizer_state_factor`` ×
 parameters), weight versions stashed by PipeDream's schedule, and the activations of the
-micro-batches in flight (the outputs of the stage's layers, from a forward to its backward).
+micro-batches in flight (the outputs of the stage's layers, from a forward to its backward),
+added up by :func:`tandem.planning.memory.device_memory_bytes`, the model the partitioner
+budgets in closed form.
 
 What it does not model:
 
@@ -79,6 +81,7 @@ from tandem.planning.costs import (
     check_plan,
     stage_costs,
 )
+from tandem.planning.memory import device_memory_bytes
 from tandem.planning.replay import Replay, Workload, replay
 from tandem.profile import ModelProfile
 from tandem.schedule import Schedule
@@ -432,14 +435,17 @@ def _result(plan: Plan, profile: ModelProfile, cluster: Cluster, schedule: Sched
         comm = sum(run.communication_s[w].get(k, 0.0) for k in keys) / len(keys)
         codec = sum(run.codec_s[w].get(k, 0.0) for k in keys) / len(keys) if run.codec_s else 0.0
         stash = run.peak_stashed_versions[w] * params
-        parts = (params, params, params * options.optimizer_state_factor, stash,
-                 run.peak_activation_bytes[w])
+        peak = device_memory_bytes(parameter_bytes=params,
+                                   activation_bytes=run.peak_activation_bytes[w],
+                                   stashed_versions=run.peak_stashed_versions[w],
+                                   optimizer_state_factor=options.optimizer_state_factor)
         workers.append(WorkerResult(
             worker=w, stage=stage, replica=replica, device=workload.devices[w], busy_s=busy,
             idle_s=max(0.0, step_s - busy - codec), communication_s=comm, codec_s=codec,
             weight_bytes=params,
-            gradient_bytes=params, optimizer_bytes=parts[2], stashed_weight_bytes=stash,
-            activation_bytes=run.peak_activation_bytes[w], peak_memory_bytes=sum(parts)))
+            gradient_bytes=params, optimizer_bytes=params * options.optimizer_state_factor,
+            stashed_weight_bytes=stash, activation_bytes=run.peak_activation_bytes[w],
+            peak_memory_bytes=float(peak)))
     total_busy = sum(worker.busy_s for worker in workers)
     batch = profile.batch_size
     return SimResult(

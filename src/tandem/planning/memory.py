@@ -1,0 +1,70 @@
+"""Memory per device: the one model that the partitioner, the simulator and the search share.
+
+Usage::
+
+    held, versions = in_flight("pipedream", replicas=2, downstream=3)    # (3, 2)
+    device_memory_bytes(parameter_bytes=P, activation_bytes=held * A,
+                        stashed_versions=versions, optimizer_state_factor=1.0)
+
+A device running a stage (parameters ``P`` bytes, outputs ``A`` bytes per minibatch) holds its
+weights, their gradients, optimizer state (``optimizer_state_factor`` × ``P``), the weight versions
+PipeDream stashes for minibatches in flight (``P`` each), and the activations of every minibatch
+(or micro-batch) between its forward and its backward.
+
+How much is in flight depends on the schedule (:func:`in_flight`):
+
+- ``pipedream``: each replica runs whole minibatches; with ``d`` devices after the stage and
+  ``r`` replicas of it, ``k = 1 + ceil(d / r)`` minibatches are in flight on each replica, which
+  stashes ``k - 1`` weight versions besides its current one. The simulator's replay of the
+  schedule reaches exactly this peak.
+- ``gpipe`` and ``1f1b`` (flush schedules): no versions; a replica runs its share of the
+  step's micro-batches, so it holds at most ``A / r`` at once (exactly that for GPipe and for a
+  stage whose in-flight count reaches its share; 1F1B's later stages hold less).
+
+The partitioner budgets these closed forms; the simulator reports the same parts from its
+replay's peaks (:func:`device_memory_bytes` adds them up in both). What it does not model is
+listed in :mod:`tandem.planning.simulate` (workspace, buffers, fragmentation).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+FLUSH_SCHEDULES = ("gpipe", "1f1b")
+"""Schedules that end every step with a flush: no weight versions, one minibatch at most."""
+
+
+def device_memory_bytes(*, parameter_bytes: np.ndarray | float,
+                        activation_bytes: np.ndarray | float,
+                        stashed_versions: np.ndarray | float = 0.0,
+                        optimizer_state_factor: float = 1.0) -> np.ndarray | float:
+    """Peak bytes on one device: weights, gradients, optimizer state, stashed weight versions
+    and the activations held (vectorized)."""
+    weights = parameter_bytes * (2.0 + optimizer_state_factor + stashed_versions)
+    return weights + activation_bytes
+
+
+def in_flight(schedule: str, replicas: np.ndarray | float,
+              downstream: np.ndarray | float) -> tuple[np.ndarray | float, np.ndarray | float]:
+    """``(minibatches of activations held, weight versions stashed)`` per device of a stage on
+    ``replicas`` devices with ``downstream`` devices after it (vectorized; see the module
+    docstring)."""
+    if schedule in FLUSH_SCHEDULES:
+        return 1.0 / np.asarray(replicas, dtype=np.float64), 0.0
+    if schedule != "pipedream":
+        raise ValueError(f"no memory model for schedule {schedule!r}")
+    held = 1.0 + np.ceil(np.asarray(downstream, dtype=np.float64) / replicas)
+    return held, held - 1.0
+
+
+def stage_memory_bytes(schedule: str, *, parameter_bytes: np.ndarray | float,
+                       activation_bytes: np.ndarray | float, replicas: np.ndarray | float,
+                       downstream: np.ndarray | float,
+                       optimizer_state_factor: float = 1.0) -> np.ndarray | float:
+    """Peak bytes per device of a stage (``activation_bytes`` per whole minibatch) under
+    ``schedule``: :func:`in_flight` fed to :func:`device_memory_bytes`."""
+    held, versions = in_flight(schedule, replicas, downstream)
+    return device_memory_bytes(parameter_bytes=parameter_bytes,
+                               activation_bytes=held * activation_bytes,
+                               stashed_versions=versions,
+                               optimizer_state_factor=optimizer_state_factor)
