@@ -158,7 +158,8 @@ def test_a_gpipe_plan_with_8_micro_batches_runs_exactly_that(tmp_path: Path) -> 
     assert written.returncode == 0, written.stderr
     recorded = json.loads(plan_file.read_text())
     assert (recorded["schedule"], recorded["num_microbatches"]) == ("gpipe", 8)
-    assert recorded["predicted_schedule"] == "pipedream"
+    # its predicted time is the simulator's for the schedule it runs
+    assert recorded["predicted_schedule"] == "gpipe"
     out = tmp_path / "run"
     summary = run_json("train", "--plan", str(plan_file), "--steps", "2", "--batch-size", "32",
                        "--out", str(out))

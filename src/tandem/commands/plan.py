@@ -137,6 +137,12 @@ def run(args: argparse.Namespace) -> int:
                      num_microbatches=args.microbatches, sim=sim_options(args))
     human = sys.stderr if args.json else sys.stdout
     print(format_plan(plan, profile, cluster), file=human)
+    asked = [flag for flag, given in (("--schedule", args.schedule != "1f1b"),
+                                      ("--microbatches", args.microbatches is not None)) if given]
+    if asked and not plan.pipelined:
+        print(f"tandem plan: note: {plan.options['chosen']} ({plan.config}) is faster than every "
+              f"pipeline, so the plan runs it as data parallelism; {' and '.join(asked)} "
+              f"apply to pipelines (see the candidates above)", file=sys.stderr)
     if args.output:
         plan.save(args.output)
         print(f"wrote {args.output}", file=human)

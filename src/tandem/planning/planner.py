@@ -65,14 +65,20 @@ def partition_plan(
         level_configs=list(solved.level_configs),
         predicted_schedule="pipedream",
         solve_s=solve_s,
-        options={
-            "activation_compression": options.activation_compression,
-            "gradient_compression": options.gradient_compression,
-            "straight": options.straight,
-            "allow_idle": options.allow_idle,
-            "memory_bytes": options.memory_bytes or cluster.memory_bytes,
-        },
+        options=_recorded(dataclasses.replace(
+            options, memory_bytes=options.memory_bytes or cluster.memory_bytes)),
     )
+
+
+def _recorded(options: PartitionOptions) -> dict[str, Any]:
+    """The partitioner options a plan records."""
+    return {
+        "activation_compression": options.activation_compression,
+        "gradient_compression": options.gradient_compression,
+        "straight": options.straight,
+        "allow_idle": options.allow_idle,
+        "memory_bytes": options.memory_bytes,
+    }
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -250,8 +256,7 @@ def _chosen_plan(best: _Candidate, candidates: list[_Candidate], options: Partit
         solve_s=solve_s,
         stages=[dataclasses.replace(stage, memory_bytes=_stage_peak(best.result, index))
                 for index, stage in enumerate(best.plan.stages)],
-        options={**best.plan.options, "memory_bytes": options.memory_bytes,
-                 "chosen": best.name},
+        options={**_recorded(options), "chosen": best.name},
     )
 
 
