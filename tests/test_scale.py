@@ -52,7 +52,7 @@ def test_data_parallelism_flattens_on_25_gbps(vgg_on_servers) -> None:  # type: 
     # speedup stops growing once compute per device falls below that: a few dozen devices.
     assert speedup(result, "dp", 128) < 1.1 * speedup(result, "dp", 32)
     assert 16 <= result.crossover["dp"] <= 64
-    dp = {p.num_devices: p for p in result.series("dp")}
+    dp = {p.num_devices: p for p in result.simulated_series("dp")}  # on exactly that many
     assert dp[128].communication_s > 5 * dp[128].compute_s
 
 
@@ -66,8 +66,8 @@ def test_compression_moves_the_limit(vgg_on_servers) -> None:  # type: ignore[no
 def test_pipeline_and_hybrid_points(vgg_on_servers) -> None:  # type: ignore[no-untyped-def]
     result = vgg_on_servers
     assert [p.num_devices for p in result.series("pipeline")] == device_counts(128)
-    assert result.series("pipeline")[-1].config.count("-") == 39  # one stage per layer at most
-    hybrid = {p.num_devices: p.config for p in result.series("hybrid")}
+    assert result.simulated_series("pipeline")[-1].config.count("-") == 39  # a stage per layer
+    hybrid = {p.num_devices: p.config for p in result.simulated_series("hybrid")}
     assert sum(int(r) for r in hybrid[64].split("-")) <= 64
 
 
