@@ -111,7 +111,8 @@ def _weak_profile(args: argparse.Namespace, profile: ModelProfile) -> ModelProfi
         raise UsageError(f"give either --per-device-batch {args.per_device_batch} (weak scaling) "
                          f"or {given} (a fixed global batch: strong scaling), not both")
     if args.per_device_batch < 1:
-        raise UsageError(f"--per-device-batch must be at least 1 sample (got {args.per_device_batch})")
+        raise UsageError(f"--per-device-batch must be at least 1 sample "
+                         f"(got {args.per_device_batch})")
     measured = args.profile_batch or profile.batch_size
     if not measured:
         raise UsageError(f"--per-device-batch {args.per_device_batch} counts samples, but the "
@@ -151,7 +152,8 @@ def format_scale(result: ScaleResult, describe: str, batch: str) -> str:
     lines = [f"cluster: {describe}; {batch}; one device ({baseline}): "
              f"{result.single_step_s * 1e3:.1f} ms per step",
              "speedup vs one device (throughput; * = the best plan up to that count uses fewer "
-             "devices; dp compute and comm: on exactly that count):", header + f" {'dp compute ms':>14} {'dp comm ms':>11}"]
+             "devices; dp compute and comm: on exactly that count):",
+             header + f" {'dp compute ms':>14} {'dp comm ms':>11}"]
     for n in result.device_counts:
         cells = []
         for name, w in zip(names, widths):

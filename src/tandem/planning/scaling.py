@@ -137,7 +137,9 @@ class ScaleOptions:
 
     def samples(self, workers: int) -> int | None:
         """Samples per step when ``workers`` devices train (None when not known)."""
-        return self.batch_samples if self.per_device_batch is None else workers * self.per_device_batch
+        if self.per_device_batch is None:
+            return self.batch_samples
+        return workers * self.per_device_batch
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
