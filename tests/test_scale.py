@@ -248,7 +248,7 @@ def test_cli_weak_scaling_json(capsys) -> None:
     (["--compress", "two"], "--compress"),
     (["--max-devices", "0"], "--max-devices"),
     (["--batch-size", "8", "--minibatches", "2"], "not both"),
-    (["--per-device-batch", "0", "--profile-batch", "128"], "--per-device-batch must be at least 1"),
+    (["--per-device-batch", "0", "--profile-batch", "128"], "--per-device-batch must be at"),
     (["--per-device-batch", "32"], "--profile-batch"),
     (["--per-device-batch", "32", "--profile-batch", "128", "--batch-size", "512"], "not both"),
     (["--per-device-batch", "32", "--profile-batch", "128", "--minibatches", "4"], "not both"),

@@ -167,7 +167,7 @@ def format_scale(result: ScaleResult, describe: str, batch: str) -> str:
         best = result.series(name)[-1]
         where = f"at {count} devices" if count else "not within the range"
         lines.append(f"{name}: communication overtakes compute {where}; on {best.num_devices}: "
-                     f"speedup {best.speedup:.1f}x, efficiency {best.efficiency:.0%}, using "
+                     f"speedup {best.speedup:.1f}x, efficiency {best.efficiency:.1%}, using "
                      f"{best.devices_used} ({best.config[:40]})")
     lines += [f"skipped {item}" for item in result.skipped]
     return "\n".join(lines)
