@@ -26,11 +26,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "scale",
         help="predicted speedup vs device count for data parallelism, pipelines, hybrids, "
         "parameter servers, gossip and local SGD",
-        description="Simulate one global minibatch (fixed: strong scaling) on 1, 2, 4, ... "
-        "devices of a cluster for data parallelism (plain and with compressed gradients), a "
-        "straight pipeline and the partitioner's hybrid plan; print speedups, compute and "
-        "communication per step, and the device count where communication overtakes compute; "
-        "also synchronous parameter servers, D-PSGD on a ring and local SGD (--families).",
+        description="Simulate one global minibatch (fixed: strong scaling) or a fixed batch per "
+        "device (--per-device-batch: weak scaling) on 1, 2, 4, ... devices of a cluster for data "
+        "parallelism (plain and with compressed gradients), a straight pipeline and the "
+        "partitioner's hybrid plan; print speedups, compute and communication per step, and the "
+        "device count where communication overtakes compute; also synchronous parameter "
+        "servers, D-PSGD on a ring and local SGD (--families). Each curve is the best plan up "
+        "to its device count (devices may be left idle).",
     )
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help="profile this model spec locally first (e.g. vgg)")
@@ -41,6 +43,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    "with --model, the profile is measured at 32 samples")
     p.add_argument("--minibatches", type=float, metavar="K",
                    help=f"global minibatch as K of the profile's minibatches (default {DEFAULT_MINIBATCHES})")
+    p.add_argument("--per-device-batch", type=int, metavar="B",
+                   help="weak scaling: every training device runs B samples per step, so the "
+                   "global batch grows with the devices; speedup is throughput relative to one "
+                   "device running B samples (needs the profile's minibatch: --profile-batch for "
+                   "PipeDream profiles)")
     p.add_argument("--cluster", required=True,
                    help="cluster spec giving each level's bandwidth and latency, innermost first "
                    "(e.g. 8x300GB/s,128x25Gb/s); the outermost level grows with the device count")
@@ -97,6 +104,23 @@ def _families(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
+def _weak_profile(args: argparse.Namespace, profile: ModelProfile) -> ModelProfile:
+    """``profile`` with the minibatch it was measured at, for ``--per-device-batch``."""
+    if args.batch_size is not None or args.minibatches is not None:
+        given = "--batch-size" if args.batch_size is not None else "--minibatches"
+        raise UsageError(f"give either --per-device-batch {args.per_device_batch} (weak scaling) "
+                         f"or {given} (a fixed global batch: strong scaling), not both")
+    if args.per_device_batch < 1:
+        raise UsageError(f"--per-device-batch must be at least 1 sample "
+                         f"(got {args.per_device_batch})")
+    measured = args.profile_batch or profile.batch_size
+    if not measured:
+        raise UsageError(f"--per-device-batch {args.per_device_batch} counts samples, but the "
+                         f"profile does not record the minibatch it was measured at: add "
+                         f"--profile-batch N")
+    return dataclasses.replace(profile, batch_size=measured)
+
+
 def _global_batch(args: argparse.Namespace, profile: ModelProfile) -> tuple[float, int | None]:
     """``(batch_scale, samples or None)`` of ``--batch-size`` / ``--minibatches``."""
     measured = args.profile_batch or profile.batch_size
@@ -118,26 +142,33 @@ def _global_batch(args: argparse.Namespace, profile: ModelProfile) -> tuple[floa
 
 
 def format_scale(result: ScaleResult, describe: str, batch: str) -> str:
-    """One row per device count: speedup of each strategy, and DP's compute and communication."""
+    """One row per device count: speedup of each strategy (the best plan up to that count), and
+    DP's compute and communication on exactly that count."""
     names = result.strategies()
     widths = [max(9, len(name)) for name in names]
-    header = f"{'devices':>7} " + " ".join(f"{name:>{w}}" for name, w in zip(names, widths))
-    lines = [f"cluster: {describe}; global minibatch {batch}; one device: "
-             f"{result.single_step_s * 1e3:.1f} ms per step", "speedup vs one device:",
+    header = f"{'devices':>7} " + " ".join(f"{name:>{w + 1}}" for name, w in zip(names, widths))
+    baseline = ("whole global minibatch" if result.scaling == "strong"
+                else f"{result.per_device_batch} samples")
+    lines = [f"cluster: {describe}; {batch}; one device ({baseline}): "
+             f"{result.single_step_s * 1e3:.1f} ms per step",
+             "speedup vs one device (throughput; * = the best plan up to that count uses fewer "
+             "devices; dp compute and comm: on exactly that count):",
              header + f" {'dp compute ms':>14} {'dp comm ms':>11}"]
     for n in result.device_counts:
         cells = []
         for name, w in zip(names, widths):
             point = next((p for p in result.series(name) if p.num_devices == n), None)
-            cells.append(f"{point.speedup:{w}.1f}" if point else f"{'-':>{w}}")
-        dp = next((p for p in result.series("dp") if p.num_devices == n), None)
+            mark = "*" if point and point.devices_used < n else " "
+            cells.append(f"{point.speedup:{w}.1f}{mark}" if point else f"{'-':>{w}} ")
+        dp = next((p for p in result.simulated_series("dp") if p.num_devices == n), None)
         tail = f" {dp.compute_s * 1e3:14.1f} {dp.communication_s * 1e3:11.1f}" if dp else ""
         lines.append(f"{n:>7} " + " ".join(cells) + tail)
     for name, count in result.crossover.items():
-        best = max(result.series(name), key=lambda p: p.speedup)
+        best = result.series(name)[-1]
         where = f"at {count} devices" if count else "not within the range"
-        lines.append(f"{name}: communication overtakes compute {where}; best speedup "
-                     f"{best.speedup:.1f}x on {best.num_devices} ({best.config[:40]})")
+        lines.append(f"{name}: communication overtakes compute {where}; on {best.num_devices}: "
+                     f"speedup {best.speedup:.1f}x, efficiency {best.efficiency:.1%}, using "
+                     f"{best.devices_used} ({best.config[:40]})")
     lines += [f"skipped {item}" for item in result.skipped]
     return "\n".join(lines)
 
@@ -156,9 +187,11 @@ def plot_scale(result: ScaleResult, path: str, title: str) -> None:
         left.plot([p.num_devices for p in series], [p.speedup for p in series], marker="o",
                   markersize=3, label=name)
     left.set(xscale="log", yscale="log", xlabel="devices", ylabel="speedup vs one device",
-             title="speedup (fixed global minibatch)")
+             title="speedup, best plan up to each count (" + (
+                 "fixed global minibatch)" if result.scaling == "strong"
+                 else f"{result.per_device_batch} samples per device)"))
     left.legend(fontsize=8)
-    dp = result.series("dp")
+    dp = result.simulated_series("dp")
     right.plot([p.num_devices for p in dp], [p.compute_s * 1e3 for p in dp], marker="o",
                markersize=3, label="dp compute / step")
     right.plot([p.num_devices for p in dp], [p.communication_s * 1e3 for p in dp], marker="o",
@@ -179,12 +212,17 @@ def plot_scale(result: ScaleResult, path: str, title: str) -> None:
     fig.savefig(path)
 
 
-def result_dict(result: ScaleResult, batch_scale: float, samples: int | None) -> dict[str, Any]:
-    """The JSON output of ``tandem scale``."""
-    return {"single_step_s": result.single_step_s, "batch_scale": batch_scale,
+def result_dict(result: ScaleResult, batch_scale: float | None,
+                samples: int | None) -> dict[str, Any]:
+    """The JSON output of ``tandem scale``: ``points`` are the curves (the best plan up to each
+    device count), ``simulated`` each strategy on exactly each count; ``batch_scale`` and
+    ``batch_samples`` are the fixed global batch (null under weak scaling)."""
+    return {"scaling": result.scaling, "per_device_batch": result.per_device_batch,
+            "single_step_s": result.single_step_s, "batch_scale": batch_scale,
             "batch_samples": samples, "device_counts": result.device_counts,
             "crossover": result.crossover, "skipped": result.skipped,
-            "points": [dataclasses.asdict(point) for point in result.points]}
+            "points": [dataclasses.asdict(point) for point in result.points],
+            "simulated": [dataclasses.asdict(point) for point in result.simulated]}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -193,19 +231,28 @@ def run(args: argparse.Namespace) -> int:
     cluster = with_memory(parse_cluster(args.cluster), args.memory)
     profile = load_source(argparse.Namespace(profile=args.profile, model=args.model,
                                              batch_size=None, data=args.data))
-    batch_scale, samples = _global_batch(args, profile)
-    sim = dataclasses.replace(sim_options(args, profile), batch_scale=batch_scale)
+    weak = args.per_device_batch is not None
+    if weak:
+        profile = _weak_profile(args, profile)
+        batch_scale, samples = None, None
+        batch = (f"{args.per_device_batch} samples per device (weak scaling: the global batch "
+                 f"grows with the devices)")
+    else:
+        batch_scale, samples = _global_batch(args, profile)
+        batch = (f"global minibatch {batch_scale:g} profile minibatches"
+                 + (f" ({samples} samples)" if samples else ""))
+    sim = dataclasses.replace(sim_options(args, profile), batch_scale=batch_scale or 1.0)
     options = ScaleOptions(max_devices=args.max_devices, compressions=_compressions(args.compress),
                            microbatches_per_stage=args.microbatches_per_stage,
                            batch_samples=samples, families=_families(args.families),
-                           ps_servers=args.ps_servers, period=args.period)
+                           ps_servers=args.ps_servers, period=args.period,
+                           per_device_batch=args.per_device_batch)
     result = scale(profile, cluster, options, sim)
-    batch = f"{batch_scale:g} profile minibatches" + (f" ({samples} samples)" if samples else "")
     human = sys.stderr if args.json else sys.stdout
     print(format_scale(result, args.cluster, batch), file=human)
     if args.plot and args.plot != "none":
         plot_scale(result, args.plot, f"{profile.model or args.profile or args.model} on "
-                   f"{args.cluster}, global minibatch {batch}")
+                   f"{args.cluster}, {batch}")
         print(f"wrote {args.plot}", file=human)
     if args.json:
         print(strict_json.dumps(result_dict(result, batch_scale, samples)))

@@ -5,9 +5,22 @@ Usage::
     analysis = scale(profile, parse_cluster("8x300GB/s,128x25Gb/s"), ScaleOptions(max_devices=1024))
     analysis.points, analysis.crossover["dp"]
 
-The global minibatch is fixed (strong scaling: ``SimOptions.batch_scale`` profile minibatches per
-step) and shared among more and more devices, so compute per device shrinks while data
-parallelism's allreduce does not: the speedup flattens where communication overtakes compute.
+Two modes:
+
+- **strong scaling** (the default): the global minibatch is fixed (``SimOptions.batch_scale``
+  profile minibatches per step) and shared among more and more devices, so compute per device
+  shrinks while data parallelism's allreduce does not: the speedup flattens where communication
+  overtakes compute. Speedup at ``N``: one device's step time on the whole minibatch over the
+  step time on ``N``.
+- **weak scaling** (``ScaleOptions.per_device_batch = B``, the form in which scaling limits are
+  usually published): every training device processes ``B`` samples per step, so the global
+  batch is ``B`` times the devices that hold a model replica or a stage (a parameter server holds
+  none). Speedup at ``N``: throughput in samples per second over that of one device running ``B``
+  samples per step, i.e. ``N`` times the scaling efficiency. The profile must record the
+  minibatch it was measured at (``ModelProfile.batch_size``) to turn samples into its units.
+
+In both modes the *scaling efficiency* of a point is its speedup divided by its device count.
+
 For each device count ``N`` (powers of two up to the maximum) the cluster keeps its inner
 levels and grows its outermost one (``8x300GB/s,128x25Gb/s`` at 64 devices is 8 servers of 8),
 and these strategies are simulated:
@@ -28,16 +41,25 @@ convergence: gossip and local SGD workers disagree between averagings, so they u
 more steps than a synchronous method (see :mod:`tandem.planning.decentralized`).
 
 Pipelines run 1F1B (synchronous, like data parallelism) with ``microbatches_per_stage``
-micro-batches per stage, or per replica of the widest stage if that is more.
+micro-batches per stage, or per replica of the widest stage if that is more, cut from the step's
+global batch (capped at its samples and at ``MAX_MICROBATCHES``). Under weak scaling a straight
+pipeline of ``S`` stages thus takes ``S * B`` samples per step in ``K * S`` micro-batches of
+``B / K`` samples (``K = microbatches_per_stage``).
 
-Speedup is relative to one device running the whole minibatch. A strategy's *crossover* is the
-first device count at which its communication time per step exceeds its compute time.
+**Every curve is the best plan up to that device count**: the point of a strategy at ``N`` is
+the fastest (highest speedup) of its simulations on ``1, 2, 4, ... N`` devices, leaving the
+other devices idle when using fewer is faster, so every curve is non-decreasing in ``N``. Such a
+point says which count it uses (``ScalePoint.devices_used``; also fewer when the plan itself
+leaves devices idle, like a pipeline longer than the model). The simulations at exactly ``N``
+devices are kept in ``ScaleResult.simulated``; a strategy's *crossover*, the first device count
+at which its communication time per step exceeds its compute time, is read from them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 from tandem.cluster import Cluster, Level
 from tandem.errors import UsageError
@@ -76,6 +98,10 @@ class ScaleOptions:
     """Parameter servers of the ``ps`` curve."""
     period: int = 4
     """Local SGD's averaging period."""
+    per_device_batch: int | None = None
+    """Weak scaling: samples each training device processes per step, so the global batch grows
+    with the devices (``SimOptions.batch_scale`` is then ignored); None: strong scaling, one
+    global batch of ``SimOptions.batch_scale`` profile minibatches (``batch_samples`` samples)."""
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.families) - set(FAMILIES))
@@ -96,6 +122,24 @@ class ScaleOptions:
                 parse_codec(spec)
         if self.microbatches_per_stage < 1:
             raise UsageError(f"micro-batches per stage must be at least 1 (got {self.microbatches_per_stage})")
+        if self.per_device_batch is not None:
+            if not isinstance(self.per_device_batch, int) or self.per_device_batch < 1:
+                raise UsageError(f"--per-device-batch must be at least 1 sample (got "
+                                 f"{self.per_device_batch})")
+            if self.batch_samples is not None:
+                raise UsageError("give either --per-device-batch (weak scaling) or a global batch "
+                                 "(--batch-size or --minibatches: strong scaling), not both")
+
+    @property
+    def scaling(self) -> str:
+        """``weak`` with a per-device batch, ``strong`` with a fixed global batch."""
+        return "strong" if self.per_device_batch is None else "weak"
+
+    def samples(self, workers: int) -> int | None:
+        """Samples per step when ``workers`` devices train (None when not known)."""
+        if self.per_device_batch is None:
+            return self.batch_samples
+        return workers * self.per_device_batch
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
@@ -104,11 +148,22 @@ class ScalePoint:
 
     strategy: str
     num_devices: int
+    devices_used: int
+    """Devices the point's plan occupies: fewer than ``num_devices`` when a plan on fewer devices
+    was faster (each curve is the best plan up to its device count) or when the plan itself
+    leaves devices idle (a pipeline longer than the model has layers)."""
     config: str
     """The plan (``1024``, ``1-1-1-1``, ``512-324-108-80``)."""
     step_time_s: float
     speedup: float
-    """Throughput relative to one device."""
+    """Throughput (samples per second) relative to the one-device baseline: one device running
+    the whole global batch (strong scaling) or the per-device batch (weak scaling)."""
+    efficiency: float
+    """Scaling efficiency: ``speedup / num_devices`` (idle devices count against it)."""
+    batch_scale: float
+    """Global batch of one step, in profile minibatches."""
+    global_batch: int | None
+    """Global batch of one step, in samples (None when the profile's minibatch is unknown)."""
     compute_s: float
     """Compute seconds per step of the busiest worker."""
     communication_s: float
@@ -120,26 +175,37 @@ class ScaleResult:
     """All points, the one-device baseline, and each strategy's crossover."""
 
     points: list[ScalePoint]
+    """Each strategy's best plan up to each device count: non-decreasing speedups."""
+    simulated: list[ScalePoint]
+    """Each strategy simulated on exactly each device count (what :attr:`points` picks from)."""
     single_step_s: float
+    """Step time of the baseline: one device, the whole global batch (strong) or the per-device
+    batch (weak)."""
     device_counts: list[int]
     skipped: list[str]
     """Points that could not run, with the reason."""
+    scaling: str = "strong"
+    """``strong`` (fixed global batch) or ``weak`` (fixed per-device batch)."""
+    per_device_batch: int | None = None
+    """Weak scaling: samples per training device and step."""
 
     def strategies(self) -> list[str]:
         """Strategy names in the order they were analysed."""
-        return list(dict.fromkeys(point.strategy for point in self.points))
+        return list(dict.fromkeys(point.strategy for point in self.simulated))
 
     def series(self, label: str) -> list[ScalePoint]:
         """The points of one curve (a strategy's label, e.g. ``dp`` or ``ps``), in order."""
-        curves: dict[str, list[ScalePoint]] = {}
-        for point in self.points:
-            curves.setdefault(point.strategy, []).append(point)
-        return curves.get(label, [])
+        return [point for point in self.points if point.strategy == label]
+
+    def simulated_series(self, label: str) -> list[ScalePoint]:
+        """One strategy's simulations on exactly each device count, in order."""
+        return [point for point in self.simulated if point.strategy == label]
 
     @property
     def crossover(self) -> dict[str, int | None]:
-        """Per strategy, the first device count whose communication exceeds its compute."""
-        return {name: next((p.num_devices for p in self.series(name)
+        """Per strategy, the first device count whose communication exceeds its compute (on
+        exactly that many devices)."""
+        return {name: next((p.num_devices for p in self.simulated_series(name)
                             if p.communication_s > p.compute_s), None)
                 for name in self.strategies()}
 
@@ -169,30 +235,66 @@ def scale(profile: ModelProfile, cluster: Cluster, options: ScaleOptions | None 
     """Simulate every strategy on every device count; see the module docstring."""
     options = options or ScaleOptions()
     sim = dataclasses.replace(sim or SimOptions(), record=False)
+    batch = _batch_scales(profile, options, sim)
     counts = device_counts(options.max_devices)
-    single = simulate(data_parallel_plan(profile, 1), profile, resized(cluster, 1), sim).step_time_s
-    result = ScaleResult(points=[], single_step_s=single, device_counts=counts, skipped=[])
+    single = simulate(data_parallel_plan(profile, 1), profile, resized(cluster, 1),
+                      dataclasses.replace(sim, batch_scale=batch(1))).step_time_s
+    result = ScaleResult(points=[], simulated=[], single_step_s=single, device_counts=counts,
+                         skipped=[], scaling=options.scaling,
+                         per_device_batch=options.per_device_batch)
     for n in counts:
         sized = resized(cluster, n)
         for name, plan, options_n in _strategies(profile, sized, n, options, sim):
             if isinstance(plan, str):
                 result.skipped.append(f"{name} on {n}: {plan}")
                 continue
+            trained = plan.num_workers - plan.num_servers
+            options_n = dataclasses.replace(options_n, batch_scale=batch(trained))
             outcome = simulate(plan, profile, sized, options_n)
-            result.points.append(_point(name, n, plan, outcome, single))
+            speedup = (options_n.batch_scale / outcome.step_time_s) / (batch(1) / single)
+            result.simulated.append(ScalePoint(
+                strategy=name, num_devices=n, devices_used=plan.num_workers, config=plan.config,
+                step_time_s=outcome.step_time_s, speedup=speedup, efficiency=speedup / n,
+                batch_scale=options_n.batch_scale, global_batch=options.samples(trained),
+                compute_s=outcome.compute_s, communication_s=outcome.communication_s))
+    result.points = best_so_far(result.simulated, counts)
     return result
 
 
-def _point(name: str, n: int, plan: Plan, outcome: SimResult, single: float) -> ScalePoint:
-    return ScalePoint(strategy=name, num_devices=n, config=plan.config,
-                      step_time_s=outcome.step_time_s, speedup=single / outcome.step_time_s,
-                      compute_s=outcome.compute_s, communication_s=outcome.communication_s)
+def best_so_far(simulated: list[ScalePoint], counts: list[int]) -> list[ScalePoint]:
+    """Each strategy's fastest point on at most ``N`` devices, for every ``N`` of ``counts``
+    from its first point on (labelled ``N``; its efficiency counts the idle devices), ordered
+    by device count. A count a strategy was skipped at keeps the best point before it."""
+    curves: list[ScalePoint] = []
+    for name in dict.fromkeys(point.strategy for point in simulated):
+        at = {point.num_devices: point for point in simulated if point.strategy == name}
+        held: ScalePoint | None = None
+        for n in counts:
+            point = at.get(n)
+            if point is not None and (held is None or point.speedup > held.speedup):
+                held = point
+            if held is not None:
+                curves.append(dataclasses.replace(held, num_devices=n, efficiency=held.speedup / n))
+    return sorted(curves, key=lambda point: point.num_devices)
+
+
+def _batch_scales(profile: ModelProfile, options: ScaleOptions,
+                  sim: SimOptions) -> Callable[[int], float]:
+    """``workers -> global batch in profile minibatches`` of the options' scaling mode."""
+    per_device = options.per_device_batch
+    if per_device is None:
+        return lambda workers: sim.batch_scale
+    if not profile.batch_size:
+        raise UsageError(f"--per-device-batch {per_device} counts samples, but the profile does "
+                         f"not record the minibatch it was measured at: add --profile-batch N")
+    measured = profile.batch_size
+    return lambda workers: workers * per_device / measured
 
 
 def _strategies(profile: ModelProfile, cluster: Cluster, n: int, options: ScaleOptions,
                 sim: SimOptions) -> list[tuple[str, Plan | str, SimOptions]]:
     """``(name, plan or the reason it cannot run, simulation options)`` for ``n`` devices."""
-    batch = options.batch_samples
+    batch = options.samples(n)
     too_few = f"fewer samples ({batch}) than devices" if batch is not None and batch < n else ""
     dp = too_few or data_parallel_plan(profile, n)
     strategies: list[tuple[str, Plan | str, SimOptions]] = [("dp", dp, sim)]
@@ -220,8 +322,9 @@ def _family(name: str, profile: ModelProfile, n: int, options: ScaleOptions) -> 
     workers = n - servers
     if workers < 1:
         return f"{servers} server(s) leave no worker"
-    if options.batch_samples is not None and options.batch_samples < workers:
-        return f"fewer samples ({options.batch_samples}) than workers"
+    samples = options.samples(workers)
+    if samples is not None and samples < workers:
+        return f"fewer samples ({samples}) than workers"
     sync = {"ps": lambda: ParameterServerSync(servers=servers),
             "gossip": lambda: GossipSync(topology="ring"),
             "localsgd": lambda: LocalSGDSync(period=options.period)}[name]()
@@ -230,10 +333,10 @@ def _family(name: str, profile: ModelProfile, n: int, options: ScaleOptions) -> 
 
 def _micro(plan: Plan, options: ScaleOptions) -> Plan | str:
     """``plan`` on 1F1B with ``microbatches_per_stage`` micro-batches per stage and per replica
-    of its widest stage (capped at the batch's samples and at ``MAX_MICROBATCHES``)."""
+    of its widest stage (capped at the step's samples and at ``MAX_MICROBATCHES``)."""
     widest = max(stage.replicas for stage in plan.stages)
     count = options.microbatches_per_stage * max(len(plan.stages), widest)
-    cap = min(MAX_MICROBATCHES, options.batch_samples or MAX_MICROBATCHES)
+    cap = min(MAX_MICROBATCHES, options.samples(sum(plan.replicas)) or MAX_MICROBATCHES)
     if count > cap:
         if cap < max(widest, len(plan.stages)):
             return f"fewer samples ({cap}) than the plan's {max(widest, len(plan.stages))} micro-batches"
