@@ -17,12 +17,15 @@ How much is in flight depends on the schedule (:func:`in_flight`):
   ``r`` replicas of it, ``k = 1 + ceil(d / r)`` minibatches are in flight on each replica, which
   stashes ``k - 1`` weight versions besides its current one. The simulator's replay of the
   schedule reaches exactly this peak.
-- ``gpipe`` and ``1f1b`` (flush schedules): no versions; a replica runs its share of the
-  step's micro-batches, so it holds at most ``A / r`` at once (exactly that for GPipe and for a
-  stage whose in-flight count reaches its share; 1F1B's later stages hold less).
+- ``gpipe`` and ``1f1b`` (flush schedules): no versions; a replica runs its round-robin share
+  of the step's ``M`` micro-batches, ``ceil(M / r)`` of them, and holds at most their
+  activations at once (exactly that for GPipe; 1F1B's stages hold fewer, at most one per stage
+  after them).
 
-The partitioner budgets these closed forms; the simulator reports the same parts from its
-replay's peaks (:func:`device_memory_bytes` adds them up in both). What it does not model is
+The partitioner budgets these closed forms before it knows ``M`` (``1 / r`` of a minibatch for
+flush schedules, what ``M`` a multiple of ``r`` gives); the simulator reports the same parts
+from its replay's peaks (:func:`device_memory_bytes` adds them up in both), and the planner
+keeps only plans whose simulated peak fits. What it does not model is
 listed in :mod:`tandem.planning.simulate` (workspace, buffers, fragmentation).
 """
 
@@ -44,13 +47,18 @@ def device_memory_bytes(*, parameter_bytes: np.ndarray | float,
     return weights + activation_bytes
 
 
-def in_flight(schedule: str, replicas: np.ndarray | float,
-              downstream: np.ndarray | float) -> tuple[np.ndarray | float, np.ndarray | float]:
+def in_flight(schedule: str, replicas: np.ndarray | float, downstream: np.ndarray | float,
+              num_microbatches: int | None = None,
+              ) -> tuple[np.ndarray | float, np.ndarray | float]:
     """``(minibatches of activations held, weight versions stashed)`` per device of a stage on
     ``replicas`` devices with ``downstream`` devices after it (vectorized; see the module
-    docstring)."""
+    docstring). Flush schedules: a replica's share of ``num_microbatches`` round-robin,
+    ``ceil(M / r) / M``; None for ``1 / r`` (the partitioner, before the count is chosen)."""
     if schedule in FLUSH_SCHEDULES:
-        return 1.0 / np.asarray(replicas, dtype=np.float64), 0.0
+        replicas = np.asarray(replicas, dtype=np.float64)
+        if num_microbatches is None:
+            return 1.0 / replicas, 0.0
+        return np.ceil(num_microbatches / replicas) / num_microbatches, 0.0
     if schedule != "pipedream":
         raise ValueError(f"no memory model for schedule {schedule!r}")
     held = 1.0 + np.ceil(np.asarray(downstream, dtype=np.float64) / replicas)
@@ -59,11 +67,11 @@ def in_flight(schedule: str, replicas: np.ndarray | float,
 
 def stage_memory_bytes(schedule: str, *, parameter_bytes: np.ndarray | float,
                        activation_bytes: np.ndarray | float, replicas: np.ndarray | float,
-                       downstream: np.ndarray | float,
-                       optimizer_state_factor: float = 1.0) -> np.ndarray | float:
+                       downstream: np.ndarray | float, optimizer_state_factor: float = 1.0,
+                       num_microbatches: int | None = None) -> np.ndarray | float:
     """Peak bytes per device of a stage (``activation_bytes`` per whole minibatch) under
     ``schedule``: :func:`in_flight` fed to :func:`device_memory_bytes`."""
-    held, versions = in_flight(schedule, replicas, downstream)
+    held, versions = in_flight(schedule, replicas, downstream, num_microbatches)
     return device_memory_bytes(parameter_bytes=parameter_bytes,
                                activation_bytes=held * activation_bytes,
                                stashed_versions=versions,

@@ -35,8 +35,9 @@ from tandem.profile import ModelProfile, topological_order
 MICROBATCH_FACTORS = (1, 2, 4)
 """Flush schedules without a given count: micro-batches tried, as multiples of the default."""
 MEMORY_RETRIES = 3
-"""Times the partitioner re-solves a hierarchical cluster under a tighter limit when its plan's
-devices exceed the memory (its outer levels estimate a unit's memory as an even share)."""
+"""Times the partitioner re-solves under a tighter limit when its plan's simulated devices
+exceed the memory (outer levels of a hierarchy estimate a unit's memory as an even share, and
+flush schedules' micro-batches may not divide evenly among a stage's replicas)."""
 MEMORY_TOLERANCE = 1e-3
 """Relative precision of the smallest memory reported when nothing fits."""
 
@@ -201,8 +202,8 @@ def _microbatch_counts(plan: Plan, schedule: str, given: int | None,
 
 def _partitioned(name: str, profile: ModelProfile, cluster: Cluster, options: PartitionOptions,
                  evaluate: Evaluate) -> _Candidate:
-    """The partitioner's plan on ``cluster``; on a hierarchical cluster whose plan overflows
-    memory, re-solved up to :data:`MEMORY_RETRIES` times under a limit shrunk by the overflow."""
+    """The partitioner's plan on ``cluster``; when its simulated peak overflows the memory,
+    re-solved up to :data:`MEMORY_RETRIES` times under a limit shrunk by the overflow."""
     limit = options.memory_bytes
     attempt = options
     candidate = _Candidate(name=name, plan=None)
@@ -214,7 +215,7 @@ def _partitioned(name: str, profile: ModelProfile, cluster: Cluster, options: Pa
                 name=name, plan=None, note=str(exc))
         candidate = evaluate(name, plan, plan.estimate_s)
         result = candidate.result
-        if candidate.fits or limit is None or result is None or len(cluster.levels) == 1:
+        if candidate.fits or limit is None or result is None:
             return candidate
         shrink = limit / result.peak_memory_bytes
         attempt = dataclasses.replace(attempt, memory_bytes=attempt.memory_bytes * shrink * 0.999)
@@ -283,7 +284,8 @@ def smallest_memory_bytes(profile: ModelProfile, cluster: Cluster, options: Part
                           sim: SimOptions | None = None) -> float:
     """The least per-device memory at which some plan on ``cluster``'s devices fits: bisection
     on the limit of the partitioner on a flat cluster (memory does not depend on the links; idle
-    devices allowed), within :data:`MEMORY_TOLERANCE`, confirmed by the simulator."""
+    devices allowed), a limit counting as met when the simulator's peak of the partitioner's
+    plan is within it, to :data:`MEMORY_TOLERANCE`."""
     sim = dataclasses.replace(sim or SimOptions(), record=False)
     flat = _flat_at_slowest_link(cluster)
     relaxed = dataclasses.replace(options, allow_idle=True, straight=False)
@@ -295,7 +297,8 @@ def smallest_memory_bytes(profile: ModelProfile, cluster: Cluster, options: Part
             return None
         plan = plan.rescheduled(options.schedule)
         unlimited = dataclasses.replace(flat, memory_bytes=None)
-        return simulate(plan, profile, unlimited, sim).peak_memory_bytes
+        reached = simulate(plan, profile, unlimited, sim).peak_memory_bytes
+        return reached if reached <= limit * (1 + MEMORY_TOLERANCE) else None
 
     whole = profile.layers
     params = sum(layer.parameter_bytes for layer in whole)
