@@ -236,6 +236,11 @@ def check_job(job: Job) -> None:
         _check_writable(Path(run.out))
     if note is not None:
         preflight.warn(note)
+    placed = [device for stage in plan.stages for device in (stage.devices or [])]
+    if placed and under_launcher() and placed != list(range(len(placed))):
+        preflight.warn(f"the plan places its workers on devices {placed} (stages kept inside "
+                       f"servers); worker w runs as rank w, so start the ranks in that device "
+                       f"order for the links the plan's time assumes")
 
 
 def _check_writable(out: Path) -> None:

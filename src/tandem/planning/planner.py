@@ -38,6 +38,8 @@ MEMORY_RETRIES = 3
 """Times the partitioner re-solves under a tighter limit when its plan's simulated devices
 exceed the memory (outer levels of a hierarchy estimate a unit's memory as an even share, and
 flush schedules' micro-batches may not divide evenly among a stage's replicas)."""
+BUDGET_SCALES = (1.0, 2.0, 4.0, 8.0)
+"""Flush schedules: the partitioner's memory budget as multiples of the limit, tried in turn."""
 MEMORY_TOLERANCE = 1e-3
 """Relative precision of the smallest memory reported when nothing fits."""
 
@@ -202,25 +204,45 @@ def _microbatch_counts(plan: Plan, schedule: str, given: int | None,
 
 def _partitioned(name: str, profile: ModelProfile, cluster: Cluster, options: PartitionOptions,
                  evaluate: Evaluate) -> _Candidate:
-    """The partitioner's plan on ``cluster``; when its simulated peak overflows the memory,
-    re-solved up to :data:`MEMORY_RETRIES` times under a limit shrunk by the overflow."""
+    """The partition whose simulated devices fit the memory: the unconstrained one if it fits,
+    else solved under budgets of :data:`BUDGET_SCALES` times the limit, loosest first (flush
+    schedules' budget counts every micro-batch of a replica's share in flight, where 1F1B holds
+    few), the first that fits; at the limit itself a plan that overflows is solved again under a
+    limit shrunk by the overflow (:data:`MEMORY_RETRIES` times)."""
     limit = options.memory_bytes
-    attempt = options
-    candidate = _Candidate(name=name, plan=None)
-    for _ in range(1 + MEMORY_RETRIES):
-        try:
-            plan = partition_plan(profile, cluster, attempt)
-        except NoPlanFits as exc:
-            return candidate if candidate.plan is not None else _Candidate(
-                name=name, plan=None, note=str(exc))
-        candidate = evaluate(name, plan, plan.estimate_s)
-        result = candidate.result
-        if candidate.fits or limit is None or result is None:
+    if limit is None:
+        return _solved(name, profile, cluster, options, evaluate)
+    free = _solved(name, profile, dataclasses.replace(cluster, memory_bytes=None),
+                   dataclasses.replace(options, memory_bytes=None), evaluate)
+    if free.fits:
+        return free
+    scales = BUDGET_SCALES if options.schedule in FLUSH_SCHEDULES else (1.0,)
+    candidate = free
+    for scale in sorted(scales, reverse=True):
+        budget = dataclasses.replace(options, memory_bytes=limit * scale)
+        candidate = _solved(name, profile, cluster, budget, evaluate)
+        for _ in range(MEMORY_RETRIES if scale == 1.0 else 0):
+            if candidate.plan is None or candidate.fits:
+                break
+            shrink = limit / candidate.result.peak_memory_bytes  # type: ignore[union-attr]
+            budget = dataclasses.replace(budget, memory_bytes=budget.memory_bytes * shrink * 0.999)
+            candidate = _solved(name, profile, cluster, budget, evaluate)
+        if candidate.fits:
             return candidate
-        shrink = limit / result.peak_memory_bytes
-        attempt = dataclasses.replace(attempt, memory_bytes=attempt.memory_bytes * shrink * 0.999)
-    candidate.note = "its devices exceed the memory limit"
+    if candidate.plan is not None:
+        candidate.note = "its devices exceed the memory limit"
     return candidate
+
+
+def _solved(name: str, profile: ModelProfile, cluster: Cluster, options: PartitionOptions,
+            evaluate: Evaluate) -> _Candidate:
+    """The partitioner's plan under ``options``, simulated; no plan (with the partitioner's
+    reason) when none fits its budget."""
+    try:
+        plan = partition_plan(profile, cluster, options)
+    except NoPlanFits as exc:
+        return _Candidate(name=name, plan=None, note=str(exc))
+    return evaluate(name, plan, plan.estimate_s)
 
 
 def _flat_at_slowest_link(cluster: Cluster) -> Cluster:
@@ -290,15 +312,20 @@ def smallest_memory_bytes(profile: ModelProfile, cluster: Cluster, options: Part
     flat = _flat_at_slowest_link(cluster)
     relaxed = dataclasses.replace(options, allow_idle=True, straight=False)
 
+    scales = BUDGET_SCALES if options.schedule in FLUSH_SCHEDULES else (1.0,)
+    unlimited = dataclasses.replace(flat, memory_bytes=None)
+
     def peak(limit: float) -> float | None:
-        try:
-            plan = partition_plan(profile, flat, dataclasses.replace(relaxed, memory_bytes=limit))
-        except NoPlanFits:
-            return None
-        plan = plan.rescheduled(options.schedule)
-        unlimited = dataclasses.replace(flat, memory_bytes=None)
-        reached = simulate(plan, profile, unlimited, sim).peak_memory_bytes
-        return reached if reached <= limit * (1 + MEMORY_TOLERANCE) else None
+        reached = []
+        for scale in scales:
+            budget = dataclasses.replace(relaxed, memory_bytes=limit * scale)
+            try:
+                plan = partition_plan(profile, flat, budget).rescheduled(options.schedule)
+            except NoPlanFits:
+                continue
+            reached.append(simulate(plan, profile, unlimited, sim).peak_memory_bytes)
+        fitting = [value for value in reached if value <= limit * (1 + MEMORY_TOLERANCE)]
+        return min(fitting) if fitting else None
 
     whole = profile.layers
     params = sum(layer.parameter_bytes for layer in whole)
