@@ -8,7 +8,8 @@ Usage::
 
 The plan's schedule is generated exactly as the runtime generates it (``tandem.schedule``) and
 replayed action by action (:mod:`tandem.planning.replay`): forwards and backwards take the
-profiled time of the stage's layers, scaled to the micro-batch and divided by the device speed;
+profiled time of the stage's layers, scaled to the micro-batch (their fixed cost per call once,
+the rest times the micro-batch's share: :func:`call_s`) and divided by the device speed;
 activations and gradients cross the link between the two workers' devices, with its latency and
 bandwidth, and wait for its ports; a replicated stage allreduces its gradients with the
 cluster's collective costs (:mod:`tandem.planning.collectives`) — after its last backward and
@@ -33,9 +34,9 @@ micro-batches in flight (the outputs of the stage's layers, from a forward to it
 
 What it does not model:
 
-- compute that does not scale linearly with the micro-batch (small batches run less
-  efficiently on GPUs), per-kernel launch costs, and framework overhead per action beyond
-  ``compute_overhead_s`` and ``send_overhead_s``; branches of a DAG inside a stage run one
+- compute that does not scale linearly with the micro-batch beyond the layers' fixed cost per
+  call (small batches run less efficiently on GPUs), and framework overhead per action beyond
+  those fixed costs, ``compute_overhead_s`` and ``send_overhead_s``; branches of a DAG inside a stage run one
   after another; stragglers, noise and any variability between workers, so backup workers
   (``ParameterServerSync.backup``) only change who waits at the servers' ports, and
   asynchronous methods (async and SSP parameter servers, AD-PSGD) run in lock-step
