@@ -111,8 +111,9 @@ def _fixed_costs(block: nn.Module, inputs: Any, batch: int, full: tuple[float, f
         forward_s, backward_s, _ = _measure_block(block, _first(inputs, size), warmup, repeats,
                                                   device)
         timings[size] = (forward_s, backward_s)
-    return tuple(fit_fixed_s([(size, times[part]) for size, times in timings.items()])
-                 for part in (0, 1))  # type: ignore[return-value]
+    forward = fit_fixed_s([(size, times[0]) for size, times in timings.items()])
+    backward = fit_fixed_s([(size, times[1]) for size, times in timings.items()])
+    return forward, backward
 
 
 def _first(inputs: Any, samples: int = 2) -> Any:
