@@ -369,6 +369,8 @@ def scaled_vgg(scale: float, path: Path) -> ModelProfile:
     profile = load_profile(str(VGG))
     layers = [dataclasses.replace(layer, forward_s=layer.forward_s * scale,
                                   backward_s=layer.backward_s * scale,
+                                  forward_fixed_s=layer.forward_fixed_s * scale,
+                                  backward_fixed_s=layer.backward_fixed_s * scale,
                                   activation_bytes=layer.activation_bytes * BYTES_SCALE,
                                   parameter_bytes=layer.parameter_bytes * BYTES_SCALE)
               for layer in profile.layers]

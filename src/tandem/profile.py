@@ -13,17 +13,35 @@ import heapq
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tandem import strict_json
 from tandem.errors import UsageError
 from tandem.output_files import write_text
 
-SCHEMA_VERSION = 1
-"""Version of the JSON layout written by :meth:`ModelProfile.to_dict`."""
+SCHEMA_VERSION = 2
+"""Version of the JSON layout written by :meth:`ModelProfile.to_dict` (2 added the per-call
+fixed costs; version 1 files are still read)."""
+
+READABLE_VERSIONS = (1, 2)
+"""Schema versions :meth:`ModelProfile.from_dict` reads."""
 
 _LAYER_FIELDS = ("name", "forward_s", "backward_s", "activation_bytes", "parameter_bytes")
+_FIXED_FIELDS = ("forward_fixed_s", "backward_fixed_s")
+
+FIXED_COST_ORIGINS = ("measured", "default", "given")
+"""Values of :attr:`ModelProfile.fixed_costs`."""
+
+DEFAULT_FORWARD_FIXED_S = 10e-6
+"""Fixed seconds per forward call of a layer, for profiles that do not record it (PipeDream's
+``graph.txt``, version 1 JSON): one GPU kernel launch (~5 us of CUDA launch latency) plus
+PyTorch's eager dispatch of one operator (~5 us). An order of magnitude, not a measurement of
+any profile's device; clamped to the layer's own forward time."""
+DEFAULT_BACKWARD_FIXED_S = 20e-6
+"""Fixed seconds per backward call of a layer, for profiles that do not record it: about two
+kernels (gradients of the input and of the weights) and the autograd engine's node, twice
+:data:`DEFAULT_FORWARD_FIXED_S`; clamped to the layer's own backward time."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -40,19 +58,53 @@ class LayerProfile:
     """Bytes of the layer's output activation for one minibatch."""
     parameter_bytes: float
     """Bytes of the layer's parameters."""
+    forward_fixed_s: float = 0.0
+    """The part of ``forward_s`` that does not shrink with the batch: paid once per call, by
+    every micro-batch (kernel launches, framework dispatch). A call on a share ``f`` of the
+    minibatch takes ``forward_fixed_s + (forward_s - forward_fixed_s) * f``."""
+    backward_fixed_s: float = 0.0
+    """The part of ``backward_s`` paid once per call, as ``forward_fixed_s``."""
 
     def __post_init__(self) -> None:
-        for key in _LAYER_FIELDS[1:]:
+        for key in (*_LAYER_FIELDS[1:], *_FIXED_FIELDS):
             value = getattr(self, key)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise UsageError(
                     f"layer {self.name!r} has {key}={value!r}: it must be a finite number >= 0"
                 )
+        for fixed, total in (("forward_fixed_s", "forward_s"), ("backward_fixed_s", "backward_s")):
+            if getattr(self, fixed) > getattr(self, total):
+                raise UsageError(
+                    f"layer {self.name!r} has {fixed}={getattr(self, fixed)!r} above its "
+                    f"{total}={getattr(self, total)!r}: the fixed cost is part of the time, "
+                    f"so it must be at most {total}"
+                )
+
+    def scaled_forward_s(self, share: float) -> float:
+        """Forward seconds of a call on ``share`` of the profiled minibatch."""
+        return scale_call(self.forward_s, self.forward_fixed_s, share)
+
+    def scaled_backward_s(self, share: float) -> float:
+        """Backward seconds of a call on ``share`` of the profiled minibatch."""
+        return scale_call(self.backward_s, self.backward_fixed_s, share)
 
     @property
     def compute_s(self) -> float:
         """Forward plus backward seconds."""
         return self.forward_s + self.backward_s
+
+
+def scale_call(total_s: float, fixed_s: float, share: float) -> float:
+    """Seconds of a call on ``share`` of the minibatch whose whole call takes ``total_s``, of
+    which ``fixed_s`` is paid once per call: ``fixed_s + (total_s - fixed_s) * share``."""
+    return fixed_s + (total_s - fixed_s) * share
+
+
+def with_default_fixed(layer: LayerProfile) -> LayerProfile:
+    """``layer`` with the documented default fixed costs (:data:`DEFAULT_FORWARD_FIXED_S`,
+    :data:`DEFAULT_BACKWARD_FIXED_S`), each at most the layer's own time."""
+    return replace(layer, forward_fixed_s=min(DEFAULT_FORWARD_FIXED_S, layer.forward_s),
+                   backward_fixed_s=min(DEFAULT_BACKWARD_FIXED_S, layer.backward_s))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -69,10 +121,17 @@ class ModelProfile:
     """The minibatch size the times were measured at, if known."""
     source: str = field(default="")
     """Where the profile came from (``tandem profile``, a file name)."""
+    fixed_costs: str = "given"
+    """Where the layers' fixed costs per call come from: ``measured`` (``tandem profile``'s
+    fit), ``default`` (the file did not record them: :data:`DEFAULT_FORWARD_FIXED_S`) or
+    ``given`` (built in code, or read from a file that says so)."""
 
     def __post_init__(self) -> None:
         if not self.layers:
             raise UsageError("a profile needs at least one layer")
+        if self.fixed_costs not in FIXED_COST_ORIGINS:
+            raise UsageError(f"a profile's fixed_costs is {self.fixed_costs!r}; use one of "
+                             f"{', '.join(FIXED_COST_ORIGINS)}")
         if self.edges is not None:
             self.edges = [(int(a), int(b)) for a, b in self.edges]
             _check_edges(self.edges, len(self.layers))
@@ -98,6 +157,10 @@ class ModelProfile:
         """Forward plus backward time of all layers, seconds."""
         return sum(layer.compute_s for layer in self.layers)
 
+    def total_fixed_s(self) -> float:
+        """Forward plus backward fixed cost per call of all layers, seconds."""
+        return sum(layer.forward_fixed_s + layer.backward_fixed_s for layer in self.layers)
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dictionary with a schema version."""
         return {
@@ -105,19 +168,23 @@ class ModelProfile:
             "model": self.model,
             "batch_size": self.batch_size,
             "source": self.source,
-            "layers": [{key: getattr(layer, key) for key in _LAYER_FIELDS} for layer in self.layers],
+            "fixed_costs": self.fixed_costs,
+            "layers": [{key: getattr(layer, key) for key in (*_LAYER_FIELDS, *_FIXED_FIELDS)}
+                       for layer in self.layers],
             "edges": None if self.edges is None else [list(edge) for edge in self.edges],
         }
 
     @classmethod
     def from_dict(cls, data: Any, *, where: str = "profile") -> ModelProfile:
-        """Read :meth:`to_dict`'s layout, naming the first missing or bad field."""
+        """Read :meth:`to_dict`'s layout (or version 1's), naming the first missing or bad
+        field; layers without fixed costs get the documented defaults (:func:`with_default_fixed`)."""
         if not isinstance(data, dict):
             raise UsageError(f"{where} must be a JSON object with 'layers' (got {type(data).__name__})")
         version = data.get("schema_version")
-        if version != SCHEMA_VERSION:
+        if version not in READABLE_VERSIONS:
             raise UsageError(
-                f"{where} has schema_version {version!r}; this tandem reads version {SCHEMA_VERSION}"
+                f"{where} has schema_version {version!r}; this tandem reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))}"
             )
         layers = data.get("layers")
         if not isinstance(layers, list):
@@ -127,12 +194,16 @@ class ModelProfile:
             isinstance(edges, list) and all(isinstance(e, list) and len(e) == 2 for e in edges)
         ):
             raise UsageError(f"{where}: 'edges' must be a list of [producer, consumer] pairs or null")
+        read = [_layer_from_dict(entry, index, where) for index, entry in enumerate(layers)]
+        given = [_FIXED_FIELDS[0] in entry for entry in layers]
+        recorded = all(given)
         return cls(
-            layers=[_layer_from_dict(entry, index, where) for index, entry in enumerate(layers)],
+            layers=[layer if has else with_default_fixed(layer) for layer, has in zip(read, given)],
             edges=None if edges is None else [(e[0], e[1]) for e in edges],
             model=str(data.get("model", "")),
             batch_size=data.get("batch_size"),
             source=str(data.get("source", where)),
+            fixed_costs=str(data.get("fixed_costs", "given")) if recorded else "default",
         )
 
     def save(self, path: str) -> None:
@@ -158,8 +229,13 @@ def _layer_from_dict(entry: Any, index: int, where: str) -> LayerProfile:
     missing = [key for key in _LAYER_FIELDS if key not in entry]
     if missing:
         raise UsageError(f"{where}: layer {index} is missing field {missing[0]!r}")
-    values = {key: entry[key] for key in _LAYER_FIELDS}
-    for key in _LAYER_FIELDS[1:]:
+    fixed = [key for key in _FIXED_FIELDS if key in entry]
+    if len(fixed) == 1:
+        other = _FIXED_FIELDS[1 - _FIXED_FIELDS.index(fixed[0])]
+        raise UsageError(f"{where}: layer {index} has {fixed[0]!r} but not {other!r}; "
+                         "give both fixed costs or neither (neither: the documented defaults)")
+    values = {key: entry[key] for key in (*_LAYER_FIELDS, *fixed)}
+    for key in [*_LAYER_FIELDS[1:], *(k for k in _FIXED_FIELDS if k in values)]:
         if not isinstance(values[key], (int, float)) or isinstance(values[key], bool):
             raise UsageError(f"{where}: layer {index} field {key!r} must be a number (got {values[key]!r})")
         if values[key] < 0:
@@ -227,6 +303,9 @@ def _activation(text: str, line_number: int, path: str) -> float:
 def from_pipedream_graph(text: str, *, source: str = "graph.txt") -> ModelProfile:
     """Import PipeDream's ``graph.txt`` (times in ms) as a profile in seconds.
 
+    The format has no fixed cost per call; every node gets the documented defaults
+    (:data:`DEFAULT_FORWARD_FIXED_S`, :data:`DEFAULT_BACKWARD_FIXED_S`).
+
     As PipeDream's optimizer does, nodes described as ``Input...`` (model inputs, no cost)
     are dropped, and so are ``__getitem__`` nodes whose output nobody reads. A multi-output
     node's activation size is the sum of its outputs. Layers are kept in a topological order
@@ -281,10 +360,11 @@ def _graph_to_profile(
     rank = {old: new for new, old in enumerate(order)}
     layers = [_layer(names[old], nodes[names[old]]) for old in order]
     return ModelProfile(
-        layers=layers,
+        layers=[with_default_fixed(layer) for layer in layers],
         edges=sorted((rank[a], rank[b]) for a, b in edge_pairs),
         model=source,
         source=f"PipeDream graph {source}",
+        fixed_costs="default",
     )
 
 

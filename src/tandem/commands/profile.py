@@ -17,7 +17,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "profile",
         help="measure per-layer time and sizes of a model",
         description="Measure forward/backward time, output activation bytes and parameter "
-        "bytes of every top-level block of a model on the local device.",
+        "bytes of every top-level block of a model on the local device, and each block's fixed "
+        "cost per call (fitted over the batch, its half, quarter and eighth).",
     )
     p.add_argument("--model", required=True, help="model spec, e.g. vgg:width=0.25 or gpt")
     p.add_argument("--batch-size", type=int, required=True, help="minibatch size to profile at")
@@ -79,12 +80,17 @@ def _default_data(model_spec: str) -> str:
 
 def format_profile(profile: ModelProfile) -> str:
     """A readable per-layer table."""
-    lines = [f"{'layer':<28} {'fwd ms':>9} {'bwd ms':>9} {'act MB':>9} {'params MB':>10}"]
+    lines = [f"{'layer':<28} {'fwd ms':>9} {'bwd ms':>9} {'fixed fwd us':>12} {'fixed bwd us':>12} "
+             f"{'act MB':>9} {'params MB':>10}"]
     for layer in profile.layers:
         lines.append(f"{layer.name[:28]:<28} {layer.forward_s * 1e3:9.3f} {layer.backward_s * 1e3:9.3f} "
+                     f"{layer.forward_fixed_s * 1e6:12.1f} {layer.backward_fixed_s * 1e6:12.1f} "
                      f"{layer.activation_bytes / 1e6:9.3f} {layer.parameter_bytes / 1e6:10.3f}")  # fmt: skip
     total = profile.total_compute_s()
     lines.append(f"total forward+backward: {total * 1e3:.3f} ms per minibatch of {profile.batch_size}")
+    lines.append(f"fixed cost per micro-batch ({profile.fixed_costs}): "
+                 f"{profile.total_fixed_s() * 1e3:.3f} ms forward+backward, paid by every call "
+                 "whatever its size")
     return "\n".join(lines)
 
 

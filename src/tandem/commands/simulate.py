@@ -136,8 +136,9 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer-state", type=float, default=1.0, metavar="X",
                    help="optimizer state bytes per parameter byte (SGD momentum 1, Adam 2)")
     p.add_argument("--overhead", default="0", metavar="TIME",
-                   help="fixed framework time added to every forward and backward, e.g. 1ms, "
-                   "50us or 0.001 (seconds) (default 0)")
+                   help="fixed time added to every forward and backward on top of the "
+                   "profile's own fixed cost per call (e.g. the runtime's cost per action), e.g. "
+                   "1ms, 50us or 0.001 (seconds) (default 0)")
 
 
 def add_codec_args(p: argparse.ArgumentParser, *, compress: bool = True) -> None:
@@ -275,6 +276,8 @@ def run(args: argparse.Namespace) -> int:
     result = simulate(plan, profile, cluster, options)
     human = sys.stderr if args.json else sys.stdout
     print(format_result(result, cluster), file=human)
+    print(f"fixed cost per micro-batch: {profile.total_fixed_s() * 1e3:.3f} ms forward+backward "
+          f"over all layers ({profile.fixed_costs}; docs/simulator.md section 8)", file=human)
     if args.trace:
         result.timeline.write(args.trace)
         print(f"wrote {args.trace}", file=human)

@@ -19,8 +19,12 @@ Options (``emulated:key=value,...``):
 - ``profile`` — a JSON profile (``tandem profile``) or PipeDream ``graph.txt``; required.
 - ``scale`` — multiplies every profiled time (e.g. 0.1 to run ten times faster).
 - ``batch`` — the minibatch size the profile was measured at. Waits then scale with the
-  batch of each call (a micro-batch of ``batch / 8`` samples waits 1/8 of the profiled time)
-  and activation sizes are per sample (``activation_bytes / batch``). Default: the profile's
+  batch of each call: a call pays the layer's fixed cost (``forward_fixed_s``,
+  ``backward_fixed_s``: measured by ``tandem profile``, or the documented defaults of
+  :mod:`tandem.profile`) once, plus the rest of the profiled time times its share of the
+  batch, exactly as the simulator charges it (a micro-batch of ``batch / 8`` samples waits
+  ``fixed + (t - fixed) / 8``); activation sizes are per sample (``activation_bytes / batch``).
+  Default: the profile's
   own ``batch_size``; if neither is known, every call waits the full profiled time whatever
   its size, and each sample carries the whole profiled activation.
 - ``bytes_scale`` — multiplies activation sizes (and, with ``params=profiled``, parameter
@@ -44,8 +48,10 @@ works on any dataset; its trainable shift learns the class prior. Activation mem
 too: each block saves its output for the backward, so the pipeline engine's saved-tensor
 accounting reports the profiled activation bytes of a stage.
 
-Not modelled: GPU memory bandwidth, kernel launch overheads, and any difference between
-forward and backward data sizes beyond the profile's numbers.
+Not modelled: GPU memory bandwidth, kernel launches beyond the profile's fixed cost per call,
+and any difference between forward and backward data sizes beyond the profile's numbers. The
+runtime's own cost per call (autograd, the pipeline engine, the wait's overshoot) comes on top
+of the emulated times, as it would on a device; the simulator takes it as ``--overhead``.
 """
 
 from __future__ import annotations
@@ -59,7 +65,7 @@ import torch
 from torch import nn
 
 from tandem.data.info import DataInfo
-from tandem.profile import LayerProfile, load_profile
+from tandem.profile import LayerProfile, load_profile, scale_call
 
 CHAIN_GAP_S = 1e-3
 """Two blocks run back to back (their waits are timed as one chain) when the second starts
@@ -136,6 +142,10 @@ class BlockTiming:
     forward_s: float
     """Forward wait of one call at the reference batch (already multiplied by ``scale``)."""
     backward_s: float
+    forward_fixed_s: float = 0.0
+    """Part of ``forward_s`` every call waits whatever its size (already multiplied by ``scale``)."""
+    backward_fixed_s: float = 0.0
+    """Part of ``backward_s`` every call waits whatever its size."""
     reference_batch: int | None
     """Samples the waits are for; None: the waits are per call, whatever its size."""
     output_shape: tuple[int, ...]
@@ -145,8 +155,12 @@ class BlockTiming:
     clock: Clock = dataclasses.field(compare=False)
 
     def seconds(self, direction: str, num_samples: int) -> float:
-        base = self.forward_s if direction == "F" else self.backward_s
-        return base if self.reference_batch is None else base * num_samples / self.reference_batch
+        """Wait of one ``direction`` (``F``/``B``) call on ``num_samples`` samples."""
+        base, fixed = ((self.forward_s, self.forward_fixed_s) if direction == "F"
+                       else (self.backward_s, self.backward_fixed_s))
+        if self.reference_batch is None:
+            return base
+        return scale_call(base, fixed, num_samples / self.reference_batch)
 
 
 class _Emulate(torch.autograd.Function):
@@ -230,7 +244,10 @@ def build_emulated(options: EmulatedOptions, info: DataInfo) -> nn.Sequential:
         last = index == profile.num_layers - 1
         timing = BlockTiming(
             index=index, forward_s=layer.forward_s * options.scale,
-            backward_s=layer.backward_s * options.scale, reference_batch=reference, clock=clock,
+            backward_s=layer.backward_s * options.scale,
+            forward_fixed_s=layer.forward_fixed_s * options.scale,
+            backward_fixed_s=layer.backward_fixed_s * options.scale,
+            reference_batch=reference, clock=clock,
             width=info.num_classes if last else 1,
             output_shape=output_shape(index, layer, num_layers=profile.num_layers,
                                       options=options, reference_batch=reference, info=info),

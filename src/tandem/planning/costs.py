@@ -40,6 +40,11 @@ class StageCost:
     buckets: tuple[tuple[float, float], ...]
     """DDP gradient buckets in the order they fill: ``(backward seconds until the bucket's
     gradients are all computed, bucket bytes)``."""
+    forward_fixed_s: float = 0.0
+    """The part of ``forward_s`` paid once per call, whatever the micro-batch (the layers'
+    ``forward_fixed_s``)."""
+    backward_fixed_s: float = 0.0
+    """The part of ``backward_s`` paid once per call."""
     bucket_tensors: tuple[tuple[float, ...], ...] = ()
     """Per bucket of ``buckets``, the parameter bytes of each layer in it (a layer's
     parameters counted as one tensor), for codecs whose payload is per tensor."""
@@ -99,6 +104,8 @@ def stage_costs(plan: Plan, profile: ModelProfile, *,
         costs.append(StageCost(
             forward_s=sum(layer.forward_s for layer in layers),
             backward_s=sum(layer.backward_s for layer in layers),
+            forward_fixed_s=sum(layer.forward_fixed_s for layer in layers),
+            backward_fixed_s=sum(layer.backward_fixed_s for layer in layers),
             parameter_bytes=sum(layer.parameter_bytes for layer in layers),
             activation_bytes=sum(layer.activation_bytes for layer in layers),
             output_bytes=crossing[index],

@@ -25,7 +25,7 @@ from tandem.errors import UsageError
 from tandem.plan import Plan
 from tandem.planning.codecs import GRADIENT_ELEMENT_BYTES, CodecModel, parse_codec
 from tandem.planning.collectives import link_level, port, unit_sizes
-from tandem.profile import ModelProfile
+from tandem.profile import ModelProfile, scale_call
 from tandem.schedule import Action, Kind
 from tandem.timeline import Event, Timeline
 
@@ -107,13 +107,16 @@ def family_costs(plan: Plan, profile: ModelProfile, cluster: Cluster, options: A
             f"use fewer workers or servers, or a larger cluster")
     layers = [profile.layers[i] for i in plan.stage_layers(0)]
     share = options.batch_scale / int(plan.num_microbatches or stage.replicas)
+    fixed = 1.0 if options.charge_fixed_costs else 0.0  # the layers' cost per call, or none
     speed = cluster.speed
     parameter_bytes = float(sum(layer.parameter_bytes for layer in layers))
     spec = options.compress or (plan.compress.text if plan.compress is not None else None)
     workers, server_devices = _devices(plan, cluster)
     return Costs(
-        forward_s=sum(l.forward_s for l in layers) * share / speed + options.compute_overhead_s,
-        backward_s=sum(l.backward_s for l in layers) * share / speed + options.compute_overhead_s,
+        forward_s=sum(scale_call(l.forward_s, l.forward_fixed_s * fixed, share) for l in layers)
+        / speed + options.compute_overhead_s,
+        backward_s=sum(scale_call(l.backward_s, l.backward_fixed_s * fixed, share) for l in layers)
+        / speed + options.compute_overhead_s,
         accumulate=plan.accumulate,
         step_s=parameter_bytes / options.optimizer_Bps if options.optimizer_Bps else 0.0,
         parameter_bytes=parameter_bytes,

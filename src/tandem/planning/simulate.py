@@ -8,7 +8,8 @@ Usage::
 
 The plan's schedule is generated exactly as the runtime generates it (``tandem.schedule``) and
 replayed action by action (:mod:`tandem.planning.replay`): forwards and backwards take the
-profiled time of the stage's layers, scaled to the micro-batch and divided by the device speed;
+profiled time of the stage's layers, scaled to the micro-batch (their fixed cost per call once,
+the rest times the micro-batch's share: :func:`call_s`) and divided by the device speed;
 activations and gradients cross the link between the two workers' devices, with its latency and
 bandwidth, and wait for its ports; a replicated stage allreduces its gradients with the
 cluster's collective costs (:mod:`tandem.planning.collectives`) — after its last backward and
@@ -35,9 +36,9 @@ budgets in closed form.
 
 What it does not model:
 
-- compute that does not scale linearly with the micro-batch (small batches run less
-  efficiently on GPUs), per-kernel launch costs, and framework overhead per action beyond
-  ``compute_overhead_s`` and ``send_overhead_s``; branches of a DAG inside a stage run one
+- compute that does not scale linearly with the micro-batch beyond the layers' fixed cost per
+  call (small batches run less efficiently on GPUs), and framework overhead per action beyond
+  those fixed costs, ``compute_overhead_s`` and ``send_overhead_s``; branches of a DAG inside a stage run one
   after another; stragglers, noise and any variability between workers, so backup workers
   (``ParameterServerSync.backup``) only change who waits at the servers' ports, and
   asynchronous methods (async and SSP parameter servers, AD-PSGD) run in lock-step
@@ -83,7 +84,7 @@ from tandem.planning.costs import (
 )
 from tandem.planning.memory import device_memory_bytes
 from tandem.planning.replay import Replay, Workload, replay
-from tandem.profile import ModelProfile
+from tandem.profile import ModelProfile, scale_call
 from tandem.schedule import Schedule
 from tandem.sync_spec import (
     AllReduceSync,
@@ -123,7 +124,12 @@ class SimOptions:
     optimizer_state_factor: float = 1.0
     """Optimizer state bytes per parameter byte (SGD with momentum 1, Adam 2)."""
     compute_overhead_s: float = 0.0
-    """Fixed seconds added to every forward and backward (framework overhead)."""
+    """Fixed seconds added to every forward and backward, on top of the profile's own fixed
+    costs (e.g. the runtime's cost per action, which a profile of the layers does not see)."""
+    charge_fixed_costs: bool = True
+    """Charge the profile's fixed cost per call (``LayerProfile.forward_fixed_s`` and
+    ``backward_fixed_s``) to every forward and backward of a micro-batch, and scale only the
+    rest with its share of the minibatch; False scales whole layer times (no fixed cost)."""
     send_overhead_s: float = 0.0
     """Seconds a worker spends posting a send."""
     num_steps: int = 2
@@ -158,6 +164,9 @@ class SimOptions:
             raise UsageError(f"allreduce latency must not be negative (got {self.allreduce_latency_s})")
         if self.num_steps < 1:
             raise UsageError(f"num_steps must be at least 1 (got {self.num_steps})")
+        if not (self.compute_overhead_s >= 0 and math.isfinite(self.compute_overhead_s)):
+            raise UsageError(f"overhead must be a non-negative number of seconds "
+                             f"(got {self.compute_overhead_s})")
         if not (self.server_message_s >= 0 and math.isfinite(self.server_message_s)):
             raise UsageError(f"server message time must be a non-negative number of seconds "
                              f"(got {self.server_message_s})")
@@ -356,17 +365,19 @@ def build_workload(plan: Plan, costs: list[StageCost], cluster: Cluster, schedul
         return allreduce_s(cluster, group, num_bytes / ratio, options.allreduce,
                            options.allreduce_latency_s)
 
+    forward = [call_s(c.forward_s, c.forward_fixed_s, share, options) / speed for c in costs]
+    backward = [call_s(c.backward_s, c.backward_fixed_s, share, options) / speed for c in costs]
     workload = Workload(
-        forward_s=[c.forward_s * share / speed + options.compute_overhead_s for c in costs],
-        backward_s=[c.backward_s * share / speed + options.compute_overhead_s for c in costs],
+        forward_s=[seconds + options.compute_overhead_s for seconds in forward],
+        backward_s=[seconds + options.compute_overhead_s for seconds in backward],
         step_s=[c.parameter_bytes / options.optimizer_Bps if options.optimizer_Bps else 0.0
                 for c in costs],
         output_bytes=[c.output_bytes * share / options.activation_compression
                       / codec_ratio(stage.compression) for c, stage in zip(costs, plan.stages)],
         stash_bytes=[c.activation_bytes * share for c in costs],
         allreduce_s=[reduce_s(g, c.parameter_bytes, r) for c, g, r in zip(costs, groups, ratios)],
-        buckets=[[(ready * share / speed, reduce_s(g, size, r)) for ready, size in c.buckets]
-                 for c, g, r in zip(costs, groups, ratios)] if overlap else None,
+        buckets=[[(ready * _stretch(c, seconds), reduce_s(g, size, r)) for ready, size in c.buckets]
+                 for c, g, r, seconds in zip(costs, groups, ratios, backward)] if overlap else None,
         devices=devices,
         send_overhead_s=options.send_overhead_s,
     )
@@ -374,6 +385,18 @@ def build_workload(plan: Plan, costs: list[StageCost], cluster: Cluster, schedul
         return workload
     codec = parse_codec(options.compress, options.codec_speed)
     return with_codec(workload, codec, costs, groups, cluster, options)
+
+
+def call_s(total_s: float, fixed_s: float, share: float, options: SimOptions) -> float:
+    """Seconds of one forward or backward on ``share`` of the profile's minibatch, on a device
+    of speed 1: the fixed cost once (unless ``options.charge_fixed_costs`` is off) and the rest
+    scaled by the share (the profiled time already holds one fixed cost)."""
+    return scale_call(total_s, fixed_s if options.charge_fixed_costs else 0.0, share)
+
+
+def _stretch(cost: StageCost, backward_s: float) -> float:
+    """Factor from the profile's backward seconds to a micro-batch's (for bucket ready times)."""
+    return backward_s / cost.backward_s if cost.backward_s > 0 else 0.0
 
 
 def with_codec(workload: Workload, codec: CodecModel, costs: list[StageCost],
