@@ -61,6 +61,43 @@ def build_states(profile: ModelProfile) -> States:
     return _dag_states(profile)
 
 
+def count_states(profile: ModelProfile, cap: int) -> int:
+    """The number of states of ``profile``, or ``cap`` when there are at least that many.
+
+    The states are grown as :func:`build_states` grows them, but only counted, and never more
+    than ``cap`` of them: cheap for a profile whose states explode.
+    """
+    if profile.is_chain:
+        return min(profile.num_layers, cap)
+    from tandem.profile import topological_order
+
+    n = profile.num_layers
+    edges = profile.edge_list()
+    producers: list[list[int]] = [[] for _ in range(n)]
+    consumers = [0] * n
+    for producer, consumer in edges:
+        producers[consumer].append(producer)
+        consumers[producer] |= 1 << consumer
+    order = topological_order(n, edges)
+    down = _down_sets(n, producers, order)
+    feeds = [0] * n  # every layer fed by the down-set of a layer
+    for layer in order:
+        feeds[layer] = consumers[layer]
+        for producer in producers[layer]:
+            feeds[layer] |= feeds[producer]
+    first = min(i for i in range(n) if not producers[i])
+    fed = {down[first]: feeds[first]}
+    frontier = [down[first]]
+    while frontier and len(fed) < cap:
+        state = frontier.pop()
+        for layer in _bits(fed[state] & ~state):
+            grown = state | down[layer]
+            if grown not in fed:
+                fed[grown] = fed[state] | feeds[layer]
+                frontier.append(grown)
+    return min(len(fed), cap)
+
+
 def _words(masks: list[int], num_layers: int) -> np.ndarray:
     """The masks as rows of 64-bit words (``[s, w]``: layers ``64 w .. 64 w + 63`` of state s)."""
     width = 8 * ((num_layers + 63) // 64)
@@ -170,7 +207,8 @@ def _reachable(start: int, first: int, down: list[int], feeds: list[int],
             if len(maximal) >= MAX_STATES:
                 raise UsageError(
                     f"the profile's DAG has more than {MAX_STATES} cut states (too many "
-                    "parallel branches): merge branches into blocks before planning"
+                    "parallel branches): plan with make_plan, which merges branches "
+                    "(tandem.planning.branches), or merge them into blocks in the profile"
                 )
             kept = [a for a in _bits(maximal[state]) if not consumers[a] & down[layer]]
             maximal[grown] = sum(1 << a for a in kept) | (1 << layer)
