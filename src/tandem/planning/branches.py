@@ -323,26 +323,36 @@ def _union(masks: list[int]) -> int:
 
 def _choose(segments: list[_Segment], max_states: int) -> list[int] | None:
     """Per segment, how many candidates to merge: the fewest that bring every segment to at
-    most a common count ``t``, for the largest ``t`` whose total is at most ``max_states``."""
+    most a common count ``t``, for the largest ``t`` whose total is at most ``max_states``;
+    then, segment by segment, the fewer merges of the next larger ``t`` while the total stays
+    within ``max_states``. None when even merging every candidate leaves too many states."""
     levels = sorted({count for segment in segments for count in segment.counts}, reverse=True)
 
     def merges(cap: int) -> list[int]:
         return [next((k for k, c in enumerate(s.counts) if c <= cap), len(s.counts) - 1)
                 for s in segments]  # fmt: skip
 
-    def total(cap: int) -> int:
-        return sum(s.counts[k] for s, k in zip(segments, merges(cap)))
+    def total(chosen: list[int]) -> int:
+        return sum(s.counts[k] for s, k in zip(segments, chosen))
 
-    low, high = 0, len(levels) - 1  # total(levels[i]) is non-increasing in i
-    if total(levels[high]) > max_states:
+    low, high = 0, len(levels) - 1  # total(merges(levels[i])) is non-increasing in i
+    if total(merges(levels[high])) > max_states:
         return None
     while low < high:
         middle = (low + high) // 2
-        if total(levels[middle]) <= max_states:
+        if total(merges(levels[middle])) <= max_states:
             high = middle
         else:
             low = middle + 1
-    return merges(levels[low])
+    chosen = merges(levels[low])
+    if low > 0:
+        spare = max_states - total(chosen)
+        for index, fewer in enumerate(merges(levels[low - 1])):
+            extra = segments[index].counts[fewer] - segments[index].counts[chosen[index]]
+            if extra <= spare:
+                chosen[index] = fewer
+                spare -= extra
+    return chosen
 
 
 # ---- the compressed profile ----------------------------------------------------------------
