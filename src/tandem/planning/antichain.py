@@ -69,33 +69,11 @@ def count_states(profile: ModelProfile, cap: int) -> int:
     """
     if profile.is_chain:
         return min(profile.num_layers, cap)
-    from tandem.profile import topological_order
+    from tandem.planning.downsets import count_grown, dag_of_profile
 
-    n = profile.num_layers
-    edges = profile.edge_list()
-    producers: list[list[int]] = [[] for _ in range(n)]
-    consumers = [0] * n
-    for producer, consumer in edges:
-        producers[consumer].append(producer)
-        consumers[producer] |= 1 << consumer
-    order = topological_order(n, edges)
-    down = _down_sets(n, producers, order)
-    feeds = [0] * n  # every layer fed by the down-set of a layer
-    for layer in order:
-        feeds[layer] = consumers[layer]
-        for producer in producers[layer]:
-            feeds[layer] |= feeds[producer]
-    first = min(i for i in range(n) if not producers[i])
-    fed = {down[first]: feeds[first]}
-    frontier = [down[first]]
-    while frontier and len(fed) < cap:
-        state = frontier.pop()
-        for layer in _bits(fed[state] & ~state):
-            grown = state | down[layer]
-            if grown not in fed:
-                fed[grown] = fed[state] | feeds[layer]
-                frontier.append(grown)
-    return min(len(fed), cap)
+    dag = dag_of_profile(profile)
+    first = min(i for i in range(profile.num_layers) if not dag.producers[i])
+    return count_grown(dag, first, cap)
 
 
 def _words(masks: list[int], num_layers: int) -> np.ndarray:

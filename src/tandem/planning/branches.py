@@ -2,9 +2,9 @@
 
 Usage::
 
-    compression = compress_for_planning(profile)   # unchanged profile when its states are few
-    plan = compression.expand(make_plan_on(compression.profile))   # plan on the real layers
-    compression.report     # None, or "merged 312 layers into 40 branch groups: ..."
+    compression = compress_for_planning(profile)   # the profile itself when its states are few
+    plan = compression.expand(make_plan(compression.profile, cluster))   # on the real layers
+    compression.report     # None, or "merged 819 layers into 91 branch groups: ..."
 
 A branchy profile (Inception-style modules of parallel branches) has a number of stage
 boundaries (*states*) that multiplies across the branches of a module, and the partitioner's
@@ -28,7 +28,8 @@ boundaries to choose from: never a better plan, the same one whenever the best p
 merged set.
 
 Merges go where the states are: per segment, smallest sets first (innermost first), until no
-segment has more than a common number of states and their total is at most ``max_states``.
+segment has more than a common number of states and their total is at most ``max_states``;
+segments then take back finer merges while the total stays within it.
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ from dataclasses import dataclass
 from tandem.errors import UsageError
 from tandem.plan import Plan
 from tandem.planning.antichain import MAX_STATES, count_states
-from tandem.planning.downsets import TOO_MANY, Dag, bits, count_down_sets, dag_of_edges, dag_of_profile
+from tandem.planning.downsets import (
+    TOO_MANY, Dag, bits, count_down_sets, count_grown, dag_of_edges, dag_of_profile,
+)
 from tandem.profile import LayerProfile, ModelProfile
 
 DEFAULT_MAX_STATES = 1_000
@@ -61,8 +64,8 @@ class Compression:
     """Per layer of ``profile``, the original layers it stands for, in a topological order
     (empty for a layer that only carries merged members' stashed activations)."""
     states_before: int
-    """States of ``original`` (counted as down-sets: exact for a single-source DAG, an upper
-    bound otherwise; at most ``max_states + 1`` when nothing was merged)."""
+    """States of ``original`` (at most ``max_states + 1`` when nothing was merged; a lower bound
+    when merging a DAG with several inputs, whose first part is counted up to that cap)."""
     states_after: int
     """States of ``profile``."""
     report: str | None
@@ -82,7 +85,9 @@ class Compression:
         return expanded
 
 
-def compress_for_planning(profile: ModelProfile, max_states: int = DEFAULT_MAX_STATES) -> Compression:
+def compress_for_planning(
+    profile: ModelProfile, max_states: int = DEFAULT_MAX_STATES
+) -> Compression:
     """``profile`` with branches merged when it has more than ``max_states`` states.
 
     When merging cannot bring the states down to ``max_states`` (a long model rather than a
@@ -98,20 +103,25 @@ def compress_for_planning(profile: ModelProfile, max_states: int = DEFAULT_MAX_S
         return _unchanged(profile, counted)
     dag = dag_of_profile(profile)
     post_dominators = _post_dominators(dag)
-    segments = [_with_counts(dag, post_dominators, segment) for segment in _segments(dag)]
+    segments = [_with_counts(dag, post_dominators, segment, max_states + 1)
+                for segment in _segments(dag)]  # fmt: skip
     before = sum(segment.counts[0] for segment in segments)
     merges = _choose(segments, max_states)
     if merges is None:
-        if before <= MAX_STATES:
-            return _unchanged(profile, before)
+        exact = count_states(profile, MAX_STATES + 1)
+        if exact <= MAX_STATES:
+            return _unchanged(profile, exact)
         merges = [len(segment.candidates) for segment in segments]
-    groups = [group for segment, k in zip(segments, merges) for group in _outermost(segment.candidates[:k])]
+    groups = [group for segment, k in zip(segments, merges)
+              for group in _outermost(segment.candidates[:k])]  # fmt: skip
     if not groups:
         return _unchanged(profile, before)
     compressed, members = _compressed_profile(profile, dag, groups)
     after = count_states(compressed, MAX_STATES + 1)
     merged_layers = sum(group.bit_count() for group in groups)
     shown = "too many to count" if before >= TOO_MANY else f"{before:,}"
+    if segments[0].grown and segments[0].counts[0] > max_states:
+        shown = f"at least {before:,}"  # counting stopped at the cap
     report = (f"merged {merged_layers} layers into {len(groups)} branch groups: {shown} cut states "
               f"-> {after:,} (limit {max_states:,})")
     return Compression(original=profile, profile=compressed, groups=members, states_before=before,
@@ -150,7 +160,8 @@ def expand_plan(plan: Plan, groups: list[list[int]], original: ModelProfile) -> 
 
 
 def _unchanged(profile: ModelProfile, states: int) -> Compression:
-    return Compression(original=profile, profile=profile, groups=[[i] for i in range(profile.num_layers)],
+    return Compression(original=profile, profile=profile,
+                       groups=[[i] for i in range(profile.num_layers)],
                        states_before=states, states_after=states, report=None)  # fmt: skip
 
 
@@ -167,6 +178,9 @@ class _Segment:
     """The layers strictly between the two series points (mask)."""
     exit: int | None
     """The series point after (None for the part after the last one)."""
+    grown: bool = False
+    """Its states are counted by growing them (the part before the first series point of a
+    DAG with several inputs), up to a cap."""
     candidates: list[int] = dataclasses.field(default_factory=list)
     """Mergeable sets, smallest first; each either contains or avoids every earlier one."""
     counts: list[int] = dataclasses.field(default_factory=list)
@@ -184,8 +198,10 @@ def _segments(dag: Dag) -> list[_Segment]:
     segments = []
     if not series or series[0] != first:
         end = series[0] if series else None
-        inside = (dag.down[end] & ~(1 << end) if end is not None else dag.everything) & ~dag.down[first]
-        segments.append(_Segment(start=None, interior=inside, exit=end))
+        inside = dag.down[end] & ~(1 << end) if end is not None else dag.everything
+        inside &= ~dag.down[first]
+        inputs = sum(1 for producers in dag.producers if not producers)
+        segments.append(_Segment(start=None, interior=inside, exit=end, grown=inputs > 1))
     for index, point in enumerate(series):
         end = series[index + 1] if index + 1 < len(series) else None
         inside = dag.up[point] & ~(1 << point)
@@ -195,10 +211,10 @@ def _segments(dag: Dag) -> list[_Segment]:
     return segments
 
 
-def _with_counts(dag: Dag, post_dominators: list[int], segment: _Segment) -> _Segment:
+def _with_counts(dag: Dag, post_dominators: list[int], segment: _Segment, cap: int) -> _Segment:
     """The segment with its candidate merges and its states after each."""
     segment.candidates = _candidates(dag, post_dominators, segment) if segment.interior else []
-    segment.counts = [_segment_states(dag, segment, segment.candidates[:k])
+    segment.counts = [_segment_states(dag, segment, segment.candidates[:k], cap)
                       for k in range(len(segment.candidates) + 1)]  # fmt: skip
     return segment
 
@@ -288,22 +304,32 @@ def _outermost(candidates: list[int]) -> list[int]:
             if not any(mask & ~later == 0 for later in candidates[index + 1 :])]  # fmt: skip
 
 
-def _segment_states(dag: Dag, segment: _Segment, merged: list[int]) -> int:
+def _segment_states(dag: Dag, segment: _Segment, merged: list[int], cap: int) -> int:
     """States of the segment once ``merged`` are merged: down-sets of its interior in which
-    every merged set is whole, and which leave out the exit's set."""
+    every merged set is whole, and which leave out the exit's set.
+
+    Before the first series point of a DAG with several inputs, not every down-set is a state
+    (an input joins a state only with a layer it feeds): those are grown from the first layer
+    as the partitioner grows them, and counted up to ``cap``.
+    """
     groups = _outermost(merged)
     nodes = segment.interior
     if segment.exit is not None:
         for group in groups:
             if group >> segment.exit & 1:
                 nodes &= ~group
-    inside = [group for group in groups if group & nodes]
-    quotient = _quotient(dag, nodes, inside)
+    if segment.grown:
+        first = dag.order[0]
+        nodes |= dag.down[first]
+        quotient, unit_of = _quotient(dag, nodes, [g for g in groups if g & nodes])
+        return count_grown(quotient, unit_of[first], cap)
+    quotient, _ = _quotient(dag, nodes, [group for group in groups if group & nodes])
     return count_down_sets(quotient, quotient.everything)
 
 
-def _quotient(dag: Dag, nodes: int, groups: list[int]) -> Dag:
-    """The DAG of ``nodes`` with every group (a subset of ``nodes``) made one node."""
+def _quotient(dag: Dag, nodes: int, groups: list[int]) -> tuple[Dag, dict[int, int]]:
+    """The DAG of ``nodes`` with every group (a subset of ``nodes``) made one node, and the
+    node each layer went to."""
     units = list(groups) + [1 << v for v in bits(nodes & ~_union(groups))]
     unit_of = {v: index for index, unit in enumerate(units) for v in bits(unit)}
     edges = set()
@@ -311,7 +337,7 @@ def _quotient(dag: Dag, nodes: int, groups: list[int]) -> Dag:
         for v in bits(unit):
             for consumer in bits(dag.consumers[v] & nodes & ~unit):
                 edges.add((index, unit_of[consumer]))
-    return dag_of_edges(len(units), sorted(edges))
+    return dag_of_edges(len(units), sorted(edges)), unit_of
 
 
 def _union(masks: list[int]) -> int:
@@ -380,8 +406,9 @@ def _compressed_profile(
         layers.append(layer)
         members.append(nodes)
         if stash > 0:
-            carriers.append((LayerProfile(name=f"stash of {layer.name}", forward_s=0.0, backward_s=0.0,
-                                          activation_bytes=stash, parameter_bytes=0.0), len(layers) - 1))  # fmt: skip
+            carrier = LayerProfile(name=f"stash of {layer.name}", forward_s=0.0, backward_s=0.0,
+                                   activation_bytes=stash, parameter_bytes=0.0)
+            carriers.append((carrier, len(layers) - 1))
     new_edges = sorted((position[a], position[b]) for a, b in edges)
     for carrier, owner in carriers:
         new_edges.append((len(layers), owner))

@@ -85,6 +85,26 @@ def bits(mask: int) -> list[int]:
     return found
 
 
+def count_grown(dag: Dag, first: int, cap: int) -> int:
+    """The down-sets grown from ``first`` (a source) by adding, again and again, the down-set of
+    a node fed by the set: the partitioner's states. Stops counting at ``cap``."""
+    feeds = [0] * dag.num_nodes  # every node fed by the down-set of a node
+    for node in dag.order:
+        feeds[node] = dag.consumers[node]
+        for producer in bits(dag.producers[node]):
+            feeds[node] |= feeds[producer]
+    fed = {dag.down[first]: feeds[first]}
+    frontier = [dag.down[first]]
+    while frontier and len(fed) < cap:
+        state = frontier.pop()
+        for node in bits(fed[state] & ~state):
+            grown = state | dag.down[node]
+            if grown not in fed:
+                fed[grown] = fed[state] | feeds[node]
+                frontier.append(grown)
+    return min(len(fed), cap)
+
+
 def count_down_sets(dag: Dag, nodes: int) -> int:
     """Subsets of ``nodes`` closed under producers within ``nodes`` (the empty set included).
 
