@@ -230,6 +230,17 @@ def test_expanded_plan_covers_every_layer_once_in_order(devices: int, straight: 
         assert stage.parameter_bytes == pytest.approx(sum(x.parameter_bytes for x in layers))
 
 
+def test_simulator_runs_the_expanded_plan_on_the_real_layers() -> None:
+    from tandem.planning.simulate import simulate
+
+    profile = inception(6, 4, 3, seed=4)
+    compression = compress_for_planning(profile, max_states=100)
+    cluster = flat_cluster(num_devices=4, bandwidth="10Gb/s")
+    plan = compression.expand(make_plan(compression.profile, cluster))
+    result = simulate(plan, profile, cluster)
+    assert result.compute_s > 0 and result.config == plan.config
+
+
 def test_expand_plan_refuses_groups_of_another_profile() -> None:
     profile = inception(3, 3, 3)
     compressed, groups = compress_branches(profile, max_states=10)
