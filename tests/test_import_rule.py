@@ -9,7 +9,8 @@ import textwrap
 MODULES = ["tandem.cluster", "tandem.profile", "tandem.plan", "tandem.planning",
            "tandem.planning.antichain", "tandem.planning.levels", "tandem.planning.partition",
            "tandem.planning.planner", "tandem.timeline", "tandem.topology",
-           "tandem.codec_spec", "tandem.planning.codecs", "tandem.planning.compare"]  # fmt: skip
+           "tandem.codec_spec", "tandem.planning.codecs", "tandem.planning.compare",
+           "tandem.planning.branches", "tandem.planning.downsets"]  # fmt: skip
 SCHEDULE_MODULES = ["tandem.schedule", "tandem.schedule.action", "tandem.schedule.schedule",
                     "tandem.schedule.generators", "tandem.schedule.check"]  # fmt: skip
 

@@ -136,6 +136,8 @@ def run(args: argparse.Namespace) -> int:
     plan = make_plan(profile, cluster, options, schedule=args.schedule,
                      num_microbatches=args.microbatches, sim=sim_options(args))
     human = sys.stderr if args.json else sys.stdout
+    if plan.options.get("branch_compression"):
+        print(f"tandem plan: note: {plan.options['branch_compression']}", file=sys.stderr)
     print(format_plan(plan, profile, cluster), file=human)
     asked = [flag for flag, given in (("--schedule", args.schedule != "1f1b"),
                                       ("--microbatches", args.microbatches is not None)) if given]

@@ -61,6 +61,21 @@ def build_states(profile: ModelProfile) -> States:
     return _dag_states(profile)
 
 
+def count_states(profile: ModelProfile, cap: int) -> int:
+    """The number of states of ``profile``, or ``cap`` when there are at least that many.
+
+    The states are grown as :func:`build_states` grows them, but only counted, and never more
+    than ``cap`` of them: cheap for a profile whose states explode.
+    """
+    if profile.is_chain:
+        return min(profile.num_layers, cap)
+    from tandem.planning.downsets import count_grown, dag_of_profile
+
+    dag = dag_of_profile(profile)
+    first = min(i for i in range(profile.num_layers) if not dag.producers[i])
+    return count_grown(dag, first, cap)
+
+
 def _words(masks: list[int], num_layers: int) -> np.ndarray:
     """The masks as rows of 64-bit words (``[s, w]``: layers ``64 w .. 64 w + 63`` of state s)."""
     width = 8 * ((num_layers + 63) // 64)
@@ -170,7 +185,8 @@ def _reachable(start: int, first: int, down: list[int], feeds: list[int],
             if len(maximal) >= MAX_STATES:
                 raise UsageError(
                     f"the profile's DAG has more than {MAX_STATES} cut states (too many "
-                    "parallel branches): merge branches into blocks before planning"
+                    "parallel branches): plan with make_plan, which merges branches "
+                    "(tandem.planning.branches), or merge them into blocks in the profile"
                 )
             kept = [a for a in _bits(maximal[state]) if not consumers[a] & down[layer]]
             maximal[grown] = sum(1 << a for a in kept) | (1 << layer)

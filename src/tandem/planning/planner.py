@@ -27,6 +27,7 @@ from typing import Any
 from tandem.cluster import Cluster, Level
 from tandem.errors import UsageError
 from tandem.plan import Plan, Stage, default_microbatches
+from tandem.planning.branches import compress_for_planning
 from tandem.planning.memory import FLUSH_SCHEDULES, stage_memory_bytes
 from tandem.planning.partition import NoPlanFits, Partition, PartitionOptions, partition
 from tandem.planning.simulate import SimOptions, SimResult, data_parallel_plan, simulate
@@ -49,14 +50,18 @@ def partition_plan(
 ) -> Plan:
     """PipeDream's partitioning as a plan: its times the partitioner's cost model (PipeDream's
     steady state, ``predicted_schedule`` ``pipedream``), its stages' memory the shared model's
-    for ``options.schedule``."""
+    for ``options.schedule``. A DAG whose cut states explode is partitioned with its branches
+    merged (:mod:`tandem.planning.branches`, reported in ``options["branch_compression"]``)
+    and the plan mapped back onto its own layers."""
     options = options or PartitionOptions()
     started = time.perf_counter()
+    compression = compress_for_planning(profile)
+    profile = compression.profile
     solved = partition(profile, cluster, options)
     solve_s = time.perf_counter() - started
     order = _layer_order(profile, solved)
     stages = _stages(profile, solved, order, options)
-    return Plan(
+    return compression.expand(Plan(
         stages=stages,
         num_layers=profile.num_layers,
         num_devices=cluster.num_devices,
@@ -70,7 +75,7 @@ def partition_plan(
         solve_s=solve_s,
         options=_recorded(dataclasses.replace(
             options, memory_bytes=options.memory_bytes or cluster.memory_bytes)),
-    )
+    ))
 
 
 def _recorded(options: PartitionOptions) -> dict[str, Any]:
@@ -279,7 +284,9 @@ def _chosen_plan(best: _Candidate, candidates: list[_Candidate], options: Partit
         solve_s=solve_s,
         stages=[dataclasses.replace(stage, memory_bytes=_stage_peak(best.result, index))
                 for index, stage in enumerate(best.plan.stages)],
-        options={**_recorded(options), "chosen": best.name},
+        options={**_recorded(options), "chosen": best.name,
+                 **{key: value for key, value in best.plan.options.items()
+                    if key == "branch_compression"}},
     )
 
 
