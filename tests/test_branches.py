@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import random
 import time
@@ -22,7 +23,10 @@ from tandem.planning.branches import (
 )
 from tandem.planning.costs import check_plan
 from tandem.planning.downsets import count_down_sets, dag_of_profile
+from tandem.plan import Plan
+from tandem.planning.simulate import simulate
 from tandem.profile import LayerProfile, ModelProfile, load_profile
+from tests.conftest import run_cli
 
 DATA = Path(__file__).parent / "data" / "profiles"
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "profiles"
@@ -408,3 +412,20 @@ def test_every_group_is_in_topological_order() -> None:
         if same:
             assert position[producer] < position[consumer]
     assert any(len(g) > 1 for g in groups)
+
+
+def test_the_planner_compresses_a_branchy_profile_by_itself(capsys, tmp_path) -> None:
+    """``tandem plan`` on an Inception-style profile of hundreds of nodes: planned, reported,
+    and the plan runs the profile's own layers (the simulator checks it against them)."""
+    profile = inception(modules=25, branches=4, length=9)
+    path = tmp_path / "inception.json"
+    profile.save(str(path))
+    code, out, err = run_cli(capsys, "plan", "--profile", str(path), "--devices", "8",
+                             "--bandwidth", "10Gb/s", "--json")
+    assert code == 0, err
+    assert "merged" in err and "cut states" in err
+    plan = Plan.from_dict(json.loads(out))
+    assert sorted(plan.layers()) == list(range(profile.num_layers))
+    cluster = flat_cluster(num_devices=8, bandwidth="10Gb/s")
+    check_plan(plan, profile, cluster)
+    assert simulate(plan, profile, cluster).step_time_s == pytest.approx(plan.bottleneck_s)

@@ -84,7 +84,7 @@ from tandem.planning.costs import (
 )
 from tandem.planning.memory import device_memory_bytes
 from tandem.planning.replay import Replay, Workload, replay
-from tandem.profile import ModelProfile, scale_call
+from tandem.profile import ModelProfile, scale_call, topological_order
 from tandem.schedule import Schedule
 from tandem.sync_spec import (
     AllReduceSync,
@@ -259,10 +259,13 @@ class SimResult:
 
 
 def data_parallel_plan(profile: ModelProfile, num_devices: int) -> Plan:
-    """Data parallelism as a plan: one stage on every device, one micro-batch each."""
+    """Data parallelism as a plan: one stage on every device, one micro-batch each (its layers
+    in a topological order of the profile's)."""
+    order = topological_order(profile.num_layers, profile.edge_list())
     return Plan(stages=[Stage(start=0, end=profile.num_layers, replicas=num_devices)],
                 num_layers=profile.num_layers, num_devices=num_devices, schedule="1f1b",
-                num_microbatches=num_devices)
+                num_microbatches=num_devices,
+                layer_order=None if order == list(range(profile.num_layers)) else order)
 
 
 def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
