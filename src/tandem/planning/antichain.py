@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tandem.errors import UsageError
+from tandem.planning.downsets import bits
 from tandem.profile import ModelProfile
 
 MAX_STATES = 200_000
@@ -150,20 +151,10 @@ def _layer_masks(num_layers: int, producers: list[list[int]], order: list[int],
             feeds[layer] |= feeds[producer]
             candidates |= open_layers[producer]
         inside = down[layer]
-        kept = [i for i in _bits(candidates) if consumers[i] & ~inside]
+        kept = [i for i in bits(candidates) if consumers[i] & ~inside]
         open_layers[layer] = sum(1 << i for i in kept) | (1 << layer if consumers[layer] else 0)
     augment = [mask & ~(1 << layer) for layer, mask in enumerate(open_layers)]
     return down, feeds, augment
-
-
-def _bits(mask: int) -> list[int]:
-    """The set bits of ``mask``, ascending."""
-    found = []
-    while mask:
-        low = mask & -mask
-        found.append(low.bit_length() - 1)
-        mask ^= low
-    return found
 
 
 def _reachable(start: int, first: int, down: list[int], feeds: list[int],
@@ -178,7 +169,7 @@ def _reachable(start: int, first: int, down: list[int], feeds: list[int],
     frontier = [start]
     while frontier:
         state = frontier.pop()
-        for layer in _bits(fed[state] & ~state):
+        for layer in bits(fed[state] & ~state):
             grown = state | down[layer]
             if grown in maximal:
                 continue
@@ -188,7 +179,7 @@ def _reachable(start: int, first: int, down: list[int], feeds: list[int],
                     "parallel branches): plan with make_plan, which merges branches "
                     "(tandem.planning.branches), or merge them into blocks in the profile"
                 )
-            kept = [a for a in _bits(maximal[state]) if not consumers[a] & down[layer]]
+            kept = [a for a in bits(maximal[state]) if not consumers[a] & down[layer]]
             maximal[grown] = sum(1 << a for a in kept) | (1 << layer)
             fed[grown] = fed[state] | feeds[layer]
             frontier.append(grown)
@@ -197,10 +188,10 @@ def _reachable(start: int, first: int, down: list[int], feeds: list[int],
 
 def _cut_bytes(maximal: int, augment: list[int], acts: list[float]) -> float:
     """Summed activations of the augmented antichain: maximal layers and their augmentations."""
-    tops = _bits(maximal)
+    tops = bits(maximal)
     frontier = set(tops)
     for top in tops:
-        frontier.update(_bits(augment[top]))
+        frontier.update(bits(augment[top]))
     return float(sum(acts[i] for i in frontier))
 
 
