@@ -23,8 +23,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "plan",
         help="choose pipeline stages and replication (PipeDream's partitioner)",
-        description="Split a model into pipeline stages with a replica count each, minimizing "
-        "the slowest stage under PipeDream's cost model.",
+        description="Split a model into pipeline stages with a replica count each (PipeDream's "
+        "partitioner), simulate that plan beside the flat plan at the slowest link, data "
+        "parallelism and one device, and return the fastest that fits the devices' memory.",
     )
     add_source_args(p, batch_help="with --model: minibatch to profile", batch_default=32)
     add_cluster_args(p)
@@ -128,6 +129,8 @@ def run(args: argparse.Namespace) -> int:
     cluster = build_cluster(args)
     options = _options(args)
     profile = load_source(args)
+    if args.profile_batch is not None and args.profile_batch < 1:
+        raise UsageError(f"--profile-batch must be at least 1 sample (got {args.profile_batch})")
     if profile.batch_size is None and args.profile_batch:
         profile = dataclasses.replace(profile, batch_size=args.profile_batch)
     elif args.profile_batch is not None and args.profile_batch != profile.batch_size:

@@ -238,9 +238,10 @@ def check_job(job: Job) -> None:
         preflight.warn(note)
     placed = [device for stage in plan.stages for device in (stage.devices or [])]
     if placed and under_launcher() and placed != list(range(len(placed))):
-        preflight.warn(f"the plan places its workers on devices {placed} (stages kept inside "
-                       f"servers); worker w runs as rank w, so start the ranks in that device "
-                       f"order for the links the plan's time assumes")
+        preflight.warn(f"the plan's time assumes its workers on devices {placed} (each "
+                       f"server's stages inside it), but tandem runs worker w as rank w: under "
+                       f"torchrun's consecutive ranks per node some activations cross servers, "
+                       f"and the run may be slower than planned")
 
 
 def _check_writable(out: Path) -> None:

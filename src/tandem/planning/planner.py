@@ -39,6 +39,8 @@ MEMORY_RETRIES = 3
 """Times the partitioner re-solves under a tighter limit when its plan's simulated devices
 exceed the memory (outer levels of a hierarchy estimate a unit's memory as an even share, and
 flush schedules' micro-batches may not divide evenly among a stage's replicas)."""
+TIGHTER_BUDGETS = (0.5, 0.25)
+"""Memory budgets besides none, as fractions of the unconstrained partition's simulated peak."""
 BUDGET_SCALES = (1.0, 2.0, 4.0, 8.0)
 """Flush schedules: the partitioner's memory budget as multiples of the limit, tried in turn."""
 MEMORY_TOLERANCE = 1e-3
@@ -130,6 +132,10 @@ def make_plan(
     candidate fits the memory limit (``options.memory_bytes`` or the cluster's), naming the
     smallest memory that would do."""
     options = options or PartitionOptions()
+    if schedule == "pipedream" and num_microbatches not in (None, 1):
+        raise UsageError(f"the pipedream schedule runs whole minibatches: --microbatches "
+                         f"{num_microbatches} does not apply; drop it or use --schedule 1f1b or "
+                         f"gpipe")
     sim = dataclasses.replace(sim or SimOptions(), record=False)
     memory = options.memory_bytes if options.memory_bytes is not None else cluster.memory_bytes
     cluster = dataclasses.replace(cluster, memory_bytes=memory)
@@ -209,20 +215,46 @@ def _microbatch_counts(plan: Plan, schedule: str, given: int | None,
 
 def _partitioned(name: str, profile: ModelProfile, cluster: Cluster, options: PartitionOptions,
                  evaluate: Evaluate) -> _Candidate:
-    """The partition whose simulated devices fit the memory: the unconstrained one if it fits,
-    else solved under budgets of :data:`BUDGET_SCALES` times the limit, loosest first (flush
-    schedules' budget counts every micro-batch of a replica's share in flight, where 1F1B holds
-    few), the first that fits; at the limit itself a plan that overflows is solved again under a
-    limit shrunk by the overflow (:data:`MEMORY_RETRIES` times)."""
+    """The fastest partition, by the simulator, among the partitioner's answers under several
+    memory budgets: none, :data:`TIGHTER_BUDGETS` of that plan's simulated peak (or of the
+    limit, if smaller: the partitioner's cost model can prefer a plan that the simulator finds
+    slower than one holding less), and, when none of those fits the limit, budgets of
+    :data:`BUDGET_SCALES` times the limit, loosest first (flush schedules' budget counts every
+    micro-batch of a replica's share in flight, where 1F1B holds few), until one fits; at the
+    limit itself a plan that overflows is solved again under a limit shrunk by the overflow
+    (:data:`MEMORY_RETRIES` times)."""
     limit = options.memory_bytes
-    if limit is None:
-        return _solved(name, profile, cluster, options, evaluate)
     free = _solved(name, profile, dataclasses.replace(cluster, memory_bytes=None),
                    dataclasses.replace(options, memory_bytes=None), evaluate)
-    if free.fits:
+    tried = [free]
+    if free.result is not None:
+        ceiling = free.result.peak_memory_bytes
+        ceiling = ceiling if limit is None else min(ceiling, limit)
+        tried += [_solved(name, profile, cluster,
+                          dataclasses.replace(options, memory_bytes=ceiling * fraction), evaluate)
+                  for fraction in TIGHTER_BUDGETS]
+    if limit is not None and not any(c.fits for c in tried):
+        tried.append(_within_limit(name, profile, cluster, options, evaluate))
+    solved = [c for c in tried if c.plan is not None]
+    if not solved:
         return free
+    best = solved[0]
+    for candidate in solved[1:]:
+        if _better(candidate, best):
+            best = candidate
+    if not best.fits:
+        best.note = "its devices exceed the memory limit"
+    return best
+
+
+def _within_limit(name: str, profile: ModelProfile, cluster: Cluster, options: PartitionOptions,
+                  evaluate: Evaluate) -> _Candidate:
+    """The first partition that fits the limit under budgets of :data:`BUDGET_SCALES` times
+    it, loosest first (the last tried if none does)."""
+    limit = options.memory_bytes
+    assert limit is not None
     scales = BUDGET_SCALES if options.schedule in FLUSH_SCHEDULES else (1.0,)
-    candidate = free
+    candidate = _Candidate(name=name, plan=None)
     for scale in sorted(scales, reverse=True):
         budget = dataclasses.replace(options, memory_bytes=limit * scale)
         candidate = _solved(name, profile, cluster, budget, evaluate)
@@ -234,8 +266,6 @@ def _partitioned(name: str, profile: ModelProfile, cluster: Cluster, options: Pa
             candidate = _solved(name, profile, cluster, budget, evaluate)
         if candidate.fits:
             return candidate
-    if candidate.plan is not None:
-        candidate.note = "its devices exceed the memory limit"
     return candidate
 
 
@@ -303,21 +333,23 @@ def _no_fit_message(profile: ModelProfile, cluster: Cluster, options: PartitionO
                     sim: SimOptions, memory: float | None, candidates: list[_Candidate]) -> str:
     peaks = [c.result.peak_memory_bytes for c in candidates if c.result is not None]
     need = min([smallest_memory_bytes(profile, cluster, options, sim), *peaks])
+    kinds = "straight pipelines, one device" if options.straight else (
+        "pipelines, data parallelism, one device")
     return (f"no plan fits in {memory / 1e9:g} GB per device on {cluster.num_devices} devices "
-            f"(pipelines, data parallelism, one device): the smallest needs "
+            f"({kinds}, {options.schedule}): the smallest needs "
             f"{math.ceil(need / 1e7) / 100:g} GB; raise --memory to at least that, add "
             f"devices, or use a smaller batch")
 
 
 def smallest_memory_bytes(profile: ModelProfile, cluster: Cluster, options: PartitionOptions,
                           sim: SimOptions | None = None) -> float:
-    """The least per-device memory at which some plan on ``cluster``'s devices fits: bisection
-    on the limit of the partitioner on a flat cluster (memory does not depend on the links; idle
-    devices allowed), a limit counting as met when the simulator's peak of the partitioner's
-    plan is within it, to :data:`MEMORY_TOLERANCE`."""
+    """The least per-device memory at which the partitioner's plan for a flat cluster of
+    ``cluster``'s devices fits (memory does not depend on the links; ``options``' straight and
+    idle rules kept): bisection on the limit, a limit counting as met when the simulator's peak
+    of the plan is within it, to :data:`MEMORY_TOLERANCE`."""
     sim = dataclasses.replace(sim or SimOptions(), record=False)
     flat = _flat_at_slowest_link(cluster)
-    relaxed = dataclasses.replace(options, allow_idle=True, straight=False)
+    relaxed = options
 
     scales = BUDGET_SCALES if options.schedule in FLUSH_SCHEDULES else (1.0,)
     unlimited = dataclasses.replace(flat, memory_bytes=None)

@@ -308,7 +308,8 @@ def _strategies(profile: ModelProfile, cluster: Cluster, n: int, options: ScaleO
     strategies.append(("pipeline", _micro(balanced_plan(profile, [1] * stages, schedule="1f1b",
                                                         num_microbatches=None), options), sim))
     try:
-        hybrid: Plan | str = _micro(make_plan(profile, cluster, PartitionOptions()), options)
+        hybrid: Plan | str = _micro(make_plan(profile, cluster, PartitionOptions(), sim=sim),
+                                    options)
     except UsageError as exc:
         hybrid = str(exc)
     strategies.append(("hybrid", hybrid, sim))
