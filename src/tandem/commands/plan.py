@@ -39,8 +39,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="ignore activation transfer, as PipeDream's optimizer does by default")
     p.add_argument("--straight", action="store_true", help="one device per stage, no replication")
     p.add_argument("--allow-idle", action="store_true", help="leave devices idle when faster")
-    p.add_argument("--schedule", choices=SCHEDULE_KINDS, default="1f1b",
-                   help="schedule the plan runs and is simulated with (default 1f1b)")
+    p.add_argument("--schedule", choices=SCHEDULE_KINDS, default=None,
+                   help="schedule the plan runs and is simulated with (default 1f1b); given, "
+                   "the plan is a pipeline even where data parallelism or one device is faster")
     p.add_argument("--microbatches", type=int, default=None,
                    help="micro-batches per step the plan runs (default: the fastest the simulator "
                    "finds among max(stages, replicas) and 2 and 4 times that)")
@@ -117,7 +118,7 @@ def _candidate_line(row: dict) -> str:
     def ms(value: float | None) -> str:
         return f"{value * 1e3:10.3f}" if value is not None else f"{'-':>10}"
     fit = "" if row["fits_memory"] else "  does not fit"
-    mark = "  <- chosen" if row["chosen"] else ""
+    mark = "  <- chosen" if row["chosen"] else (f"  ({row['note']})" if row["note"] else "")
     return (f"{row['name']:>10} {row['config'][:16]:>16} {row['schedule']:>9} "
             f"{row['num_microbatches']:>5} {ms(row['estimate_s'])} {ms(row['simulated_s'])} "
             f"{row['peak_memory_bytes'] / 1e6:10.1f}{fit}{mark}")
@@ -136,18 +137,25 @@ def run(args: argparse.Namespace) -> int:
     elif args.profile_batch is not None and args.profile_batch != profile.batch_size:
         raise UsageError(f"--profile-batch {args.profile_batch} contradicts the profile's own "
                          f"minibatch {profile.batch_size}; drop --profile-batch")
-    plan = make_plan(profile, cluster, options, schedule=args.schedule,
-                     num_microbatches=args.microbatches, sim=sim_options(args))
+    asked = [flag for flag, given in (("--schedule", args.schedule is not None),
+                                      ("--microbatches", args.microbatches is not None),
+                                      ("--straight", args.straight)) if given]
+    plan = make_plan(profile, cluster, options, schedule=args.schedule or "1f1b",
+                     num_microbatches=args.microbatches, sim=sim_options(args),
+                     pipeline_only=bool(asked))
     human = sys.stderr if args.json else sys.stdout
     if plan.options.get("branch_compression"):
         print(f"tandem plan: note: {plan.options['branch_compression']}", file=sys.stderr)
     print(format_plan(plan, profile, cluster), file=human)
-    asked = [flag for flag, given in (("--schedule", args.schedule != "1f1b"),
-                                      ("--microbatches", args.microbatches is not None)) if given]
-    if asked and not plan.pipelined:
-        print(f"tandem plan: note: {plan.options['chosen']} ({plan.config}) is faster than every "
-              f"pipeline, so the plan runs it as data parallelism; {' and '.join(asked)} "
-              f"apply to pipelines (see the candidates above)", file=sys.stderr)
+    faster = [row for row in plan.candidates
+              if row["simulated_s"] is not None and row["fits_memory"]
+              and row["simulated_s"] < plan.bottleneck_s]
+    if asked and faster:
+        best = min(faster, key=lambda row: row["simulated_s"])
+        print(f"tandem plan: note: {best['name']} ({best['config']}) would be faster "
+              f"({best['simulated_s'] * 1e3:.3f} ms against {plan.bottleneck_s * 1e3:.3f} ms); "
+              f"{' and '.join(asked)} asked for a pipeline: drop them to let the planner choose",
+              file=sys.stderr)
     if args.output:
         plan.save(args.output)
         print(f"wrote {args.output}", file=human)

@@ -33,6 +33,8 @@ from tandem.planning.partition import NoPlanFits, Partition, PartitionOptions, p
 from tandem.planning.simulate import SimOptions, SimResult, data_parallel_plan, simulate
 from tandem.profile import ModelProfile, topological_order
 
+PIPELINE_CANDIDATES = ("partition", "flat")
+"""The candidates that are the partitioner's pipelines (the others: ``dp`` and ``single``)."""
 MICROBATCH_FACTORS = (1, 2, 4)
 """Flush schedules without a given count: micro-batches tried, as multiples of the default."""
 MEMORY_RETRIES = 3
@@ -124,13 +126,16 @@ class _Candidate:
 def make_plan(
     profile: ModelProfile, cluster: Cluster, options: PartitionOptions | None = None, *,
     schedule: str = "1f1b", num_microbatches: int | None = None, sim: SimOptions | None = None,
+    pipeline_only: bool = False,
 ) -> Plan:  # fmt: skip
     """The fastest plan, by the simulator, among the partitioner's on ``cluster``, the
     partitioner's on a flat cluster at the slowest link, data parallelism and one device; run
     with ``schedule`` (pipelines) and ``num_microbatches`` (None: the best of the default and
     its multiples :data:`MICROBATCH_FACTORS` for flush schedules). :class:`UsageError` when no
     candidate fits the memory limit (``options.memory_bytes`` or the cluster's), naming the
-    smallest memory that would do."""
+    smallest memory that would do. ``pipeline_only`` (and ``options.straight``: the caller asked
+    for a pipeline's layout or schedule) still simulates data parallelism and one device, for
+    reference, but returns one of the partitioner's plans."""
     options = options or PartitionOptions()
     if schedule == "pipedream" and num_microbatches not in (None, 1):
         raise UsageError(f"the pipedream schedule runs whole minibatches: --microbatches "
@@ -143,7 +148,13 @@ def make_plan(
                                   optimizer_state_factor=sim.optimizer_state_factor)
     started = time.perf_counter()
     candidates = _candidates(profile, cluster, options, schedule, num_microbatches, sim)
-    fitting = [c for c in candidates if c.fits]
+    eligible = candidates
+    if pipeline_only or options.straight:
+        eligible = [c for c in candidates if c.name in PIPELINE_CANDIDATES]
+        for reference in candidates:
+            if reference.name not in PIPELINE_CANDIDATES:
+                reference.note = "for reference: a pipeline was asked for"
+    fitting = [c for c in eligible if c.fits]
     if not fitting:
         raise NoPlanFits(_no_fit_message(profile, cluster, options, sim, memory, candidates))
     best = min(fitting, key=lambda c: c.result.step_time_s)  # type: ignore[union-attr]
@@ -158,9 +169,8 @@ def _candidates(profile: ModelProfile, cluster: Cluster, options: PartitionOptio
     if len(cluster.levels) > 1:
         flat = _flat_at_slowest_link(cluster)
         found.append(_partitioned("flat", profile, flat, options, evaluate))
-    if not options.straight or cluster.num_devices == 1:
-        dp = data_parallel_plan(profile, cluster.num_devices)
-        found.append(evaluate("dp", dp, _dp_estimate(found)))
+    dp = data_parallel_plan(profile, cluster.num_devices)
+    found.append(evaluate("dp", dp, _dp_estimate(found)))
     single = dataclasses.replace(data_parallel_plan(profile, 1), num_devices=cluster.num_devices)
     found.append(evaluate("single", single, _single_estimate(found)))
     return found
@@ -331,7 +341,8 @@ def _stage_peak(result: SimResult, stage: int) -> float:
 
 def _no_fit_message(profile: ModelProfile, cluster: Cluster, options: PartitionOptions,
                     sim: SimOptions, memory: float | None, candidates: list[_Candidate]) -> str:
-    peaks = [c.result.peak_memory_bytes for c in candidates if c.result is not None]
+    peaks = [c.result.peak_memory_bytes for c in candidates
+             if c.result is not None and not c.note.startswith("for reference")]
     need = min([smallest_memory_bytes(profile, cluster, options, sim), *peaks])
     kinds = "straight pipelines, one device" if options.straight else (
         "pipelines, data parallelism, one device")

@@ -195,11 +195,11 @@ class ScaleResult:
 
     def series(self, label: str) -> list[ScalePoint]:
         """The points of one curve (a strategy's label, e.g. ``dp`` or ``ps``), in order."""
-        return [point for point in self.points if point.strategy == label]
+        return by_curve(self.points).get(label, [])
 
     def simulated_series(self, label: str) -> list[ScalePoint]:
         """One strategy's simulations on exactly each device count, in order."""
-        return [point for point in self.simulated if point.strategy == label]
+        return by_curve(self.simulated).get(label, [])
 
     @property
     def crossover(self) -> dict[str, int | None]:
@@ -261,13 +261,21 @@ def scale(profile: ModelProfile, cluster: Cluster, options: ScaleOptions | None 
     return result
 
 
+def by_curve(points: list[ScalePoint]) -> dict[str, list[ScalePoint]]:
+    """Points grouped by their curve's label, curves and points in their order."""
+    curves: dict[str, list[ScalePoint]] = {}
+    for point in points:
+        curves.setdefault(point.strategy, []).append(point)
+    return curves
+
+
 def best_so_far(simulated: list[ScalePoint], counts: list[int]) -> list[ScalePoint]:
     """Each strategy's fastest point on at most ``N`` devices, for every ``N`` of ``counts``
     from its first point on (labelled ``N``; its efficiency counts the idle devices), ordered
     by device count. A count a strategy was skipped at keeps the best point before it."""
     curves: list[ScalePoint] = []
-    for name in dict.fromkeys(point.strategy for point in simulated):
-        at = {point.num_devices: point for point in simulated if point.strategy == name}
+    for series in by_curve(simulated).values():
+        at = {point.num_devices: point for point in series}
         held: ScalePoint | None = None
         for n in counts:
             point = at.get(n)
