@@ -7,7 +7,6 @@ with T = 2. Bad input is one line and exit status 2, before any worker starts.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -125,9 +124,11 @@ COMMON = ("--model", "mlp", "--data", "digits", "--steps", "20", "--batch-size",
           "--lr", "0.05", "--momentum", "0.9", "--seed", "3")
 
 
-def test_cli_tensor_parallel_equals_one_process(shared_run: SharedRun, tmp_path: Path) -> None:
+def test_cli_tensor_parallel_equals_one_process(shared_run: SharedRun) -> None:
+    """(With ``--accumulate 2``: every worker runs the global batch in two micro-batches.)"""
     single, _ = shared_run(*COMMON, "--nproc", "1")
-    out, summary = shared_run(*COMMON, "--nproc", "2", "--tensor-parallel", "2")
+    out, summary = shared_run(*COMMON, "--nproc", "2", "--tensor-parallel", "2",
+                              "--accumulate", "2")
     assert summary["world_size"] == 2 and summary["tensor_parallel"] == 2
     assert max_abs_diff(single / "final.pt", out / "final.pt") <= 1e-5
     assert list(torch.load(out / "final.pt")) == list(torch.load(single / "final.pt"))

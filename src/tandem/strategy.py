@@ -184,7 +184,7 @@ def tensor_degree(strategy: str, given: Mapping[str, Any], num_processes: int) -
         raise UsageError(f"{TENSOR_FLAG} {degree} with --strategy pipeline (pipeline x tensor "
                          f"layouts) is not supported yet; use --strategy dp {TENSOR_FLAG} "
                          f"{degree} --nproc {degree}, or drop {TENSOR_FLAG}")
-    if strategy != "dp":
+    if STRATEGIES[strategy].sync is not AllReduceSync:
         raise UsageError(f"{TENSOR_FLAG} {degree} runs with --strategy dp only (this run has "
                          f"--strategy {strategy}); use --strategy dp or drop {TENSOR_FLAG}")
     if num_processes % degree:
