@@ -57,7 +57,10 @@ PIPELINE_FLAGS = ("--schedule", "--microbatches", "--stages", "--replicas", "--v
 DATA_PARALLEL_FLAGS = {"--accumulate": ("dp", "gossip", "easgd", "localsgd")}
 """Flags of the data-parallel trainer, by the strategies that take them."""
 
-PLAN_FLAGS = (*PIPELINE_FLAGS, *DATA_PARALLEL_FLAGS, "--compress",
+TENSOR_FLAG = "--tensor-parallel"
+"""The tensor degree: workers each split layer is divided among (``dp`` only, for now)."""
+
+PLAN_FLAGS = (*PIPELINE_FLAGS, *DATA_PARALLEL_FLAGS, "--compress", TENSOR_FLAG,
               *(flag for kind in STRATEGIES.values() for flag in kind.sync.FLAGS))
 """Every flag a plan file fixes (so it cannot be given with ``--plan``)."""
 
@@ -143,6 +146,7 @@ def plan_from_flags(strategy: str, given: Mapping[str, Any], *, num_processes: i
     if num_processes < 1:
         raise UsageError(f"--nproc must be at least 1 (got {num_processes})")
     compress = CodecSpec.parse(given["--compress"]) if given.get("--compress") else None
+    degree = tensor_degree(strategy, given, num_processes)
     sync = build_sync(strategy, given)
     _check_gossip(sync, compress)
     if STRATEGIES[strategy].pipelined:
@@ -160,10 +164,38 @@ def plan_from_flags(strategy: str, given: Mapping[str, Any], *, num_processes: i
     accumulate = int(given.get("--accumulate", 1))
     if accumulate < 1:
         raise UsageError(f"--accumulate must be at least 1 (got {accumulate})")
-    layers = num_blocks or 1
-    return Plan(stages=[Stage(start=0, end=layers, replicas=workers)], num_layers=layers,
-                num_devices=num_processes, schedule="1f1b", num_microbatches=workers * accumulate,
-                sync=sync, compress=compress)
+    layers, replicas = num_blocks or 1, workers // degree
+    return Plan(stages=[Stage(start=0, end=layers, replicas=replicas)], num_layers=layers,
+                num_devices=num_processes, schedule="1f1b",
+                num_microbatches=replicas * accumulate, tensor_degree=degree, sync=sync,
+                compress=compress)
+
+
+def tensor_degree(strategy: str, given: Mapping[str, Any], num_processes: int) -> int:
+    """``--tensor-parallel T`` (default 1), checked against the strategy and the job's size:
+    tensor parallelism alone (T workers, ``--strategy dp``) is what runs for now."""
+    degree = int(given.get(TENSOR_FLAG, 1))
+    if degree < 1:
+        raise UsageError(f"{TENSOR_FLAG} must be at least 1 (got {degree}); e.g. "
+                         f"{TENSOR_FLAG} 2, or 1 for none")
+    if degree == 1:
+        return 1
+    if STRATEGIES[strategy].pipelined:
+        raise UsageError(f"{TENSOR_FLAG} {degree} with --strategy pipeline (pipeline x tensor "
+                         f"layouts) is not supported yet; use --strategy dp {TENSOR_FLAG} "
+                         f"{degree} --nproc {degree}, or drop {TENSOR_FLAG}")
+    if STRATEGIES[strategy].sync is not AllReduceSync:
+        raise UsageError(f"{TENSOR_FLAG} {degree} runs with --strategy dp only (this run has "
+                         f"--strategy {strategy}); use --strategy dp or drop {TENSOR_FLAG}")
+    if num_processes % degree:
+        raise UsageError(f"{TENSOR_FLAG} {degree} does not divide --nproc {num_processes}: the "
+                         f"data degree times the tensor degree must be the number of workers; "
+                         f"use --nproc {degree}")
+    if num_processes != degree:
+        raise UsageError(f"--nproc {num_processes} with {TENSOR_FLAG} {degree} would be data "
+                         f"{num_processes // degree} x tensor {degree}, which tandem does not "
+                         f"run yet; use --nproc {degree} (tensor parallelism alone)")
+    return degree
 
 
 def _check_gossip(sync: SyncSpec, compress: CodecSpec | None) -> None:

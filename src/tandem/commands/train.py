@@ -90,6 +90,9 @@ def add_train_arguments(parser: argparse.ArgumentParser, defaults: RunConfig) ->
         help="pipeline stages (default: one per worker): an nn.Sequential's blocks split evenly, "
         "any other model's where a quick profile balances them")
     add("--replicas", help="replicas of each pipeline stage, e.g. 2,1")
+    add("--tensor-parallel", type=int, metavar="T",
+        help="split the layers of mlp, gpt and vgg across T workers (Megatron-style; --strategy "
+        "dp --nproc T; see README's Tensor parallelism)")
     add("--vertical-sync", action="store_true", default=None,
         help="pipedream schedule: every stage uses the weight version stage 0 used")
     add("--batch-size", type=int, default=None,
@@ -206,6 +209,11 @@ def check_job(job: Job) -> None:
         raise UsageError(f"--split-points cuts a model into pipeline blocks; it needs --strategy "
                          f"pipeline (this run is {strategy_of(plan)})")
     data, model = preflight.build_checked(run, job.objects)
+    if plan.tensor_degree > 1:
+        from tandem.models.tensor import tensor_plan
+
+        tensor_plan(run.model if job.objects is None or job.objects.model is None else None,
+                    model, plan.tensor_degree)
     preflight.check_batch(run, data)
     preflight.check_output(model, data, run, job.objects)
     note = None

@@ -50,23 +50,27 @@ class Embedding(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head self-attention where each position sees only earlier ones."""
+    """Multi-head self-attention where each position sees only earlier ones.
+
+    The heads are counted from ``qkv``'s output, so the module also runs on a tensor-parallel
+    worker's share of them (:mod:`tandem.models.tensor`'s ``heads`` style)."""
 
     def __init__(self, dim: int, heads: int, dropout: float) -> None:
         super().__init__()
         self.heads = heads
+        self.head_dim = dim // heads
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
         self.dropout = dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, length, dim = x.shape
-        q, k, v = self.qkv(x).view(batch, length, 3, self.heads, dim // self.heads).unbind(2)
+        batch, length, _ = x.shape
+        q, k, v = self.qkv(x).view(batch, length, 3, -1, self.head_dim).unbind(2)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
             dropout_p=self.dropout if self.training else 0.0,
         )
-        return self.proj(out.transpose(1, 2).reshape(batch, length, dim))
+        return self.proj(out.transpose(1, 2).reshape(batch, length, -1))
 
 
 class Block(nn.Module):

@@ -277,9 +277,7 @@ class Job:
         if self.run.find_unused_parameters and self.plan.pipelined:
             raise UsageError("--find-unused-parameters is for data-parallel strategies (pipeline "
                              "stages skip a parameter without a gradient); drop it")
-        if self.plan.tensor_degree != 1:
-            raise UsageError(f"the plan has tensor degree {self.plan.tensor_degree}, but tandem "
-                             f"does not run tensor parallelism yet; use a plan of degree 1")
+        self._check_tensor()
         self._check_straggler()
         self._check_precision()
         self._check_async_ps()
@@ -295,6 +293,38 @@ class Job:
                              f"model is evaluated at the end)")
         self._check_auto_batch()
         self._check_nesterov()
+
+    def _check_tensor(self) -> None:
+        """Tensor parallelism runs alone (one stage, one replica, allreduce's plan) in fp32 with
+        an elementwise optimizer, and without checkpoints, for now: one line for each setting
+        it would not honour."""
+        from tandem.sync_spec import AllReduceSync
+
+        plan, run = self.plan, self.run
+        degree = plan.tensor_degree
+        if degree == 1:
+            return
+        if plan.pipelined or plan.replicas != [1] or not isinstance(plan.sync, AllReduceSync):
+            raise UsageError(f"the plan combines tensor degree {degree} with {plan.config} "
+                             f"replicas/stages or sync {plan.sync.method!r}; tandem runs tensor "
+                             f"parallelism alone for now: one stage, one replica, allreduce")
+        refused = {
+            "--compress": plan.compress.text if plan.compress else None,
+            "--precision": run.precision if run.precision != "fp32" else None,
+            "--clip-grad-norm": run.clip_grad_norm,
+            "--optimizer": run.optimizer if run.optimizer in ("lars", "lamb") else None,
+            "--resume": run.resume, "--stop-after": run.stop_after,
+            "--checkpoint-every": run.checkpoint_every or None,
+            "--batch-schedule": run.batch_schedule if run.batch_schedule == AUTO else None,
+            "--straggler": run.straggler,
+            "--find-unused-parameters": True if run.find_unused_parameters else None,
+        }
+        for flag, value in refused.items():
+            if value is not None:
+                shown = "" if value is True else f" {value}"
+                raise UsageError(f"{flag}{shown} is not supported with --tensor-parallel "
+                                 f"{degree} yet (it runs fp32, sgd/adam/adamw, without "
+                                 f"checkpoints); drop {flag}")
 
     def _check_async_ps(self) -> None:
         """Asynchronous parameter servers: ``--staleness-lr`` is a compensation of its own, and

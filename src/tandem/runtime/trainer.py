@@ -154,8 +154,13 @@ def _supervised_worker(job: Job, mirror: Any, mistake: Any) -> None:
 
 
 def make_worker(job: Job, env: WorkerEnv, beat: Heartbeat) -> Worker:
-    """This rank's implementation of ``job``: a pipeline stage for a pipelined plan, else the
-    registered worker of the plan's sync spec."""
+    """This rank's implementation of ``job``: a pipeline stage for a pipelined plan, a share
+    of every split layer for a plan of tensor degree above 1, else the registered worker of the
+    plan's sync spec."""
+    if job.plan.tensor_degree > 1:
+        from tandem.runtime.tensor_trainer import TensorParallelTrainer
+
+        return TensorParallelTrainer(job, env, beat)
     if job.plan.pipelined:
         from tandem.runtime.pipeline.trainer import PipelineTrainer
 

@@ -1,0 +1,187 @@
+"""Tensor (intra-layer) parallelism: a model's layers split across the workers of a device mesh.
+
+Usage::
+
+    mesh = init_device_mesh("cpu", (degree,))
+    torch.manual_seed(seed)
+    model = build_model(...)                    # the whole model, as one process would start it
+    plan = tensor_plan("gpt", model, degree)
+    split_model(model, plan, mesh)              # each worker keeps its share of every split layer
+    ...                                         # train: every worker runs the same batch
+    state = gathered_state_dict(model, plan, mesh)   # collective: the whole model, own names
+
+Linear layers are split through PyTorch's DTensor (``parallelize_module`` with
+``ColwiseParallel`` and ``RowwiseParallel``), which runs on gloo: their parameters become
+DTensors sharded over the mesh, and DTensor inserts the allreduce after a row-wise layer (forward)
+and before a column-wise one (backward). A fused query/key/value layer (``heads``) has its rows
+reordered first so that each worker's contiguous share holds the queries, keys and values of
+whole heads. Convolutions (``channels``) are split with explicit collectives, because DTensor's
+convolution rule (torch 2.13) does not shard output channels: each worker keeps its share of the
+filters, the input passes through Megatron's *f* (identity forward, allreduce of the gradient
+backward) and the output through an all-gather of the channels (backward: each worker keeps the
+gradient of its own channels).
+
+Every worker starts from its share of the whole model built with the run's seed, so a
+tensor-parallel run starts from the weights single-process training would have.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from tandem.models.tensor import TensorPlan
+
+DTENSOR_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+                  "heads": ColwiseParallel}
+"""Split styles that DTensor's parallel styles implement (``heads`` after a reordering)."""
+
+
+def split_model(model: nn.Module, plan: TensorPlan, mesh: DeviceMesh) -> None:
+    """Replace the parameters of every layer ``plan`` names by this worker's share (in place);
+    the layers it does not name stay whole. ``model`` must hold the same weights on every
+    worker of ``mesh`` (build it from the same seed)."""
+    degree = mesh.size()
+    for name, style in plan.items():
+        if style == "heads":
+            layer = model.get_submodule(name)
+            order = heads_order(layer.out_features, degree)
+            with torch.no_grad():
+                layer.weight.copy_(layer.weight[order])
+                if layer.bias is not None:
+                    layer.bias.copy_(layer.bias[order])
+        elif style == "channels":
+            _split_channels(model.get_submodule(name), mesh)
+    styles = {name: DTENSOR_STYLES[style]() for name, style in plan.items()
+              if style in DTENSOR_STYLES}
+    if styles:
+        parallelize_module(model, mesh, styles)
+
+
+def heads_order(out_features: int, degree: int) -> torch.Tensor:
+    """Row order of a fused query/key/value layer that puts worker ``r``'s queries, keys and
+    values (those of its ``heads / degree`` heads) in its contiguous ``1 / degree`` share."""
+    dim = out_features // 3
+    share = dim // degree
+    return torch.cat([torch.arange(part * dim + rank * share, part * dim + (rank + 1) * share)
+                      for rank in range(degree) for part in range(3)])
+
+
+class _CopyToShards(torch.autograd.Function):
+    """Megatron's *f*: the input as it is; its gradient summed over the mesh's workers (each
+    computed the part that flows back through its own share of the layer)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _GatherChannels(torch.autograd.Function):
+    """Every worker's output channels, concatenated in rank order; backward: the gradient of
+    this worker's own channels (every worker holds the whole gradient after *f*)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any, rank: int,  # type: ignore[override]
+                degree: int) -> torch.Tensor:
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(degree)]
+        dist.all_gather(parts, x, group=group)
+        ctx.rank, ctx.share = rank, x.shape[1]
+        return torch.cat(parts, dim=1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        return grad.narrow(1, ctx.rank * ctx.share, ctx.share).contiguous(), None, None, None
+
+
+def _split_channels(conv: nn.Module, mesh: DeviceMesh) -> None:
+    """Keep this worker's share of ``conv``'s filters; gather the channels after it."""
+    assert isinstance(conv, nn.Conv2d), f"channels style needs an nn.Conv2d, not {conv}"
+    group, rank, degree = mesh.get_group(), mesh.get_local_rank(), mesh.size()
+    share = conv.out_channels // degree
+    rows = slice(rank * share, (rank + 1) * share)
+    conv.weight = nn.Parameter(conv.weight.detach()[rows].clone())
+    if conv.bias is not None:
+        conv.bias = nn.Parameter(conv.bias.detach()[rows].clone())
+    conv.out_channels = share
+
+    def copy_input(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        x = args[0]
+        return (_CopyToShards.apply(x, group), *args[1:]) if x.requires_grad else args
+
+    def gather_output(_: nn.Module, __: Any, out: torch.Tensor) -> torch.Tensor:
+        return _GatherChannels.apply(out, group, rank, degree)
+
+    conv.register_forward_pre_hook(copy_input)
+    conv.register_forward_hook(gather_output)
+
+
+def gathered_state_dict(model: nn.Module, plan: TensorPlan,
+                        mesh: DeviceMesh) -> dict[str, torch.Tensor]:
+    """The whole model's ``state_dict`` under its own names, on every worker of ``mesh``
+    (collective): shares gathered, a ``heads`` layer's rows put back in their order."""
+    channels = {name for name, style in plan.items() if style == "channels"}
+    heads = {name for name, style in plan.items() if style == "heads"}
+    state: dict[str, torch.Tensor] = {}
+    for key, value in model.state_dict().items():
+        owner, _, _ = key.rpartition(".")
+        tensor = value.detach()
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()
+        elif owner in channels:
+            parts = [torch.empty_like(tensor) for _ in range(mesh.size())]
+            dist.all_gather(parts, tensor.contiguous(), group=mesh.get_group())
+            tensor = torch.cat(parts)
+        if owner in heads:
+            order = heads_order(tensor.shape[0], mesh.size())
+            whole = torch.empty_like(tensor)
+            whole[order] = tensor
+            tensor = whole
+        state[key] = tensor.cpu()
+    return state
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of ``tensor`` this worker holds (a DTensor's local shard, else itself)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def parameter_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes of each parameter of ``model`` that this worker holds, by name."""
+    return {name: _bytes(local_tensor(p.detach())) for name, p in model.named_parameters()}
+
+
+def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer,
+                  whole_bytes: dict[str, int]) -> dict[str, float]:
+    """Parameter and optimizer-state bytes: this worker's (``worker_bytes``), the unsplit
+    model's (``model_bytes``: each parameter at its whole size ``whole_bytes[name]`` with its
+    state scaled alike) and those of the parameters every worker holds whole
+    (``whole_layer_bytes``: the layers ``plan`` leaves whole, and a row-wise layer's bias).
+    Both stay the same from the first step on, so they are the peaks."""
+    worker = model_total = whole_layers = 0.0
+    for name, parameter in model.named_parameters():
+        local = _bytes(local_tensor(parameter.detach()))
+        state = sum(_bytes(local_tensor(value)) for value in optimizer.state.get(parameter, {})
+                    .values() if isinstance(value, torch.Tensor) and value.dim() > 0)
+        worker += local + state
+        model_total += (local + state) * whole_bytes[name] / max(local, 1)
+        if local == whole_bytes[name]:
+            whole_layers += local + state
+    return {"worker_bytes": worker, "model_bytes": model_total, "whole_layer_bytes": whole_layers}
+
+
+def _bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
