@@ -49,7 +49,8 @@ def call(total: float, fixed: float, share: float, degree: int = 1) -> float:
 def gpipe(replicas: list[int], ends: list[int], num_devices: int, microbatches: int,
           degree: int = 1, recompute: bool = False) -> Plan:
     starts = [0, *ends[:-1]]
-    return Plan(stages=[Stage(start=s, end=e, replicas=r) for s, e, r in zip(starts, ends, replicas)],
+    stages = [Stage(start=s, end=e, replicas=r) for s, e, r in zip(starts, ends, replicas)]
+    return Plan(stages=stages,
                 num_layers=ends[-1], num_devices=num_devices, schedule="gpipe",
                 num_microbatches=microbatches, tensor_degree=degree, recompute=recompute)
 
@@ -217,10 +218,11 @@ def profile_file(tmp_path: Path) -> str:
     return str(path)
 
 
-def test_cli_simulates_a_tensor_parallel_plan(capsys, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    code, out, err = run_cli(capsys, "simulate", "--plan", "dp", "--profile", profile_file(tmp_path),
-                             "--devices", "8", "--bandwidth", "100GB/s", "--tensor-parallel", "4",
-                             "--recompute", "--json")
+def test_cli_simulates_a_tensor_parallel_plan(capsys,  # type: ignore[no-untyped-def]
+                                              tmp_path: Path) -> None:
+    code, out, err = run_cli(capsys, "simulate", "--plan", "dp", "--profile",
+                             profile_file(tmp_path), "--devices", "8", "--bandwidth", "100GB/s",
+                             "--tensor-parallel", "4", "--recompute", "--json")
     assert code == 0, err
     data = json.loads(out)
     assert (data["config"], data["tensor_degree"], data["recompute"]) == ("2", 4, True)
@@ -229,19 +231,22 @@ def test_cli_simulates_a_tensor_parallel_plan(capsys, tmp_path: Path) -> None:  
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--plan", "dp", "--tensor-parallel", "3"], "--tensor-parallel 3 does not divide the 8 devices"),
+    (["--plan", "dp", "--tensor-parallel", "3"],
+     "--tensor-parallel 3 does not divide the 8 devices"),
     (["--plan", "dp", "--tensor-parallel", "0"], "--tensor-parallel must be at least 1"),
     (["--plan", "ps", "--tensor-parallel", "2"], "not to sync method 'ps'"),
     (["--plan", "gossip", "--recompute"], "recomputation is simulated for allreduce plans"),
 ])
-def test_cli_bad_input_is_one_line(capsys, tmp_path: Path, argv: list[str], words: str) -> None:  # type: ignore[no-untyped-def]
+def test_cli_bad_input_is_one_line(capsys, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                   argv: list[str], words: str) -> None:
     code, out, err = run_cli(capsys, "simulate", "--profile", profile_file(tmp_path),
                              "--devices", "8", "--bandwidth", "100GB/s", *argv)
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
     assert words in err
 
 
-def test_cli_plan_file_too_wide_for_its_degree(capsys, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_cli_plan_file_too_wide_for_its_degree(capsys,  # type: ignore[no-untyped-def]
+                                               tmp_path: Path) -> None:
     path = tmp_path / "plan.json"
     gpipe([2, 1], [2, 3], 4, 2).save(str(path))
     code, out, err = run_cli(capsys, "simulate", "--plan", str(path), "--profile",

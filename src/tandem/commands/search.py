@@ -17,7 +17,7 @@ from tandem.plan import Plan
 from tandem.planning import PartitionOptions, make_plan
 from tandem.planning.family_search import FAMILIES, best_of_families, describe_sync
 from tandem.planning.search import Candidate, SearchOptions, SearchResult, search
-from tandem.planning.tensor import DEFAULT_MAX_TENSOR_DEGREE, layout_text
+from tandem.planning.tensor import DEFAULT_MAX_TENSOR_DEGREE, layout_text, split_layer
 from tandem.profile import ModelProfile
 from tandem.schedule import SCHEDULE_KINDS
 from tandem.strategy import strategy_of
@@ -106,10 +106,12 @@ def format_search(found: SearchResult, profile: ModelProfile, cluster: Cluster,
     lines = [f"cluster: {cluster.describe()}",
              f"searched {found.evaluated} plans ({found.iterations} proposals, "
              f"{found.elapsed_s:.1f} s); best: {describe(best)}",
-             f"{'stage':>5} {'layers':>11} {'replicas':>8} {'compute ms':>11} {'peak MB':>9}  first layer"]
+             f"{'stage':>5} {'layers':>11} {'replicas':>8} {'compute ms':>11} {'peak MB':>9}  first layer"
+             + ("  (compute and memory per device of a tensor group)" if plan.tensor_degree > 1
+                else "")]
     for index, stage in enumerate(plan.stages):
         layers = plan.stage_layers(index)
-        compute = sum(profile.layers[i].compute_s for i in layers)
+        compute = sum(split_layer(profile.layers[i], plan.tensor_degree).compute_s for i in layers)
         peak = max(w.peak_memory_bytes for w in best.result.workers if w.stage == index)
         lines.append(f"{index:>5} {f'{stage.start}..{stage.end - 1}':>11} {stage.replicas:>8} "
                      f"{compute * 1e3:11.3f} {peak / 1e6:9.1f}  {profile.layers[layers[0]].name[:30]}")

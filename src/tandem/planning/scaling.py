@@ -272,7 +272,8 @@ def scale(profile: ModelProfile, cluster: Cluster, options: ScaleOptions | None 
             outcome = simulate(plan, profile, sized, options_n)
             speedup = (options_n.batch_scale / outcome.step_time_s) / (batch(1) / single)
             result.simulated.append(ScalePoint(
-                strategy=name, num_devices=n, devices_used=plan.num_workers, config=layout_text(plan),
+                strategy=name, num_devices=n, devices_used=plan.num_workers,
+                config=layout_text(plan),
                 step_time_s=outcome.step_time_s, speedup=speedup, efficiency=speedup / n,
                 batch_scale=options_n.batch_scale, global_batch=options.samples(trained),
                 compute_s=outcome.compute_s, communication_s=outcome.communication_s))
@@ -333,7 +334,8 @@ def _strategies(profile: ModelProfile, cluster: Cluster, n: int, options: ScaleO
         hybrid = str(exc)
     strategies.append(("hybrid", hybrid, sim))
     if options.max_tensor_degree > 1:
-        strategies.append(("3d", _three_d(profile, cluster, hybrid, options, sim, batch_scale_of), sim))
+        three_d = _three_d(profile, cluster, hybrid, options, sim, batch_scale_of)
+        strategies.append(("3d", three_d, sim))
     strategies += [(name, _family(name, profile, n, options), sim) for name in options.families]
     return strategies
 
@@ -351,8 +353,9 @@ def _three_d(profile: ModelProfile, cluster: Cluster, hybrid: Plan | str, option
         except UsageError as exc:
             reasons.append(str(exc))
             continue
-        stages = [dataclasses.replace(stage, devices=None if stage.devices is None else
-                                      [d * degree for d in stage.devices]) for stage in found.stages]
+        stages = [dataclasses.replace(stage, devices=None if stage.devices is None
+                                      else [d * degree for d in stage.devices])
+                  for stage in found.stages]
         plan = _micro(dataclasses.replace(found, stages=stages, num_devices=cluster.num_devices,
                                           tensor_degree=degree, candidates=[]), options)
         if isinstance(plan, str):

@@ -22,6 +22,13 @@ back and the step time is the last one's on worker 0, as the runtime measures it
 asynchronous schedule runs long enough to reach its steady state and the step time is the time
 per minibatch there.
 
+With a tensor degree ``T`` (``plan.tensor_degree``) every worker of the schedule is a group of
+``T`` adjacent devices: layers with parameters are split (compute beyond the fixed cost and
+parameters divided by ``T``, one allreduce of their output among the group in the forward and
+one in the backward; :mod:`tandem.planning.tensor`), the others run whole on each device. With
+``plan.recompute`` a backward runs the stage's forward again first, and a stage stashes only its
+input per micro-batch (plus one micro-batch's activations while it recomputes).
+
 One-stage plans that synchronize otherwise (``plan.sync`` a parameter server, gossip, local SGD
 or EASGD spec) are simulated by :mod:`tandem.planning.servers` and
 :mod:`tandem.planning.decentralized`, chosen by ``type(plan.sync)``; their results say what
@@ -50,6 +57,9 @@ What it does not model:
   control or TCP dynamics; collectives do not contend with point-to-point transfers or with
   each other; gossip's simultaneous exchanges share ports as a fluid (each port moves all its
   bytes at full bandwidth, every edge ends when its busier port is done), not packet by packet;
+- which layers a real model splits and how (the rule: layers with parameters, one allreduce
+  each per direction), activations inside a split layer, tensor allreduces overlapping compute;
+  Megatron's scatter-gather of activations between stages (they cross once, whole);
 - memory beyond the parts above: no workspace, temporary communication buffers, fragmentation
   or receive buffers, and the parts' peaks are added as if they coincided;
 - a pipeline plan's activation codec (its ``compress``): give its ratio with
@@ -382,7 +392,6 @@ def build_workload(plan: Plan, costs: list[StageCost], cluster: Cluster, schedul
     if overlap is None:
         overlap = not plan.pipelined
     speed = cluster.speed
-
     degree = plan.tensor_degree
     sharing = [port_sharing(cluster, g, degree) for g in groups]
 
@@ -390,13 +399,7 @@ def build_workload(plan: Plan, costs: list[StageCost], cluster: Cluster, schedul
         return allreduce_s(cluster, group, num_bytes * shards / ratio, options.allreduce,
                            options.allreduce_latency_s)
 
-    tensor = [0.0] * len(costs)
-    if degree > 1:
-        if profile is None:
-            raise ValueError("build_workload needs the profile for a tensor degree above 1")
-        tensor = [tensor_allreduce_s(cluster, profile, plan.stage_layers(s),
-                                     tensor_group(g[0], degree), share, options.allreduce,
-                                     options.allreduce_latency_s) for s, g in enumerate(groups)]
+    tensor = _tensor_s(plan, profile, cluster, groups, share, options)
     forward = [call_s(c.forward_s, c.forward_fixed_s, share, options) / speed
                + options.compute_overhead_s + t for c, t in zip(costs, tensor)]
     backward = [call_s(c.backward_s, c.backward_fixed_s, share, options) / speed
@@ -426,6 +429,20 @@ def build_workload(plan: Plan, costs: list[StageCost], cluster: Cluster, schedul
         return workload
     codec = parse_codec(options.compress, options.codec_speed)
     return with_codec(workload, codec, costs, groups, cluster, options)
+
+
+def _tensor_s(plan: Plan, profile: ModelProfile | None, cluster: Cluster, groups: list[list[int]],
+              share: float, options: SimOptions) -> list[float]:
+    """Per stage, seconds of one forward's (or backward's) tensor allreduces among the first
+    replica's group (0 without tensor parallelism)."""
+    degree = plan.tensor_degree
+    if degree == 1:
+        return [0.0] * len(plan.stages)
+    if profile is None:
+        raise ValueError("build_workload needs the profile for a tensor degree above 1")
+    return [tensor_allreduce_s(cluster, profile, plan.stage_layers(s), tensor_group(g[0], degree),
+                               share, options.allreduce, options.allreduce_latency_s)
+            for s, g in enumerate(groups)]
 
 
 def call_s(total_s: float, fixed_s: float, share: float, options: SimOptions) -> float:

@@ -63,7 +63,8 @@ def split_profile(profile: ModelProfile, degree: int) -> ModelProfile:
     check_degree(degree)
     if degree == 1:
         return profile
-    return dataclasses.replace(profile, layers=[split_layer(layer, degree) for layer in profile.layers])
+    layers = [split_layer(layer, degree) for layer in profile.layers]
+    return dataclasses.replace(profile, layers=layers)
 
 
 def check_degree(degree: int) -> None:
