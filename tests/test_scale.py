@@ -101,6 +101,14 @@ def test_every_curve_is_monotone_on_servers(vgg_on_servers) -> None:  # type: ig
     assert dp[128].devices_used == dp[64].devices_used == 32 and dp[128].config == "32"
 
 
+def test_3d_curve_is_never_below_hybrid(vgg_on_servers) -> None:  # type: ignore[no-untyped-def]
+    """Without a memory limit the hybrid plan is the 3d curve's T = 1 candidate."""
+    hybrid = {p.num_devices: p.speedup for p in vgg_on_servers.series("hybrid")}
+    three_d = {p.num_devices: p.speedup for p in vgg_on_servers.series("3d")}
+    assert three_d.keys() == hybrid.keys()
+    assert all(three_d[n] >= hybrid[n] * (1 - 1e-12) for n in hybrid)
+
+
 # --- weak scaling: B samples per device, the global batch N * B -----------------------------
 
 GNMT, RESNET = str(PROFILES / "gnmt.graph.txt"), str(PROFILES / "resnet50.graph.txt")
@@ -121,7 +129,8 @@ def weak(path: str) -> ScaleResult:
     takes the partitioner ~2 s per device count, up to 8), computed once per session."""
     if path not in _weak_results:
         _weak_results[path] = scale(measured(path), parse_cluster(TWO_LEVEL), ScaleOptions(
-            max_devices=8 if path == RESNET else 64, per_device_batch=PER_DEVICE))
+            max_devices=8 if path == RESNET else 64, per_device_batch=PER_DEVICE,
+            max_tensor_degree=1))
     return _weak_results[path]
 
 
@@ -188,7 +197,8 @@ def test_strong_hybrid_curve_is_the_best_plan_so_far(path: str, spec: str) -> No
     devices (VGG-16, 6.4x vs 6.5x) and at 64 than at 32 (GNMT, 3.0x vs 5.0x); the curve now
     holds the best plan on at most N devices."""
     result = scale(load_profile(path), parse_cluster(spec),
-                   ScaleOptions(max_devices=64, families=()), SimOptions(batch_scale=8))
+                   ScaleOptions(max_devices=64, families=(), max_tensor_degree=1),
+                   SimOptions(batch_scale=8))
     assert_monotone(result)
     reference = hybrid_speedups(path, spec, 64)
     for point in result.series("hybrid"):
@@ -222,7 +232,7 @@ def test_cli_table_json_and_plot(capsys, tmp_path: Path) -> None:
     assert data["batch_samples"] == 512 and data["batch_scale"] == 4
     assert {p["global_batch"] for p in data["points"]} == {512}
     assert data["device_counts"] == [1, 2, 4, 8, 16, 32]
-    assert {"dp", "dp+2x", "dp+32x", "pipeline", "hybrid", "ps", "gossip",
+    assert {"dp", "dp+2x", "dp+32x", "pipeline", "hybrid", "3d", "ps", "gossip",
             "localsgd"} == {p["strategy"] for p in data["points"]}
     assert "communication overtakes compute" in err and "dp compute ms" in err
     assert plot.read_bytes()[:4] == b"\x89PNG"

@@ -56,7 +56,8 @@ class Stage:
     memory_bytes: float = 0.0
     """Predicted memory per device: weights and stashed activations of minibatches in flight."""
     devices: list[int] | None = None
-    """Device ranks assigned to this stage; None until the runtime assigns them."""
+    """Device ranks assigned to this stage, one per replica (with a tensor degree ``T``, the
+    first of the replica's ``T`` adjacent devices); None until the runtime assigns them."""
     compression: str | None = None
     """Compression ratio the planner assumed for this stage's gradients (``fp16`` or a number);
     the codec a run uses is the plan's ``compress``."""
@@ -109,7 +110,11 @@ class Plan:
     vertical_sync: bool = False
     """``pipedream``: every stage uses the weight version stage 0 used for a minibatch."""
     tensor_degree: int = 1
-    """Devices each layer is split across (intra-layer parallelism; 1: none)."""
+    """Devices each layer is split across (intra-layer parallelism; 1: none): every stage
+    replica runs on this many adjacent devices."""
+    recompute: bool = False
+    """Activation recomputation: each stage keeps only its input per micro-batch in flight and
+    runs its forward again before each backward."""
     sync: SyncSpec = field(default_factory=AllReduceSync)
     """How the replicas of a stage synchronize (pipelines: allreduce only)."""
     compress: CodecSpec | None = None
@@ -138,8 +143,12 @@ class Plan:
                              f"{self.num_devices} devices")
         if self.schedule not in SCHEDULE_KINDS:
             raise UsageError(f"schedule {self.schedule!r} is not one of: {', '.join(SCHEDULE_KINDS)}")
-        if self.tensor_degree < 1:
-            raise UsageError(f"tensor degree must be at least 1 (got {self.tensor_degree})")
+        if isinstance(self.tensor_degree, bool) or not isinstance(self.tensor_degree, int) \
+                or self.tensor_degree < 1:
+            raise UsageError(f"tensor degree must be a whole number of at least 1 (got "
+                             f"{self.tensor_degree!r})")
+        if not isinstance(self.recompute, bool):
+            raise UsageError(f"a plan's recompute must be true or false (got {self.recompute!r})")
         if self.num_microbatches is None:
             self.num_microbatches = default_microbatches(self.replicas, self.schedule)
         self._check_schedule()
@@ -275,6 +284,7 @@ class Plan:
             "schedule_text": self.schedule_text,
             "vertical_sync": self.vertical_sync,
             "tensor_degree": self.tensor_degree,
+            "recompute": self.recompute,
             "sync": sync_to_dict(self.sync),
             "compress": self.compress.text if self.compress else None,
             "predicted_schedule": self.predicted_schedule,
@@ -323,8 +333,8 @@ _STAGE_KEYS = ("start", "end", "replicas", "time_s", "compute_s", "parameter_byt
 _PLAN_KEYS = ("num_layers", "num_devices", "bottleneck_s", "single_s", "data_parallel_s",
               "layer_order", "level_configs", "schedule", "num_microbatches", "schedule_text",
               "vertical_sync",
-              "tensor_degree", "predicted_schedule", "estimate_s", "samples_per_s", "candidates",
-              "solve_s", "options")  # fmt: skip
+              "tensor_degree", "recompute", "predicted_schedule", "estimate_s", "samples_per_s",
+              "candidates", "solve_s", "options")  # fmt: skip
 
 
 _DATA_PARALLEL_ONLY = ("PU", "PL", "GX")

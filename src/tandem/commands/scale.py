@@ -14,6 +14,7 @@ from tandem.commands.simulate import add_codec_args, add_sim_args, sim_options
 from tandem.commands.output_paths import check_output_files
 from tandem.errors import UsageError
 from tandem.planning.scaling import FAMILIES, ScaleOptions, ScaleResult, scale
+from tandem.planning.tensor import DEFAULT_MAX_TENSOR_DEGREE
 from tandem.profile import ModelProfile
 
 DEFAULT_MINIBATCHES = 8
@@ -29,7 +30,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Simulate one global minibatch (fixed: strong scaling) or a fixed batch per "
         "device (--per-device-batch: weak scaling) on 1, 2, 4, ... devices of a cluster for data "
         "parallelism (plain and with compressed gradients), a straight pipeline and the "
-        "partitioner's hybrid plan; print speedups, compute and communication per step, and the "
+        "partitioner's hybrid plan, and tensor + pipeline + data layouts (3d); print speedups, compute and communication per step, and the "
         "device count where communication overtakes compute; also synchronous parameter "
         "servers, D-PSGD on a ring and local SGD (--families). Each curve is the best plan up "
         "to its device count (devices may be left idle).",
@@ -63,6 +64,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help=f"synchronization families to draw beside dp and pipelines (default "
                    f"{','.join(FAMILIES)}; 'none' for none): synchronous parameter servers, "
                    f"D-PSGD on a ring, local SGD")
+    p.add_argument("--max-tensor-degree", type=int, default=DEFAULT_MAX_TENSOR_DEGREE, metavar="T",
+                   help=f"the 3d curve (tensor + pipeline + data) tries tensor degrees up to T "
+                   f"that divide a server (default {DEFAULT_MAX_TENSOR_DEGREE}; 1: no 3d curve)")
     p.add_argument("--ps-servers", type=int, default=1, metavar="S",
                    help="parameter servers of the ps curve (default 1; the rest train)")
     p.add_argument("--period", type=int, default=4, metavar="H",
@@ -246,7 +250,8 @@ def run(args: argparse.Namespace) -> int:
                            microbatches_per_stage=args.microbatches_per_stage,
                            batch_samples=samples, families=_families(args.families),
                            ps_servers=args.ps_servers, period=args.period,
-                           per_device_batch=args.per_device_batch)
+                           per_device_batch=args.per_device_batch,
+                           max_tensor_degree=args.max_tensor_degree)
     result = scale(profile, cluster, options, sim)
     human = sys.stderr if args.json else sys.stdout
     print(format_scale(result, args.cluster, batch), file=human)

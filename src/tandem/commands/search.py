@@ -17,6 +17,7 @@ from tandem.plan import Plan
 from tandem.planning import PartitionOptions, make_plan
 from tandem.planning.family_search import FAMILIES, best_of_families, describe_sync
 from tandem.planning.search import Candidate, SearchOptions, SearchResult, search
+from tandem.planning.tensor import DEFAULT_MAX_TENSOR_DEGREE, layout_text, split_layer
 from tandem.profile import ModelProfile
 from tandem.schedule import SCHEDULE_KINDS
 from tandem.strategy import strategy_of
@@ -30,9 +31,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``tandem search``."""
     p = subparsers.add_parser(
         "search",
-        help="search stages, replicas, schedule and micro-batches with the simulator",
+        help="search stages, replicas, tensor degree, recomputation, schedule and micro-batches "
+        "with the simulator",
         description="Metropolis-Hastings over plans (stage boundaries, replicas per stage, "
-        "schedule, micro-batches) with the simulator as cost and device memory as a "
+        "tensor degree, activation recomputation, schedule, micro-batches) with the simulator as cost and device memory as a "
         "constraint, started from data parallelism and from the partitioner's plan; then the "
         "fastest plan of each other synchronization family (parameter servers, gossip, local "
         "SGD, EASGD), reported apart.",
@@ -49,6 +51,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="schedules to consider (default: gpipe,1f1b,pipedream)")
     p.add_argument("--max-microbatches", type=int, default=64, metavar="M",
                    help="most micro-batches per step to consider (default 64)")
+    p.add_argument("--max-tensor-degree", type=int, default=DEFAULT_MAX_TENSOR_DEGREE, metavar="T",
+                   help=f"largest tensor degree to consider: divisors of the devices up to T "
+                   f"that divide a server (default {DEFAULT_MAX_TENSOR_DEGREE}; 1: none)")
+    p.add_argument("--no-recompute", action="store_true",
+                   help="do not consider activation recomputation")
     p.add_argument("--families", default=",".join(FAMILIES),
                    help=f"synchronization families whose best plan is reported beside the "
                    f"search's (default {','.join(FAMILIES)}; 'none' for none); they are "
@@ -86,10 +93,10 @@ def _batch_samples(args: argparse.Namespace, profile: ModelProfile) -> int | Non
 
 
 def describe(candidate: Candidate) -> str:
-    """``15-1, 1f1b, 8 micro-batches``."""
+    """``15-1, 1f1b, 8 micro-batches`` (``2-2 x tensor 2, recompute, ...`` with either)."""
     plan = candidate.plan
     micro = "" if plan.schedule == "pipedream" else f", {candidate.result.num_microbatches} micro-batches"
-    return f"{plan.config}, {plan.schedule}{micro}"
+    return f"{layout_text(plan)}, {plan.schedule}{micro}"
 
 
 def format_search(found: SearchResult, profile: ModelProfile, cluster: Cluster,
@@ -99,10 +106,12 @@ def format_search(found: SearchResult, profile: ModelProfile, cluster: Cluster,
     lines = [f"cluster: {cluster.describe()}",
              f"searched {found.evaluated} plans ({found.iterations} proposals, "
              f"{found.elapsed_s:.1f} s); best: {describe(best)}",
-             f"{'stage':>5} {'layers':>11} {'replicas':>8} {'compute ms':>11} {'peak MB':>9}  first layer"]
+             f"{'stage':>5} {'layers':>11} {'replicas':>8} {'compute ms':>11} {'peak MB':>9}  first layer"
+             + ("  (compute and memory per device of a tensor group)" if plan.tensor_degree > 1
+                else "")]
     for index, stage in enumerate(plan.stages):
         layers = plan.stage_layers(index)
-        compute = sum(profile.layers[i].compute_s for i in layers)
+        compute = sum(split_layer(profile.layers[i], plan.tensor_degree).compute_s for i in layers)
         peak = max(w.peak_memory_bytes for w in best.result.workers if w.stage == index)
         lines.append(f"{index:>5} {f'{stage.start}..{stage.end - 1}':>11} {stage.replicas:>8} "
                      f"{compute * 1e3:11.3f} {peak / 1e6:9.1f}  {profile.layers[layers[0]].name[:30]}")
@@ -163,6 +172,7 @@ def result_dict(found: SearchResult) -> dict[str, Any]:
     refs = {"data_parallel": found.data_parallel, "partitioner": found.partitioner}
     data: dict[str, Any] = {
         "config": found.best.plan.config, "schedule": found.best.plan.schedule,
+        "tensor_degree": found.best.plan.tensor_degree, "recompute": found.best.plan.recompute,
         "num_microbatches": (None if found.best.plan.schedule == "pipedream"
                              else found.best.result.num_microbatches),
         "step_time_s": step,
@@ -185,7 +195,9 @@ def run(args: argparse.Namespace) -> int:
     options = SearchOptions(budget_s=parse_duration(args.budget), max_iterations=args.iterations,
                             seed=args.seed, schedules=schedules,
                             max_microbatches=args.max_microbatches,
-                            batch_samples=_batch_samples(args, profile))
+                            batch_samples=_batch_samples(args, profile),
+                            max_tensor_degree=args.max_tensor_degree,
+                            recompute=not args.no_recompute)
     sim = sim_options(args, profile)
     partitioner, error = _partitioner(profile, cluster)
     found = search(profile, cluster, options, sim, partitioner)

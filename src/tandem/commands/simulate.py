@@ -62,6 +62,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_sync_args(p)
     p.add_argument("--schedule", choices=SCHEDULE_KINDS, help="override the plan's schedule")
     p.add_argument("--microbatches", type=int, help="override the plan's micro-batches per step")
+    add_layout_args(p)
     p.add_argument("--trace", help="write the predicted timeline as a Chrome trace here")
     p.add_argument("--gantt", help="draw the predicted timeline as a Gantt chart (PNG) here")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
@@ -113,6 +114,44 @@ def sync_from_args(method: str, args: argparse.Namespace) -> Any:
 
 ALL_SYNC_FLAGS = tuple(dict.fromkeys(flag for cls in SYNC_SHORTCUTS.values() for flag in cls.FLAGS))
 """Every flag of every sync spec."""
+
+
+def add_layout_args(p: argparse.ArgumentParser) -> None:
+    """``--tensor-parallel T`` and ``--recompute``, which change a plan's layout."""
+    p.add_argument("--tensor-parallel", type=int, metavar="T",
+                   help="split every layer with parameters across T adjacent devices per stage "
+                   "replica (Megatron-style; T must divide the devices; with --plan dp the "
+                   "devices / T replicas are data parallel); overrides the plan's tensor degree")
+    p.add_argument("--recompute", action="store_true",
+                   help="recompute activations in the backward: a stage keeps only its input "
+                   "per micro-batch in flight (one more forward per backward)")
+
+
+def with_layout(plan: Plan, profile: ModelProfile, cluster: Cluster, *, tensor: int | None,
+                recompute: bool, data_parallel: bool) -> Plan:
+    """``plan`` with ``--tensor-parallel`` and ``--recompute`` applied (``data_parallel``:
+    ``--plan dp``, rebuilt on ``devices / T`` replicas); one-line errors for a bad degree."""
+    if tensor is not None:
+        devices = cluster.num_devices
+        if tensor < 1:
+            raise UsageError(f"--tensor-parallel must be at least 1 (got {tensor}); 1 splits "
+                             f"nothing")
+        if not isinstance(plan.sync, AllReduceSync) and tensor > 1:
+            raise UsageError(f"--tensor-parallel applies to allreduce plans and pipelines (--plan "
+                             f"dp or a plan file), not to sync method {plan.sync.method!r}")
+        if devices % tensor:
+            divisors = ", ".join(str(t) for t in range(1, devices + 1) if devices % t == 0)
+            raise UsageError(f"--tensor-parallel {tensor} does not divide the {devices} devices; "
+                             f"use one of {divisors}")
+        if data_parallel:
+            base = data_parallel_plan(profile, devices // tensor)
+            plan = dataclasses.replace(base, num_devices=devices, sync=plan.sync)
+        elif sum(plan.replicas) * tensor > devices:
+            raise UsageError(f"plan {plan.config} with --tensor-parallel {tensor} needs "
+                             f"{sum(plan.replicas) * tensor} devices but the cluster has "
+                             f"{devices}; use a smaller degree or fewer replicas")
+        plan = dataclasses.replace(plan, tensor_degree=tensor)
+    return dataclasses.replace(plan, recompute=True) if recompute else plan
 
 
 def add_sim_args(p: argparse.ArgumentParser) -> None:
@@ -239,7 +278,10 @@ def _plan_line(result: SimResult) -> str:
                 + (f" with {servers} server(s)" if servers else "")
                 + f", {result.num_microbatches} micro-batches per step")
     unit = 'minibatches simulated' if result.schedule == 'pipedream' else 'micro-batches per step'
-    return f"plan {result.config}, {result.schedule}, {result.num_microbatches} {unit}"
+    layout = (f" x tensor {result.tensor_degree} (each row: the first of its {result.tensor_degree}"
+              f" devices)" if result.tensor_degree > 1 else "")
+    layout += ", recompute" if result.recompute else ""
+    return f"plan {result.config}{layout}, {result.schedule}, {result.num_microbatches} {unit}"
 
 
 def gantt_steps(result: SimResult) -> set[int] | None:
@@ -262,6 +304,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("give --plan with --model or --profile, or --against RUN_DIR")
     profile, cluster = planning_inputs(args)
     plan = load_plan(args.plan, profile, cluster, args)
+    plan = with_layout(plan, profile, cluster, tensor=args.tensor_parallel,
+                       recompute=args.recompute, data_parallel=args.plan in SYNC_SHORTCUTS)
     if args.schedule or args.microbatches is not None:  # checked, defaults re-decided
         plan = plan.rescheduled(args.schedule, args.microbatches)
     if plan.compress is not None and args.codec and args.codec != plan.compress.text:

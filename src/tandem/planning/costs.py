@@ -66,17 +66,21 @@ def check_plan(plan: Plan, profile: ModelProfile, cluster: Cluster) -> None:
         raise UsageError("the plan's layer_order is not a permutation of the profile's layers; "
                          "make the plan for this profile")
     _check_order(order, profile)
-    workers = sum(stage.replicas for stage in plan.stages)
+    degree = plan.tensor_degree
+    workers = sum(stage.replicas for stage in plan.stages) * degree
     if workers > cluster.num_devices:
+        tensor = f" of tensor degree {degree}" if degree > 1 else ""
         raise UsageError(
-            f"plan {plan.config} needs {workers} workers but the cluster has "
+            f"plan {plan.config}{tensor} needs {workers} workers but the cluster has "
             f"{cluster.num_devices} devices; use a cluster with at least {workers} devices "
             f"or fewer replicas"
         )
-    devices = [d for stage in plan.stages for d in (stage.devices or [])]
+    leads = [d for stage in plan.stages for d in (stage.devices or [])]
+    devices = [d for lead in leads for d in range(lead, lead + degree)]
     if any(not 0 <= d < cluster.num_devices for d in devices) or len(set(devices)) < len(devices):
+        groups = f" (each the first of {degree} adjacent devices)" if degree > 1 else ""
         raise UsageError(
-            f"the plan's device assignment {devices} names a device twice or one outside "
+            f"the plan's device assignment {leads}{groups} names a device twice or one outside "
             f"0..{cluster.num_devices - 1}"
         )
 

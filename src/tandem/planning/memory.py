@@ -22,6 +22,15 @@ How much is in flight depends on the schedule (:func:`in_flight`):
   activations at once (exactly that for GPipe; 1F1B's stages hold fewer, at most one per stage
   after them).
 
+Tensor parallelism (degree ``T``, :mod:`tandem.planning.tensor`) divides the parameter bytes of
+the split layers (those with parameters) by ``T`` — so their gradients and optimizer state too
+— and leaves activations whole: ``P = P_split / T + P_whole`` per device.
+
+Recomputation keeps, per micro-batch in flight, only the stage's input ``I`` (the bytes it
+receives), and while a backward recomputes its forward one micro-batch's full activations: a
+replica holding ``k`` micro-batches of a share ``f`` of the minibatch each holds
+``k f I + f A`` instead of ``k f A`` (:func:`held_activation_bytes`).
+
 The partitioner budgets these closed forms before it knows ``M`` (``1 / r`` of a minibatch for
 flush schedules, what ``M`` a multiple of ``r`` gives); the simulator reports the same parts
 from its replay's peaks (:func:`device_memory_bytes` adds them up in both), and the planner
@@ -47,6 +56,19 @@ def device_memory_bytes(*, parameter_bytes: np.ndarray | float,
     return weights + activation_bytes
 
 
+def held_activation_bytes(held: np.ndarray | float, activation_bytes: np.ndarray | float, *,
+                          recompute_input_bytes: np.ndarray | float | None = None,
+                          microbatch_share: np.ndarray | float = 1.0) -> np.ndarray | float:
+    """Activation bytes a device holds at its peak, with ``held`` minibatches in flight (as
+    :func:`in_flight` counts them) of ``activation_bytes`` per minibatch: ``held * A``; with
+    recomputation (``recompute_input_bytes`` = ``I``, the stage's input per minibatch) only the
+    inputs of those in flight plus one micro-batch's full activations, ``held * I + f * A``
+    (``f`` = ``microbatch_share``, one micro-batch's share of the minibatch; vectorized)."""
+    if recompute_input_bytes is None:
+        return held * activation_bytes
+    return held * recompute_input_bytes + microbatch_share * activation_bytes
+
+
 def in_flight(schedule: str, replicas: np.ndarray | float, downstream: np.ndarray | float,
               num_microbatches: int | None = None,
               ) -> tuple[np.ndarray | float, np.ndarray | float]:
@@ -68,11 +90,25 @@ def in_flight(schedule: str, replicas: np.ndarray | float, downstream: np.ndarra
 def stage_memory_bytes(schedule: str, *, parameter_bytes: np.ndarray | float,
                        activation_bytes: np.ndarray | float, replicas: np.ndarray | float,
                        downstream: np.ndarray | float, optimizer_state_factor: float = 1.0,
-                       num_microbatches: int | None = None) -> np.ndarray | float:
+                       num_microbatches: int | None = None,
+                       recompute_input_bytes: np.ndarray | float | None = None,
+                       ) -> np.ndarray | float:
     """Peak bytes per device of a stage (``activation_bytes`` per whole minibatch) under
-    ``schedule``: :func:`in_flight` fed to :func:`device_memory_bytes`."""
+    ``schedule``: :func:`in_flight` fed to :func:`device_memory_bytes`; with
+    ``recompute_input_bytes`` (the stage's input per minibatch) under recomputation
+    (:func:`held_activation_bytes`; one micro-batch is ``1 / M`` of the minibatch, a whole one
+    under PipeDream's schedule, and the replica's share ``1 / r`` while ``M`` is unknown)."""
     held, versions = in_flight(schedule, replicas, downstream, num_microbatches)
+    if schedule not in FLUSH_SCHEDULES:
+        share: np.ndarray | float = 1.0
+    elif num_microbatches is None:
+        share = 1.0 / np.asarray(replicas, dtype=np.float64)
+    else:
+        share = 1.0 / num_microbatches
+    activations = held_activation_bytes(held, activation_bytes,
+                                        recompute_input_bytes=recompute_input_bytes,
+                                        microbatch_share=share)
     return device_memory_bytes(parameter_bytes=parameter_bytes,
-                               activation_bytes=held * activation_bytes,
+                               activation_bytes=activations,
                                stashed_versions=versions,
                                optimizer_state_factor=optimizer_state_factor)

@@ -76,6 +76,12 @@ class Workload:
     bucket_codec_s: Sequence[Sequence[tuple[float, float]]] | None = None
     """With a gradient codec and DDP's overlap: per stage and bucket, ``(encode, decode)``
     seconds."""
+    tensor_s: Sequence[tuple[float, float]] | None = None
+    """With tensor parallelism: per stage, the seconds of ``forward_s`` and of ``backward_s``
+    spent in the tensor group's allreduces (accounted as communication, not busy time)."""
+    recompute_bytes: Sequence[float] | None = None
+    """With recomputation: per stage, the activation bytes of one micro-batch held on top of
+    ``stash_bytes`` (then only the stage's input) while its backward recomputes the forward."""
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -257,12 +263,19 @@ class _Replayer:
         end = start + duration
         version = self._pin(w, code, m)
         self._event(w, self.names[w][self.pc[w]], start, end, m, version=version)
-        self.out.busy_s[w][self._key(w, m)] += duration
+        tensor = self.work.tensor_s[stage][code == _B] if self.work.tensor_s else 0.0
+        self.out.busy_s[w][self._key(w, m)] += duration - tensor
+        if tensor:
+            self.out.communication_s[w][self._key(w, m)] += tensor
         if code == _F:
             self.activation[w] += self.work.stash_bytes[stage]
             self.out.peak_activation_bytes[w] = max(self.out.peak_activation_bytes[w],
                                                     self.activation[w])
         else:
+            if self.work.recompute_bytes is not None:
+                self.out.peak_activation_bytes[w] = max(
+                    self.out.peak_activation_bytes[w],
+                    self.activation[w] + self.work.recompute_bytes[stage])
             self.activation[w] -= self.work.stash_bytes[stage]
             self.backward_start[w] = start
         self.pc[w] += 1

@@ -31,6 +31,11 @@ and these strategies are simulated:
   collective and its encode/decode time modelled (:mod:`tandem.planning.codecs`);
 - ``pipeline``: a straight pipeline of ``min(N, layers)`` compute-balanced stages;
 - ``hybrid``: PipeDream's partitioner's plan for the ``N`` devices (replicated stages);
+- ``3d``: tensor + pipeline + data parallelism: for every tensor degree ``T`` of
+  :func:`tandem.planning.tensor.tensor_degrees` (up to ``max_tensor_degree``), the partitioner's
+  plan for ``N / T`` groups of ``T`` adjacent devices on the profile as one device of a group
+  computes it, each replica then split ``T`` ways; the fastest that fits in memory (``T = 1`` is
+  ``hybrid``'s plan, so where that fits, ``3d`` is never below ``hybrid``);
 - ``ps``: synchronous parameter servers: ``ps_servers`` of the ``N`` devices serve, the rest
   train (from 2 devices on);
 - ``gossip``: D-PSGD on a ring of the ``N`` devices;
@@ -69,6 +74,13 @@ from tandem.planning.codecs import parse_codec
 from tandem.planning.partition import PartitionOptions
 from tandem.planning.planner import make_plan
 from tandem.planning.simulate import SimOptions, SimResult, data_parallel_plan, simulate
+from tandem.planning.tensor import (
+    DEFAULT_MAX_TENSOR_DEGREE,
+    grouped_cluster,
+    layout_text,
+    split_profile,
+    tensor_degrees,
+)
 from tandem.profile import ModelProfile
 from tandem.sync_spec import GossipSync, LocalSGDSync, ParameterServerSync
 
@@ -102,8 +114,14 @@ class ScaleOptions:
     """Weak scaling: samples each training device processes per step, so the global batch grows
     with the devices (``SimOptions.batch_scale`` is then ignored); None: strong scaling, one
     global batch of ``SimOptions.batch_scale`` profile minibatches (``batch_samples`` samples)."""
+    max_tensor_degree: int = DEFAULT_MAX_TENSOR_DEGREE
+    """Largest tensor degree of the ``3d`` curve; 1: no ``3d`` curve."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.max_tensor_degree, bool) or not isinstance(self.max_tensor_degree, int) \
+                or self.max_tensor_degree < 1:
+            raise UsageError(f"--max-tensor-degree must be a whole number of at least 1 (got "
+                             f"{self.max_tensor_degree!r}); 1 drops the 3d curve")
         unknown = sorted(set(self.families) - set(FAMILIES))
         if unknown:
             raise UsageError(f"--families {unknown[0]!r} is not one of: {', '.join(FAMILIES)} "
@@ -153,7 +171,8 @@ class ScalePoint:
     was faster (each curve is the best plan up to its device count) or when the plan itself
     leaves devices idle (a pipeline longer than the model has layers)."""
     config: str
-    """The plan (``1024``, ``1-1-1-1``, ``512-324-108-80``)."""
+    """The plan (``1024``, ``1-1-1-1``, ``512-324-108-80``, ``4-4 x tensor 8``: each replica on
+    8 devices)."""
     step_time_s: float
     speedup: float
     """Throughput (samples per second) relative to the one-device baseline: one device running
@@ -244,7 +263,7 @@ def scale(profile: ModelProfile, cluster: Cluster, options: ScaleOptions | None 
                          per_device_batch=options.per_device_batch)
     for n in counts:
         sized = resized(cluster, n)
-        for name, plan, options_n in _strategies(profile, sized, n, options, sim):
+        for name, plan, options_n in _strategies(profile, sized, n, options, sim, batch):
             if isinstance(plan, str):
                 result.skipped.append(f"{name} on {n}: {plan}")
                 continue
@@ -253,7 +272,8 @@ def scale(profile: ModelProfile, cluster: Cluster, options: ScaleOptions | None 
             outcome = simulate(plan, profile, sized, options_n)
             speedup = (options_n.batch_scale / outcome.step_time_s) / (batch(1) / single)
             result.simulated.append(ScalePoint(
-                strategy=name, num_devices=n, devices_used=plan.num_workers, config=plan.config,
+                strategy=name, num_devices=n, devices_used=plan.num_workers,
+                config=layout_text(plan),
                 step_time_s=outcome.step_time_s, speedup=speedup, efficiency=speedup / n,
                 batch_scale=options_n.batch_scale, global_batch=options.samples(trained),
                 compute_s=outcome.compute_s, communication_s=outcome.communication_s))
@@ -300,7 +320,8 @@ def _batch_scales(profile: ModelProfile, options: ScaleOptions,
 
 
 def _strategies(profile: ModelProfile, cluster: Cluster, n: int, options: ScaleOptions,
-                sim: SimOptions) -> list[tuple[str, Plan | str, SimOptions]]:
+                sim: SimOptions, batch_scale_of: Callable[[int], float],
+                ) -> list[tuple[str, Plan | str, SimOptions]]:
     """``(name, plan or the reason it cannot run, simulation options)`` for ``n`` devices."""
     batch = options.samples(n)
     too_few = f"fewer samples ({batch}) than devices" if batch is not None and batch < n else ""
@@ -321,8 +342,47 @@ def _strategies(profile: ModelProfile, cluster: Cluster, n: int, options: ScaleO
     except UsageError as exc:
         hybrid = str(exc)
     strategies.append(("hybrid", hybrid, sim))
+    if options.max_tensor_degree > 1:
+        three_d = _three_d(profile, cluster, hybrid, options, sim, batch_scale_of)
+        strategies.append(("3d", three_d, sim))
     strategies += [(name, _family(name, profile, n, options), sim) for name in options.families]
     return strategies
+
+
+def _three_d(profile: ModelProfile, cluster: Cluster, hybrid: Plan | str, options: ScaleOptions,
+             sim: SimOptions, batch: Callable[[int], float]) -> Plan | str:
+    """The fastest tensor + pipeline + data plan on ``cluster`` (see the module docstring):
+    ``hybrid`` for ``T = 1``, the fastest that fits in memory (else the fastest)."""
+    plans: list[Plan] = [] if isinstance(hybrid, str) else [hybrid]
+    reasons = [] if plans else [hybrid]
+    for degree in tensor_degrees(cluster, options.max_tensor_degree)[1:]:
+        try:
+            found = make_plan(split_profile(profile, degree), grouped_cluster(cluster, degree),
+                              PartitionOptions())
+        except UsageError as exc:
+            reasons.append(str(exc))
+            continue
+        stages = [dataclasses.replace(stage, devices=None if stage.devices is None
+                                      else [d * degree for d in stage.devices])
+                  for stage in found.stages]
+        plan = _micro(dataclasses.replace(found, stages=stages, num_devices=cluster.num_devices,
+                                          tensor_degree=degree, candidates=[]), options)
+        if isinstance(plan, str):
+            reasons.append(plan)
+        else:
+            plans.append(plan)
+    if not plans:
+        return reasons[0]
+    results = [(simulate(plan, profile, cluster, dataclasses.replace(
+        sim, batch_scale=batch(plan.num_workers))), plan) for plan in plans]
+    fitting = [pair for pair in results if pair[0].fits_memory] or results
+    return min(fitting, key=lambda pair: _seconds_per_minibatch(pair, batch))[1]
+
+
+def _seconds_per_minibatch(pair: tuple[SimResult, Plan], batch: Callable[[int], float]) -> float:
+    """Step time per profile minibatch of a simulated plan (weak scaling: batches differ)."""
+    result, plan = pair
+    return result.step_time_s / batch(plan.num_workers)
 
 
 def _family(name: str, profile: ModelProfile, n: int, options: ScaleOptions) -> Plan | str:
@@ -345,7 +405,7 @@ def _micro(plan: Plan, options: ScaleOptions) -> Plan | str:
     of its widest stage (capped at the step's samples and at ``MAX_MICROBATCHES``)."""
     widest = max(stage.replicas for stage in plan.stages)
     count = options.microbatches_per_stage * max(len(plan.stages), widest)
-    cap = min(MAX_MICROBATCHES, options.samples(sum(plan.replicas)) or MAX_MICROBATCHES)
+    cap = min(MAX_MICROBATCHES, options.samples(plan.num_workers) or MAX_MICROBATCHES)
     if count > cap:
         if cap < max(widest, len(plan.stages)):
             return f"fewer samples ({cap}) than the plan's {max(widest, len(plan.stages))} micro-batches"

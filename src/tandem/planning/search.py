@@ -6,13 +6,16 @@ Usage::
     found.best.plan.config, found.best.result.step_time_s, found.data_parallel.step_time_s
 
 A strategy is a plan: stage boundaries along a layer order, replicas per stage (devices may be
-left idle), a schedule (GPipe, 1F1B, PipeDream) and micro-batches per step. Each iteration
-proposes a small random change — move a boundary, split or merge stages, move a replica, change
-the schedule or the micro-batches — simulates it, and accepts it with probability
+left idle), a tensor degree (each replica on that many adjacent devices), recomputation on or
+off, a schedule (GPipe, 1F1B, PipeDream) and micro-batches per step. Each iteration proposes a
+small random change — move a boundary, split or merge stages, move a replica, change the tensor
+degree (the replicas rescaled to the devices), turn recomputation on or off, change the schedule
+or the micro-batches — simulates it, and accepts it with probability
 ``min(1, exp(-(new - current) / (temperature * current)))`` on step time. A plan whose peak
 memory exceeds the devices' is never reported; the chain may pass through one at a cost raised
 by how far it overflows. Chains start from data parallelism and from the partitioner's plan
-(and from a balanced straight pipeline), share the budget in turns, and the best plan any chain
+(and from a balanced straight pipeline, and data parallelism at the largest tensor degree when
+tensor degrees are searched), share the budget in turns, and the best plan any chain
 has seen is the answer — so it is never slower than either starting point.
 """
 
@@ -29,6 +32,7 @@ from tandem.errors import UsageError
 from tandem.plan import Plan, Stage
 from tandem.planning.balance import balanced_bounds, layer_order
 from tandem.planning.simulate import SimOptions, SimResult, data_parallel_plan, simulate
+from tandem.planning.tensor import DEFAULT_MAX_TENSOR_DEGREE, tensor_degrees
 from tandem.profile import ModelProfile
 from tandem.schedule import SCHEDULE_KINDS
 
@@ -52,8 +56,17 @@ class SearchOptions:
     max_microbatches: int = 64
     batch_samples: int | None = None
     """Global minibatch in samples, when known: micro-batch counts must divide it."""
+    max_tensor_degree: int = DEFAULT_MAX_TENSOR_DEGREE
+    """Largest tensor degree to try; degrees are the divisors of the device count up to it that
+    divide a server (:func:`tandem.planning.tensor.tensor_degrees`); 1: no tensor parallelism."""
+    recompute: bool = True
+    """Try activation recomputation as well (False: never)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.max_tensor_degree, bool) or not isinstance(self.max_tensor_degree, int) \
+                or self.max_tensor_degree < 1:
+            raise UsageError(f"--max-tensor-degree must be a whole number of at least 1 (got "
+                             f"{self.max_tensor_degree!r}); 1 turns tensor parallelism off")
         if not self.budget_s > 0:
             raise UsageError(f"--budget must be positive (got {self.budget_s} s)")
         if self.max_iterations is not None and self.max_iterations < 0:
@@ -76,6 +89,9 @@ class Strategy:
     replicas: tuple[int, ...]
     schedule: str
     microbatches: int
+    tensor: int = 1
+    """Tensor degree: devices per replica."""
+    recompute: bool = False
 
     def plan(self, num_devices: int) -> Plan:
         """The plan of this point; a one-stage 1F1B plan (data parallelism) gets its micro-batch
@@ -89,7 +105,8 @@ class Strategy:
                             for s, e, r in zip(starts, self.ends, self.replicas)],
                     num_layers=len(self.order), num_devices=num_devices,
                     layer_order=None if identity else list(self.order), schedule=self.schedule,
-                    num_microbatches=None if self.schedule == "pipedream" else count)
+                    num_microbatches=None if self.schedule == "pipedream" else count,
+                    tensor_degree=self.tensor, recompute=self.recompute)
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -131,6 +148,7 @@ class _Search:
                  sim: SimOptions) -> None:
         self.profile, self.cluster, self.options, self.sim = profile, cluster, options, sim
         self.num_devices = cluster.num_devices
+        self.degrees = tensor_degrees(cluster, options.max_tensor_degree)
         self.random = random.Random(options.seed)
         self.cache: dict[Strategy, tuple[float, Candidate | None]] = {}
         self.best: tuple[float, Candidate] | None = None
@@ -175,6 +193,8 @@ class _Search:
         starts = [dp, self._straight(order)]
         if partitioner_plan is not None:
             starts.insert(1, self._from_plan(partitioner_plan))
+        if self.degrees[-1] > 1:  # the least memory per device
+            starts.append(self._repair(self._retensored(dp, self.degrees[-1])))
         chains = [[s, self.cost(s)] for s in starts if s is not None]
         dp_candidate = self.cache[dp][1] if dp in self.cache else None
         part_candidate = self._as_is(partitioner_plan)
@@ -233,7 +253,8 @@ class _Search:
         schedule = plan.schedule if plan.schedule in self.options.schedules else self.options.schedules[0]
         count = plan.num_microbatches or 1
         return self._repair(Strategy(order=tuple(plan.layers()), ends=tuple(s.end for s in plan.stages),
-                                     replicas=replicas, schedule=schedule, microbatches=count))
+                                     replicas=replicas, schedule=schedule, microbatches=count,
+                                     tensor=plan.tensor_degree, recompute=plan.recompute))
 
     def _straight(self, order: tuple[int, ...]) -> Strategy | None:
         stages = min(self.num_devices, len(order))
@@ -251,6 +272,10 @@ class _Search:
         moves: list[Callable[[Strategy], Strategy | None]] = [
             self._shift, self._split, self._merge, self._move_replica, self._schedule,
             self._microbatches]
+        if len(self.degrees) > 1:
+            moves.append(self._tensor)
+        if self.options.recompute:
+            moves.append(self._recompute)
         proposal = self.random.choice(moves)(current)
         return None if proposal is None or proposal == current else self._repair(proposal)
 
@@ -273,7 +298,7 @@ class _Search:
         if s.ends[index] - start < 2:
             return None
         cut = self.random.randrange(start + 1, s.ends[index])
-        count, idle = s.replicas[index], self.num_devices - sum(s.replicas)
+        count, idle = s.replicas[index], self._groups(s) - sum(s.replicas)
         if count >= 2:
             first = self.random.randrange(1, count)
             pair = (first, count - first)
@@ -294,7 +319,7 @@ class _Search:
 
     def _move_replica(self, s: Strategy) -> Strategy | None:
         replicas = list(s.replicas)
-        idle = self.num_devices - sum(replicas)
+        idle = self._groups(s) - sum(replicas)
         sources = [i for i, r in enumerate(replicas) if r > 1] + ([-1] if idle else [])
         if not sources:
             return None
@@ -307,6 +332,24 @@ class _Search:
         if target >= 0:
             replicas[target] += 1
         return dataclasses.replace(s, replicas=tuple(replicas))
+
+    def _groups(self, s: Strategy) -> int:
+        """Stage replicas the devices hold at ``s``'s tensor degree."""
+        return self.num_devices // s.tensor
+
+    def _tensor(self, s: Strategy) -> Strategy | None:
+        return self._retensored(s, self.random.choice([t for t in self.degrees if t != s.tensor]))
+
+    def _retensored(self, s: Strategy, degree: int) -> Strategy | None:
+        """``s`` at tensor ``degree``, every stage's replicas scaled by the ratio of degrees
+        (at least 1 each); None when its stages do not fit the devices then."""
+        replicas = tuple(max(1, r * s.tensor // degree) for r in s.replicas)
+        if sum(replicas) * degree > self.num_devices:
+            return None
+        return dataclasses.replace(s, tensor=degree, replicas=replicas)
+
+    def _recompute(self, s: Strategy) -> Strategy | None:
+        return dataclasses.replace(s, recompute=not s.recompute)
 
     def _schedule(self, s: Strategy) -> Strategy | None:
         others = [k for k in self.options.schedules if k != s.schedule]
@@ -328,9 +371,9 @@ class _Search:
         batch = self.options.batch_samples
         return [m for m in range(1, top + 1) if batch is None or batch % m == 0]
 
-    def _repair(self, s: Strategy) -> Strategy | None:
+    def _repair(self, s: Strategy | None) -> Strategy | None:
         """Raise the micro-batches to what the schedule needs; None if impossible."""
-        if s.schedule == "pipedream":
+        if s is None or s.schedule == "pipedream":
             return s
         needed = max(s.replicas) if s.schedule == "gpipe" else max(len(s.ends), max(s.replicas))
         if s.microbatches >= needed:

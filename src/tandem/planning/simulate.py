@@ -22,6 +22,13 @@ back and the step time is the last one's on worker 0, as the runtime measures it
 asynchronous schedule runs long enough to reach its steady state and the step time is the time
 per minibatch there.
 
+With a tensor degree ``T`` (``plan.tensor_degree``) every worker of the schedule is a group of
+``T`` adjacent devices: layers with parameters are split (compute beyond the fixed cost and
+parameters divided by ``T``, one allreduce of their output among the group in the forward and
+one in the backward; :mod:`tandem.planning.tensor`), the others run whole on each device. With
+``plan.recompute`` a backward runs the stage's forward again first, and a stage stashes only its
+input per micro-batch (plus one micro-batch's activations while it recomputes).
+
 One-stage plans that synchronize otherwise (``plan.sync`` a parameter server, gossip, local SGD
 or EASGD spec) are simulated by :mod:`tandem.planning.servers` and
 :mod:`tandem.planning.decentralized`, chosen by ``type(plan.sync)``; their results say what
@@ -50,6 +57,9 @@ What it does not model:
   control or TCP dynamics; collectives do not contend with point-to-point transfers or with
   each other; gossip's simultaneous exchanges share ports as a fluid (each port moves all its
   bytes at full bandwidth, every edge ends when its busier port is done), not packet by packet;
+- which layers a real model splits and how (the rule: layers with parameters, one allreduce
+  each per direction), activations inside a split layer, tensor allreduces overlapping compute;
+  Megatron's scatter-gather of activations between stages (they cross once, whole);
 - memory beyond the parts above: no workspace, temporary communication buffers, fragmentation
   or receive buffers, and the parts' peaks are added as if they coincided;
 - a pipeline plan's activation codec (its ``compress``): give its ratio with
@@ -84,6 +94,7 @@ from tandem.planning.costs import (
 )
 from tandem.planning.memory import device_memory_bytes
 from tandem.planning.replay import Replay, Workload, replay
+from tandem.planning.tensor import port_sharing, split_profile, tensor_allreduce_s, tensor_group
 from tandem.profile import ModelProfile, scale_call, topological_order
 from tandem.schedule import Schedule
 from tandem.sync_spec import (
@@ -243,6 +254,11 @@ class SimResult:
     updates_per_s: float | None = None
     """Updates of the model per second, all workers' together (None for schedules whose
     step is the update: 1 / ``step_time_s``)."""
+    tensor_degree: int = 1
+    """Devices of each worker's tensor group: every worker row stands for that many devices,
+    each with the row's figures (its ``device`` is the group's first)."""
+    recompute: bool = False
+    """The plan recomputes activations in the backward."""
 
     @property
     def fits_memory(self) -> bool:
@@ -275,13 +291,18 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
     options = options or SimOptions()
     check_plan(plan, profile, cluster)
     if not plan.pipelined and not isinstance(plan.sync, AllReduceSync):
+        if plan.tensor_degree > 1 or plan.recompute:
+            what = "tensor parallelism" if plan.tensor_degree > 1 else "recomputation"
+            raise UsageError(f"{what} is simulated for allreduce plans and pipelines, not with "
+                             f"sync method {plan.sync.method!r}; drop it or use --plan dp")
         return simulate_family(plan, profile, cluster, options)
     if not plan.pipelined and plan.compress is not None and options.compress is None:
         options = dataclasses.replace(options, compress=plan.compress.text)  # the run's codec
-    costs = stage_costs(plan, profile, bucket_bytes=options.bucket_bytes,
+    costs = stage_costs(plan, split_profile(profile, plan.tensor_degree),
+                        bucket_bytes=options.bucket_bytes,
                         first_bucket_bytes=min(DDP_FIRST_BUCKET_BYTES, options.bucket_bytes))
     schedule = plan_schedule(plan)
-    workload = build_workload(plan, costs, cluster, schedule, options)
+    workload = build_workload(plan, costs, cluster, schedule, options, profile=profile)
     steps = 1 if schedule.kind == "pipedream" else options.num_steps
     run = replay(schedule, workload, cluster, num_steps=steps, record=options.record)
     return _result(plan, profile, cluster, schedule, costs, run, workload, options)
@@ -337,20 +358,28 @@ def codec_ratio(name: str | None) -> float:
 
 
 def worker_devices(plan: Plan) -> list[int]:
-    """Device of every worker: the plan's assignment, else worker ``w`` on device ``w``."""
-    devices, worker = [], 0
+    """Device of every worker: the plan's assignment, else worker ``w`` on device ``w``. With a
+    tensor degree ``T`` a worker is a stage replica on ``T`` adjacent devices and this is the
+    first of them (by default ``T w``)."""
+    devices, worker, degree = [], 0, plan.tensor_degree
     for stage in plan.stages:
         if stage.devices is not None and len(stage.devices) != stage.replicas:
             raise UsageError(f"stage {stage.start}..{stage.end} lists {len(stage.devices)} "
                              f"devices for {stage.replicas} replicas")
-        devices += stage.devices or list(range(worker, worker + stage.replicas))
+        devices += stage.devices or [degree * w for w in range(worker, worker + stage.replicas)]
         worker += stage.replicas
     return devices
 
 
 def build_workload(plan: Plan, costs: list[StageCost], cluster: Cluster, schedule: Schedule,
-                   options: SimOptions) -> Workload:
-    """Per-stage durations and sizes of one micro-batch's actions."""
+                   options: SimOptions, *, profile: ModelProfile | None = None) -> Workload:
+    """Per-stage durations and sizes of one micro-batch's actions (``costs`` per device of a
+    tensor group; ``profile``, the unsplit one, is needed for a tensor degree above 1).
+
+    Tensor parallelism adds each split layer's allreduces to the forward and to the backward
+    (:func:`tensor_allreduce_s` among the first replica's tensor group); recomputation runs the
+    forward again, allreduces included, at the start of every backward, and stashes only the
+    stage's input (the bytes the previous stage sends) per micro-batch."""
     share = options.batch_scale if schedule.kind == "pipedream" else (
         options.batch_scale / schedule.num_microbatches)
     devices = worker_devices(plan)
@@ -363,24 +392,36 @@ def build_workload(plan: Plan, costs: list[StageCost], cluster: Cluster, schedul
     if overlap is None:
         overlap = not plan.pipelined
     speed = cluster.speed
+    degree = plan.tensor_degree
+    sharing = [port_sharing(cluster, g, degree) for g in groups]
 
-    def reduce_s(group: list[int], num_bytes: float, ratio: float) -> float:
-        return allreduce_s(cluster, group, num_bytes / ratio, options.allreduce,
+    def reduce_s(group: list[int], num_bytes: float, ratio: float, shards: int = 1) -> float:
+        return allreduce_s(cluster, group, num_bytes * shards / ratio, options.allreduce,
                            options.allreduce_latency_s)
 
-    forward = [call_s(c.forward_s, c.forward_fixed_s, share, options) / speed for c in costs]
-    backward = [call_s(c.backward_s, c.backward_fixed_s, share, options) / speed for c in costs]
+    tensor = _tensor_s(plan, profile, cluster, groups, share, options)
+    forward = [call_s(c.forward_s, c.forward_fixed_s, share, options) / speed
+               + options.compute_overhead_s + t for c, t in zip(costs, tensor)]
+    backward = [call_s(c.backward_s, c.backward_fixed_s, share, options) / speed
+                + options.compute_overhead_s + t for c, t in zip(costs, tensor)]
+    redo = forward if plan.recompute else [0.0] * len(costs)
+    inputs = [0.0, *(c.output_bytes * share for c in costs[:-1])]
     workload = Workload(
-        forward_s=[seconds + options.compute_overhead_s for seconds in forward],
-        backward_s=[seconds + options.compute_overhead_s for seconds in backward],
+        forward_s=forward,
+        backward_s=[r + b for r, b in zip(redo, backward)],
         step_s=[c.parameter_bytes / options.optimizer_Bps if options.optimizer_Bps else 0.0
                 for c in costs],
         output_bytes=[c.output_bytes * share / options.activation_compression
                       / codec_ratio(stage.compression) for c, stage in zip(costs, plan.stages)],
-        stash_bytes=[c.activation_bytes * share for c in costs],
-        allreduce_s=[reduce_s(g, c.parameter_bytes, r) for c, g, r in zip(costs, groups, ratios)],
-        buckets=[[(ready * _stretch(c, seconds), reduce_s(g, size, r)) for ready, size in c.buckets]
-                 for c, g, r, seconds in zip(costs, groups, ratios, backward)] if overlap else None,
+        stash_bytes=inputs if plan.recompute else [c.activation_bytes * share for c in costs],
+        recompute_bytes=[c.activation_bytes * share for c in costs] if plan.recompute else None,
+        tensor_s=[(t, t * (2 if plan.recompute else 1)) for t in tensor] if degree > 1 else None,
+        allreduce_s=[reduce_s(g, c.parameter_bytes, r, k)
+                     for c, g, r, k in zip(costs, groups, ratios, sharing)],
+        buckets=[[(r0 + ready * _stretch(c, seconds), reduce_s(g, size, r, k))
+                  for ready, size in c.buckets]
+                 for c, g, r, k, seconds, r0 in zip(costs, groups, ratios, sharing, backward, redo)]
+        if overlap else None,
         devices=devices,
         send_overhead_s=options.send_overhead_s,
     )
@@ -388,6 +429,20 @@ def build_workload(plan: Plan, costs: list[StageCost], cluster: Cluster, schedul
         return workload
     codec = parse_codec(options.compress, options.codec_speed)
     return with_codec(workload, codec, costs, groups, cluster, options)
+
+
+def _tensor_s(plan: Plan, profile: ModelProfile | None, cluster: Cluster, groups: list[list[int]],
+              share: float, options: SimOptions) -> list[float]:
+    """Per stage, seconds of one forward's (or backward's) tensor allreduces among the first
+    replica's group (0 without tensor parallelism)."""
+    degree = plan.tensor_degree
+    if degree == 1:
+        return [0.0] * len(plan.stages)
+    if profile is None:
+        raise ValueError("build_workload needs the profile for a tensor degree above 1")
+    return [tensor_allreduce_s(cluster, profile, plan.stage_layers(s), tensor_group(g[0], degree),
+                               share, options.allreduce, options.allreduce_latency_s)
+            for s, g in enumerate(groups)]
 
 
 def call_s(total_s: float, fixed_s: float, share: float, options: SimOptions) -> float:
@@ -485,4 +540,5 @@ def _result(plan: Plan, profile: ModelProfile, cluster: Cluster, schedule: Sched
         peak_memory_bytes=max(worker.peak_memory_bytes for worker in workers),
         memory_limit_bytes=cluster.memory_bytes, workers=workers,
         timeline=Timeline(events=run.events, source="simulator"),
+        tensor_degree=plan.tensor_degree, recompute=plan.recompute,
     )
