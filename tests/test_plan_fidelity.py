@@ -261,3 +261,20 @@ def test_plan_options_that_do_not_apply_are_one_line(capsys, extra: tuple[str, .
                              "--devices", "4", "--bandwidth", "10Gb/s", *extra)
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
     assert words in err
+
+
+def test_a_plan_that_recomputes_is_refused_by_the_runtime(tmp_path) -> None:
+    """The simulator models recomputation; the runtime does not run it yet, so a plan asking
+    for it is one line, not a run without it."""
+    plan = data_parallel_plan(REAL["vgg16"], 1)
+    data = plan.to_dict()
+    data["num_layers"] = 3
+    data["stages"] = [{"start": 0, "end": 3, "replicas": 1}]
+    data["recompute"] = True
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    from tests.conftest import run_tandem
+    result = run_tandem("train", "--model", "mlp", "--data", "digits", "--plan", str(path),
+                        "--steps", "1")
+    assert result.returncode == 2, result.stderr
+    assert "recompute" in result.stderr and len(result.stderr.strip().splitlines()) == 1

@@ -301,6 +301,9 @@ class Job:
         from tandem.sync_spec import AllReduceSync
 
         plan, run = self.plan, self.run
+        if plan.recompute:
+            raise UsageError("the plan recomputes activations (recompute: true), which tandem "
+                             "simulates but does not run yet; set recompute to false in the plan")
         degree = plan.tensor_degree
         if degree == 1:
             return
