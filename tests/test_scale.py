@@ -184,7 +184,7 @@ def hybrid_speedups(path: str, spec: str, max_devices: int) -> dict[int, tuple[f
     found = {}
     for m in device_counts(max_devices):
         sized = resized(parse_cluster(spec), m)
-        plan = make_plan(profile, sized, PartitionOptions())
+        plan = make_plan(profile, sized, PartitionOptions(), sim=sim)
         plan.schedule, plan.num_microbatches = "1f1b", 4 * max(len(plan.stages), *plan.replicas)
         found[m] = (single_s / simulate(plan, profile, sized, sim).step_time_s, plan.num_workers)
     return found
