@@ -156,7 +156,7 @@ def make_plan(
                 reference.note = "for reference: a pipeline was asked for"
     fitting = [c for c in eligible if c.fits]
     if not fitting:
-        raise NoPlanFits(_no_fit_message(profile, cluster, options, sim, memory, candidates))
+        raise NoPlanFits(_no_fit_message(profile, cluster, options, sim, memory, eligible))
     best = min(fitting, key=lambda c: c.result.step_time_s)  # type: ignore[union-attr]
     return _chosen_plan(best, candidates, options, time.perf_counter() - started)
 
@@ -340,12 +340,13 @@ def _stage_peak(result: SimResult, stage: int) -> float:
 
 
 def _no_fit_message(profile: ModelProfile, cluster: Cluster, options: PartitionOptions,
-                    sim: SimOptions, memory: float | None, candidates: list[_Candidate]) -> str:
-    peaks = [c.result.peak_memory_bytes for c in candidates
-             if c.result is not None and not c.note.startswith("for reference")]
+                    sim: SimOptions, memory: float | None, eligible: list[_Candidate]) -> str:
+    peaks = [c.result.peak_memory_bytes for c in eligible if c.result is not None]
     need = min([smallest_memory_bytes(profile, cluster, options, sim), *peaks])
-    kinds = "straight pipelines, one device" if options.straight else (
-        "pipelines, data parallelism, one device")
+    words = {"partition": "straight pipelines" if options.straight else "pipelines",
+             "flat": "straight pipelines" if options.straight else "pipelines",
+             "dp": "data parallelism", "single": "one device"}
+    kinds = ", ".join(dict.fromkeys(words[c.name] for c in eligible))
     return (f"no plan fits in {memory / 1e9:g} GB per device on {cluster.num_devices} devices "
             f"({kinds}, {options.schedule}): the smallest needs "
             f"{math.ceil(need / 1e7) / 100:g} GB; raise --memory to at least that, add "
