@@ -58,7 +58,7 @@ DATA_PARALLEL_FLAGS = {"--accumulate": ("dp", "gossip", "easgd", "localsgd")}
 """Flags of the data-parallel trainer, by the strategies that take them."""
 
 TENSOR_FLAG = "--tensor-parallel"
-"""The tensor degree: workers each split layer is divided among (``dp`` only, for now)."""
+"""The tensor degree: workers each split layer is divided among (``dp`` and ``pipeline``)."""
 
 PLAN_FLAGS = (*PIPELINE_FLAGS, *DATA_PARALLEL_FLAGS, "--compress", TENSOR_FLAG,
               *(flag for kind in STRATEGIES.values() for flag in kind.sync.FLAGS))
@@ -150,7 +150,7 @@ def plan_from_flags(strategy: str, given: Mapping[str, Any], *, num_processes: i
     sync = build_sync(strategy, given)
     _check_gossip(sync, compress)
     if STRATEGIES[strategy].pipelined:
-        return _pipeline_plan(given, num_processes, num_blocks, compress)
+        return _pipeline_plan(given, num_processes, num_blocks, compress, degree)
     servers = getattr(sync, "servers", 0)
     workers = num_processes - servers
     if workers < 1:
@@ -173,28 +173,21 @@ def plan_from_flags(strategy: str, given: Mapping[str, Any], *, num_processes: i
 
 def tensor_degree(strategy: str, given: Mapping[str, Any], num_processes: int) -> int:
     """``--tensor-parallel T`` (default 1), checked against the strategy and the job's size:
-    tensor parallelism alone (T workers, ``--strategy dp``) is what runs for now."""
+    with ``--strategy dp`` the job is data ``nproc / T`` x tensor ``T``; with ``--strategy
+    pipeline`` every stage replica is ``T`` adjacent workers."""
     degree = int(given.get(TENSOR_FLAG, 1))
     if degree < 1:
         raise UsageError(f"{TENSOR_FLAG} must be at least 1 (got {degree}); e.g. "
                          f"{TENSOR_FLAG} 2, or 1 for none")
     if degree == 1:
         return 1
-    if STRATEGIES[strategy].pipelined:
-        raise UsageError(f"{TENSOR_FLAG} {degree} with --strategy pipeline (pipeline x tensor "
-                         f"layouts) is not supported yet; use --strategy dp {TENSOR_FLAG} "
-                         f"{degree} --nproc {degree}, or drop {TENSOR_FLAG}")
-    if STRATEGIES[strategy].sync is not AllReduceSync:
-        raise UsageError(f"{TENSOR_FLAG} {degree} runs with --strategy dp only (this run has "
-                         f"--strategy {strategy}); use --strategy dp or drop {TENSOR_FLAG}")
+    if STRATEGIES[strategy].sync is not AllReduceSync and not STRATEGIES[strategy].pipelined:
+        raise UsageError(f"{TENSOR_FLAG} {degree} runs with --strategy dp or pipeline (this run "
+                         f"has --strategy {strategy}); use one of those or drop {TENSOR_FLAG}")
     if num_processes % degree:
         raise UsageError(f"{TENSOR_FLAG} {degree} does not divide --nproc {num_processes}: the "
-                         f"data degree times the tensor degree must be the number of workers; "
-                         f"use --nproc {degree}")
-    if num_processes != degree:
-        raise UsageError(f"--nproc {num_processes} with {TENSOR_FLAG} {degree} would be data "
-                         f"{num_processes // degree} x tensor {degree}, which tandem does not "
-                         f"run yet; use --nproc {degree} (tensor parallelism alone)")
+                         f"data (or pipeline) degree times the tensor degree must be the number "
+                         f"of workers; use --nproc {degree * max(1, num_processes // degree)}")
     return degree
 
 
@@ -212,23 +205,27 @@ def _check_gossip(sync: SyncSpec, compress: CodecSpec | None) -> None:
 
 
 def _pipeline_plan(given: Mapping[str, Any], num_processes: int, num_blocks: int | None,
-                   compress: CodecSpec | None) -> Plan:
+                   compress: CodecSpec | None, degree: int = 1) -> Plan:
+    """Stages and replicas of ``num_processes // degree`` pipeline workers (each a group of
+    ``degree`` tensor-parallel processes)."""
     if num_blocks is None:
         raise UsageError("--strategy pipeline needs a model that is an nn.Sequential of blocks; "
                          "use --strategy dp for this model")
     replicas = parse_replicas(given["--replicas"]) if given.get("--replicas") else None
-    num_stages = given.get("--stages", len(replicas) if replicas else num_processes)
+    workers = num_processes // degree
+    per = f" / {TENSOR_FLAG} {degree}" if degree > 1 else ""
+    num_stages = given.get("--stages", len(replicas) if replicas else workers)
     if num_stages < 1:
         raise UsageError(f"--stages must be at least 1 (got {num_stages})")
     chosen = replicas or (1,) * num_stages
     if len(chosen) != num_stages:
         raise UsageError(f"--replicas gives {len(chosen)} stages but --stages is {num_stages}; "
                          f"give one replica count per stage")
-    if sum(chosen) != num_processes:
+    if sum(chosen) != workers:
         raise UsageError(
             f"the stages' replicas ({'-'.join(map(str, chosen))}) add up to {sum(chosen)} "
-            f"workers but the job has {num_processes}; use --nproc {sum(chosen)} or change "
-            f"--replicas")
+            f"workers but the job has {workers} (--nproc {num_processes}{per}); use --nproc "
+            f"{sum(chosen) * degree} or change --replicas")
     schedule, count, text = given.get("--schedule") or "1f1b", given.get("--microbatches"), None
     if schedule not in SCHEDULE_KINDS:
         written = read_schedule_file(schedule)
@@ -242,7 +239,7 @@ def _pipeline_plan(given: Mapping[str, Any], num_processes: int, num_blocks: int
     plan = Plan(stages=[Stage(start=start, end=end, replicas=count) for (start, end), count
                         in zip(even_bounds(num_blocks, num_stages), chosen)],
                 num_layers=num_blocks, num_devices=num_processes, schedule=schedule,
-                num_microbatches=count, schedule_text=text,
+                num_microbatches=count, schedule_text=text, tensor_degree=degree,
                 vertical_sync=bool(given.get("--vertical-sync")), compress=compress)
     if not plan.pipelined:  # one stage under 1F1B would be data parallelism: say so
         raise UsageError("a one-stage 1F1B pipeline is data parallelism: use --strategy dp "

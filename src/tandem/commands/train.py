@@ -91,8 +91,9 @@ def add_train_arguments(parser: argparse.ArgumentParser, defaults: RunConfig) ->
         "any other model's where a quick profile balances them")
     add("--replicas", help="replicas of each pipeline stage, e.g. 2,1")
     add("--tensor-parallel", type=int, metavar="T",
-        help="split the layers of mlp, gpt and vgg across T workers (Megatron-style; --strategy "
-        "dp --nproc T; see README's Tensor parallelism)")
+        help="split the layers of mlp, gpt and vgg across T workers (Megatron-style): --strategy "
+        "dp is data nproc/T x tensor T; --strategy pipeline makes every stage replica T workers "
+        "(see README's Tensor parallelism)")
     add("--vertical-sync", action="store_true", default=None,
         help="pipedream schedule: every stage uses the weight version stage 0 used")
     add("--batch-size", type=int, default=None,

@@ -295,9 +295,10 @@ class Job:
         self._check_nesterov()
 
     def _check_tensor(self) -> None:
-        """Tensor parallelism runs alone (one stage, one replica, allreduce's plan) in fp32 with
-        an elementwise optimizer, and without checkpoints, for now: one line for each setting
-        it would not honour."""
+        """Tensor parallelism runs alone, with data parallelism (allreduce's plan) or in a
+        pipeline whose every stage has the same replicas under a flush schedule, in fp32 with
+        an elementwise optimizer and without checkpoints, for now: one line for each setting it
+        would not honour."""
         from tandem.sync_spec import AllReduceSync
 
         plan, run = self.plan, self.run
@@ -307,10 +308,20 @@ class Job:
         degree = plan.tensor_degree
         if degree == 1:
             return
-        if plan.pipelined or plan.replicas != [1] or not isinstance(plan.sync, AllReduceSync):
-            raise UsageError(f"the plan combines tensor degree {degree} with {plan.config} "
-                             f"replicas/stages or sync {plan.sync.method!r}; tandem runs tensor "
-                             f"parallelism alone for now: one stage, one replica, allreduce")
+        if plan.pipelined:
+            if plan.schedule not in ("gpipe", "1f1b"):
+                raise UsageError(f"--schedule {plan.schedule} with --tensor-parallel {degree}: "
+                                 f"pipeline x tensor layouts run flush schedules only; use "
+                                 f"--schedule 1f1b or gpipe")
+            if len(set(plan.replicas)) > 1:
+                raise UsageError(f"replicas {plan.config} with --tensor-parallel {degree}: a "
+                                 f"data x pipeline x tensor mesh needs the same replicas on "
+                                 f"every stage; use --replicas "
+                                 f"{','.join([str(max(plan.replicas))] * len(plan.replicas))}")
+        elif not isinstance(plan.sync, AllReduceSync):
+            raise UsageError(f"the plan combines tensor degree {degree} with sync "
+                             f"{plan.sync.method!r}; tandem runs tensor parallelism with "
+                             f"allreduce's data parallelism or a pipeline only")
         refused = {
             "--compress": plan.compress.text if plan.compress else None,
             "--precision": run.precision if run.precision != "fp32" else None,

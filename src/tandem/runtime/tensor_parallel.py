@@ -23,10 +23,16 @@ gradient of its own channels).
 
 Every worker starts from its share of the whole model built with the run's seed, so a
 tensor-parallel run starts from the weights single-process training would have.
+
+A job that combines tensor parallelism with data parallelism or a pipeline lays its workers on
+one ``DeviceMesh`` of dimensions ``data x pipeline x tensor`` (:func:`layout_mesh`), built from
+the plan: the ``T`` workers of a stage replica are adjacent ranks, so the ``tensor`` groups are
+the innermost (fastest) links.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -62,6 +68,62 @@ def split_model(model: nn.Module, plan: TensorPlan, mesh: DeviceMesh) -> None:
               if style in DTENSOR_STYLES}
     if styles:
         parallelize_module(model, mesh, styles)
+
+
+MESH_DIMS = ("data", "pipeline", "tensor")
+"""The names of a layout mesh's dimensions, outermost first."""
+
+
+def layout_mesh(device_type: str, *, replicas: int, stages: int, degree: int,
+                worker_of: Callable[[int, int], int]) -> DeviceMesh:
+    """The job's ``data x pipeline x tensor`` mesh (collective: every rank builds it): the
+    worker of ``replica`` of ``stage`` is ``worker_of(stage, replica)`` (the schedule's
+    numbering), and its ``degree`` tensor-parallel processes are ranks ``worker * degree`` to
+    ``worker * degree + degree - 1``."""
+    ranks = torch.tensor([[[worker_of(stage, replica) * degree + part for part in range(degree)]
+                           for stage in range(stages)] for replica in range(replicas)])
+    return DeviceMesh(device_type, ranks, mesh_dim_names=MESH_DIMS)
+
+
+def stage_plan(plan: TensorPlan, start: int, end: int) -> tuple[TensorPlan, list[str]]:
+    """The part of ``plan`` (names in an ``nn.Sequential`` of blocks) that falls in blocks
+    ``start`` to ``end - 1``, renamed as in ``nn.Sequential(*blocks[start:end])``; and the
+    names (the whole model's) of the layers of those blocks left whole because the other
+    layer of their column-wise/row-wise pair is in another stage (a worker's share of a
+    column-wise output cannot cross to the next stage, whose workers hold whole tensors)."""
+    def block_of(name: str) -> int | None:
+        block = name.partition(".")[0]
+        return int(block) if block.isdigit() else None
+
+    def inside(name: str) -> bool:
+        block = block_of(name)
+        return block is not None and start <= block < end
+
+    groups: list[list[str]] = []
+    opened: list[str] | None = None
+    for name, style in plan.items():
+        if style in ("colwise", "heads"):
+            opened = [name]
+            groups.append(opened)
+        elif style == "rowwise" and opened is not None:
+            opened.append(name)
+            opened = None
+        else:
+            groups.append([name])
+    part: TensorPlan = {}
+    whole: list[str] = []
+    for group in groups:
+        held = [name for name in group if inside(name)]
+        if not held:
+            continue
+        if len(held) < len(group):
+            whole += held
+            continue
+        for name in held:
+            rest = name.partition(".")[2]
+            block = int(name.partition(".")[0])
+            part[".".join(filter(None, (str(block - start), rest)))] = plan[name]
+    return part, whole
 
 
 def heads_order(out_features: int, degree: int) -> torch.Tensor:
@@ -152,6 +214,21 @@ def gathered_state_dict(model: nn.Module, plan: TensorPlan,
             tensor = whole
         state[key] = tensor.cpu()
     return state
+
+
+def sum_gradients(parameters: list[nn.Parameter], group: Any) -> int:
+    """Sum the gradients of ``parameters`` (each worker's local shares) over ``group`` in one
+    flat allreduce; returns the bytes reduced."""
+    grads = [local_tensor(p.grad) for p in parameters if p.grad is not None]
+    if not grads:
+        return 0
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for grad in grads:
+        grad.copy_(flat[offset: offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
+    return flat.numel() * flat.element_size()
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:

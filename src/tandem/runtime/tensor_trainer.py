@@ -1,11 +1,14 @@
-"""Tensor-parallel training: every worker holds a share of every split layer and runs every batch.
+"""Tensor-parallel training, alone or data x tensor: each worker holds a share of every split layer.
 
-A plan of tensor degree T (and, for now, one stage with one replica) runs on T workers that form
-one device mesh. Each builds the whole model from the run's seed, keeps its share of the layers
-the model's tensor plan splits (:mod:`tandem.models.tensor`, :mod:`tandem.runtime.tensor_parallel`)
-and trains on the whole global batch; the collectives inside the split layers keep the workers'
-whole layers (embeddings, norms, unsplit linear layers) equal, so each steps its own optimizer
-and no gradient is averaged afterwards. The result is single-process training's.
+A one-stage plan of tensor degree T and D replicas runs on D x T workers laid out on a
+``data x pipeline x tensor`` device mesh (pipeline of size 1; a replica's T workers are adjacent
+ranks). Each builds the whole model from the run's seed and keeps its share of the layers the
+model's tensor plan splits (:mod:`tandem.models.tensor`, :mod:`tandem.runtime.tensor_parallel`).
+The T workers of a replica train on the same share of the global batch (the whole batch when
+D = 1); the collectives inside the split layers keep their whole layers (embeddings, norms,
+unsplit linear layers) equal. With D > 1 each worker then sums its gradients (its own shares)
+with the workers at its tensor position in the other replicas, the ``data`` dimension. Every
+worker steps its own optimizer; the result is single-process training's.
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 from tandem.loss import evaluation
 from tandem.models.tensor import tensor_plan
@@ -25,7 +27,8 @@ from tandem.runtime.dist import WorkerEnv
 from tandem.runtime.noise_scale import NoiseScale
 from tandem.runtime.precision import Precision
 from tandem.runtime.tensor_parallel import (
-    gathered_state_dict, memory_report, parameter_bytes, split_model,
+    MESH_DIMS, gathered_state_dict, layout_mesh, memory_report, parameter_bytes, split_model,
+    sum_gradients,
 )
 from tandem.runtime.watchdog import Heartbeat
 from tandem.structures import call_model
@@ -43,27 +46,47 @@ class TensorParallelTrainer(BaseTrainer):
         self.tensor_plan = tensor_plan(None if own else config.model, model, degree)
         self.whole_bytes = parameter_bytes(model)
         self.num_parameters = sum(p.numel() for p in model.parameters())
-        self.mesh = init_device_mesh(env.device.type, (degree,))
+        self.replicas = job.plan.replicas[0]
+        layout = layout_mesh(env.device.type, replicas=self.replicas, stages=1, degree=degree,
+                             worker_of=lambda stage, replica: replica)
+        self.mesh = layout["tensor"]
+        self.layout_shape = dict(zip(MESH_DIMS, layout.shape))
+        self.data_group = layout["data"].get_group() if self.replicas > 1 else None
+        self.data_rank = env.rank // degree
         split_model(model, self.tensor_plan, self.mesh)
         self.module = self.model = model
         model.train()
         self.loss_terms_per_sample = 1
+        self.reduced_bytes = 0
         self.tensor_rank = self.mesh.get_local_rank()
-        self.divergence.where = f"tensor-parallel worker {self.tensor_rank} (rank {env.rank})"
+        replica = f"replica {self.data_rank}, " if self.replicas > 1 else ""
+        self.divergence.where = (f"tensor-parallel worker {self.tensor_rank} ({replica}"
+                                 f"rank {env.rank})")
         self.noise = NoiseScale.unavailable(
             "the gradient noise scale is measured in data parallelism only (from each worker's "
             "gradient and their allreduced mean); tensor-parallel workers share every batch")
         self.setup_optimizer(model.parameters())
         self.precision = Precision(config.precision, env.device)
 
+    def data_partitions(self) -> int:
+        return self.job.plan.replicas[0]
+
+    def _indices(self, step: int) -> torch.Tensor:
+        """This worker's replica's share of global batch ``step`` (the whole batch for one)."""
+        if self.replicas == 1:
+            return self.sampler.global_indices(step)
+        return self.sampler.local_indices(step, rank=self.data_rank, world_size=self.replicas)
+
     def planned_batches(self, first: int, last: int) -> list[torch.Tensor]:
-        return [self.sampler.global_indices(step) for step in range(first, last)]
+        return [self._indices(step) for step in range(first, last)]
 
     def train_step(self, step: int) -> torch.Tensor:
-        """One optimizer step on the whole global batch ``step``, in ``--accumulate``
-        micro-batches; returns the batch's summed loss on the mesh's first worker (zero on the
-        others, so that the logged sum over workers counts it once)."""
-        indices = self.sampler.global_indices(step)
+        """One optimizer step on this replica's share of global batch ``step``, in
+        ``--accumulate`` micro-batches, its gradients summed over the replicas; returns the
+        share's summed loss on the replica's first worker (zero on the others, so that the
+        logged sum over workers counts it once)."""
+        indices = self._indices(step)
+        global_count = len(self.sampler.global_indices(step))
         micros = self.take_batch(indices).split(self.plan.accumulate)
         loss_total = torch.zeros((), device=self.env.device)
         for index, micro in enumerate(micros):
@@ -74,13 +97,18 @@ class TensorParallelTrainer(BaseTrainer):
                 loss = self.task.loss(output, micro.targets) * micro.size
             middle = time.perf_counter()
             self.beat.phase = "backward"
-            self.precision.backward(loss / len(indices))
+            self.precision.backward(loss / global_count)
             loss_total += loss.detach()
             self.trace(f"0F{index}", start, middle, step)
             self.trace(f"0B{index}", middle, time.perf_counter(), step)
         self.beat.phase = "step"
         self.divergence.observe(step, loss_total, len(indices))
         self.divergence.poll_if_cheap()
+        if self.data_group is not None:
+            start = time.perf_counter()
+            self.beat.phase = "allreduce"
+            self.reduced_bytes += sum_gradients(list(self.model.parameters()), self.data_group)
+            self.trace("0AR", start, time.perf_counter(), step)
         start = time.perf_counter()
         self.precision.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
@@ -96,6 +124,11 @@ class TensorParallelTrainer(BaseTrainer):
         totals = self.task.score(self.model, 0, len(self.test), samples=self.test)
         return evaluation(totals)
 
+    def sent_bytes(self) -> float:
+        """The data dimension's gradient allreduces (the split layers' own collectives are not
+        counted)."""
+        return float(self.reduced_bytes)
+
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         state = gathered_state_dict(self.model, self.tensor_plan, self.mesh)
         return state if self.env.rank == 0 else None
@@ -109,6 +142,7 @@ class TensorParallelTrainer(BaseTrainer):
         degree = self.plan.tensor_degree
         bound = report["model_bytes"] / degree + report["whole_layer_bytes"]
         return {"parameters": self.num_parameters, "tensor_parallel": degree,
+                "data_parallel": self.replicas, "mesh": self.layout_shape,
                 "tensor_memory": {
                     "worker_bytes": int(worst), "model_bytes": int(report["model_bytes"]),
                     "whole_layer_bytes": int(report["whole_layer_bytes"]),

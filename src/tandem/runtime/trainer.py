@@ -154,17 +154,17 @@ def _supervised_worker(job: Job, mirror: Any, mistake: Any) -> None:
 
 
 def make_worker(job: Job, env: WorkerEnv, beat: Heartbeat) -> Worker:
-    """This rank's implementation of ``job``: a pipeline stage for a pipelined plan, a share
-    of every split layer for a plan of tensor degree above 1, else the registered worker of the
-    plan's sync spec."""
-    if job.plan.tensor_degree > 1:
-        from tandem.runtime.tensor_trainer import TensorParallelTrainer
-
-        return TensorParallelTrainer(job, env, beat)
+    """This rank's implementation of ``job``: a pipeline stage (or its share, with a tensor
+    degree above 1) for a pipelined plan, a share of every split layer for a one-stage plan of
+    tensor degree above 1, else the registered worker of the plan's sync spec."""
     if job.plan.pipelined:
         from tandem.runtime.pipeline.trainer import PipelineTrainer
 
         return PipelineTrainer(job, env, beat)
+    if job.plan.tensor_degree > 1:
+        from tandem.runtime.tensor_trainer import TensorParallelTrainer
+
+        return TensorParallelTrainer(job, env, beat)
     return WORKERS[type(job.plan.sync)](job, env, beat)
 
 

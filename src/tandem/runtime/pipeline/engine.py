@@ -42,6 +42,7 @@ from tandem.compress.meter import ring_bytes
 from tandem.runtime.pipeline.stash import WeightVersions
 from tandem.runtime.pipeline.wire import Traffic, Wire
 from tandem.runtime.precision import StagePrecision
+from tandem.runtime.tensor_parallel import local_tensor
 from tandem.schedule import Action, Kind
 from tandem.split import TensorSpec
 
@@ -146,11 +147,15 @@ class StageEngine:
                  trace: Callable[..., None], beat: Any,
                  loss_fn: Callable[[Any, Any], torch.Tensor], wire: Wire | None = None,
                  ties: Sequence[Tie] = (), clone_received: bool = False,
-                 precision: StagePrecision | None = None) -> None:
+                 precision: StagePrecision | None = None,
+                 rank_of: Callable[[int], int] | None = None) -> None:
         self.module, self.stage, self.device = module, stage, device
         self.first, self.last = stage == 0, stage == num_stages - 1
         self.shapes, self.group, self.num_replicas = shapes, group, num_replicas
         self.links, self.rank = links, rank
+        self.rank_of = rank_of if rank_of is not None else (lambda worker: worker)
+        """A schedule worker's process rank (with tensor parallelism: the process at this one's
+        tensor position; ``rank`` and ``links`` are in schedule workers)."""
         self.optimizer, self.scheduler = optimizer, scheduler
         self.asynchronous, self.vertical_sync = asynchronous, vertical_sync
         self.trace, self.beat = trace, beat
@@ -242,8 +247,8 @@ class StageEngine:
             specs, channel = self.shapes.inputs, ACT
             if self.vertical_sync:
                 version = torch.zeros(1, dtype=torch.int64, device=self.device)
-                work = dist.irecv(version, src=action.peer, tag=tag(m, VERSION),
-                                  group=self.links[(action.peer, self.rank)])
+                work = dist.irecv(version, src=self.rank_of(action.peer),
+                                  tag=tag(m, VERSION), group=self.links[(action.peer, self.rank)])
                 self.receives[(m, VERSION)] = Receive(work, version, ((1,),), (torch.int64,),
                                                       record)
                 record.waits += 1
@@ -252,7 +257,7 @@ class StageEngine:
         shapes = tuple(spec.shape_at(micro.size) for spec in specs)
         dtypes = tuple(spec.dtype for spec in specs)
         buffer = self.wire.receive_many(shapes, dtypes, self.device)
-        work = dist.irecv(buffer, src=action.peer, tag=tag(m, channel),
+        work = dist.irecv(buffer, src=self.rank_of(action.peer), tag=tag(m, channel),
                           group=self.links[(action.peer, self.rank)])
         self.receives[(m, channel)] = Receive(work, buffer, shapes, dtypes, record)
         record.num_bytes = buffer.numel() * buffer.element_size()
@@ -296,14 +301,14 @@ class StageEngine:
             tensors, channel = [t.detach() for t in self.saved[m][1]], ACT
             if self.vertical_sync:
                 version = torch.tensor([self.versions[m]], dtype=torch.int64, device=self.device)
-                work = dist.isend(version, dst=action.peer, tag=tag(m, VERSION),
-                                  group=self.links[(self.rank, action.peer)])
+                work = dist.isend(version, dst=self.rank_of(action.peer),
+                                  tag=tag(m, VERSION), group=self.links[(self.rank, action.peer)])
                 self.sends.append((batch(m).step, work, version))
                 self.traffic.other_bytes += version.numel() * version.element_size()
         else:
             tensors, channel = self.input_grads.pop(m), GRAD
         message = self.wire.pack_many(tensors, KEYS[channel], self.device)
-        work = dist.isend(message, dst=action.peer, tag=tag(m, channel),
+        work = dist.isend(message, dst=self.rank_of(action.peer), tag=tag(m, channel),
                           group=self.links[(self.rank, action.peer)])
         self.sends.append((batch(m).step, work, message))
         num_bytes = message.numel() * message.element_size()
@@ -413,7 +418,7 @@ class StageEngine:
         self.beat.phase = "step"
         start = time.perf_counter()
         if action.microbatch is None:
-            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+            grads = [local_tensor(p.grad) for p in self.module.parameters() if p.grad is not None]
         else:
             grads = [g for g in self.param_grads[action.microbatch] if g is not None]
         flat = torch.cat([g.reshape(-1) for g in grads])

@@ -23,16 +23,20 @@ from __future__ import annotations
 
 import copy
 import functools
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from tandem import structures
 from tandem.data import Batch
+from tandem.errors import UsageError
 from tandem.loss import evaluation, score_batch
+from tandem.models.tensor import tensor_plan
 from tandem.runtime.base import BaseTrainer
 from tandem.runtime.checkpoint import (
     CHECKPOINT_VERSION, load_checkpoint, load_schedule, resume_path, save_atomic,
@@ -52,6 +56,10 @@ from tandem.runtime.pipeline.setup import (
 from tandem.runtime.pipeline.wire import Wire
 from tandem.runtime.precision import StagePrecision
 from tandem.runtime.trainer import EVAL_CHUNK
+from tandem.runtime.tensor_parallel import (
+    gathered_state_dict, layout_mesh, local_tensor, memory_report, parameter_bytes, split_model,
+    stage_plan,
+)
 from tandem.runtime.watchdog import Heartbeat
 from tandem.schedule import Action, Kind, Schedule
 from tandem.schedule.check import dry_run_times
@@ -119,13 +127,19 @@ class PipelineTrainer(BaseTrainer):
         self.first_step = int(checkpoint["step"]) if checkpoint is not None else 0
         self.last_step = config.stop_after if config.stop_after is not None else config.steps
         self.layout, self.schedule = pipeline_setup(job, blocks, first_step=self.first_step)
-        self.stage, self.replica = self.schedule.stage_of(env.rank)
+        self.tensor_degree = job.plan.tensor_degree
+        self.worker, self.tensor_rank = divmod(env.rank, self.tensor_degree)
+        """This rank's worker in the schedule, and its place among that worker's
+        tensor-parallel processes (0 without tensor parallelism)."""
+        self.stage, self.replica = self.schedule.stage_of(self.worker)
         replica = f" replica {self.replica}" if self.layout.replicas[self.stage] > 1 else ""
-        self.divergence.where = f"stage {self.stage}{replica} (rank {env.rank})"
+        part = f" tensor part {self.tensor_rank}" if self.tensor_degree > 1 else ""
+        self.divergence.where = f"stage {self.stage}{replica}{part} (rank {env.rank})"
         start, end = self.layout.bounds[self.stage]
         boundaries = boundary_specs(blocks, example)
         self.module = nn.Sequential(*list(blocks)[start:end]).to(env.device)
         self.names = model_names(blocks, start)
+        self.mesh = self._split_stage(model, blocks, start, end) if self.tensor_degree > 1 else None
         self.groups = self._stage_groups()
         self.links = self._links()
         ties = self._ties(blocks)
@@ -146,7 +160,8 @@ class PipelineTrainer(BaseTrainer):
         updates, kept until the checkpoint of that step is saved."""
         self.engine = StageEngine(
             module=self.module, stage=self.stage, num_stages=self.layout.num_stages,
-            shapes=self.shapes, group=self.groups[self.stage], links=self.links, rank=env.rank,
+            shapes=self.shapes, group=self.groups[self.stage], links=self.links, rank=self.worker,
+            rank_of=self._rank_of,
             num_replicas=self.layout.replicas[self.stage], optimizer=self.optimizer,
             scheduler=self.scheduler, device=env.device, asynchronous=self.asynchronous,
             vertical_sync=job.plan.vertical_sync, trace=self.trace, beat=beat,
@@ -154,12 +169,13 @@ class PipelineTrainer(BaseTrainer):
             ties=ties, clone_received=not isinstance(blocks, SplitModel),
             precision=self.precision,
         )
-        self.chunks = (step_chunks(self.schedule, env.rank,
+        self.chunks = (step_chunks(self.schedule, self.worker,
                                    max(1, self.last_step - self.first_step))
                        if self.asynchronous else None)
         self.engine.on_loss = self.divergence.observe
         if self.asynchronous:
-            self.engine.unchanged_until_backward = no_update_between(self.schedule.workers[env.rank])
+            self.engine.unchanged_until_backward = no_update_between(
+                self.schedule.workers[self.worker])
             self.engine.after_step = self._snapshot_if_due
 
     def _delay(self) -> int:
@@ -171,9 +187,40 @@ class PipelineTrainer(BaseTrainer):
             return 0
         return len(self.layout.bounds) - 1
 
+    def _rank_of(self, worker: int) -> int:
+        """The rank of schedule worker ``worker``'s process at this rank's tensor position."""
+        return worker * self.tensor_degree + self.tensor_rank
+
+    def _split_stage(self, model: nn.Module, blocks: nn.Sequential, start: int,
+                     end: int) -> DeviceMesh:
+        """Lay the job out on its ``data x pipeline x tensor`` mesh and keep this worker's share
+        of the stage's split layers (the stage's part of the model's tensor plan)."""
+        if isinstance(blocks, SplitModel) or blocks is not model:
+            raise UsageError(f"--tensor-parallel {self.tensor_degree} in a pipeline needs a model "
+                             f"that is an nn.Sequential of blocks (the reference models mlp, gpt, "
+                             f"vgg); run this model with --strategy dp --tensor-parallel")
+        own = self.job.objects is not None and self.job.objects.model is not None
+        whole_plan = tensor_plan(None if own else self.config.model, model, self.tensor_degree)
+        plan, self.tensor_whole = stage_plan(whole_plan, start, end)
+        if self.tensor_whole and self.tensor_rank == 0 and self.replica == 0:
+            print(f"tandem: warning: layers {', '.join(self.tensor_whole)} stay whole: their "
+                  f"column-wise/row-wise partner is in another stage", file=sys.stderr)
+        self.tensor_plan = plan
+        self.whole_bytes = parameter_bytes(self.module)
+        mesh = layout_mesh(self.env.device.type, replicas=self.layout.replicas[0],
+                           stages=self.layout.num_stages, degree=self.tensor_degree,
+                           worker_of=self.schedule.worker_of)
+        split_model(self.module, plan, mesh["tensor"])
+        return mesh
+
     def _stage_groups(self) -> list[dist.ProcessGroup | None]:
-        """A process group for each replicated stage (every rank creates every group)."""
+        """A process group for each replicated stage (every rank creates every group; with
+        tensor parallelism, the mesh's ``data`` groups)."""
         groups: list[dist.ProcessGroup | None] = []
+        if self.mesh is not None:
+            group = self.mesh["data"].get_group() if self.layout.replicas[0] > 1 else None
+            return [group if stage == self.stage else None
+                    for stage in range(self.layout.num_stages)]
         for stage, count in enumerate(self.layout.replicas):
             ranks = [self.schedule.worker_of(stage, replica) for replica in range(count)]
             groups.append(new_group(ranks, timeout_s=self.config.timeout_s) if count > 1 else None)
@@ -183,7 +230,13 @@ class PipelineTrainer(BaseTrainer):
         """A process group of the workers of each set of stages that share parameters (every
         rank creates every group), and this stage's share of them."""
         ties = []
-        for stages, params in shared_parameters(blocks, self.layout.bounds).items():
+        shared = shared_parameters(blocks, self.layout.bounds)
+        if shared and self.tensor_degree > 1:
+            raise UsageError(f"stages {', '.join('-'.join(map(str, s)) for s in shared)} share "
+                             f"parameters (tied weights), which pipeline x tensor layouts do not "
+                             f"keep equal yet; drop --tensor-parallel or put those blocks in one "
+                             f"stage")
+        for stages, params in shared.items():
             ranks = [self.schedule.worker_of(stage, replica) for stage in stages
                      for replica in range(self.layout.replicas[stage])]
             group = new_group(sorted(ranks), timeout_s=self.config.timeout_s)
@@ -206,9 +259,12 @@ class PipelineTrainer(BaseTrainer):
                         for action in actions if action.kind.is_send and action.peer is not None})
         links = {}
         for source, destination in pairs:
-            group = new_group(sorted((source, destination)), timeout_s=self.config.timeout_s)
-            if self.env.rank in (source, destination):
-                links[(source, destination)] = group
+            for part in range(self.tensor_degree):  # the processes at each tensor position
+                ranks = (source * self.tensor_degree + part,
+                         destination * self.tensor_degree + part)
+                group = new_group(sorted(ranks), timeout_s=self.config.timeout_s)
+                if self.env.rank in ranks:
+                    links[(source, destination)] = group
         return links
 
     # -- training --------------------------------------------------------------------------------
@@ -266,9 +322,9 @@ class PipelineTrainer(BaseTrainer):
                 cache[m] = self._microbatch(step, parts, m)
             return cache[m]
 
-        loss = self.engine.execute(self.schedule.workers[self.env.rank], batch, step)
+        loss = self.engine.execute(self.schedule.workers[self.worker], batch, step)
         self.engine.finish_sends()
-        return loss
+        return loss if self.tensor_rank == 0 else torch.zeros_like(loss)
 
     # -- checkpoints -----------------------------------------------------------------------------
 
@@ -373,7 +429,8 @@ class PipelineTrainer(BaseTrainer):
                 shapes = [spec.shape_at(end - start) for spec in specs]
                 dtypes = [spec.dtype for spec in specs]
                 message = self.wire.receive_many(shapes, dtypes, self.env.device)
-                dist.recv(message, src=self.schedule.worker_for(self.stage - 1, chunk),
+                dist.recv(message, src=self._rank_of(self.schedule.worker_for(self.stage - 1,
+                                                                              chunk)),
                           tag=EVAL_TAG_BASE + chunk)
                 received = self.wire.unpack_many(message, shapes, dtypes, "activation")
                 x = received[0] if len(received) == 1 else tuple(received)
@@ -383,18 +440,23 @@ class PipelineTrainer(BaseTrainer):
             else:
                 outs = out if isinstance(out, tuple) else (out,)
                 dist.send(self.wire.pack_many(outs, "activation", self.env.device),
-                          dst=self.schedule.worker_for(self.stage + 1, chunk),
+                          dst=self._rank_of(self.schedule.worker_for(self.stage + 1, chunk)),
                           tag=EVAL_TAG_BASE + chunk)
         self.module.train()
+        if self.tensor_rank:  # every tensor position scored the same samples: count them once
+            totals.zero_()
         dist.all_reduce(totals)
         return evaluation(totals)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Replica 0 of every stage sends its blocks' state to rank 0, under the full model's names."""
+        """Replica 0 of every stage sends its blocks' state to rank 0, under the full model's names
+        (with tensor parallelism, its tensor-parallel processes gather their shares first)."""
         state = None
-        if self.replica == 0:
+        whole = (gathered_state_dict(self.module, self.tensor_plan, self.mesh["tensor"])
+                 if self.mesh is not None and self.replica == 0 else self.module.state_dict())
+        if self.replica == 0 and self.tensor_rank == 0:
             state = {}
-            for key, tensor in self.module.state_dict().items():
+            for key, tensor in whole.items():
                 for name in self.names(key):
                     state[name] = tensor.detach().cpu()
         gathered: list[Any] = [None] * self.env.world_size if self.env.rank == 0 else []
@@ -440,13 +502,22 @@ class PipelineTrainer(BaseTrainer):
             "layers": list(self.layout.bounds[self.stage]),
             "peak_activation_bytes": self.engine.peak_activation_bytes,
             "stash_peak_bytes": self.engine.stash.peak_bytes if self.engine.stash else 0,
-            "parameter_bytes": sum(p.numel() * p.element_size() for p in self.module.parameters()),
+            "parameter_bytes": sum(local_tensor(p).numel() * p.element_size()
+                                   for p in self.module.parameters()),
             "shared_parameters": [self._tie_report(tie) for tie in self.engine.ties],
             "skipped_steps": self.precision.skipped_steps,
         }
+        tensor: dict[str, Any] = {}
+        if self.mesh is not None:
+            stats["tensor_part"] = self.tensor_rank
+            report = memory_report(self.module, self.optimizer, self.whole_bytes)
+            stats["tensor_memory"] = {key: int(value) for key, value in report.items()}
+            tensor = {"tensor_parallel": self.tensor_degree,
+                      "mesh": dict(zip(self.mesh.mesh_dim_names or (), self.mesh.shape)),
+                      "tensor_whole_layers": self.tensor_whole}
         gathered: list[Any] = [None] * self.env.world_size
         dist.all_gather_object(gathered, stats)
-        return {"pipeline": self.layout.text(), "vertical_sync": self.plan.vertical_sync,
+        return {"pipeline": self.layout.text(), **tensor, "vertical_sync": self.plan.vertical_sync,
                 "sent_bytes_per_step": sent, "activation_bytes_per_step": activations,
                 "compressed_activation_bytes_per_step": messages,
                 "activation_compression_ratio": activations / messages if messages else 1.0,
