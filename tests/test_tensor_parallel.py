@@ -2,7 +2,9 @@
 
 The split layers are checked on one 4-process gloo group for every case (T = 4 on all four
 ranks; T = 2 on each half of a 2 x 2 mesh); the trainer, end to end through the real CLI, on mlp
-with T = 2. Bad input is one line and exit status 2, before any worker starts.
+with T = 2; and the 3-D layouts through the CLI: data 2 x tensor 2 and data 2 x pipeline 2 x
+tensor 2 (8 workers) on gpt, pipeline 2 x tensor 2 on an mlp whose stage boundary cuts a
+column-wise/row-wise pair (its second stage keeps every layer whole). Bad input is one line and exit status 2, before any worker starts.
 """
 
 from __future__ import annotations
@@ -137,6 +139,43 @@ def test_cli_tensor_parallel_equals_one_process(shared_run: SharedRun) -> None:
     assert summary["test_accuracy"] is not None and summary["final_loss"] > 0
 
 
+GPT = ("--model", "gpt:layers=2,dim=32,heads=4,dropout=0", "--data", "tokens:n=256,seq=12,vocab=32",
+       "--steps", "20", "--batch-size", "16", "--lr", "0.05", "--momentum", "0.9", "--seed", "3")
+MLP5 = ("--model", "mlp:hidden=32,layers=5", *COMMON[2:])
+LAYOUTS = {  # name: (common args, layout args, mesh, layers left whole)
+    "data 2 x tensor 2": (GPT, ("--nproc", "4", "--tensor-parallel", "2"),
+                          {"data": 2, "pipeline": 1, "tensor": 2}, None),
+    "pipeline 2 x tensor 2": (MLP5, ("--strategy", "pipeline", "--stages", "2", "--nproc", "4",
+                                     "--tensor-parallel", "2", "--schedule", "gpipe"),
+                              {"data": 1, "pipeline": 2, "tensor": 2}, ["2.0", "3.0"]),
+    "data 2 x pipeline 2 x tensor 2": (GPT, ("--strategy", "pipeline", "--replicas", "2,2",
+                                             "--nproc", "8", "--tensor-parallel", "2"),
+                                       {"data": 2, "pipeline": 2, "tensor": 2}, []),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_3d_layouts_equal_one_process(shared_run: SharedRun, name: str) -> None:
+    """Every layout ends with single-process training's parameters (and names); each worker
+    holds a share of its split layers. mlp's 5 blocks cut 3 + 2 put the pair (2.0, 3.0) in
+    two stages, so those layers stay whole (said in the summary)."""
+    common, layout, mesh, whole = LAYOUTS[name]
+    single, _ = shared_run(*common, "--nproc", "1")
+    out, summary = shared_run(*common, *layout, timeout_s=300)
+    assert summary["mesh"] == mesh and summary["tensor_parallel"] == 2
+    assert list(torch.load(out / "final.pt")) == list(torch.load(single / "final.pt"))
+    assert max_abs_diff(single / "final.pt", out / "final.pt") <= 1e-5
+    if whole is not None:
+        assert summary["tensor_whole_layers"] == whole
+    memories = ([summary["tensor_memory"]] if "workers" not in summary
+                else [worker["tensor_memory"] for worker in summary["workers"]])
+    for memory in memories:  # a stage whose layers all stay whole holds them all
+        assert memory["worker_bytes"] <= memory["model_bytes"] / 2 + memory["whole_layer_bytes"]
+        assert (memory["worker_bytes"] < memory["model_bytes"]
+                or memory["whole_layer_bytes"] == memory["model_bytes"])
+    assert any(memory["worker_bytes"] < memory["model_bytes"] for memory in memories)
+
+
 BAD = {
     "heads": (("--model", "gpt:layers=1,dim=24,heads=3", "--data", "tokens:n=64,seq=8,vocab=16",
                "--tensor-parallel", "2", "--nproc", "2"),
@@ -148,12 +187,15 @@ BAD = {
                  "convolution 0.0"),
     "not a product": (("--tensor-parallel", "2", "--nproc", "3"),
                       "--tensor-parallel 2 does not divide --nproc 3"),
-    "with data parallelism": (("--tensor-parallel", "2", "--nproc", "4"),
-                              "would be data 2 x tensor 2, which tandem does not run yet"),
-    "with a pipeline": (("--strategy", "pipeline", "--stages", "2", "--tensor-parallel", "2",
-                         "--nproc", "2"), "--tensor-parallel 2 with --strategy pipeline"),
+    "not the product of the stages": (
+        ("--strategy", "pipeline", "--replicas", "2,2", "--tensor-parallel", "2", "--nproc", "6"),
+        "add up to 4 workers but the job has 3 (--nproc 6 / --tensor-parallel 2); use --nproc 8"),
+    "uneven replicas": (("--strategy", "pipeline", "--replicas", "2,1", "--tensor-parallel", "2",
+                         "--nproc", "6"), "needs the same replicas on every stage"),
+    "pipedream": (("--strategy", "pipeline", "--stages", "2", "--schedule", "pipedream",
+                   "--tensor-parallel", "2", "--nproc", "4"), "run flush schedules only"),
     "with gossip": (("--strategy", "gossip", "--tensor-parallel", "2", "--nproc", "2"),
-                    "runs with --strategy dp only"),
+                    "runs with --strategy dp or pipeline"),
     "zero": (("--tensor-parallel", "0", "--nproc", "2"), "--tensor-parallel must be at least 1"),
     "dropout": (("--model", "gpt:layers=1,dim=16,dropout=0.1", "--data",
                  "tokens:n=64,seq=8,vocab=16", "--tensor-parallel", "2", "--nproc", "2"),

@@ -512,11 +512,14 @@ class PipelineTrainer(BaseTrainer):
             stats["tensor_part"] = self.tensor_rank
             report = memory_report(self.module, self.optimizer, self.whole_bytes)
             stats["tensor_memory"] = {key: int(value) for key, value in report.items()}
-            tensor = {"tensor_parallel": self.tensor_degree,
-                      "mesh": dict(zip(self.mesh.mesh_dim_names or (), self.mesh.shape)),
-                      "tensor_whole_layers": self.tensor_whole}
+            stats["tensor_whole_layers"] = self.tensor_whole
         gathered: list[Any] = [None] * self.env.world_size
         dist.all_gather_object(gathered, stats)
+        if self.mesh is not None:
+            whole = {name: None for worker in gathered for name in worker["tensor_whole_layers"]}
+            tensor = {"tensor_parallel": self.tensor_degree,
+                      "mesh": dict(zip(self.mesh.mesh_dim_names or (), self.mesh.shape)),
+                      "tensor_whole_layers": list(whole)}
         return {"pipeline": self.layout.text(), **tensor, "vertical_sync": self.plan.vertical_sync,
                 "sent_bytes_per_step": sent, "activation_bytes_per_step": activations,
                 "compressed_activation_bytes_per_step": messages,
