@@ -13,7 +13,9 @@ Usage::
 Linear layers are split through PyTorch's DTensor (``parallelize_module`` with
 ``ColwiseParallel`` and ``RowwiseParallel``), which runs on gloo: their parameters become
 DTensors sharded over the mesh, and DTensor inserts the allreduce after a row-wise layer (forward)
-and before a column-wise one (backward). A fused query/key/value layer (``heads``) has its rows
+and before a column-wise one (backward). A column-wise layer with no row-wise partner gathers its
+output (``output_layouts=Replicate()``), a row-wise one with none takes its share of a whole
+input (``input_layouts=Replicate()``), see :func:`dtensor_styles`. A fused query/key/value layer (``heads``) has its rows
 reordered first so that each worker's contiguous share holds the queries, keys and values of
 whole heads. Convolutions (``channels``) are split with explicit collectives, because DTensor's
 convolution rule (torch 2.13) does not shard output channels: each worker keeps its share of the
@@ -33,14 +35,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module,
+)
 
 from tandem.models.tensor import TensorPlan
-
-DTENSOR_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
-                  "heads": ColwiseParallel}
-"""Split styles that DTensor's parallel styles implement (``heads`` after a reordering)."""
 
 
 def split_model(model: nn.Module, plan: TensorPlan, mesh: DeviceMesh) -> None:
@@ -58,10 +58,31 @@ def split_model(model: nn.Module, plan: TensorPlan, mesh: DeviceMesh) -> None:
                     layer.bias.copy_(layer.bias[order])
         elif style == "channels":
             _split_channels(model.get_submodule(name), mesh)
-    styles = {name: DTENSOR_STYLES[style]() for name, style in plan.items()
-              if style in DTENSOR_STYLES}
+    styles = dtensor_styles(model, plan)
     if styles:
         parallelize_module(model, mesh, styles)
+
+
+def dtensor_styles(model: nn.Module, plan: TensorPlan) -> dict[str, ParallelStyle]:
+    """DTensor's style for each linear layer of ``plan``, paired in the model's module order
+    (:mod:`tandem.models.tensor`): a ``colwise`` layer before a ``rowwise`` one hands it its
+    share; one with no ``rowwise`` after it gathers its whole output; a ``rowwise`` layer with
+    no ``colwise`` before it takes its share of a whole input."""
+    styles: dict[str, ParallelStyle] = {}
+    feeding: list[str] = []
+    for name, _ in model.named_modules():
+        style = plan.get(name)
+        if style in ("colwise", "heads"):
+            styles[name] = ColwiseParallel()
+            feeding.append(name)
+        elif style == "rowwise":
+            styles[name] = RowwiseParallel() if feeding else RowwiseParallel(
+                input_layouts=Replicate())
+            feeding = []
+    for name in feeding:
+        assert plan[name] == "colwise", f"heads layer {name} has no rowwise layer after it"
+        styles[name] = ColwiseParallel(output_layouts=Replicate())
+    return styles
 
 
 def heads_order(out_features: int, degree: int) -> torch.Tensor:
