@@ -61,7 +61,7 @@ TENSOR_FLAG = "--tensor-parallel"
 """The tensor degree: workers each split layer is divided among (``dp`` only, for now)."""
 
 TENSOR_LAYERS_FLAG = "--tensor-layers"
-"""The layers a tensor plan splits, ``NAME=STYLE,...`` (any model; see :func:`parse_tensor_layers`)."""
+"""The layers a tensor plan splits, ``NAME=STYLE,...`` (any model; :func:`parse_tensor_layers`)."""
 
 PLAN_FLAGS = (*PIPELINE_FLAGS, *DATA_PARALLEL_FLAGS, "--compress", TENSOR_FLAG,
               TENSOR_LAYERS_FLAG,

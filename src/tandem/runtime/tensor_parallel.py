@@ -15,9 +15,9 @@ Linear layers are split through PyTorch's DTensor (``parallelize_module`` with
 DTensors sharded over the mesh, and DTensor inserts the allreduce after a row-wise layer (forward)
 and before a column-wise one (backward). A column-wise layer with no row-wise partner gathers its
 output (``output_layouts=Replicate()``), a row-wise one with none takes its share of a whole
-input (``input_layouts=Replicate()``), see :func:`dtensor_styles`. A fused query/key/value layer (``heads``) has its rows
-reordered first so that each worker's contiguous share holds the queries, keys and values of
-whole heads. Convolutions (``channels``) are split with explicit collectives, because DTensor's
+input (``input_layouts=Replicate()``), see :func:`dtensor_styles`. A fused query/key/value
+layer (``heads``) has its rows reordered first so that each worker's contiguous share holds the
+queries, keys and values of whole heads. Convolutions (``channels``) are split with explicit collectives, because DTensor's
 convolution rule (torch 2.13) does not shard output channels: each worker keeps its share of the
 filters, the input passes through Megatron's *f* (identity forward, allreduce of the gradient
 backward) and the output through an all-gather of the channels (backward: each worker keeps the
