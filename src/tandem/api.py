@@ -73,7 +73,9 @@ def fit(model: nn.Module | Callable[..., nn.Module] | str,
         info: a :class:`tandem.data.DataInfo` for built-in models on your data (else inferred).
         strategy: ``dp``, ``ps``, ``gossip``, ``easgd``, ``localsgd`` or ``pipeline``
             (default ``dp``), with its options as keyword arguments named like its flags
-            (``servers=1, mode="async"``, ``stages=2, schedule="gpipe"``, ``compress="fp16"``).
+            (``servers=1, mode="async"``, ``stages=2, schedule="gpipe"``, ``compress="fp16"``;
+            tensor parallelism of your model: ``tensor_parallel=2, tensor_layers={"fc1":
+            "colwise", "fc2": "rowwise"}``, see :mod:`tandem.models.tensor`).
         plan: a :class:`tandem.plan.Plan` or the path of a ``plan.json`` (instead of
             ``strategy``); ``nproc`` defaults to its workers.
         nproc: local worker processes (default: the plan's, else 1; ignored under torchrun).

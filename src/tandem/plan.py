@@ -112,6 +112,11 @@ class Plan:
     tensor_degree: int = 1
     """Devices each layer is split across (intra-layer parallelism; 1: none): every stage
     replica runs on this many adjacent devices."""
+    tensor_layers: dict[str, str] | None = None
+    """With ``tensor_degree`` above 1, the layers to split and how: module name (as the model's
+    ``named_modules`` gives it) -> style, one of :data:`TENSOR_STYLES`
+    (``{"encoder.0.fc1": "colwise", "encoder.0.fc2": "rowwise"}``); layers it does not name
+    stay whole. None: the reference model's own plan (:mod:`tandem.models.tensor`)."""
     recompute: bool = False
     """Activation recomputation: each stage keeps only its input per micro-batch in flight and
     runs its forward again before each backward."""
@@ -147,6 +152,7 @@ class Plan:
                 or self.tensor_degree < 1:
             raise UsageError(f"tensor degree must be a whole number of at least 1 (got "
                              f"{self.tensor_degree!r})")
+        self._check_tensor_layers()
         if not isinstance(self.recompute, bool):
             raise UsageError(f"a plan's recompute must be true or false (got {self.recompute!r})")
         if self.num_microbatches is None:
@@ -157,6 +163,22 @@ class Plan:
         if self.pipelined and not isinstance(self.sync, AllReduceSync):
             raise UsageError(f"a pipeline's stage replicas synchronize by allreduce; sync method "
                              f"{self.sync.method!r} needs a one-stage plan (no --strategy pipeline)")
+
+    def _check_tensor_layers(self) -> None:
+        layers = self.tensor_layers
+        if layers is None:
+            return
+        if not isinstance(layers, dict) or not layers:
+            raise UsageError(f"a plan's tensor_layers maps module names to styles, e.g. "
+                             f'{{"fc1": "colwise", "fc2": "rowwise"}} (got {layers!r})')
+        for name, style in layers.items():
+            if not isinstance(name, str) or style not in TENSOR_STYLES:
+                raise UsageError(f"tensor layer {name!r} has style {style!r}; use one of "
+                                 f"{', '.join(TENSOR_STYLES)}")
+        if self.tensor_degree == 1:
+            raise UsageError(f"the plan names {len(layers)} tensor layers but its tensor degree "
+                             f"is 1, which splits none; add --tensor-parallel T (tensor_degree "
+                             f"in a plan file), or drop the tensor layers")
 
     def _check_schedule(self) -> None:
         count = self.num_microbatches
@@ -284,6 +306,7 @@ class Plan:
             "schedule_text": self.schedule_text,
             "vertical_sync": self.vertical_sync,
             "tensor_degree": self.tensor_degree,
+            "tensor_layers": self.tensor_layers,
             "recompute": self.recompute,
             "sync": sync_to_dict(self.sync),
             "compress": self.compress.text if self.compress else None,
@@ -332,10 +355,13 @@ _STAGE_KEYS = ("start", "end", "replicas", "time_s", "compute_s", "parameter_byt
                "memory_bytes", "devices", "compression")  # fmt: skip
 _PLAN_KEYS = ("num_layers", "num_devices", "bottleneck_s", "single_s", "data_parallel_s",
               "layer_order", "level_configs", "schedule", "num_microbatches", "schedule_text",
-              "vertical_sync",
-              "tensor_degree", "recompute", "predicted_schedule", "estimate_s", "samples_per_s",
+              "vertical_sync", "tensor_degree", "tensor_layers",
+              "recompute", "predicted_schedule", "estimate_s", "samples_per_s",
               "candidates", "solve_s", "options")  # fmt: skip
 
+
+TENSOR_STYLES = ("colwise", "rowwise", "heads", "channels")
+"""How a tensor plan splits a layer (see :mod:`tandem.models.tensor`)."""
 
 _DATA_PARALLEL_ONLY = ("PU", "PL", "GX")
 """Action codes of parameter servers and gossip, which no pipeline schedule may contain."""

@@ -60,7 +60,11 @@ DATA_PARALLEL_FLAGS = {"--accumulate": ("dp", "gossip", "easgd", "localsgd")}
 TENSOR_FLAG = "--tensor-parallel"
 """The tensor degree: workers each split layer is divided among (``dp`` and ``pipeline``)."""
 
+TENSOR_LAYERS_FLAG = "--tensor-layers"
+"""The layers a tensor plan splits, ``NAME=STYLE,...`` (any model; :func:`parse_tensor_layers`)."""
+
 PLAN_FLAGS = (*PIPELINE_FLAGS, *DATA_PARALLEL_FLAGS, "--compress", TENSOR_FLAG,
+              TENSOR_LAYERS_FLAG,
               *(flag for kind in STRATEGIES.values() for flag in kind.sync.FLAGS))
 """Every flag a plan file fixes (so it cannot be given with ``--plan``)."""
 
@@ -147,6 +151,10 @@ def plan_from_flags(strategy: str, given: Mapping[str, Any], *, num_processes: i
         raise UsageError(f"--nproc must be at least 1 (got {num_processes})")
     compress = CodecSpec.parse(given["--compress"]) if given.get("--compress") else None
     degree = tensor_degree(strategy, given, num_processes)
+    if given.get(TENSOR_LAYERS_FLAG) and degree == 1:
+        raise UsageError(f"{TENSOR_LAYERS_FLAG} names the layers to split, but the tensor degree "
+                         f"is 1, which splits none; add {TENSOR_FLAG} T (e.g. {TENSOR_FLAG} 2 "
+                         f"--nproc 2), or drop {TENSOR_LAYERS_FLAG}")
     sync = build_sync(strategy, given)
     _check_gossip(sync, compress)
     if STRATEGIES[strategy].pipelined:
@@ -167,8 +175,24 @@ def plan_from_flags(strategy: str, given: Mapping[str, Any], *, num_processes: i
     layers, replicas = num_blocks or 1, workers // degree
     return Plan(stages=[Stage(start=0, end=layers, replicas=replicas)], num_layers=layers,
                 num_devices=num_processes, schedule="1f1b",
-                num_microbatches=replicas * accumulate, tensor_degree=degree, sync=sync,
+                num_microbatches=replicas * accumulate, tensor_degree=degree,
+                tensor_layers=parse_tensor_layers(given.get(TENSOR_LAYERS_FLAG)), sync=sync,
                 compress=compress)
+
+
+def parse_tensor_layers(value: Any) -> dict[str, str] | None:
+    """``--tensor-layers fc1=colwise,fc2=rowwise`` (or the same as a dict, from the Python API)
+    into the plan's ``tensor_layers``; None when not given. Styles are checked by the plan."""
+    if value is None or isinstance(value, dict):
+        return value
+    layers: dict[str, str] = {}
+    for item in str(value).split(","):
+        name, sign, style = item.strip().partition("=")
+        if not (name and sign and style):
+            raise UsageError(f"{TENSOR_LAYERS_FLAG} {value!r}: write NAME=STYLE pairs separated "
+                             f"by commas, e.g. fc1=colwise,fc2=rowwise")
+        layers[name.strip()] = style.strip()
+    return layers
 
 
 def tensor_degree(strategy: str, given: Mapping[str, Any], num_processes: int) -> int:

@@ -91,9 +91,12 @@ def add_train_arguments(parser: argparse.ArgumentParser, defaults: RunConfig) ->
         "any other model's where a quick profile balances them")
     add("--replicas", help="replicas of each pipeline stage, e.g. 2,1")
     add("--tensor-parallel", type=int, metavar="T",
-        help="split the layers of mlp, gpt and vgg across T workers (Megatron-style): --strategy "
-        "dp is data nproc/T x tensor T; --strategy pipeline makes every stage replica T workers "
-        "(see README's Tensor parallelism)")
+        help="split layers across T workers (Megatron-style): those --tensor-layers names, else "
+        "mlp's, gpt's and vgg's own; --strategy dp is data nproc/T x tensor T, --strategy "
+        "pipeline makes every stage replica T workers (see README's Tensor parallelism)")
+    add("--tensor-layers", metavar="NAME=STYLE,...",
+        help="with --tensor-parallel: the layers of any model to split, by module name, and how "
+        "(colwise, rowwise, heads, channels), e.g. fc1=colwise,fc2=rowwise")
     add("--vertical-sync", action="store_true", default=None,
         help="pipedream schedule: every stage uses the weight version stage 0 used")
     add("--batch-size", type=int, default=None,
@@ -214,7 +217,7 @@ def check_job(job: Job) -> None:
         from tandem.models.tensor import tensor_plan
 
         tensor_plan(run.model if job.objects is None or job.objects.model is None else None,
-                    model, plan.tensor_degree)
+                    model, plan.tensor_degree, plan.tensor_layers)
     preflight.check_batch(run, data)
     preflight.check_output(model, data, run, job.objects)
     note = None

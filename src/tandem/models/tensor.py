@@ -1,9 +1,10 @@
-"""Tensor plans of the reference models: which of their layers split across T workers, and how.
+"""Tensor plans: which layers of a model split across T workers, and how.
 
 Usage::
 
-    plan = tensor_plan("gpt", model, degree=2)
+    plan = tensor_plan("gpt", model, degree=2)          # a reference model's own plan
     # {"1.attention.qkv": "heads", "1.attention.proj": "rowwise", "1.mlp.0": "colwise", ...}
+    plan = tensor_plan(None, model, 2, {"fc1": "colwise", "fc2": "rowwise"})   # any model
 
 A tensor plan maps a module's name (as ``named_modules`` gives it) to a split *style*:
 
@@ -19,36 +20,145 @@ A tensor plan maps a module's name (as ``named_modules`` gives it) to a split *s
 Megatron-LM's pairing: a ``colwise`` (or ``heads``) layer feeds the ``rowwise`` one after it,
 so the pair needs one allreduce in the forward (after the row-wise layer) and one in the backward
 (before the column-wise layer). Layers the plan does not name stay whole on every worker.
+
+**A user's model** gets a plan from the run's plan (``Plan.tensor_layers``: ``--tensor-layers
+fc1=colwise,fc2=rowwise`` on the command line, ``tensor_layers={"fc1": "colwise", ...}`` in
+``tandem.fit``, ``"tensor_layers": {...}`` in a plan file), which also replaces a reference
+model's own. Pairs are read in the model's module order (``named_modules``): the ``colwise`` and
+``heads`` layers before a ``rowwise`` one, since the previous ``rowwise``, are taken to feed it
+and hand it only their shares (so what runs between them must work on a share: elementwise
+functions, and attention that counts its heads from its input, ``view(..., -1, head_dim)``). A
+``colwise`` layer with no ``rowwise`` after it gathers its whole output, and a ``rowwise`` layer
+with none before it takes its share of a whole input, so either alone computes what the whole
+layer does (at the cost of one more collective); a ``heads`` layer needs its ``rowwise`` layer.
+
 :mod:`tandem.runtime.tensor_parallel` applies a plan. Every check here is of the model alone, so
 ``tandem train`` runs it before any worker starts.
 """
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable
 
 from torch import nn
 
 from tandem.errors import UsageError
+from tandem.plan import TENSOR_STYLES
 
-STYLES = ("colwise", "rowwise", "heads", "channels")
+STYLES = TENSOR_STYLES
 """The split styles a tensor plan may name (see the module docstring)."""
 
 TensorPlan = dict[str, str]
 
 
-def tensor_plan(spec: str | None, model: nn.Module, degree: int) -> TensorPlan:
-    """The plan that splits the reference model of ``--model spec`` (``mlp``, ``gpt``, ``vgg``;
-    None: the user's own model object) across ``degree`` workers; one line naming the value and
-    the fix if it cannot."""
+def tensor_plan(spec: str | None, model: nn.Module, degree: int,
+                layers: TensorPlan | None = None) -> TensorPlan:
+    """The plan that splits ``model`` across ``degree`` workers: ``layers`` (the run's plan's
+    ``tensor_layers``) checked against the model, or else the reference model's own plan
+    (``--model spec``: ``mlp``, ``gpt``, ``vgg``; None: the user's own model object); one line
+    naming the value and the fix if it cannot."""
     name = None if spec is None else spec.partition(":")[0]
+    if layers is not None:
+        _check_no_dropout(name if name in TENSOR_PLANS else None, model, degree)
+        return checked_layers(model, layers, degree)
     if name not in TENSOR_PLANS:
         what = "your own model" if name is None else f"--model {spec}"
         raise UsageError(f"--tensor-parallel {degree} splits the reference models "
-                         f"{', '.join(TENSOR_PLANS)} only, and {what} is not one of them; use "
-                         f"one of those, or drop --tensor-parallel")
+                         f"{', '.join(TENSOR_PLANS)} only, and {what} is not one of them; name "
+                         f"its layers to split with --tensor-layers (e.g. fc1=colwise,fc2=rowwise;"
+                         f" see README's Tensor parallelism), or drop --tensor-parallel")
     _check_no_dropout(name, model, degree)
     return TENSOR_PLANS[name](model, degree)
+
+
+def checked_layers(model: nn.Module, layers: TensorPlan, degree: int) -> TensorPlan:
+    """``layers`` in the model's module order, once every name is a module of ``model`` of the
+    type its style splits, ``degree`` divides what it splits, no split parameter is shared with
+    another module, and every ``heads`` layer has a ``rowwise`` layer after it."""
+    modules = dict(model.named_modules())
+    for name, style in layers.items():
+        if name not in modules:
+            raise UsageError(f"tensor layer {name!r} is not a module of the model; "
+                             f"{_suggest(name, modules)}")
+        _check_style(name, style, modules[name], degree)
+    _check_untied(model, layers)
+    ordered = {name: layers[name] for name in modules if name in layers}
+    open_heads = None
+    for name, style in ordered.items():
+        if style == "heads":
+            open_heads = name
+        elif style == "rowwise":
+            open_heads = None
+    if open_heads is not None:
+        raise UsageError(f"tensor layer {open_heads!r} (heads) has no rowwise layer after it in "
+                         f"the model's module order to take its heads' outputs; name the "
+                         f"attention's output projection rowwise, or split {open_heads!r} colwise")
+    return ordered
+
+
+SPLIT_TYPES: dict[str, type[nn.Module]] = {
+    "colwise": nn.Linear, "rowwise": nn.Linear, "heads": nn.Linear, "channels": nn.Conv2d,
+}
+"""The module type each style splits."""
+
+
+def split_size(style: str, module: nn.Module) -> tuple[int, str]:
+    """The size a style divides among the workers, and what it is."""
+    if style == "colwise":
+        return module.out_features, "output features"
+    if style == "rowwise":
+        return module.in_features, "input features"
+    if style == "heads":
+        return module.out_features // 3, "query (key, value) features"
+    return module.out_channels, "output channels"
+
+
+def _check_style(name: str, style: str, module: nn.Module, degree: int) -> None:
+    wanted = SPLIT_TYPES[style]
+    if not isinstance(module, wanted):
+        fits = [other for other, kind in SPLIT_TYPES.items() if isinstance(module, kind)]
+        fix = (f"use {' or '.join(fits)}" if fits
+               else "name an nn.Linear or nn.Conv2d inside it instead")
+        raise UsageError(f"tensor layer {name!r} is a {type(module).__name__}, but style "
+                         f"{style} splits an nn.{wanted.__name__}; {fix}")
+    if style == "heads" and module.out_features % 3:
+        raise UsageError(f"tensor layer {name!r} (heads) has {module.out_features} outputs, not "
+                         f"queries, keys and values of one size (3 x dim); use colwise")
+    size, what = split_size(style, module)
+    if size % degree:
+        choices = [d for d in range(2, size + 1) if size % d == 0][:4]
+        fix = f"use --tensor-parallel {' or '.join(map(str, choices))}, or " if choices else ""
+        raise UsageError(f"--tensor-parallel {degree} does not divide the {size} {what} of "
+                         f"tensor layer {name!r} ({style}); {fix}leave {name!r} whole")
+
+
+def _check_untied(model: nn.Module, layers: TensorPlan) -> None:
+    """A parameter of a split layer that another module also holds (tied weights, such as an
+    embedding and an output layer) would be split in one place and whole in the other."""
+    owners: dict[int, list[str]] = {}
+    for full, parameter in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(parameter), []).append(full)
+    for names in owners.values():
+        split = [full for full in names if full.rpartition(".")[0] in layers]
+        if split and len(names) > 1:
+            other = next(full for full in names if full != split[0])
+            raise UsageError(f"tensor layer {split[0].rpartition('.')[0]!r} has its parameter "
+                             f"{split[0]!r} tied to {other!r} (the same tensor); splitting one "
+                             f"would untie them: leave it whole, or untie them in the model")
+
+
+def _suggest(name: str, modules: dict[str, nn.Module]) -> str:
+    """Close module names, those of splittable layers first."""
+    splittable = [other for other, module in modules.items()
+                  if isinstance(module, (nn.Linear, nn.Conv2d))]
+    close = (difflib.get_close_matches(name, splittable, n=3, cutoff=0.5)
+             or difflib.get_close_matches(name, [m for m in modules if m], n=3, cutoff=0.5))
+    if close:
+        return f"did you mean {' or '.join(map(repr, close))}?"
+    shown = ", ".join(splittable[:6]) + (", ..." if len(splittable) > 6 else "")
+    return (f"its linear and convolution layers are: {shown}" if splittable
+            else "it has no nn.Linear or nn.Conv2d to split")
 
 
 def mlp_plan(model: nn.Module, degree: int) -> TensorPlan:
@@ -118,12 +228,14 @@ def _divides(degree: int, size: int, what: str, option: str) -> None:
                          f"{option} to a multiple of {degree}")
 
 
-def _check_no_dropout(name: str, model: nn.Module, degree: int) -> None:
+def _check_no_dropout(name: str | None, model: nn.Module, degree: int) -> None:
     """Dropout would draw other masks on a worker's share of a layer than one process draws on
     the whole layer, so tensor-parallel training would not be single-process training."""
     for module_name, module in model.named_modules():
         rate = module.p if isinstance(module, nn.Dropout) else getattr(module, "dropout", 0.0)
         if isinstance(rate, float) and rate > 0:
+            fix = (f"use {name}:dropout=0" if name is not None
+                   else "set the model's dropout probabilities to 0")
             raise UsageError(f"--tensor-parallel {degree} needs a model without dropout (module "
-                             f"{module_name or name} drops {rate:g}; its masks on a worker's "
-                             f"share would differ from one process's); use {name}:dropout=0")
+                             f"{module_name or name or 'the model'} drops {rate:g}; its masks on "
+                             f"a worker's share would differ from one process's); {fix}")

@@ -13,9 +13,11 @@ Usage::
 Linear layers are split through PyTorch's DTensor (``parallelize_module`` with
 ``ColwiseParallel`` and ``RowwiseParallel``), which runs on gloo: their parameters become
 DTensors sharded over the mesh, and DTensor inserts the allreduce after a row-wise layer (forward)
-and before a column-wise one (backward). A fused query/key/value layer (``heads``) has its rows
-reordered first so that each worker's contiguous share holds the queries, keys and values of
-whole heads. Convolutions (``channels``) are split with explicit collectives, because DTensor's
+and before a column-wise one (backward). A column-wise layer with no row-wise partner gathers its
+output (``output_layouts=Replicate()``), a row-wise one with none takes its share of a whole
+input (``input_layouts=Replicate()``), see :func:`dtensor_styles`. A fused query/key/value
+layer (``heads``) has its rows reordered first so that each worker's contiguous share holds the
+queries, keys and values of whole heads. Convolutions (``channels``) are split with explicit collectives, because DTensor's
 convolution rule (torch 2.13) does not shard output channels: each worker keeps its share of the
 filters, the input passes through Megatron's *f* (identity forward, allreduce of the gradient
 backward) and the output through an all-gather of the channels (backward: each worker keeps the
@@ -39,14 +41,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module,
+)
 
 from tandem.models.tensor import TensorPlan
-
-DTENSOR_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
-                  "heads": ColwiseParallel}
-"""Split styles that DTensor's parallel styles implement (``heads`` after a reordering)."""
 
 
 def split_model(model: nn.Module, plan: TensorPlan, mesh: DeviceMesh) -> None:
@@ -64,8 +64,7 @@ def split_model(model: nn.Module, plan: TensorPlan, mesh: DeviceMesh) -> None:
                     layer.bias.copy_(layer.bias[order])
         elif style == "channels":
             _split_channels(model.get_submodule(name), mesh)
-    styles = {name: DTENSOR_STYLES[style]() for name, style in plan.items()
-              if style in DTENSOR_STYLES}
+    styles = dtensor_styles(model, plan)
     if styles:
         parallelize_module(model, mesh, styles)
 
@@ -88,42 +87,56 @@ def layout_mesh(device_type: str, *, replicas: int, stages: int, degree: int,
 def stage_plan(plan: TensorPlan, start: int, end: int) -> tuple[TensorPlan, list[str]]:
     """The part of ``plan`` (names in an ``nn.Sequential`` of blocks) that falls in blocks
     ``start`` to ``end - 1``, renamed as in ``nn.Sequential(*blocks[start:end])``; and the
-    names (the whole model's) of the layers of those blocks left whole because the other
-    layer of their column-wise/row-wise pair is in another stage (a worker's share of a
-    column-wise output cannot cross to the next stage, whose workers hold whole tensors)."""
-    def block_of(name: str) -> int | None:
-        block = name.partition(".")[0]
-        return int(block) if block.isdigit() else None
+    names (the whole model's) of its layers left whole.
 
+    A column-wise/row-wise pair cut by the stage boundary is split on both sides as lone layers
+    (:func:`dtensor_styles`: the column-wise one gathers its output, the row-wise one takes its
+    share of a whole input), since the tensors between stages are whole; a ``heads`` layer cut
+    from its row-wise layer stays whole (gathering it would mix its outputs' order)."""
     def inside(name: str) -> bool:
-        block = block_of(name)
-        return block is not None and start <= block < end
+        block = name.partition(".")[0]
+        return block.isdigit() and start <= int(block) < end
 
-    groups: list[list[str]] = []
-    opened: list[str] | None = None
+    whole: list[str] = []
+    opened: str | None = None
     for name, style in plan.items():
         if style in ("colwise", "heads"):
-            opened = [name]
-            groups.append(opened)
-        elif style == "rowwise" and opened is not None:
-            opened.append(name)
+            opened = name
+        elif style == "rowwise":
+            if opened is not None and plan[opened] == "heads" and inside(opened) \
+                    and not inside(name):
+                whole.append(opened)
             opened = None
-        else:
-            groups.append([name])
+    if opened is not None and plan[opened] == "heads" and inside(opened):
+        whole.append(opened)  # no row-wise layer after it at all
     part: TensorPlan = {}
-    whole: list[str] = []
-    for group in groups:
-        held = [name for name in group if inside(name)]
-        if not held:
-            continue
-        if len(held) < len(group):
-            whole += held
-            continue
-        for name in held:
-            rest = name.partition(".")[2]
-            block = int(name.partition(".")[0])
-            part[".".join(filter(None, (str(block - start), rest)))] = plan[name]
+    for name, style in plan.items():
+        if inside(name) and name not in whole:
+            block, _, rest = name.partition(".")
+            part[".".join(filter(None, (str(int(block) - start), rest)))] = style
     return part, whole
+
+
+def dtensor_styles(model: nn.Module, plan: TensorPlan) -> dict[str, ParallelStyle]:
+    """DTensor's style for each linear layer of ``plan``, paired in the model's module order
+    (:mod:`tandem.models.tensor`): a ``colwise`` layer before a ``rowwise`` one hands it its
+    share; one with no ``rowwise`` after it gathers its whole output; a ``rowwise`` layer with
+    no ``colwise`` before it takes its share of a whole input."""
+    styles: dict[str, ParallelStyle] = {}
+    feeding: list[str] = []
+    for name, _ in model.named_modules():
+        style = plan.get(name)
+        if style in ("colwise", "heads"):
+            styles[name] = ColwiseParallel()
+            feeding.append(name)
+        elif style == "rowwise":
+            styles[name] = RowwiseParallel() if feeding else RowwiseParallel(
+                input_layouts=Replicate())
+            feeding = []
+    for name in feeding:
+        assert plan[name] == "colwise", f"heads layer {name} has no rowwise layer after it"
+        styles[name] = ColwiseParallel(output_layouts=Replicate())
+    return styles
 
 
 def heads_order(out_features: int, degree: int) -> torch.Tensor:

@@ -43,7 +43,8 @@ class TensorParallelTrainer(BaseTrainer):
         torch.manual_seed(config.seed)
         model = self.task.build_model().to(env.device)
         own = job.objects is not None and job.objects.model is not None
-        self.tensor_plan = tensor_plan(None if own else config.model, model, degree)
+        self.tensor_plan = tensor_plan(None if own else config.model, model, degree,
+                                       job.plan.tensor_layers)
         self.whole_bytes = parameter_bytes(model)
         self.num_parameters = sum(p.numel() for p in model.parameters())
         self.replicas = job.plan.replicas[0]

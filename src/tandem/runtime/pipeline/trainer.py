@@ -197,14 +197,15 @@ class PipelineTrainer(BaseTrainer):
         of the stage's split layers (the stage's part of the model's tensor plan)."""
         if isinstance(blocks, SplitModel) or blocks is not model:
             raise UsageError(f"--tensor-parallel {self.tensor_degree} in a pipeline needs a model "
-                             f"that is an nn.Sequential of blocks (the reference models mlp, gpt, "
-                             f"vgg); run this model with --strategy dp --tensor-parallel")
+                             f"that is an nn.Sequential of blocks (tensor layers are named in "
+                             f"it); run this model with --strategy dp --tensor-parallel")
         own = self.job.objects is not None and self.job.objects.model is not None
-        whole_plan = tensor_plan(None if own else self.config.model, model, self.tensor_degree)
+        whole_plan = tensor_plan(None if own else self.config.model, model, self.tensor_degree,
+                                 self.plan.tensor_layers)
         plan, self.tensor_whole = stage_plan(whole_plan, start, end)
         if self.tensor_whole and self.tensor_rank == 0 and self.replica == 0:
-            print(f"tandem: warning: layers {', '.join(self.tensor_whole)} stay whole: their "
-                  f"column-wise/row-wise partner is in another stage", file=sys.stderr)
+            print(f"tandem: warning: layers {', '.join(self.tensor_whole)} stay whole: a heads "
+                  f"layer needs its row-wise layer in its stage", file=sys.stderr)
         self.tensor_plan = plan
         self.whole_bytes = parameter_bytes(self.module)
         mesh = layout_mesh(self.env.device.type, replicas=self.layout.replicas[0],
