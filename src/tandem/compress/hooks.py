@@ -5,7 +5,9 @@ Usage::
     state, hook = codec.ddp_hook(model, ByteMeter(world_size=dist.get_world_size()))
     DistributedDataParallel(model).register_comm_hook(state, hook)
 
-Each parameter's gradient in the bucket is encoded on its own (keyed by the parameter's name,
+Outside DDP, :func:`exchange` runs the same exchange on a list of gradients within a process group
+(the data dimension of a tensor-parallel job). Each parameter's gradient in the bucket is encoded
+on its own (keyed by the parameter's name,
 which survives DDP's rebuilding of buckets after the first step). Summable codecs encode
 ``g / W`` and allreduce one flat payload per bucket; the others serialize their payloads to
 bytes, allgather them and decode the mean of all workers' messages. Every worker decodes the
@@ -15,6 +17,7 @@ same messages in the same order, so the replicas stay identical.
 """
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,11 +29,14 @@ from tandem.compress.meter import ByteMeter
 class CodecHookState:
     """The codec, the meter, and the parameter names the hook keys its state by."""
 
-    def __init__(self, codec: Codec, meter: ByteMeter, names: dict[int, str]) -> None:
+    def __init__(self, codec: Codec, meter: ByteMeter, names: dict[int, str],
+                 group: Any = None) -> None:
         self.codec = codec
         self.meter = meter
         self.names = names
         self.world_size = meter.world_size
+        self.group = group
+        """The process group the payloads travel in (None: the default group)."""
         self.started = False
 
     def keys(self, bucket: dist.GradBucket) -> list[str]:
@@ -43,12 +49,31 @@ class CodecHookState:
 def codec_hook(state: CodecHookState,
                bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Encode, exchange and decode one bucket; the future holds the averaged gradients."""
+    return _exchange(state, bucket.buffer(), bucket.gradients(), state.keys(bucket))
+
+
+def exchange(state: CodecHookState, grads: Sequence[torch.Tensor], keys: Sequence[str]) -> None:
+    """Replace ``grads`` (this worker's, in place) by the mean of every worker's in
+    ``state.group``, as the codec's messages carry them (blocking)."""
+    if not grads:
+        return
+    buffer = torch.cat([grad.reshape(-1) for grad in grads])
+    views, offset = [], 0
+    for grad in grads:
+        views.append(buffer[offset: offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
+    mean = _exchange(state, buffer, views, list(keys)).wait()
+    offset = 0
+    for grad in grads:
+        grad.copy_(mean[offset: offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
+
+
+def _exchange(state: CodecHookState, buffer: torch.Tensor, grads: list[torch.Tensor],
+              keys: list[str]) -> torch.futures.Future[torch.Tensor]:
     if not state.started:
         state.codec.start(dist.get_rank(), state.world_size)
         state.started = True
-    buffer = bucket.buffer()
-    grads = bucket.gradients()
-    keys = state.keys(bucket)
     gradient_bytes = buffer.numel() * buffer.element_size()
     if state.codec.summable:
         return _allreduce(state, buffer, grads, keys, gradient_bytes)
@@ -76,7 +101,7 @@ def _allreduce(state: CodecHookState, buffer: torch.Tensor, grads: list[torch.Te
             offset += grad.numel()
         return result
 
-    work = dist.all_reduce(flat, async_op=True)
+    work = dist.all_reduce(flat, group=state.group, async_op=True)
     return work.get_future().then(decode)
 
 
@@ -101,7 +126,7 @@ def _allgather(state: CodecHookState, buffer: torch.Tensor, grads: list[torch.Te
             offset += grad.numel()
         return result
 
-    work = dist.all_gather(gathered, packed, async_op=True)
+    work = dist.all_gather(gathered, packed, group=state.group, async_op=True)
     return work.get_future().then(decode)
 
 

@@ -296,9 +296,10 @@ class Job:
 
     def _check_tensor(self) -> None:
         """Tensor parallelism runs alone, with data parallelism (allreduce's plan) or in a
-        pipeline whose every stage has the same replicas under a flush schedule, in fp32 with
-        an elementwise optimizer and without checkpoints, for now: one line for each setting it
-        would not honour."""
+        pipeline whose every stage has the same replicas under a flush schedule, in fp32 or bf16
+        (fp16's loss scaler would skip a step on one worker's share only), with an elementwise
+        optimizer and without checkpoints, for now: one line for each setting it would not
+        honour."""
         from tandem.sync_spec import AllReduceSync
 
         plan, run = self.plan, self.run
@@ -322,9 +323,9 @@ class Job:
             raise UsageError(f"the plan combines tensor degree {degree} with sync "
                              f"{plan.sync.method!r}; tandem runs tensor parallelism with "
                              f"allreduce's data parallelism or a pipeline only")
+        self._check_tensor_compress()
         refused = {
-            "--compress": plan.compress.text if plan.compress else None,
-            "--precision": run.precision if run.precision != "fp32" else None,
+            "--precision": run.precision if run.precision == "fp16" else None,
             "--clip-grad-norm": run.clip_grad_norm,
             "--optimizer": run.optimizer if run.optimizer in ("lars", "lamb") else None,
             "--resume": run.resume, "--stop-after": run.stop_after,
@@ -337,8 +338,31 @@ class Job:
             if value is not None:
                 shown = "" if value is True else f" {value}"
                 raise UsageError(f"{flag}{shown} is not supported with --tensor-parallel "
-                                 f"{degree} yet (it runs fp32, sgd/adam/adamw, without "
+                                 f"{degree} yet (it runs fp32 or bf16, sgd/adam/adamw, without "
                                  f"checkpoints); drop {flag}")
+
+    def _check_tensor_compress(self) -> None:
+        """``--compress`` with tensor parallelism encodes the data dimension's gradients: it
+        needs replicas, no pipeline (whose codec is for activations) and a per-tensor codec."""
+        plan = self.plan
+        if plan.compress is None:
+            return
+        from tandem.compress import build_compression
+        from tandem.compress.codec import Codec
+
+        spec, degree = plan.compress.text, plan.tensor_degree
+        if plan.pipelined:
+            raise UsageError(f"--compress {spec} is not supported in a pipeline x tensor layout "
+                             f"yet; drop --compress or --tensor-parallel {degree}")
+        if plan.replicas[0] == 1:
+            raise UsageError(f"--compress {spec} compresses the gradients replicas exchange, and "
+                             f"--tensor-parallel {degree} on {degree} workers has one replica; "
+                             f"drop --compress, or use --nproc {2 * degree} (data 2 x tensor "
+                             f"{degree})")
+        if not isinstance(build_compression(spec), Codec):
+            raise UsageError(f"--compress {spec} exchanges whole DDP buckets, which a "
+                             f"tensor-parallel job does not use; pick a per-tensor codec (fp16, "
+                             f"qsgd, topk, ...) or drop --compress")
 
     def _check_async_ps(self) -> None:
         """Asynchronous parameter servers: ``--staleness-lr`` is a compensation of its own, and

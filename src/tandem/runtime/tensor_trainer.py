@@ -19,6 +19,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tandem.compress import ByteMeter, build_compression
+from tandem.compress.codec import Codec
+from tandem.compress.hooks import CodecHookState, exchange
+from tandem.errors import UsageError
 from tandem.loss import evaluation
 from tandem.models.tensor import tensor_plan
 from tandem.runtime.base import BaseTrainer
@@ -27,8 +31,8 @@ from tandem.runtime.dist import WorkerEnv
 from tandem.runtime.noise_scale import NoiseScale
 from tandem.runtime.precision import Precision
 from tandem.runtime.tensor_parallel import (
-    MESH_DIMS, gathered_state_dict, layout_mesh, memory_report, parameter_bytes, split_model,
-    sum_gradients,
+    MESH_DIMS, gathered_state_dict, layout_mesh, local_tensor, memory_report, parameter_bytes,
+    split_model, sum_gradients,
 )
 from tandem.runtime.watchdog import Heartbeat
 from tandem.structures import call_model
@@ -55,6 +59,7 @@ class TensorParallelTrainer(BaseTrainer):
         self.data_group = layout["data"].get_group() if self.replicas > 1 else None
         self.data_rank = env.rank // degree
         split_model(model, self.tensor_plan, self.mesh)
+        self.codec = self._codec(model) if job.plan.compress is not None else None
         self.module = self.model = model
         model.train()
         self.loss_terms_per_sample = 1
@@ -68,6 +73,17 @@ class TensorParallelTrainer(BaseTrainer):
             "gradient and their allreduced mean); tensor-parallel workers share every batch")
         self.setup_optimizer(model.parameters())
         self.precision = Precision(config.precision, env.device)
+
+    def _codec(self, model: torch.nn.Module) -> CodecHookState:
+        """``--compress``'s codec on the data dimension: each worker encodes its own shares of
+        the gradients (keyed by parameter name) and exchanges them with the workers at its
+        tensor position in the other replicas."""
+        codec = build_compression(self.plan.compress.text)  # type: ignore[union-attr]
+        if not isinstance(codec, Codec):  # refused by the job's checks
+            raise UsageError(f"--compress {codec.spec} is not a per-tensor codec")
+        names = {id(p): name for name, p in model.named_parameters()}
+        return CodecHookState(codec, ByteMeter(world_size=self.replicas), names,
+                              group=self.data_group)
 
     def data_partitions(self) -> int:
         return self.job.plan.replicas[0]
@@ -108,7 +124,16 @@ class TensorParallelTrainer(BaseTrainer):
         if self.data_group is not None:
             start = time.perf_counter()
             self.beat.phase = "allreduce"
-            self.reduced_bytes += sum_gradients(list(self.model.parameters()), self.data_group)
+            if self.codec is not None:  # the codec averages: from the replicas' sum to their mean
+                named = [(name, p) for name, p in self.model.named_parameters()
+                         if p.grad is not None]
+                grads = [local_tensor(p.grad) for _, p in named]
+                for grad in grads:
+                    grad.mul_(self.replicas)
+                exchange(self.codec, grads, [name for name, _ in named])
+            else:
+                self.reduced_bytes += sum_gradients(list(self.model.parameters()),
+                                                    self.data_group)
             self.trace("0AR", start, time.perf_counter(), step)
         start = time.perf_counter()
         self.precision.step(self.optimizer)
@@ -126,8 +151,10 @@ class TensorParallelTrainer(BaseTrainer):
         return evaluation(totals)
 
     def sent_bytes(self) -> float:
-        """The data dimension's gradient allreduces (the split layers' own collectives are not
-        counted)."""
+        """The data dimension's gradient exchanges (what the codec sent, with ``--compress``;
+        the split layers' own collectives are not counted)."""
+        if self.codec is not None:
+            return float(self.codec.meter.wire_bytes)
         return float(self.reduced_bytes)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
@@ -149,4 +176,13 @@ class TensorParallelTrainer(BaseTrainer):
                     "whole_layer_bytes": int(report["whole_layer_bytes"]),
                     "bound_bytes": int(bound),
                     "worker_fraction": float(worst) / max(report["model_bytes"], 1)},
+                **self._compression(),
                 "precision": self.config.precision, "clip_grad_norm": None, "skipped_steps": 0}
+
+    def _compression(self) -> dict[str, Any]:
+        """With ``--compress``: the gradient bytes per step over what the codec handed to the
+        data dimension's collectives (this worker's shares)."""
+        if self.codec is None:
+            return {}
+        meter = self.codec.meter
+        return {"compression_ratio": meter.gradient_bytes / max(meter.payload_bytes, 1)}
