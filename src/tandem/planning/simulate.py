@@ -401,9 +401,9 @@ def build_workload(plan: Plan, costs: list[StageCost], cluster: Cluster, schedul
 
     tensor = _tensor_s(plan, profile, cluster, groups, share, options)
     forward = [call_s(c.forward_s, c.forward_fixed_s, share, options) / speed
-               + options.compute_overhead_s + t for c, t in zip(costs, tensor)]
+               + options.compute_overhead_s + t for c, (t, _) in zip(costs, tensor)]
     backward = [call_s(c.backward_s, c.backward_fixed_s, share, options) / speed
-                + options.compute_overhead_s + t for c, t in zip(costs, tensor)]
+                + options.compute_overhead_s + t for c, (_, t) in zip(costs, tensor)]
     redo = forward if plan.recompute else [0.0] * len(costs)
     inputs = [0.0, *(c.output_bytes * share for c in costs[:-1])]
     workload = Workload(
@@ -415,7 +415,8 @@ def build_workload(plan: Plan, costs: list[StageCost], cluster: Cluster, schedul
                       / codec_ratio(stage.compression) for c, stage in zip(costs, plan.stages)],
         stash_bytes=inputs if plan.recompute else [c.activation_bytes * share for c in costs],
         recompute_bytes=[c.activation_bytes * share for c in costs] if plan.recompute else None,
-        tensor_s=[(t, t * (2 if plan.recompute else 1)) for t in tensor] if degree > 1 else None,
+        tensor_s=[(f, b + (f if plan.recompute else 0.0)) for f, b in tensor]
+        if degree > 1 else None,
         allreduce_s=[reduce_s(g, c.parameter_bytes, r, k)
                      for c, g, r, k in zip(costs, groups, ratios, sharing)],
         buckets=[[(r0 + ready * _stretch(c, seconds), reduce_s(g, size, r, k))
@@ -432,16 +433,18 @@ def build_workload(plan: Plan, costs: list[StageCost], cluster: Cluster, schedul
 
 
 def _tensor_s(plan: Plan, profile: ModelProfile | None, cluster: Cluster, groups: list[list[int]],
-              share: float, options: SimOptions) -> list[float]:
-    """Per stage, seconds of one forward's (or backward's) tensor allreduces among the first
-    replica's group (0 without tensor parallelism)."""
+              share: float, options: SimOptions) -> list[tuple[float, float]]:
+    """Per stage, seconds of one forward's and of one backward's tensor allreduces among the
+    first replica's group (0 without tensor parallelism)."""
     degree = plan.tensor_degree
     if degree == 1:
-        return [0.0] * len(plan.stages)
+        return [(0.0, 0.0)] * len(plan.stages)
     if profile is None:
         raise ValueError("build_workload needs the profile for a tensor degree above 1")
-    return [tensor_allreduce_s(cluster, profile, plan.stage_layers(s), tensor_group(g[0], degree),
-                               share, options.allreduce, options.allreduce_latency_s)
+    return [tuple(tensor_allreduce_s(cluster, profile, plan.stage_layers(s),  # type: ignore[misc]
+                                     tensor_group(g[0], degree), share, options.allreduce,
+                                     options.allreduce_latency_s, backward)
+                  for backward in (False, True))
             for s, g in enumerate(groups)]
 
 

@@ -6,8 +6,12 @@ Usage::
     seconds = tensor_allreduce_s(cluster, profile, layers, group=range(4), share=0.25)
     degrees = tensor_degrees(cluster, max_degree=8)   # what the search and scale try
 
-A profile does not say which layers can be split, so one rule decides, for every profile:
-**a layer with parameters is split** Megatron-style across the ``T`` devices of its stage
+A profile made by ``tandem profile`` of a reference model says how its tensor plan splits each
+layer (``LayerProfile.tensor_allreduces``: the allreduces a split layer adds to its forward and
+to its backward, ``(0, 0)`` for a layer that stays whole): a GPT block holds two column/row pairs
+(attention, MLP), so two allreduces each way; its embedding and vocabulary projection stay whole
+although they have parameters. A profile that does not say (``None``; PipeDream's, or a user's
+model) is split by one rule: **a layer with parameters is split** Megatron-style across the ``T`` devices of its stage
 replica (its compute beyond the fixed cost per call and its parameter bytes divide by ``T``,
 and it ends with one allreduce of its output activation among the ``T`` devices in the forward
 and one in the backward); **a layer without parameters runs whole on every one of them**
@@ -41,8 +45,17 @@ tensor groups inside one server of 8)."""
 
 
 def is_split(layer: LayerProfile) -> bool:
-    """True when tensor parallelism splits ``layer``: it has parameters (the module's rule)."""
-    return layer.parameter_bytes > 0
+    """True when tensor parallelism splits ``layer``: as its profile records, or else when it has
+    parameters (the module's rule)."""
+    return any(allreduce_counts(layer))
+
+
+def allreduce_counts(layer: LayerProfile) -> tuple[int, int]:
+    """Allreduces of ``layer``'s output activation in its forward and in its backward when split:
+    as its profile records, or else one each way for a layer with parameters (none without)."""
+    if layer.tensor_allreduces is not None:
+        return layer.tensor_allreduces
+    return (1, 1) if layer.parameter_bytes > 0 else (0, 0)
 
 
 def split_layer(layer: LayerProfile, degree: int) -> LayerProfile:
@@ -81,14 +94,16 @@ def tensor_group(lead: int, degree: int) -> range:
 
 def tensor_allreduce_s(cluster: Cluster, profile: ModelProfile, layers: Iterable[int],
                        group: Sequence[int], share: float, algorithm: str = "auto",
-                       latency_s: float | None = None) -> float:
-    """Seconds of the tensor allreduces of one forward (or one backward) of ``layers`` on
-    ``share`` of the profile's minibatch: one allreduce of each split layer's output activation
-    among ``group``, one after another (0 for a group of one device)."""
+                       latency_s: float | None = None, backward: bool = False) -> float:
+    """Seconds of the tensor allreduces of one forward (or, with ``backward``, one backward) of
+    ``layers`` on ``share`` of the profile's minibatch: each split layer's allreduces of its
+    output activation among ``group`` (:func:`allreduce_counts`), one after another (0 for a
+    group of one device)."""
     if len(group) < 2:
         return 0.0
-    return sum(allreduce_s(cluster, group, profile.layers[i].activation_bytes * share,
-                           algorithm, latency_s)
+    return sum(allreduce_counts(profile.layers[i])[backward]
+               * allreduce_s(cluster, group, profile.layers[i].activation_bytes * share,
+                             algorithm, latency_s)
                for i in layers if is_split(profile.layers[i]))
 
 
