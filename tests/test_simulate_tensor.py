@@ -306,3 +306,19 @@ def test_gpt_plan_counts_two_allreduces_per_block_each_way() -> None:
                       DataInfo(task="lm", input_shape=(8,), num_classes=11))
     counts = block_allreduces(tensor_plan("gpt", model, 2), len(model))
     assert counts == [(0, 0), (2, 2), (2, 2), (0, 0)]
+
+
+def test_tensor_overhead_is_charged_per_tensor_allreduce() -> None:
+    """``tensor_overhead_s`` adds to the compute once per tensor allreduce: the block's two each
+    way, none for the whole embedding, and nothing at T = 1."""
+    embed = dataclasses.replace(LAYERS[0], tensor_allreduces=(0, 0))
+    block = dataclasses.replace(LAYERS[2], tensor_allreduces=(2, 2))
+    profile = ModelProfile(layers=[embed, LAYERS[1], block], batch_size=64)
+    cluster = parse_cluster("2x16Gb/s@5us")
+
+    def step(degree: int, overhead: float) -> float:
+        options = SimOptions(allreduce="ring", tensor_overhead_s=overhead)
+        return simulate(gpipe([1], [3], 2, 1, degree), profile, cluster, options).step_time_s
+
+    assert step(2, 0.003) - step(2, 0.0) == pytest.approx(4 * 0.003, rel=1e-9)
+    assert step(1, 0.003) == step(1, 0.0)

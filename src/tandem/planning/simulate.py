@@ -94,7 +94,8 @@ from tandem.planning.costs import (
 )
 from tandem.planning.memory import device_memory_bytes
 from tandem.planning.replay import Replay, Workload, replay
-from tandem.planning.tensor import port_sharing, split_profile, tensor_allreduce_s, tensor_group
+from tandem.planning.tensor import (port_sharing, split_profile, tensor_allreduce_count,
+                                    tensor_allreduce_s, tensor_group)
 from tandem.profile import ModelProfile, scale_call, topological_order
 from tandem.schedule import Schedule
 from tandem.sync_spec import (
@@ -137,6 +138,11 @@ class SimOptions:
     compute_overhead_s: float = 0.0
     """Fixed seconds added to every forward and backward, on top of the profile's own fixed
     costs (e.g. the runtime's cost per action, which a profile of the layers does not see)."""
+    tensor_overhead_s: float = 0.0
+    """With a tensor degree above 1: seconds each tensor allreduce adds to the compute of the
+    forward or backward around it, beyond the collective itself: the framework's work for the
+    split layers around it (DTensor wraps, dispatches and redistributes in Python, per call, on
+    every device of the group), which a profile of unsplit layers does not see."""
     charge_fixed_costs: bool = True
     """Charge the profile's fixed cost per call (``LayerProfile.forward_fixed_s`` and
     ``backward_fixed_s``) to every forward and backward of a micro-batch, and scale only the
@@ -400,10 +406,13 @@ def build_workload(plan: Plan, costs: list[StageCost], cluster: Cluster, schedul
                            options.allreduce_latency_s)
 
     tensor = _tensor_s(plan, profile, cluster, groups, share, options)
+    framework = _tensor_overhead_s(plan, profile, options)
     forward = [call_s(c.forward_s, c.forward_fixed_s, share, options) / speed
-               + options.compute_overhead_s + t for c, (t, _) in zip(costs, tensor)]
+               + options.compute_overhead_s + o + t
+               for c, (t, _), (o, _) in zip(costs, tensor, framework)]
     backward = [call_s(c.backward_s, c.backward_fixed_s, share, options) / speed
-                + options.compute_overhead_s + t for c, (_, t) in zip(costs, tensor)]
+                + options.compute_overhead_s + o + t
+                for c, (_, t), (_, o) in zip(costs, tensor, framework)]
     redo = forward if plan.recompute else [0.0] * len(costs)
     inputs = [0.0, *(c.output_bytes * share for c in costs[:-1])]
     workload = Workload(
@@ -446,6 +455,17 @@ def _tensor_s(plan: Plan, profile: ModelProfile | None, cluster: Cluster, groups
                                      options.allreduce_latency_s, backward)
                   for backward in (False, True))
             for s, g in enumerate(groups)]
+
+
+def _tensor_overhead_s(plan: Plan, profile: ModelProfile | None,
+                       options: SimOptions) -> list[tuple[float, float]]:
+    """Per stage, ``options.tensor_overhead_s`` times the tensor allreduces of one forward and of
+    one backward (0 without tensor parallelism)."""
+    if plan.tensor_degree == 1 or not options.tensor_overhead_s or profile is None:
+        return [(0.0, 0.0)] * len(plan.stages)
+    return [tuple(options.tensor_overhead_s * tensor_allreduce_count(  # type: ignore[misc]
+        profile, plan.stage_layers(s), backward) for backward in (False, True))
+        for s in range(len(plan.stages))]
 
 
 def call_s(total_s: float, fixed_s: float, share: float, options: SimOptions) -> float:

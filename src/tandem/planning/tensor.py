@@ -107,6 +107,11 @@ def tensor_allreduce_s(cluster: Cluster, profile: ModelProfile, layers: Iterable
                for i in layers if is_split(profile.layers[i]))
 
 
+def tensor_allreduce_count(profile: ModelProfile, layers: Iterable[int], backward: bool) -> int:
+    """Tensor allreduces of one forward (or, with ``backward``, one backward) of ``layers``."""
+    return sum(allreduce_counts(profile.layers[i])[backward] for i in layers)
+
+
 def port_sharing(cluster: Cluster, leads: Sequence[int], degree: int) -> int:
     """How many of a tensor group's devices share one port of the slowest level the stage's
     replicas (``leads``) span: the ``degree`` concurrent gradient allreduces (device ``t`` of
