@@ -658,6 +658,7 @@ def tensor_part(steps: int, tmp: Path, cluster_for: Any, collective: dict[int, f
         rates: list[float] = []
         bandwidths: list[float] = []
         measured: list[float] = []
+        loads: list[float] = []
         for _ in range(REPEATS):
             profiles.append(tensor_profile(tmp))
             speeds.append(1.0 if degree == 1 else contention_speed(degree, tmp))
@@ -667,6 +668,7 @@ def tensor_part(steps: int, tmp: Path, cluster_for: Any, collective: dict[int, f
                 bandwidths.append(busy_allreduce_bandwidth(
                     degree, activation, collective.get(degree, 0.0), tmp))
             measured.append(measure_tensor(degree, steps))
+            loads.append(os.getloadavg()[0])
             print(f"  tensor {degree}: profile {profiles[-1].total_compute_s() * 1e3:.1f} ms, "
                   f"{degree} busy processes at {speeds[-1]:.2f}x, allreduce of {activation / 1e6:.1f}"
                   f" MB at {bandwidths[-1] / 1e9 if bandwidths else 0:.2f} GB/s, run "
@@ -689,6 +691,17 @@ def tensor_part(steps: int, tmp: Path, cluster_for: Any, collective: dict[int, f
         without = simulate(plan, profile, cluster, options).step_time_s
         options = dataclasses.replace(options, tensor_overhead_s=overhead)
         predicted = simulate(plan, profile, cluster, options).step_time_s
+        # Each repeat on its own: its profile, speed and bandwidth, measured within a minute of
+        # its run, against that run (under others' load the bests above come from different
+        # minutes; these pairs show how far that moves the prediction).
+        paired = []
+        for index, run_s in enumerate(measured):
+            own = dataclasses.replace(cluster_for(degree), speed=speeds[index] or 1e-3)
+            if bandwidths:
+                level = dataclasses.replace(own.levels[0], bandwidth_Bps=bandwidths[index])
+                own = dataclasses.replace(own, levels=(level,))
+            own_options = dataclasses.replace(options, optimizer_Bps=rates[index])
+            paired.append(simulate(plan, profiles[index], own, own_options).step_time_s / run_s - 1)
         predicted_bare = simulate(plan, profile, cluster_for(degree),
                                   SimOptions(record=False)).step_time_s
         best = min(measured)
@@ -699,8 +712,13 @@ def tensor_part(steps: int, tmp: Path, cluster_for: Any, collective: dict[int, f
                      "profile_s": profile.total_compute_s(), "runs_s": measured,
                      "speeds": speeds, "allreduce_Bps": max(bandwidths, default=None),
                      "tensor_overhead_s": overhead, "tiny_runs_s": tiny_runs,
-                     "simulated_without_overhead_s": without, "load": os.getloadavg()[0]})
+                     "simulated_without_overhead_s": without, "paired_errors": paired,
+                     "loads": loads})
     print_table(f"tensor: {TENSOR_MODEL}, batch {TENSOR_BATCH}, on the CPU", rows)
+    for r in rows:
+        print(f"{r['case']}: each repeat against its own run: "
+              f"{', '.join(f'{e:+.1%}' for e in r['paired_errors'])} (load "
+              f"{', '.join(f'{x:.1f}' for x in r['loads'])})")
     return rows
 
 
