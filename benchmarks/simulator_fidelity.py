@@ -1,11 +1,11 @@
 """Simulator fidelity: predicted vs measured step time for GPipe, 1F1B, PipeDream, DP, parameter
-servers and gossip.
+servers, gossip and tensor parallelism.
 
 Every measurement is a real run of the command line (``tandem train ... --json``, whose
 ``step_time_s`` is rank 0's median step after two warm-up steps; for PipeDream's schedule the
 steady-state time per minibatch on stage 0, from the run's ``trace.json``), the best of three runs;
 every prediction simulates the same plan on a cluster model of this machine
-(``tandem.planning.simulate``, the library behind ``tandem simulate``). Three parts:
+(``tandem.planning.simulate``, the library behind ``tandem simulate``). Four parts:
 
 - ``emulated``: PipeDream's VGG-16 profile played by the emulated model (each block sleeps its
   profiled time, so 2-8 workers on this 2-core machine behave like devices: sleeping workers do
@@ -23,6 +23,17 @@ every prediction simulates the same plan on a cluster model of this machine
   given to the simulator as the devices' speed; optimizer steps are timed on the same
   parameters. Each quantity is taken at its best of three.
 
+- ``tensor``: a real GPT (:data:`TENSOR_MODEL`, batch 32) trained by ``tandem train
+  --tensor-parallel T --nproc T`` for each of ``--tensor-degrees`` (default 1,2; 1 is one
+  process, the baseline), target 15% for T = 2. Before each run: ``tandem profile`` (whose layers
+  record the allreduces the model's tensor plan adds: two each way per block, none for the
+  embedding and the head), the speed of T busy processes and the bandwidth of a gloo allreduce of
+  one block's output (2.1 MB) among T processes that compute between allreduces. Once per
+  degree: the runtime's cost per tensor allreduce beyond the collective (DTensor's Python), from
+  a GPT of the same structure at width 16 run the same way (measured minus simulated, over its
+  16 allreduces). Prints each repeat's own prediction against its own run as well, since under
+  others' load the bests come from different minutes.
+
 The cluster model of this machine is measured first, not assumed: the latency and bandwidth of a
 gloo message between two local processes (ping-pong); the time per step of a small gloo allreduce
 among 2, 3, 4 and 8 processes (with more processes than cores each step waits for a process to be
@@ -32,8 +43,8 @@ micro-batches: measured minus simulated step, per computation). Calibrated predi
 gloo's algorithm (ring allreduce); "uncalibrated" ones use link latency and bandwidth only and the
 default algorithm choice.
 
-    .venv/bin/python benchmarks/simulator_fidelity.py [--parts emulated,ranking,real]
-        [--steps 10] [--scale 2]
+    .venv/bin/python benchmarks/simulator_fidelity.py [--parts emulated,ranking,real,tensor]
+        [--steps 10] [--scale 2] [--tensor-degrees 1,2]
 
 Prints a table per part, then one JSON object on the last line.
 """
