@@ -23,9 +23,11 @@ asynchronous schedule runs long enough to reach its steady state and the step ti
 per minibatch there.
 
 With a tensor degree ``T`` (``plan.tensor_degree``) every worker of the schedule is a group of
-``T`` adjacent devices: layers with parameters are split (compute beyond the fixed cost and
-parameters divided by ``T``, one allreduce of their output among the group in the forward and
-one in the backward; :mod:`tandem.planning.tensor`), the others run whole on each device. With
+``T`` adjacent devices: the layers the profile records as split (``tensor_allreduces``), or
+without a record the layers with parameters, are split (compute beyond the fixed cost and
+parameters divided by ``T``, their recorded allreduces of their output among the group in the
+forward and in the backward, one each way without a record, plus ``tensor_overhead_s`` of
+compute per allreduce; :mod:`tandem.planning.tensor`), the others run whole on each device. With
 ``plan.recompute`` a backward runs the stage's forward again first, and a stage stashes only its
 input per micro-batch (plus one micro-batch's activations while it recomputes).
 
@@ -57,8 +59,10 @@ What it does not model:
   control or TCP dynamics; collectives do not contend with point-to-point transfers or with
   each other; gossip's simultaneous exchanges share ports as a fluid (each port moves all its
   bytes at full bandwidth, every edge ends when its busier port is done), not packet by packet;
-- which layers a real model splits and how (the rule: layers with parameters, one allreduce
-  each per direction), activations inside a split layer, tensor allreduces overlapping compute;
+- which layers a real model splits and how, where the profile does not record it (the rule:
+  layers with parameters, one allreduce each per direction); the parts of a split layer that run
+  whole (a block's norms); activations inside a split layer, tensor allreduces overlapping
+  compute;
   Megatron's scatter-gather of activations between stages (they cross once, whole);
 - memory beyond the parts above: no workspace, temporary communication buffers, fragmentation
   or receive buffers, and the parts' peaks are added as if they coincided;
