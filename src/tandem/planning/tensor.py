@@ -10,9 +10,11 @@ A profile made by ``tandem profile`` of a reference model says how its tensor pl
 layer (``LayerProfile.tensor_allreduces``: the allreduces a split layer adds to its forward and
 to its backward, ``(0, 0)`` for a layer that stays whole): a GPT block holds two column/row pairs
 (attention, MLP), so two allreduces each way; its embedding and vocabulary projection stay whole
-although they have parameters. A profile that does not say (``None``; PipeDream's, or a user's
-model) is split by one rule: **a layer with parameters is split** Megatron-style across the ``T`` devices of its stage
-replica (its compute beyond the fixed cost per call and its parameter bytes divide by ``T``,
+although they have parameters. Every allreduce is costed at the size of the layer's output
+activation (exact for a GPT block, whose input and output have the same size; a column-wise
+layer's backward allreduce is really of its input's gradient). A profile that does not say
+(``None``; PipeDream's, or a user's model) is split by one rule: **a layer with parameters is
+split** Megatron-style across the ``T`` devices of its stage replica (its compute beyond the fixed cost per call and its parameter bytes divide by ``T``,
 and it ends with one allreduce of its output activation among the ``T`` devices in the forward
 and one in the backward); **a layer without parameters runs whole on every one of them**
 (activations, pooling, normalization without weights). Activations are not divided: the output
