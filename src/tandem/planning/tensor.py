@@ -14,12 +14,13 @@ although they have parameters. Every allreduce is costed at the size of the laye
 activation (exact for a GPT block, whose input and output have the same size; a column-wise
 layer's backward allreduce is really of its input's gradient). A profile that does not say
 (``None``; PipeDream's, or a user's model) is split by one rule: **a layer with parameters is
-split** Megatron-style across the ``T`` devices of its stage replica (its compute beyond the fixed cost per call and its parameter bytes divide by ``T``,
-and it ends with one allreduce of its output activation among the ``T`` devices in the forward
-and one in the backward); **a layer without parameters runs whole on every one of them**
-(activations, pooling, normalization without weights). Activations are not divided: the output
-of a split layer is whole on every device after its allreduce, so each device holds the same
-activations as without tensor parallelism.
+split** Megatron-style across the ``T`` devices of its stage replica (its compute beyond the
+fixed cost per call and its parameter bytes divide by ``T``, and it ends with one allreduce of
+its output activation among the ``T`` devices in the forward and one in the backward); **a
+layer without parameters runs whole on every one of them** (activations, pooling, normalization
+without weights). Activations are not divided: the output of a split layer is whole on every
+device after its allreduce, so each device holds the same activations as without tensor
+parallelism.
 
 The ``T`` devices of one stage replica are adjacent (``lead .. lead + T - 1``), so they share
 the innermost unit when ``T`` divides it and their allreduces run over its links.
