@@ -1,11 +1,11 @@
 """Simulator fidelity: predicted vs measured step time for GPipe, 1F1B, PipeDream, DP, parameter
-servers and gossip.
+servers, gossip and tensor parallelism.
 
 Every measurement is a real run of the command line (``tandem train ... --json``, whose
 ``step_time_s`` is rank 0's median step after two warm-up steps; for PipeDream's schedule the
 steady-state time per minibatch on stage 0, from the run's ``trace.json``), the best of three runs;
 every prediction simulates the same plan on a cluster model of this machine
-(``tandem.planning.simulate``, the library behind ``tandem simulate``). Three parts:
+(``tandem.planning.simulate``, the library behind ``tandem simulate``). Four parts:
 
 - ``emulated``: PipeDream's VGG-16 profile played by the emulated model (each block sleeps its
   profiled time, so 2-8 workers on this 2-core machine behave like devices: sleeping workers do
@@ -23,6 +23,17 @@ every prediction simulates the same plan on a cluster model of this machine
   given to the simulator as the devices' speed; optimizer steps are timed on the same
   parameters. Each quantity is taken at its best of three.
 
+- ``tensor``: a real GPT (:data:`TENSOR_MODEL`, batch 32) trained by ``tandem train
+  --tensor-parallel T --nproc T`` for each of ``--tensor-degrees`` (default 1,2; 1 is one
+  process, the baseline), target 15% for T = 2. Before each run: ``tandem profile`` (whose layers
+  record the allreduces the model's tensor plan adds: two each way per block, none for the
+  embedding and the head), the speed of T busy processes and the bandwidth of a gloo allreduce of
+  one block's output (2.1 MB) among T processes that compute between allreduces. Once per
+  degree: the runtime's cost per tensor allreduce beyond the collective (DTensor's Python), from
+  a GPT of the same structure at width 16 run the same way (measured minus simulated, over its
+  16 allreduces). Prints each repeat's own prediction against its own run as well, since under
+  others' load the bests come from different minutes.
+
 The cluster model of this machine is measured first, not assumed: the latency and bandwidth of a
 gloo message between two local processes (ping-pong); the time per step of a small gloo allreduce
 among 2, 3, 4 and 8 processes (with more processes than cores each step waits for a process to be
@@ -32,8 +43,8 @@ micro-batches: measured minus simulated step, per computation). Calibrated predi
 gloo's algorithm (ring allreduce); "uncalibrated" ones use link latency and bandwidth only and the
 default algorithm choice.
 
-    .venv/bin/python benchmarks/simulator_fidelity.py [--parts emulated,ranking,real]
-        [--steps 10] [--scale 2]
+    .venv/bin/python benchmarks/simulator_fidelity.py [--parts emulated,ranking,real,tensor]
+        [--steps 10] [--scale 2] [--tensor-degrees 1,2]
 
 Prints a table per part, then one JSON object on the last line.
 """
@@ -60,6 +71,7 @@ from tandem.cluster import Cluster, Level  # noqa: E402
 from tandem.plan import Plan  # noqa: E402
 from tandem.planning.balance import balanced_plan  # noqa: E402
 from tandem.planning.simulate import SimOptions, data_parallel_plan, simulate  # noqa: E402
+from tandem.planning.tensor import tensor_allreduce_count  # noqa: E402
 from tandem.profile import ModelProfile, load_profile  # noqa: E402
 from tandem.sync_spec import GossipSync, ParameterServerSync  # noqa: E402
 from tandem.schedule import Kind  # noqa: E402
@@ -592,6 +604,135 @@ def real_part(steps: int, tmp: Path, cluster_for: Any, collective: dict[int, flo
     return rows
 
 
+TENSOR_MODEL = "gpt:layers=4,dim=256,heads=4,dropout=0"
+TENSOR_DATA = "tokens:n=2048,seq=64,vocab=128"
+TENSOR_BATCH = 32
+
+
+TINY_MODEL = "gpt:layers=4,dim=16,heads=4,dropout=0"
+TINY_DATA = "tokens:n=256,seq=8,vocab=16"
+TINY_BATCH = 4
+"""The tensor part's calibration model: the GPT's structure (four blocks, the same tensor plan)
+at a width where compute is negligible, so that a tensor-parallel step of it is the framework's
+work per split layer and the collectives' latency."""
+
+
+def tensor_profile(tmp: Path, model: str = TENSOR_MODEL, data: str = TENSOR_DATA,
+                   batch: int = TENSOR_BATCH) -> ModelProfile:
+    """The GPT profiled by ``tandem profile`` on this machine (one process, one thread) at the
+    run's batch (every tensor-parallel worker computes the whole batch); its layers record the
+    allreduces tensor parallelism adds to each (``tensor_allreduces``)."""
+    path = tmp / f"tensor-profile-{batch}.json"
+    tandem("profile", "--model", model, "--data", data, "--batch-size", str(batch),
+           "--repeats", "10", "-o", str(path))
+    return ModelProfile.load(str(path))
+
+
+def measure_tensor(degree: int, steps: int, model: str = TENSOR_MODEL, data: str = TENSOR_DATA,
+                   batch: int = TENSOR_BATCH) -> float:
+    """Rank 0's median step of ``tandem train --tensor-parallel degree --nproc degree``."""
+    out = tandem("train", "--model", model, "--data", data, "--batch-size", str(batch),
+                 "--steps", str(steps), "--nproc", str(degree), "--tensor-parallel", str(degree),
+                 "--json", "--no-progress", "--log-every", str(steps))
+    return float(json.loads(out.strip().splitlines()[-1])["step_time_s"])
+
+
+def tensor_overhead(degree: int, steps: int, cluster: Cluster, options: SimOptions,
+                    tmp: Path) -> tuple[float, list[float]]:
+    """Seconds the runtime adds per tensor allreduce beyond the collective (DTensor's Python per
+    split layer, and the trainer's per-step work the profile does not see, spread over them):
+    the tiny GPT (:data:`TINY_MODEL`) run with ``degree`` workers, best of ``REPEATS``, minus its
+    simulation on the calibrated ``cluster`` without it, over its allreduces per step."""
+    profile = tensor_profile(tmp, TINY_MODEL, TINY_DATA, TINY_BATCH)
+    plan = dataclasses.replace(data_parallel_plan(profile, 1), num_devices=degree,
+                               tensor_degree=degree)
+    runs = [measure_tensor(degree, steps, TINY_MODEL, TINY_DATA, TINY_BATCH)
+            for _ in range(REPEATS)]
+    simulated = simulate(plan, profile, cluster, options).step_time_s
+    count = tensor_allreduce_count(profile, range(profile.num_layers), False) \
+        + tensor_allreduce_count(profile, range(profile.num_layers), True)
+    return max(0.0, (min(runs) - simulated) / count), runs
+
+
+def tensor_part(steps: int, tmp: Path, cluster_for: Any, collective: dict[int, float],
+                degrees: list[int]) -> list[dict[str, Any]]:
+    """Tensor-parallel GPT with each of ``degrees`` (1: the baseline, one process), each
+    ``REPEATS`` times, each run right after a profile, a measurement of how fast that many busy
+    processes run at once and of the bandwidth of a gloo allreduce of one layer's output among
+    them between computations (what a tensor allreduce meets); every quantity at its best of
+    three, as in the real part, then the plan (one replica on ``degree`` devices) simulated."""
+    print("tensor:", file=sys.stderr)
+    rows = []
+    for degree in degrees:
+        profiles: list[ModelProfile] = []
+        speeds: list[float] = []
+        rates: list[float] = []
+        bandwidths: list[float] = []
+        measured: list[float] = []
+        loads: list[float] = []
+        for _ in range(REPEATS):
+            profiles.append(tensor_profile(tmp))
+            speeds.append(1.0 if degree == 1 else contention_speed(degree, tmp))
+            rates.append(optimizer_rate(profiles[-1]))
+            activation = int(max(layer.activation_bytes for layer in profiles[-1].layers))
+            if degree > 1:
+                bandwidths.append(busy_allreduce_bandwidth(
+                    degree, activation, collective.get(degree, 0.0), tmp))
+            measured.append(measure_tensor(degree, steps))
+            loads.append(os.getloadavg()[0])
+            print(f"  tensor {degree}: profile {profiles[-1].total_compute_s() * 1e3:.1f} ms, "
+                  f"{degree} busy processes at {speeds[-1]:.2f}x, allreduce of {activation / 1e6:.1f}"
+                  f" MB at {bandwidths[-1] / 1e9 if bandwidths else 0:.2f} GB/s, run "
+                  f"{measured[-1] * 1e3:.1f} ms  (load {os.getloadavg()[0]:.1f})",
+                  file=sys.stderr, flush=True)
+        profile = _fastest(profiles)
+        plan = dataclasses.replace(data_parallel_plan(profile, 1), num_devices=degree,
+                                   tensor_degree=degree)
+        cluster = dataclasses.replace(cluster_for(degree), speed=max(speeds))
+        if bandwidths:
+            level = dataclasses.replace(cluster.levels[0], bandwidth_Bps=max(bandwidths))
+            cluster = dataclasses.replace(cluster, levels=(level,))
+        options = SimOptions(optimizer_Bps=max(rates), allreduce="ring", record=False,
+                             allreduce_latency_s=collective.get(degree))
+        overhead, tiny_runs = (0.0, []) if degree == 1 else tensor_overhead(
+            degree, steps, cluster, options, tmp)
+        print(f"  tensor {degree}: runtime cost {overhead * 1e3:.2f} ms per tensor allreduce "
+              f"(tiny gpt runs {', '.join(f'{r * 1e3:.1f}' for r in tiny_runs)} ms)",
+              file=sys.stderr, flush=True)
+        without = simulate(plan, profile, cluster, options).step_time_s
+        options = dataclasses.replace(options, tensor_overhead_s=overhead)
+        predicted = simulate(plan, profile, cluster, options).step_time_s
+        # Each repeat on its own: its profile, speed and bandwidth, measured within a minute of
+        # its run, against that run (under others' load the bests above come from different
+        # minutes; these pairs show how far that moves the prediction).
+        paired = []
+        for index, run_s in enumerate(measured):
+            own = dataclasses.replace(cluster_for(degree), speed=speeds[index] or 1e-3)
+            if bandwidths:
+                level = dataclasses.replace(own.levels[0], bandwidth_Bps=bandwidths[index])
+                own = dataclasses.replace(own, levels=(level,))
+            own_options = dataclasses.replace(options, optimizer_Bps=rates[index])
+            paired.append(simulate(plan, profiles[index], own, own_options).step_time_s / run_s - 1)
+        predicted_bare = simulate(plan, profile, cluster_for(degree),
+                                  SimOptions(record=False)).step_time_s
+        best = min(measured)
+        rows.append({"case": f"tensor {degree}", "workers": degree, "measured_s": best,
+                     "simulated_s": predicted, "error": predicted / best - 1,
+                     "simulated_bare_s": predicted_bare, "error_bare": predicted_bare / best - 1,
+                     "speed": max(speeds), "optimizer_Bps": max(rates),
+                     "profile_s": profile.total_compute_s(), "runs_s": measured,
+                     "speeds": speeds, "allreduce_Bps": max(bandwidths, default=None),
+                     "tensor_overhead_s": overhead, "tiny_runs_s": tiny_runs,
+                     "simulated_without_overhead_s": without, "paired_errors": paired,
+                     "loads": loads})
+    print_table(f"tensor: {TENSOR_MODEL}, batch {TENSOR_BATCH}, on the CPU", rows)
+    for r in rows:
+        print(f"{r['case']}: each repeat against its own run: "
+              f"{', '.join(f'{e:+.1%}' for e in r['paired_errors'])} (load "
+              f"{', '.join(f'{x:.1f}' for x in r['loads'])})")
+    return rows
+
+
 def _profile_path(batch: int, tmp: Path) -> Path:
     return tmp / f"real-{batch}.json"
 
@@ -609,6 +750,9 @@ def main() -> None:
     parser.add_argument("--cases", default="",
                         help="only these emulated/ranking cases, by name, separated by ';' "
                         "(e.g. 'dp 8;1f1b 8 stages, M=16')")
+    parser.add_argument("--tensor-degrees", default="1,2",
+                        help="tensor part: the degrees to run (default 1,2; 4 oversubscribes "
+                        "the two cores)")
     parser.add_argument("--scale", type=float, default=2.0,
                         help="factor on VGG-16's profiled times (default 2: ~0.3-0.9 s steps)")
     args = parser.parse_args()
@@ -623,7 +767,10 @@ def main() -> None:
         profile = scaled_vgg(args.scale, tmp / "vgg.json")
         model = f"emulated:profile={tmp / 'vgg.json'},params=profiled,scale=1"
 
-        counts = sorted({case.workers for case in (*EMULATED, *RANKING, *REAL)} - {1})
+        degrees = [int(d) for d in args.tensor_degrees.split(",")] if "tensor" in parts else []
+        chosen_cases = [case for part, cases in (("emulated", EMULATED), ("ranking", RANKING),
+                                                 ("real", REAL)) if part in parts for case in cases]
+        counts = sorted({case.workers for case in chosen_cases} - {1} | set(degrees) - {1})
         hops = {n: min(hop_latency(n, tmp) for _ in range(REPEATS)) for n in counts}
         print("message latency with every worker exchanging: " + ", ".join(
             f"{n} workers {v * 1e3:.2f} ms" for n, v in hops.items()), file=sys.stderr)
@@ -661,6 +808,8 @@ def main() -> None:
         if "real" in parts:
             summary["real"] = real_part(args.steps, tmp, bare_cluster_for, collective,
                                         [name.strip() for name in args.cases.split(";") if name])
+        if "tensor" in parts:
+            summary["tensor"] = tensor_part(args.steps, tmp, bare_cluster_for, collective, degrees)
     summary.update(_verdicts(summary))
     print(json.dumps(summary))
 
@@ -684,6 +833,11 @@ def _verdicts(summary: dict[str, Any]) -> dict[str, Any]:
     if "real" in summary:
         verdict["real_max_error"] = max(abs(r["error"]) for r in summary["real"])
         verdict["real_within_15pct"] = verdict["real_max_error"] <= 0.15
+    if "tensor" in summary:
+        two = [r for r in summary["tensor"] if r["workers"] == 2]
+        if two:
+            verdict["tensor_2_error"] = two[0]["error"]
+            verdict["tensor_2_within_15pct"] = abs(two[0]["error"]) <= 0.15
     return verdict
 
 

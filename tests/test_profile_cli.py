@@ -29,3 +29,21 @@ def test_profile_then_plan(tmp_path) -> None:
 def test_profile_unknown_model() -> None:
     done = run_tandem("profile", "--model", "nosuch", "--batch-size", "8")
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_profile_of_gpt_records_its_tensor_allreduces(tmp_path) -> None:
+    """A reference model's profile says how ``--tensor-parallel`` splits each layer: a GPT
+    block two allreduces each way (attention and MLP pairs), embedding and head none; a model
+    with dropout, which cannot be split, records nothing."""
+    target = tmp_path / "gpt.json"
+    done = run_tandem("profile", "--model", "gpt:layers=2,dim=16,heads=2", "--data",
+                      "tokens:n=64,seq=8,vocab=16", "--batch-size", "4", "--repeats", "1",
+                      "--warmup", "0", "-o", str(target))
+    assert done.returncode == 0, done.stderr
+    counts = [layer.tensor_allreduces for layer in ModelProfile.load(str(target)).layers]
+    assert counts == [(0, 0), (2, 2), (2, 2), (0, 0)]
+    done = run_tandem("profile", "--model", "gpt:layers=1,dim=16,heads=2,dropout=0.1", "--data",
+                      "tokens:n=64,seq=8,vocab=16", "--batch-size", "4", "--repeats", "1",
+                      "--warmup", "0", "-o", str(target))
+    assert done.returncode == 0, done.stderr
+    assert all(layer.tensor_allreduces is None for layer in ModelProfile.load(str(target)).layers)

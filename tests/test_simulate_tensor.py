@@ -254,3 +254,71 @@ def test_cli_plan_file_too_wide_for_its_degree(capsys,  # type: ignore[no-untype
                              "--tensor-parallel", "2")
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "needs 6 devices but the cluster has 4" in err
+
+
+def test_recorded_allreduces_and_whole_layers_closed_form() -> None:
+    """A profile that records its tensor plan (``tensor_allreduces``, as ``tandem profile``
+    writes for gpt): a block with two column/row pairs pays two allreduces each way, and a layer
+    with parameters recorded ``(0, 0)`` (an embedding, the vocabulary projection) runs whole on
+    every device, its parameters undivided. One stage, one micro-batch, T = 2."""
+    latency, bandwidth, degree = 5e-6, 2e9, 2
+    embed = dataclasses.replace(LAYERS[0], name="embed", tensor_allreduces=(0, 0))
+    block = dataclasses.replace(LAYERS[2], name="block", tensor_allreduces=(2, 2))
+    profile = ModelProfile(layers=[embed, LAYERS[1], block], batch_size=64)
+    result = simulate(gpipe([1], [3], 2, 1, degree), profile, parse_cluster("2x16Gb/s@5us"),
+                      SimOptions(allreduce="ring", optimizer_state_factor=1.0))
+    reduce = 2 * ring(degree, block.activation_bytes, latency, bandwidth)
+    forward = (embed.forward_s + LAYERS[1].forward_s
+               + call(block.forward_s, block.forward_fixed_s, 1, degree) + reduce)
+    backward = (embed.backward_s + LAYERS[1].backward_s
+                + call(block.backward_s, block.backward_fixed_s, 1, degree) + reduce)
+    assert result.step_time_s == pytest.approx(forward + backward, rel=1e-12)
+    assert result.communication_s == pytest.approx(2 * reduce, rel=1e-12)
+    weights = embed.parameter_bytes + block.parameter_bytes / degree
+    held = sum(l.activation_bytes for l in profile.layers)
+    assert result.peak_memory_bytes == pytest.approx(3 * weights + held, rel=1e-12)
+
+
+def test_tensor_allreduces_round_trip_and_bad_values(tmp_path: Path) -> None:
+    """The recorded counts survive JSON; anything but two whole numbers >= 0 is one error."""
+    block = dataclasses.replace(LAYERS[2], tensor_allreduces=(2, 2))
+    path = tmp_path / "p.json"
+    ModelProfile(layers=[LAYERS[0], block], batch_size=64).save(str(path))
+    loaded = ModelProfile.load(str(path))
+    assert [l.tensor_allreduces for l in loaded.layers] == [None, (2, 2)]
+    with pytest.raises(UsageError, match="two whole numbers"):
+        dataclasses.replace(LAYERS[2], tensor_allreduces=(1, -1))
+    data = json.loads(path.read_text())
+    data["layers"][1]["tensor_allreduces"] = 2
+    path.write_text(json.dumps(data))
+    with pytest.raises(UsageError, match="list of two"):
+        ModelProfile.load(str(path))
+
+
+def test_gpt_plan_counts_two_allreduces_per_block_each_way() -> None:
+    """The gpt plan's pairs per block (attention, MLP): two forward allreduces (after the
+    row-wise layers) and two backward (before the column-wise ones); embedding and head none."""
+    from tandem.data.info import DataInfo
+    from tandem.models.gpt import GPTOptions, build_gpt
+    from tandem.models.tensor import block_allreduces, tensor_plan
+
+    model = build_gpt(GPTOptions(layers=2, dim=16, heads=2),
+                      DataInfo(task="lm", input_shape=(8,), num_classes=11))
+    counts = block_allreduces(tensor_plan("gpt", model, 2), len(model))
+    assert counts == [(0, 0), (2, 2), (2, 2), (0, 0)]
+
+
+def test_tensor_overhead_is_charged_per_tensor_allreduce() -> None:
+    """``tensor_overhead_s`` adds to the compute once per tensor allreduce: the block's two each
+    way, none for the whole embedding, and nothing at T = 1."""
+    embed = dataclasses.replace(LAYERS[0], tensor_allreduces=(0, 0))
+    block = dataclasses.replace(LAYERS[2], tensor_allreduces=(2, 2))
+    profile = ModelProfile(layers=[embed, LAYERS[1], block], batch_size=64)
+    cluster = parse_cluster("2x16Gb/s@5us")
+
+    def step(degree: int, overhead: float) -> float:
+        options = SimOptions(allreduce="ring", tensor_overhead_s=overhead)
+        return simulate(gpipe([1], [3], 2, 1, degree), profile, cluster, options).step_time_s
+
+    assert step(2, 0.003) - step(2, 0.0) == pytest.approx(4 * 0.003, rel=1e-9)
+    assert step(1, 0.003) == step(1, 0.0)

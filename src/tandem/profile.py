@@ -22,13 +22,15 @@ from tandem.output_files import write_text
 
 SCHEMA_VERSION = 2
 """Version of the JSON layout written by :meth:`ModelProfile.to_dict` (2 added the per-call
-fixed costs; version 1 files are still read)."""
+fixed costs; version 1 files are still read). A layer's optional ``tensor_allreduces`` needs no
+new version: readers that do not know it ignore it and use the rule it refines."""
 
 READABLE_VERSIONS = (1, 2)
 """Schema versions :meth:`ModelProfile.from_dict` reads."""
 
 _LAYER_FIELDS = ("name", "forward_s", "backward_s", "activation_bytes", "parameter_bytes")
 _FIXED_FIELDS = ("forward_fixed_s", "backward_fixed_s")
+_TENSOR_FIELD = "tensor_allreduces"
 
 FIXED_COST_ORIGINS = ("measured", "default", "given")
 """Values of :attr:`ModelProfile.fixed_costs`."""
@@ -64,8 +66,21 @@ class LayerProfile:
     minibatch takes ``forward_fixed_s + (forward_s - forward_fixed_s) * f``."""
     backward_fixed_s: float = 0.0
     """The part of ``backward_s`` paid once per call, as ``forward_fixed_s``."""
+    tensor_allreduces: tuple[int, int] | None = None
+    """Allreduces of an output-sized activation that tensor parallelism adds to this layer's
+    forward and to its backward, as the model's tensor plan splits it (``tandem profile`` of a
+    reference model records them: a GPT block has two each way, an embedding none); ``(0, 0)``:
+    the layer stays whole on every device. None: not recorded, and
+    :mod:`tandem.planning.tensor`'s rule decides (a layer with parameters splits with one each
+    way)."""
 
     def __post_init__(self) -> None:
+        if self.tensor_allreduces is not None:
+            counts = self.tensor_allreduces
+            if (not isinstance(counts, tuple) or len(counts) != 2
+                    or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts)):
+                raise UsageError(f"layer {self.name!r} has tensor_allreduces={counts!r}: it must be "
+                                 f"two whole numbers >= 0 (forward, backward), e.g. [2, 2]")
         for key in (*_LAYER_FIELDS[1:], *_FIXED_FIELDS):
             value = getattr(self, key)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
@@ -169,8 +184,7 @@ class ModelProfile:
             "batch_size": self.batch_size,
             "source": self.source,
             "fixed_costs": self.fixed_costs,
-            "layers": [{key: getattr(layer, key) for key in (*_LAYER_FIELDS, *_FIXED_FIELDS)}
-                       for layer in self.layers],
+            "layers": [_layer_to_dict(layer) for layer in self.layers],
             "edges": None if self.edges is None else [list(edge) for edge in self.edges],
         }
 
@@ -223,6 +237,13 @@ class ModelProfile:
         return cls.from_dict(data, where=f"profile {path!r}")
 
 
+def _layer_to_dict(layer: LayerProfile) -> dict[str, Any]:
+    entry = {key: getattr(layer, key) for key in (*_LAYER_FIELDS, *_FIXED_FIELDS)}
+    if layer.tensor_allreduces is not None:
+        entry[_TENSOR_FIELD] = list(layer.tensor_allreduces)
+    return entry
+
+
 def _layer_from_dict(entry: Any, index: int, where: str) -> LayerProfile:
     if not isinstance(entry, dict):
         raise UsageError(f"{where}: layer {index} must be an object with {', '.join(_LAYER_FIELDS)}")
@@ -240,6 +261,12 @@ def _layer_from_dict(entry: Any, index: int, where: str) -> LayerProfile:
             raise UsageError(f"{where}: layer {index} field {key!r} must be a number (got {values[key]!r})")
         if values[key] < 0:
             raise UsageError(f"{where}: layer {index} ({values['name']!r}) has negative {key}={values[key]}")
+    counts = entry.get(_TENSOR_FIELD)
+    if counts is not None:
+        if not isinstance(counts, list):
+            raise UsageError(f"{where}: layer {index} field {_TENSOR_FIELD!r} must be a list of two "
+                             f"whole numbers, e.g. [2, 2] (got {counts!r})")
+        values[_TENSOR_FIELD] = tuple(counts)
     return LayerProfile(**values)
 
 

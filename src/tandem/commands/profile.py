@@ -71,7 +71,31 @@ def measure(model_spec: str, batch_size: int, data_spec: str | None, *, warmup: 
     profile = profile_model(model, batch, warmup=warmup, repeats=repeats, model_name=model_spec,
                             split_points=points)
     profile.batch_size = batch_size
-    return profile
+    return with_tensor_allreduces(profile, model_spec, model)
+
+
+def with_tensor_allreduces(profile: ModelProfile, model_spec: str, model: object) -> ModelProfile:
+    """``profile`` with each layer's tensor-parallel allreduces (``LayerProfile.tensor_allreduces``)
+    when ``model`` is a reference model that ``--tensor-parallel`` splits (an ``nn.Sequential``
+    whose blocks are the profile's layers); unchanged otherwise (a user's model, dropout)."""
+    import dataclasses
+
+    from torch import nn
+
+    from tandem.models.tensor import TENSOR_PLANS, block_allreduces, tensor_plan
+
+    name = model_spec.partition(":")[0]
+    if name not in TENSOR_PLANS or not isinstance(model, nn.Sequential) \
+            or len(model) != len(profile.layers):
+        return profile
+    try:
+        plan = tensor_plan(model_spec, model, 1)
+    except UsageError:  # dropout: it cannot be split, so there is nothing to record
+        return profile
+    counts = block_allreduces(plan, len(profile.layers))
+    layers = [dataclasses.replace(layer, tensor_allreduces=c)
+              for layer, c in zip(profile.layers, counts)]
+    return dataclasses.replace(profile, layers=layers)
 
 
 def _default_data(model_spec: str) -> str:

@@ -178,6 +178,10 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
                    help="fixed time added to every forward and backward on top of the "
                    "profile's own fixed cost per call (e.g. the runtime's cost per action), e.g. "
                    "1ms, 50us or 0.001 (seconds) (default 0)")
+    p.add_argument("--tensor-overhead", default="0", metavar="TIME",
+                   help="with a tensor degree above 1: compute time each tensor allreduce adds "
+                   "beyond the collective (the framework's work for the split layers around it, "
+                   "e.g. DTensor's Python on a CPU), e.g. 2ms (default 0)")
 
 
 def add_codec_args(p: argparse.ArgumentParser, *, compress: bool = True) -> None:
@@ -207,6 +211,7 @@ def sim_options(args: argparse.Namespace, profile: ModelProfile, **changes: Any)
         optimizer_Bps=parse_bandwidth(args.optimizer_bandwidth) if args.optimizer_bandwidth else None,
         optimizer_state_factor=args.optimizer_state,
         compute_overhead_s=overhead_s,
+        tensor_overhead_s=parse_duration(args.tensor_overhead, "--tensor-overhead"),
         compress=getattr(args, "codec", None),
         codec_speedup=getattr(args, "codec_speedup", 1.0),
     )

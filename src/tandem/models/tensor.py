@@ -161,6 +161,19 @@ def _suggest(name: str, modules: dict[str, nn.Module]) -> str:
             else "it has no nn.Linear or nn.Conv2d to split")
 
 
+def block_allreduces(plan: TensorPlan, num_blocks: int) -> list[tuple[int, int]]:
+    """Allreduces the plan adds to the forward and to the backward of each top-level block of an
+    ``nn.Sequential`` (module names ``"<block>.<...>"``): one forward after each ``rowwise``
+    layer; one backward before each ``colwise`` or ``heads`` layer; a ``channels`` layer one each
+    way (its forward all-gather counted as one). ``(0, 0)``: the block stays whole."""
+    counts = [[0, 0] for _ in range(num_blocks)]
+    for name, style in plan.items():
+        block = int(name.split(".", 1)[0])
+        counts[block][0] += style in ("rowwise", "channels")
+        counts[block][1] += style in ("colwise", "heads", "channels")
+    return [(forward, backward) for forward, backward in counts]
+
+
 def mlp_plan(model: nn.Module, degree: int) -> TensorPlan:
     """Consecutive linear layers in pairs, column-wise then row-wise; an odd last one whole."""
     linears = [(name, module) for name, module in model.named_modules()

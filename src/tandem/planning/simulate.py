@@ -23,9 +23,11 @@ asynchronous schedule runs long enough to reach its steady state and the step ti
 per minibatch there.
 
 With a tensor degree ``T`` (``plan.tensor_degree``) every worker of the schedule is a group of
-``T`` adjacent devices: layers with parameters are split (compute beyond the fixed cost and
-parameters divided by ``T``, one allreduce of their output among the group in the forward and
-one in the backward; :mod:`tandem.planning.tensor`), the others run whole on each device. With
+``T`` adjacent devices: the layers the profile records as split (``tensor_allreduces``), or
+without a record the layers with parameters, are split (compute beyond the fixed cost and
+parameters divided by ``T``, their recorded allreduces of their output among the group in the
+forward and in the backward, one each way without a record, plus ``tensor_overhead_s`` of
+compute per allreduce; :mod:`tandem.planning.tensor`), the others run whole on each device. With
 ``plan.recompute`` a backward runs the stage's forward again first, and a stage stashes only its
 input per micro-batch (plus one micro-batch's activations while it recomputes).
 
@@ -57,8 +59,10 @@ What it does not model:
   control or TCP dynamics; collectives do not contend with point-to-point transfers or with
   each other; gossip's simultaneous exchanges share ports as a fluid (each port moves all its
   bytes at full bandwidth, every edge ends when its busier port is done), not packet by packet;
-- which layers a real model splits and how (the rule: layers with parameters, one allreduce
-  each per direction), activations inside a split layer, tensor allreduces overlapping compute;
+- which layers a real model splits and how, where the profile does not record it (the rule:
+  layers with parameters, one allreduce each per direction); the parts of a split layer that run
+  whole (a block's norms); activations inside a split layer, tensor allreduces overlapping
+  compute;
   Megatron's scatter-gather of activations between stages (they cross once, whole);
 - memory beyond the parts above: no workspace, temporary communication buffers, fragmentation
   or receive buffers, and the parts' peaks are added as if they coincided;
@@ -94,7 +98,8 @@ from tandem.planning.costs import (
 )
 from tandem.planning.memory import device_memory_bytes
 from tandem.planning.replay import Replay, Workload, replay
-from tandem.planning.tensor import port_sharing, split_profile, tensor_allreduce_s, tensor_group
+from tandem.planning.tensor import (port_sharing, split_profile, tensor_allreduce_count,
+                                    tensor_allreduce_s, tensor_group)
 from tandem.profile import ModelProfile, scale_call, topological_order
 from tandem.schedule import Schedule
 from tandem.sync_spec import (
@@ -137,6 +142,11 @@ class SimOptions:
     compute_overhead_s: float = 0.0
     """Fixed seconds added to every forward and backward, on top of the profile's own fixed
     costs (e.g. the runtime's cost per action, which a profile of the layers does not see)."""
+    tensor_overhead_s: float = 0.0
+    """With a tensor degree above 1: seconds each tensor allreduce adds to the compute of the
+    forward or backward around it, beyond the collective itself: the framework's work for the
+    split layers around it (DTensor wraps, dispatches and redistributes in Python, per call, on
+    every device of the group), which a profile of unsplit layers does not see."""
     charge_fixed_costs: bool = True
     """Charge the profile's fixed cost per call (``LayerProfile.forward_fixed_s`` and
     ``backward_fixed_s``) to every forward and backward of a micro-batch, and scale only the
@@ -400,10 +410,13 @@ def build_workload(plan: Plan, costs: list[StageCost], cluster: Cluster, schedul
                            options.allreduce_latency_s)
 
     tensor = _tensor_s(plan, profile, cluster, groups, share, options)
+    framework = _tensor_overhead_s(plan, profile, options)
     forward = [call_s(c.forward_s, c.forward_fixed_s, share, options) / speed
-               + options.compute_overhead_s + t for c, t in zip(costs, tensor)]
+               + options.compute_overhead_s + o + t
+               for c, (t, _), (o, _) in zip(costs, tensor, framework)]
     backward = [call_s(c.backward_s, c.backward_fixed_s, share, options) / speed
-                + options.compute_overhead_s + t for c, t in zip(costs, tensor)]
+                + options.compute_overhead_s + o + t
+                for c, (_, t), (_, o) in zip(costs, tensor, framework)]
     redo = forward if plan.recompute else [0.0] * len(costs)
     inputs = [0.0, *(c.output_bytes * share for c in costs[:-1])]
     workload = Workload(
@@ -415,7 +428,8 @@ def build_workload(plan: Plan, costs: list[StageCost], cluster: Cluster, schedul
                       / codec_ratio(stage.compression) for c, stage in zip(costs, plan.stages)],
         stash_bytes=inputs if plan.recompute else [c.activation_bytes * share for c in costs],
         recompute_bytes=[c.activation_bytes * share for c in costs] if plan.recompute else None,
-        tensor_s=[(t, t * (2 if plan.recompute else 1)) for t in tensor] if degree > 1 else None,
+        tensor_s=[(f, b + (f if plan.recompute else 0.0)) for f, b in tensor]
+        if degree > 1 else None,
         allreduce_s=[reduce_s(g, c.parameter_bytes, r, k)
                      for c, g, r, k in zip(costs, groups, ratios, sharing)],
         buckets=[[(r0 + ready * _stretch(c, seconds), reduce_s(g, size, r, k))
@@ -432,17 +446,30 @@ def build_workload(plan: Plan, costs: list[StageCost], cluster: Cluster, schedul
 
 
 def _tensor_s(plan: Plan, profile: ModelProfile | None, cluster: Cluster, groups: list[list[int]],
-              share: float, options: SimOptions) -> list[float]:
-    """Per stage, seconds of one forward's (or backward's) tensor allreduces among the first
-    replica's group (0 without tensor parallelism)."""
+              share: float, options: SimOptions) -> list[tuple[float, float]]:
+    """Per stage, seconds of one forward's and of one backward's tensor allreduces among the
+    first replica's group (0 without tensor parallelism)."""
     degree = plan.tensor_degree
     if degree == 1:
-        return [0.0] * len(plan.stages)
+        return [(0.0, 0.0)] * len(plan.stages)
     if profile is None:
         raise ValueError("build_workload needs the profile for a tensor degree above 1")
-    return [tensor_allreduce_s(cluster, profile, plan.stage_layers(s), tensor_group(g[0], degree),
-                               share, options.allreduce, options.allreduce_latency_s)
+    return [tuple(tensor_allreduce_s(cluster, profile, plan.stage_layers(s),  # type: ignore[misc]
+                                     tensor_group(g[0], degree), share, options.allreduce,
+                                     options.allreduce_latency_s, backward)
+                  for backward in (False, True))
             for s, g in enumerate(groups)]
+
+
+def _tensor_overhead_s(plan: Plan, profile: ModelProfile | None,
+                       options: SimOptions) -> list[tuple[float, float]]:
+    """Per stage, ``options.tensor_overhead_s`` times the tensor allreduces of one forward and of
+    one backward (0 without tensor parallelism)."""
+    if plan.tensor_degree == 1 or not options.tensor_overhead_s or profile is None:
+        return [(0.0, 0.0)] * len(plan.stages)
+    return [tuple(options.tensor_overhead_s * tensor_allreduce_count(  # type: ignore[misc]
+        profile, plan.stage_layers(s), backward) for backward in (False, True))
+        for s in range(len(plan.stages))]
 
 
 def call_s(total_s: float, fixed_s: float, share: float, options: SimOptions) -> float:

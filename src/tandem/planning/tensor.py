@@ -6,14 +6,21 @@ Usage::
     seconds = tensor_allreduce_s(cluster, profile, layers, group=range(4), share=0.25)
     degrees = tensor_degrees(cluster, max_degree=8)   # what the search and scale try
 
-A profile does not say which layers can be split, so one rule decides, for every profile:
-**a layer with parameters is split** Megatron-style across the ``T`` devices of its stage
-replica (its compute beyond the fixed cost per call and its parameter bytes divide by ``T``,
-and it ends with one allreduce of its output activation among the ``T`` devices in the forward
-and one in the backward); **a layer without parameters runs whole on every one of them**
-(activations, pooling, normalization without weights). Activations are not divided: the output
-of a split layer is whole on every device after its allreduce, so each device holds the same
-activations as without tensor parallelism.
+A profile made by ``tandem profile`` of a reference model says how its tensor plan splits each
+layer (``LayerProfile.tensor_allreduces``: the allreduces a split layer adds to its forward and
+to its backward, ``(0, 0)`` for a layer that stays whole): a GPT block holds two column/row pairs
+(attention, MLP), so two allreduces each way; its embedding and vocabulary projection stay whole
+although they have parameters. Every allreduce is costed at the size of the layer's output
+activation (exact for a GPT block, whose input and output have the same size; a column-wise
+layer's backward allreduce is really of its input's gradient). A profile that does not say
+(``None``; PipeDream's, or a user's model) is split by one rule: **a layer with parameters is
+split** Megatron-style across the ``T`` devices of its stage replica (its compute beyond the
+fixed cost per call and its parameter bytes divide by ``T``, and it ends with one allreduce of
+its output activation among the ``T`` devices in the forward and one in the backward); **a
+layer without parameters runs whole on every one of them** (activations, pooling, normalization
+without weights). Activations are not divided: the output of a split layer is whole on every
+device after its allreduce, so each device holds the same activations as without tensor
+parallelism.
 
 The ``T`` devices of one stage replica are adjacent (``lead .. lead + T - 1``), so they share
 the innermost unit when ``T`` divides it and their allreduces run over its links.
@@ -41,8 +48,17 @@ tensor groups inside one server of 8)."""
 
 
 def is_split(layer: LayerProfile) -> bool:
-    """True when tensor parallelism splits ``layer``: it has parameters (the module's rule)."""
-    return layer.parameter_bytes > 0
+    """True when tensor parallelism splits ``layer``: as its profile records, or else when it has
+    parameters (the module's rule)."""
+    return any(allreduce_counts(layer))
+
+
+def allreduce_counts(layer: LayerProfile) -> tuple[int, int]:
+    """Allreduces of ``layer``'s output activation in its forward and in its backward when split:
+    as its profile records, or else one each way for a layer with parameters (none without)."""
+    if layer.tensor_allreduces is not None:
+        return layer.tensor_allreduces
+    return (1, 1) if layer.parameter_bytes > 0 else (0, 0)
 
 
 def split_layer(layer: LayerProfile, degree: int) -> LayerProfile:
@@ -81,15 +97,22 @@ def tensor_group(lead: int, degree: int) -> range:
 
 def tensor_allreduce_s(cluster: Cluster, profile: ModelProfile, layers: Iterable[int],
                        group: Sequence[int], share: float, algorithm: str = "auto",
-                       latency_s: float | None = None) -> float:
-    """Seconds of the tensor allreduces of one forward (or one backward) of ``layers`` on
-    ``share`` of the profile's minibatch: one allreduce of each split layer's output activation
-    among ``group``, one after another (0 for a group of one device)."""
+                       latency_s: float | None = None, backward: bool = False) -> float:
+    """Seconds of the tensor allreduces of one forward (or, with ``backward``, one backward) of
+    ``layers`` on ``share`` of the profile's minibatch: each split layer's allreduces of its
+    output activation among ``group`` (:func:`allreduce_counts`), one after another (0 for a
+    group of one device)."""
     if len(group) < 2:
         return 0.0
-    return sum(allreduce_s(cluster, group, profile.layers[i].activation_bytes * share,
-                           algorithm, latency_s)
+    return sum(allreduce_counts(profile.layers[i])[backward]
+               * allreduce_s(cluster, group, profile.layers[i].activation_bytes * share,
+                             algorithm, latency_s)
                for i in layers if is_split(profile.layers[i]))
+
+
+def tensor_allreduce_count(profile: ModelProfile, layers: Iterable[int], backward: bool) -> int:
+    """Tensor allreduces of one forward (or, with ``backward``, one backward) of ``layers``."""
+    return sum(allreduce_counts(profile.layers[i])[backward] for i in layers)
 
 
 def port_sharing(cluster: Cluster, leads: Sequence[int], degree: int) -> int:
