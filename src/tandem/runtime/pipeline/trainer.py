@@ -152,7 +152,7 @@ class PipelineTrainer(BaseTrainer):
             vertical_sync=job.plan.vertical_sync, trace=self.trace, beat=beat,
             loss_fn=self.task.loss, wire=self.wire,
             ties=ties, clone_received=not isinstance(blocks, SplitModel),
-            precision=self.precision,
+            precision=self.precision, recompute=job.plan.recompute,
         )
         self.chunks = (step_chunks(self.schedule, env.rank,
                                    max(1, self.last_step - self.first_step))
