@@ -12,6 +12,11 @@ split into blocks automatically (:mod:`tandem.split`); weights its stages share 
 for all stages and ``--clip-grad-norm`` clips the whole model's gradient norm (see
 :class:`~tandem.runtime.precision.StagePrecision`).
 
+A built-in model (``--model mlp``, ``gpt``, ...) is built on the meta device and each worker
+materializes only its stage's blocks, initialized by name as the whole model would be (see
+``materialize.py``); a user's own model (an ``nn.Module`` or builder given to the API or by
+``--model package.module:function``) is built whole on every worker, then sliced.
+
 Checkpoints hold the whole model's state and the optimizer's by parameter name (see
 ``checkpoint.py``), so a run resumes on any layout. A flush schedule is saved between steps; an
 asynchronous one as every stage was when it applied the checkpoint's step-th update (caught in
@@ -44,6 +49,7 @@ from tandem.runtime.pipeline.checkpoint import (
     load_precision, load_stage, merge_stages, precision_state, stage_state,
 )
 from tandem.runtime.asynchrony import restore_momentum
+from tandem.runtime.pipeline.materialize import materialize
 from tandem.runtime.pipeline.engine import Microbatch, StageEngine, StageShapes, Tie
 from tandem.runtime.pipeline.setup import (
     boundary_specs, example_inputs, model_names, pipeline_blocks, pipeline_setup,
@@ -105,7 +111,7 @@ class PipelineTrainer(BaseTrainer):
         super().__init__(job, env, beat)
         config = job.run
         torch.manual_seed(config.seed)
-        model = self.task.build_model()
+        model = self.task.build_model(meta=True)  # a built-in model: shapes only, see materialize
         self.loss_terms_per_sample = 1
         example = example_inputs(self.data.train)
         if not isinstance(model, nn.Sequential):  # traced where it runs (a trace fixes devices)
@@ -124,7 +130,7 @@ class PipelineTrainer(BaseTrainer):
         self.divergence.where = f"stage {self.stage}{replica} (rank {env.rank})"
         start, end = self.layout.bounds[self.stage]
         boundaries = boundary_specs(blocks, example)
-        self.module = nn.Sequential(*list(blocks)[start:end]).to(env.device)
+        self.module = materialize(list(blocks)[start:end], start, config.seed, env.device)
         self.names = model_names(blocks, start)
         self.groups = self._stage_groups()
         self.links = self._links()
