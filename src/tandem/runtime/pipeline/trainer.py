@@ -131,6 +131,9 @@ class PipelineTrainer(BaseTrainer):
         start, end = self.layout.bounds[self.stage]
         boundaries = boundary_specs(blocks, example)
         self.module = materialize(list(blocks)[start:end], start, config.seed, env.device)
+        self.held_model_bytes = sum(t.numel() * t.element_size() for t in
+                                    (*blocks.parameters(), *blocks.buffers()) if not t.is_meta)
+        """Bytes of the whole model's parameters and buffers this worker materialized."""
         self.names = model_names(blocks, start)
         self.groups = self._stage_groups()
         self.links = self._links()
@@ -433,7 +436,8 @@ class PipelineTrainer(BaseTrainer):
         for them) and ``activation_compression_ratio`` (the first over the second). A worker
         whose stage shares parameters with others lists them in ``shared_parameters``, with
         the largest difference between the copies the stages hold (0 when they are equal).
-        ``precision``, ``clip_grad_norm`` and ``skipped_steps`` (fp16 steps every stage skipped
+        ``held_model_bytes``: the model's parameters and buffers the worker materialized (its
+        stage's for a built-in model). ``precision``, ``clip_grad_norm`` and ``skipped_steps`` (fp16 steps every stage skipped
         together; per worker too) as the data-parallel trainer reports them."""
         traffic = self.engine.traffic
         totals = torch.tensor([traffic.total_bytes, traffic.activation_bytes,
@@ -447,6 +451,7 @@ class PipelineTrainer(BaseTrainer):
             "peak_activation_bytes": self.engine.peak_activation_bytes,
             "stash_peak_bytes": self.engine.stash.peak_bytes if self.engine.stash else 0,
             "parameter_bytes": sum(p.numel() * p.element_size() for p in self.module.parameters()),
+            "held_model_bytes": self.held_model_bytes,
             "shared_parameters": [self._tie_report(tie) for tie in self.engine.ties],
             "skipped_steps": self.precision.skipped_steps,
         }
