@@ -26,6 +26,7 @@ from tandem.data import Batch, Data, GlobalBatchSampler, Samples
 from tandem.data.loader import PlannedLoader
 from tandem.data.shards import ShardSamples
 from tandem.errors import UsageError
+from tandem.runtime import memory
 from tandem.runtime.faults import maybe_fail
 from tandem.runtime.optimizers import Lamb, Lars
 from tandem.runtime.noise_scale import NoiseScale
@@ -394,6 +395,9 @@ class BaseTrainer(Worker):
             finally:
                 self.stop_loading()
             self.end_training()
+            self.training_peak_rss_bytes = memory.peak_rss_bytes()
+            """This process's peak resident memory up to the end of training (before the
+            evaluation and final.pt, which gathers the whole model on rank 0)."""
             evaluation = self.evaluate()
             self.reporter.record(step=last_step, **evaluation)
         finished = last_step == config.steps
@@ -401,7 +405,10 @@ class BaseTrainer(Worker):
         extra = self.summary_extra()
         if self.env.rank != 0:
             return None
-        return {**self._summary(last_step, evaluation, finished), **extra}
+        return {**self._summary(last_step, evaluation, finished), **extra,
+                "training_peak_rss_bytes": self.training_peak_rss_bytes,
+                "peak_rss_bytes": memory.peak_rss_bytes(),
+                "start_rss_bytes": memory.START_RSS_BYTES}
 
     def train_steps(self, first: int, last: int) -> None:
         """Optimizer steps ``first`` to ``last - 1``, with logging, evaluation and checkpoints."""

@@ -38,6 +38,7 @@ from torch import nn
 from tandem import structures
 from tandem.data import Batch
 from tandem.loss import evaluation, score_batch
+from tandem.runtime import memory
 from tandem.runtime.base import BaseTrainer
 from tandem.runtime.checkpoint import (
     CHECKPOINT_VERSION, load_checkpoint, load_schedule, resume_path, save_atomic,
@@ -437,7 +438,9 @@ class PipelineTrainer(BaseTrainer):
         whose stage shares parameters with others lists them in ``shared_parameters``, with
         the largest difference between the copies the stages hold (0 when they are equal).
         ``held_model_bytes``: the model's parameters and buffers the worker materialized (its
-        stage's for a built-in model). ``precision``, ``clip_grad_norm`` and ``skipped_steps`` (fp16 steps every stage skipped
+        stage's for a built-in model); ``training_peak_rss_bytes``, ``peak_rss_bytes`` and
+        ``start_rss_bytes``, its process's resident memory at its peak up to the end of
+        training, at its peak, and at start (:mod:`tandem.runtime.memory`). ``precision``, ``clip_grad_norm`` and ``skipped_steps`` (fp16 steps every stage skipped
         together; per worker too) as the data-parallel trainer reports them."""
         traffic = self.engine.traffic
         totals = torch.tensor([traffic.total_bytes, traffic.activation_bytes,
@@ -452,6 +455,9 @@ class PipelineTrainer(BaseTrainer):
             "stash_peak_bytes": self.engine.stash.peak_bytes if self.engine.stash else 0,
             "parameter_bytes": sum(p.numel() * p.element_size() for p in self.module.parameters()),
             "held_model_bytes": self.held_model_bytes,
+            "training_peak_rss_bytes": self.training_peak_rss_bytes,
+            "peak_rss_bytes": memory.peak_rss_bytes(),
+            "start_rss_bytes": memory.START_RSS_BYTES,
             "shared_parameters": [self._tie_report(tie) for tie in self.engine.ties],
             "skipped_steps": self.precision.skipped_steps,
         }
