@@ -2,13 +2,16 @@
 
 Trains the same model three times through the real command line (``tandem train --json``, one
 thread per process, a few steps): on one process, as a 4-stage GPipe pipeline, and as that
-pipeline with ``--recompute``. Each worker reports its peak resident memory up to the end of
-training (``VmHWM``) and its resident memory right after its imports (the same in every run);
+pipeline with ``--recompute``. Each worker reports its peak resident memory up to its last update
+(``VmHWM``) and its resident memory right after its imports (the same in every run);
 the table shows both, the peak less the start, and each pipeline worker's ratio to the single
 process (the target is at most 0.35: a worker materializes only its stage, a quarter of the
 weights, gradients and optimizer state). It also shows each stage's activation memory (what
 autograd saved for backwards at once, ``peak_activation_bytes``) with and without
-recomputation, and checks that both pipelines' final.pt equal the single process's. Prints a
+recomputation, and checks that both pipelines' final.pt equal the single process's. The last
+column (``ckpt MB``) is the peak of the whole run, less the start: the final checkpoint and
+final.pt gather every stage's state on rank 0, which then holds the whole model and its
+optimizer state (not per stage yet). Prints a
 table, then one JSON object on the last line.
 
     .venv/bin/python benchmarks/pipeline_memory.py
@@ -59,7 +62,8 @@ def max_abs_diff(a: Path, b: Path) -> float:
 def memory(worker: dict[str, Any]) -> dict[str, float]:
     """A worker's peak, start and peak-less-start resident memory in MB."""
     peak, start = worker["training_peak_rss_bytes"], worker["start_rss_bytes"]
-    return {"peak_mb": peak / MB, "start_mb": start / MB, "training_mb": (peak - start) / MB}
+    return {"peak_mb": peak / MB, "start_mb": start / MB, "training_mb": (peak - start) / MB,
+            "with_checkpoint_mb": (worker["peak_rss_bytes"] - start) / MB}
 
 
 def main() -> None:
@@ -97,15 +101,17 @@ def main() -> None:
     print(f"model {args.model}, {args.schedule} x{args.microbatches} micro-batches, batch "
           f"{args.batch_size}, {args.steps} steps, one thread per process", file=sys.stderr)
     print(f"single process: peak {whole['peak_mb']:.0f} MB, at start {whole['start_mb']:.0f} "
-          f"MB, training {whole['training_mb']:.0f} MB", file=sys.stderr)
+          f"MB, training {whole['training_mb']:.0f} MB, with checkpoint "
+          f"{whole['with_checkpoint_mb']:.0f} MB", file=sys.stderr)
     print(f"{'stage':>5} {'layers':>7} {'held MB':>8} {'peak MB':>8} {'start MB':>8} "
           f"{'train MB':>8} {'ratio':>6} {'raw':>5} {'rc train MB':>11} {'act kB':>8} "
-          f"{'rc act kB':>9}", file=sys.stderr)
+          f"{'rc act kB':>9} {'ckpt MB':>8}", file=sys.stderr)
     for r in rows:
         print(f"{r['stage']:>5} {'%d-%d' % tuple(r['layers']):>7} {r['held_model_mb']:8.1f} "
               f"{r['peak_mb']:8.0f} {r['start_mb']:8.0f} {r['training_mb']:8.0f} "
               f"{r['ratio']:6.3f} {r['raw_ratio']:5.2f} {r['recompute_training_mb']:11.0f} "
-              f"{r['activation_kb']:8.0f} {r['recompute_activation_kb']:9.0f}", file=sys.stderr)
+              f"{r['activation_kb']:8.0f} {r['recompute_activation_kb']:9.0f} "
+              f"{r['with_checkpoint_mb']:8.0f}", file=sys.stderr)
     print(f"final.pt max abs diff vs single process: pipeline {diffs['pipeline']:.2e}, "
           f"with --recompute {diffs['recompute']:.2e}", file=sys.stderr)
     print(json.dumps({"model": args.model, "schedule": args.schedule,

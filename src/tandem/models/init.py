@@ -6,8 +6,8 @@ Usage::
     initialize(stage_block, seed=3, prefix="5")     # block 5 alone, as the whole model has it
 
 Each module that holds parameters or buffers of its own is reset (``reset_parameters``) under
-a seed drawn from the run's seed and the module's full name, inside
-:func:`torch.random.fork_rng`. So a block gets the same weights whether the whole model is
+a seed drawn from the run's seed and the module's full name, on the CPU's generator inside
+:func:`torch.random.fork_rng` (initialize on the CPU: a GPU's generator draws other numbers). So a block gets the same weights whether the whole model is
 built or only that block is materialized from the meta device (what a pipeline stage does),
 and initializing leaves the global random state alone.
 """
@@ -48,5 +48,5 @@ def initialize(module: nn.Module, seed: int, prefix: str = "") -> None:
             raise RuntimeError(f"module {full!r} ({type(sub).__name__}) holds weights but has no "
                                f"reset_parameters, so it cannot be initialized by name")
         with torch.random.fork_rng(devices=[]), torch.no_grad():
-            torch.manual_seed(seed_of(seed, full))
+            torch.default_generator.manual_seed(seed_of(seed, full))  # the CPU's alone
             reset()

@@ -388,6 +388,10 @@ class BaseTrainer(Worker):
             metrics_path=self.out / "metrics.jsonl" if self.out else None,
             first_step=self.first_step,
         )
+        self.training_peak_rss_bytes = 0
+        """This process's peak resident memory up to the last step's update, before its
+        checkpoint, the evaluation and final.pt (a pipeline gathers the whole model's state on
+        rank 0 for them; with ``--checkpoint-every`` the earlier checkpoints count)."""
         with self.reporter:
             self.start_loading(self.first_step, last_step)
             try:
@@ -395,9 +399,8 @@ class BaseTrainer(Worker):
             finally:
                 self.stop_loading()
             self.end_training()
-            self.training_peak_rss_bytes = memory.peak_rss_bytes()
-            """This process's peak resident memory up to the end of training (before the
-            evaluation and final.pt, which gathers the whole model on rank 0)."""
+            if not self.training_peak_rss_bytes:
+                self.training_peak_rss_bytes = memory.peak_rss_bytes()
             evaluation = self.evaluate()
             self.reporter.record(step=last_step, **evaluation)
         finished = last_step == config.steps
@@ -430,6 +433,8 @@ class BaseTrainer(Worker):
                     self.grow_batch(done)
             if config.eval_every and done % config.eval_every == 0 and done < last:
                 reporter.record(step=done, **self.evaluate())
+            if done == last:
+                self.training_peak_rss_bytes = memory.peak_rss_bytes()
             if saving:  # never a checkpoint (nor final.pt) of diverged parameters
                 self.divergence.check_parameters(self.module.parameters(), step)
                 self.save_checkpoint(done)

@@ -30,7 +30,7 @@ def materialize(blocks: Sequence[nn.Module], start: int, seed: int,
     names in the whole model (``"5.0.weight"`` for block 5), as
     :func:`~tandem.models.build_model` initializes the whole model."""
     for index, block in enumerate(blocks, start):
-        if on_meta(block):
-            block.to_empty(device=device)
+        if on_meta(block):  # initialized on the CPU, as the whole model is, then moved
+            block.to_empty(device="cpu")
             initialize(block, seed, prefix=str(index))
     return nn.Sequential(*blocks).to(device)

@@ -439,8 +439,9 @@ class PipelineTrainer(BaseTrainer):
         the largest difference between the copies the stages hold (0 when they are equal).
         ``held_model_bytes``: the model's parameters and buffers the worker materialized (its
         stage's for a built-in model); ``training_peak_rss_bytes``, ``peak_rss_bytes`` and
-        ``start_rss_bytes``, its process's resident memory at its peak up to the end of
-        training, at its peak, and at start (:mod:`tandem.runtime.memory`). ``precision``, ``clip_grad_norm`` and ``skipped_steps`` (fp16 steps every stage skipped
+        ``start_rss_bytes``, its process's resident memory at its peak up to the last
+        update (before the checkpoint and final.pt, for which rank 0 gathers every stage's
+        state), at its peak, and at start (:mod:`tandem.runtime.memory`). ``precision``, ``clip_grad_norm`` and ``skipped_steps`` (fp16 steps every stage skipped
         together; per worker too) as the data-parallel trainer reports them."""
         traffic = self.engine.traffic
         totals = torch.tensor([traffic.total_bytes, traffic.activation_bytes,
