@@ -42,15 +42,15 @@ def test_recompute_matches_without(single_mlp: Path, shared_run: SharedRun,
 
 
 def test_recompute_keeps_batchnorm_statistics(shared_run: SharedRun) -> None:
-    """The recomputed forward would update BatchNorm's running statistics a second time: the
-    buffers must come out as without recomputation (and as one process's)."""
-    single, _ = shared_run(*RESNET)
+    """The recomputed forward would update BatchNorm's running statistics (and its count of
+    batches) a second time: the buffers must come out as without recomputation. (A pipeline's
+    BatchNorm sees micro-batches, so one process's statistics differ either way.)"""
     plain, _ = shared_run(*RESNET, *PIPE, "--schedule", "1f1b")
     again, _ = shared_run(*RESNET, *PIPE, "--schedule", "1f1b", "--recompute")
     state = torch.load(again / "final.pt")
     assert any(key.endswith("running_mean") for key in state)
+    assert int(state["0.1.num_batches_tracked"]) == 3 * 4  # steps x micro-batches, once each
     assert max_abs_diff(plain / "final.pt", again / "final.pt") <= 1e-5
-    assert max_abs_diff(single / "final.pt", again / "final.pt") <= 1e-5
 
 
 def test_recompute_with_weight_stashing(shared_run: SharedRun) -> None:
