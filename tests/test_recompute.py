@@ -62,6 +62,20 @@ def test_recompute_with_weight_stashing(shared_run: SharedRun) -> None:
     assert max_abs_diff(plain / "final.pt", again / "final.pt") <= 1e-5
 
 
+def test_a_plan_file_that_recomputes_runs_it(shared_run: SharedRun, tmp_path: Path) -> None:
+    plan = Plan(stages=[Stage(start=0, end=2, replicas=1), Stage(start=2, end=4, replicas=1)],
+                num_layers=4, num_devices=2, schedule="gpipe", num_microbatches=4,
+                recompute=True)
+    path = tmp_path / "plan.json"
+    plan.save(str(path))
+    flags, _ = shared_run(*MLP, *PIPE, "--schedule", "gpipe", "--recompute")
+    out, summary = shared_run(*MLP, "--plan", str(path))
+    assert summary["world_size"] == 2 and summary["recompute"] is True
+    assert summary["workers"][0]["peak_activation_bytes"] < \
+        shared_run(*MLP, *PIPE, "--schedule", "gpipe")[1]["workers"][0]["peak_activation_bytes"]
+    assert max_abs_diff(flags / "final.pt", out / "final.pt") <= 1e-5
+
+
 def _refused(*args: str) -> str:
     result = run_tandem("train", *args, "--no-progress", timeout_s=120)
     assert result.returncode == 2, result.stderr
@@ -75,7 +89,7 @@ def test_recompute_refusals(tmp_path: Path) -> None:
     plan = Plan(stages=[Stage(start=0, end=4, replicas=1)], num_layers=4, num_devices=1,
                 schedule="gpipe", num_microbatches=2, recompute=True)
     path = tmp_path / "plan.json"
-    plan.save(path)
+    plan.save(str(path))
     line = _refused(*MLP, "--plan", str(path), "--out", str(tmp_path / "b"))
     assert "1 stage" in line and "--stages" in line
 

@@ -465,6 +465,7 @@ class PipelineTrainer(BaseTrainer):
         gathered: list[Any] = [None] * self.env.world_size
         dist.all_gather_object(gathered, stats)
         return {"pipeline": self.layout.text(), "vertical_sync": self.plan.vertical_sync,
+                "recompute": self.plan.recompute,
                 "sent_bytes_per_step": sent, "activation_bytes_per_step": activations,
                 "compressed_activation_bytes_per_step": messages,
                 "activation_compression_ratio": activations / messages if messages else 1.0,
