@@ -441,8 +441,9 @@ class PipelineTrainer(BaseTrainer):
         stage's for a built-in model); ``training_peak_rss_bytes``, ``peak_rss_bytes`` and
         ``start_rss_bytes``, its process's resident memory at its peak up to the last
         update (before the checkpoint and final.pt, for which rank 0 gathers every stage's
-        state), at its peak, and at start (:mod:`tandem.runtime.memory`). ``precision``, ``clip_grad_norm`` and ``skipped_steps`` (fp16 steps every stage skipped
-        together; per worker too) as the data-parallel trainer reports them."""
+        state), at its peak, and at start (:mod:`tandem.runtime.memory`). ``precision``,
+        ``clip_grad_norm`` and ``skipped_steps`` (fp16 steps every stage skipped together; per
+        worker too) as the data-parallel trainer reports them."""
         traffic = self.engine.traffic
         totals = torch.tensor([traffic.total_bytes, traffic.activation_bytes,
                                traffic.message_bytes], dtype=torch.float64, device=self.env.device)
