@@ -263,9 +263,9 @@ def test_plan_options_that_do_not_apply_are_one_line(capsys, extra: tuple[str, .
     assert words in err
 
 
-def test_a_plan_that_recomputes_is_refused_by_the_runtime(tmp_path) -> None:
-    """The simulator models recomputation; the runtime does not run it yet, so a plan asking
-    for it is one line, not a run without it."""
+def test_a_one_stage_plan_that_recomputes_is_refused_by_the_runtime(tmp_path) -> None:
+    """The runtime recomputes pipeline stages (tests/test_recompute.py); one stage checkpointed
+    whole would save nothing, so a plan asking for it is one line, not a run without it."""
     plan = data_parallel_plan(REAL["vgg16"], 1)
     data = plan.to_dict()
     data["num_layers"] = 3

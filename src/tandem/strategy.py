@@ -51,7 +51,8 @@ STRATEGIES: dict[str, StrategyKind] = {
 }
 """``--strategy`` name -> what it stands for."""
 
-PIPELINE_FLAGS = ("--schedule", "--microbatches", "--stages", "--replicas", "--vertical-sync")
+PIPELINE_FLAGS = ("--schedule", "--microbatches", "--stages", "--replicas", "--vertical-sync",
+                  "--recompute")
 """Flags that shape a pipeline (``pipeline`` only)."""
 
 DATA_PARALLEL_FLAGS = {"--accumulate": ("dp", "gossip", "easgd", "localsgd")}
@@ -264,7 +265,8 @@ def _pipeline_plan(given: Mapping[str, Any], num_processes: int, num_blocks: int
                         in zip(even_bounds(num_blocks, num_stages), chosen)],
                 num_layers=num_blocks, num_devices=num_processes, schedule=schedule,
                 num_microbatches=count, schedule_text=text, tensor_degree=degree,
-                vertical_sync=bool(given.get("--vertical-sync")), compress=compress)
+                vertical_sync=bool(given.get("--vertical-sync")),
+                recompute=bool(given.get("--recompute")), compress=compress)
     if not plan.pipelined:  # one stage under 1F1B would be data parallelism: say so
         raise UsageError("a one-stage 1F1B pipeline is data parallelism: use --strategy dp "
                          "(or --schedule gpipe/pipedream, or more --stages)")

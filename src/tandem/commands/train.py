@@ -99,6 +99,9 @@ def add_train_arguments(parser: argparse.ArgumentParser, defaults: RunConfig) ->
         "(colwise, rowwise, heads, channels), e.g. fc1=colwise,fc2=rowwise")
     add("--vertical-sync", action="store_true", default=None,
         help="pipedream schedule: every stage uses the weight version stage 0 used")
+    add("--recompute", action="store_true", default=None,
+        help="pipeline: keep only each stage's input per micro-batch and recompute its "
+        "activations in the backward (the plan's recompute)")
     add("--batch-size", type=int, default=None,
         help=f"global minibatch (all workers together; default {defaults.batch_size}, or the "
         f"first batch of --batch-schedule)")

@@ -4,25 +4,34 @@ Usage::
 
     model = build_model("gpt:layers=4,dim=128", info)      # built-in, with options
     model = build_model("mypkg.models:build:width=64", info)  # calls mypkg.models.build(width=64)
+    blocks = build_model("mlp", info, device="meta")        # shapes only, no storage
+
+A built-in model's weights depend only on the seed (``torch.initial_seed()``, i.e. the last
+``torch.manual_seed``, unless ``seed`` is given) and each module's name
+(:func:`~tandem.models.init.initialize`), so any part of it can be materialized later from the
+meta device with the weights the whole model would have. A user's builder is called as it is.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Any, Callable
 
+import torch
 from torch import nn
 
 from tandem.data.info import DataInfo
 from tandem.errors import UsageError
 from tandem.models.emulated import EmulatedOptions, build_emulated
 from tandem.models.gpt import GPTOptions, build_gpt
+from tandem.models.init import initialize
 from tandem.models.mlp import MLPOptions, build_mlp
 from tandem.models.resnet import ResNetOptions, build_resnet
 from tandem.models.vgg import VGGOptions, build_vgg
 from tandem.options import fill_options, split_spec, user_function
 
-__all__ = ["MODELS", "build_model"]
+__all__ = ["MODELS", "build_model", "initialize", "is_builtin"]
 
 Builder = Callable[[Any, DataInfo], nn.Module]
 
@@ -36,16 +45,27 @@ MODELS: dict[str, tuple[type, Builder, str]] = {
 """Name -> (options dataclass, builder, the task it trains on; ``any`` for every task)."""
 
 
-def build_model(spec: str, info: DataInfo | Callable[[], DataInfo]) -> nn.Module:
+def is_builtin(spec: str) -> bool:
+    """Whether ``spec`` names a built-in model (not a user's ``package.module:function``)."""
+    head, _, rest = spec.partition(":")
+    return head in MODELS or not rest or "=" in rest.split(":")[0]
+
+
+def build_model(spec: str, info: DataInfo | Callable[[], DataInfo], *, seed: int | None = None,
+                device: str | torch.device | None = None) -> nn.Module:
     """Build the model named by ``spec`` for data described by ``info`` (or by what the function
     ``info`` returns, called only if the model needs it: user data may not tell).
 
     ``spec`` is ``name[:key=value,...]`` for a built-in model, or
     ``package.module:function[:key=value,...]`` for a user's builder, which is called with the
     options as keyword arguments (plus ``info=`` if it has such a parameter).
+
+    A built-in model is initialized by module name under ``seed`` (default
+    ``torch.initial_seed()``) without drawing from the global random state; with
+    ``device="meta"`` it is built without storage and left uninitialized (materialize a part
+    with ``to_empty`` and :func:`~tandem.models.init.initialize`).
     """
-    head, _, rest = spec.partition(":")
-    if head not in MODELS and rest and "=" not in rest.split(":")[0]:
+    if not is_builtin(spec):
         return _build_user_model(spec, info)
     name, raw = split_spec(spec, what="model")
     if name not in MODELS:
@@ -59,7 +79,13 @@ def build_model(spec: str, info: DataInfo | Callable[[], DataInfo]) -> nn.Module
     if task not in ("any", info.task):
         needs = "an image dataset (digits, images)" if task == "classify" else "a token dataset"
         raise UsageError(f"model {name!r} needs {needs}; it cannot train on a {info.task} task")
-    return build(options, info)
+    seed = torch.initial_seed() if seed is None else seed
+    with torch.random.fork_rng(devices=[]), \
+            torch.device(device) if device is not None else contextlib.nullcontext():
+        model = build(options, info)
+    if device is None or torch.device(device).type != "meta":
+        initialize(model, seed)
+    return model
 
 
 def _build_user_model(spec: str, info: DataInfo | Callable[[], DataInfo]) -> nn.Module:

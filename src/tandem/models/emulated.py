@@ -209,10 +209,15 @@ class EmulatedBlock(nn.Module):
     def __init__(self, timing: BlockTiming, *, num_params: int, layer_name: str) -> None:
         super().__init__()
         self.timing, self.layer_name = timing, layer_name
-        width = timing.width
-        weight = torch.zeros(max(num_params, 2 * width))
-        weight[width : 2 * width] = 1.0  # gain 1, shift 0
-        self.weight = nn.Parameter(weight)
+        self.weight = nn.Parameter(torch.empty(max(num_params, 2 * timing.width)))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Zeros, but for the gains (1) of the per-channel affine map."""
+        width = self.timing.width
+        with torch.no_grad():
+            self.weight.zero_()
+            self.weight[width : 2 * width] = 1.0  # gain 1, shift 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _Emulate.apply(x, self.weight, self.timing)

@@ -26,6 +26,7 @@ from tandem.data import Batch, Data, GlobalBatchSampler, Samples
 from tandem.data.loader import PlannedLoader
 from tandem.data.shards import ShardSamples
 from tandem.errors import UsageError
+from tandem.runtime import memory
 from tandem.runtime.faults import maybe_fail
 from tandem.runtime.optimizers import Lamb, Lars
 from tandem.runtime.noise_scale import NoiseScale
@@ -387,6 +388,10 @@ class BaseTrainer(Worker):
             metrics_path=self.out / "metrics.jsonl" if self.out else None,
             first_step=self.first_step,
         )
+        self.training_peak_rss_bytes = 0
+        """This process's peak resident memory up to the last step's update, before its
+        checkpoint, the evaluation and final.pt (a pipeline gathers the whole model's state on
+        rank 0 for them; with ``--checkpoint-every`` the earlier checkpoints count)."""
         with self.reporter:
             self.start_loading(self.first_step, last_step)
             try:
@@ -394,6 +399,8 @@ class BaseTrainer(Worker):
             finally:
                 self.stop_loading()
             self.end_training()
+            if not self.training_peak_rss_bytes:
+                self.training_peak_rss_bytes = memory.peak_rss_bytes()
             evaluation = self.evaluate()
             self.reporter.record(step=last_step, **evaluation)
         finished = last_step == config.steps
@@ -401,7 +408,10 @@ class BaseTrainer(Worker):
         extra = self.summary_extra()
         if self.env.rank != 0:
             return None
-        return {**self._summary(last_step, evaluation, finished), **extra}
+        return {**self._summary(last_step, evaluation, finished), **extra,
+                "training_peak_rss_bytes": self.training_peak_rss_bytes,
+                "peak_rss_bytes": memory.peak_rss_bytes(),
+                "start_rss_bytes": memory.START_RSS_BYTES}
 
     def train_steps(self, first: int, last: int) -> None:
         """Optimizer steps ``first`` to ``last - 1``, with logging, evaluation and checkpoints."""
@@ -423,6 +433,8 @@ class BaseTrainer(Worker):
                     self.grow_batch(done)
             if config.eval_every and done % config.eval_every == 0 and done < last:
                 reporter.record(step=done, **self.evaluate())
+            if done == last:
+                self.training_peak_rss_bytes = memory.peak_rss_bytes()
             if saving:  # never a checkpoint (nor final.pt) of diverged parameters
                 self.divergence.check_parameters(self.module.parameters(), step)
                 self.save_checkpoint(done)

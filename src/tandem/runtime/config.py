@@ -303,10 +303,15 @@ class Job:
         from tandem.sync_spec import AllReduceSync
 
         plan, run = self.plan, self.run
-        if plan.recompute:
-            raise UsageError("the plan recomputes activations (recompute: true), which tandem "
-                             "simulates but does not run yet; set recompute to false in the plan")
         degree = plan.tensor_degree
+        if plan.recompute and degree > 1:
+            raise UsageError(f"recompute with tensor degree {degree} is not run yet (tandem "
+                             f"recomputes the stages of a pipeline); drop --recompute or set "
+                             f"recompute to false in the plan")
+        if plan.recompute and len(plan.stages) < 2:
+            raise UsageError(f"recompute with {len(plan.stages)} stage would checkpoint the "
+                             f"whole model as one piece and save nothing; use --strategy "
+                             f"pipeline with 2 or more --stages, or drop --recompute")
         if degree == 1:
             return
         if plan.pipelined:

@@ -25,7 +25,7 @@ from tandem import structures
 from tandem.data import Data, DataInfo, TensorSamples, data_of, load_data
 from tandem.errors import UsageError
 from tandem.loss import LossFn, checked_loss, load_loss, loss_name, score_batch
-from tandem.models import build_model
+from tandem.models import build_model, is_builtin
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -74,12 +74,15 @@ class Task:
                              f"(or stream it: tandem pack, then --data shards:DIR)")
         return given
 
-    def build_model(self) -> nn.Module:
+    def build_model(self, *, meta: bool = False) -> nn.Module:
         """A fresh model: built from ``--model``, a copy of the user's module, or what the
-        user's builder returns (call under the run's seed for identical replicas)."""
+        user's builder returns (call under the run's seed for identical replicas). With
+        ``meta``, a built-in model comes on the meta device, uninitialized (a pipeline stage
+        materializes its own blocks); a user's model is built whole all the same."""
         given = self.objects.model
         if given is None:
-            return build_model(self.run.model, lambda: self.data.info)
+            return build_model(self.run.model, lambda: self.data.info, seed=self.run.seed,
+                               device="meta" if meta and is_builtin(self.run.model) else None)
         if isinstance(given, nn.Module):
             return copy.deepcopy(given)
         if not callable(given):

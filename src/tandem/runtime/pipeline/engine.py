@@ -17,6 +17,11 @@ a stashed weight version to each minibatch (see ``stash.py``). With ``--precisio
 (and the last stage's loss) runs under autocast and what crosses to the next stage is cast back
 to the dtype its boundary was traced with; the optimizer step goes through
 :class:`~tandem.runtime.precision.StagePrecision` (fp16's shared loss scale, clipping).
+With ``recompute`` each forward keeps only the stage's input and its backward runs it again
+(see ``recompute.py``), on the same weight version under PipeDream's weight stashing.
+``peak_activation_bytes`` is the most this worker held at once of what autograd saves for
+backwards (the stage's weights excepted): every micro-batch in flight's, plus, with
+``recompute``, what the backward's recomputation saves.
 
 The trace names every action the schedule's way (``str(action)``: ``1F3``, ``1SA3>2``,
 ``2RA3<1``, ``0AR``, ``0ST5``), one event per action in the order they run, so a worker's
@@ -38,7 +43,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 
+from tandem import structures
 from tandem.compress.meter import ring_bytes
+from tandem.runtime.pipeline.recompute import Recompute, saved_bytes, storages
 from tandem.runtime.pipeline.stash import WeightVersions
 from tandem.runtime.pipeline.wire import Traffic, Wire
 from tandem.runtime.precision import StagePrecision
@@ -147,8 +154,12 @@ class StageEngine:
                  trace: Callable[..., None], beat: Any,
                  loss_fn: Callable[[Any, Any], torch.Tensor], wire: Wire | None = None,
                  ties: Sequence[Tie] = (), clone_received: bool = False,
+<<<<<<< HEAD
                  precision: StagePrecision | None = None,
                  rank_of: Callable[[int], int] | None = None) -> None:
+=======
+                 precision: StagePrecision | None = None, recompute: bool = False) -> None:
+>>>>>>> recompute
         self.module, self.stage, self.device = module, stage, device
         self.first, self.last = stage == 0, stage == num_stages - 1
         self.shapes, self.group, self.num_replicas = shapes, group, num_replicas
@@ -170,6 +181,8 @@ class StageEngine:
         self.precision = precision if precision is not None else StagePrecision("fp32", device)
         """Autocast of the forwards, the loss scale and clipping at the step."""
         self.stash = WeightVersions(module, vertical_sync=vertical_sync) if asynchronous else None
+        self.recompute = Recompute(module) if recompute else None
+        """Runs the forwards so that their backwards recompute them (None: they keep theirs)."""
         self.after_step: Callable[[int], None] | None = None
         """Called after each optimizer step with the step it belongs to (for the asynchronous
         schedule, its minibatch's): where a checkpoint can catch a stage's state in passing."""
@@ -327,6 +340,11 @@ class StageEngine:
             return version
         return self.stash.version
 
+    def _weights(self, version: int) -> set[int]:
+        """Storages of the weights a forward of ``version`` runs on (live and stashed)."""
+        stashed = self.stash.snapshots.get(version, {}).values() if self.stash else ()
+        return storages([*self.module.parameters(), *stashed])
+
     def _forward(self, action: Action, batch: Callable[[int], Microbatch]) -> None:
         m = action.microbatch
         assert m is not None
@@ -345,21 +363,32 @@ class StageEngine:
         version = self._weights_version(m) if self.stash else -1
         start = time.perf_counter()
         saved = [0]
+        weights = self._weights(version)
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
-            saved[0] += tensor.numel() * tensor.element_size()
+            saved[0] += saved_bytes(tensor, weights)
             return tensor
+
+        params: dict[str, torch.Tensor] | None = None  # None: the live parameters
+        if self.stash is not None:
+            if m in self.unchanged_until_backward and version == self.stash.version:
+                self.on_live.add(m)
+            else:
+                params = self.stash.acquire(version)
+
+        def forward(x: Any) -> Any:  # run again by a recomputing backward: no side effects
+            if params is None:
+                return self.module(x)
+            return functional_call(self.module, params, (x,))
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), \
                 self.precision.autocast():
-            if self.stash is not None and m in self.unchanged_until_backward and \
-                    version == self.stash.version:
-                self.on_live.add(m)
-                out = self.module(x)
-            elif self.stash is not None:
-                out = functional_call(self.module, self.stash.acquire(version), (x,))
+            if self.recompute is not None:
+                self.recompute.weights = weights
+                saved[0] += sum(saved_bytes(t, weights) for t in structures.tensors(x))
+                out = self.recompute(forward, x)
             else:
-                out = self.module(x)
+                out = forward(x)
             if self.last:
                 assert micro.targets is not None
                 loss = self.loss_fn(out, micro.targets) * micro.size
@@ -386,6 +415,9 @@ class StageEngine:
         inputs = _select(received, self.shapes.inputs)
         outputs = [out] if self.last else _select(out, self.shapes.outputs)
         pairs = [(o, g) for o, g in zip(outputs, grads or [None] * len(outputs)) if o.requires_grad]
+        if self.recompute is not None:
+            self.recompute.weights = self._weights(version)
+            self.recompute.bytes = 0
         if self.stash is not None:
             live = m in self.on_live
             self.on_live.discard(m)
@@ -404,6 +436,9 @@ class StageEngine:
             self.input_grads[m] = _or_zeros([t.grad for t in inputs], inputs)
         if self.first:
             self.input_grads.pop(m)
+        if self.recompute is not None:
+            self.peak_activation_bytes = max(self.peak_activation_bytes,
+                                             sum(self.saved_bytes.values()) + self.recompute.bytes)
         del self.saved_bytes[m]
         self.versions.pop(m, None)
         self._record(action, start, micro.step, version=version)

@@ -125,15 +125,18 @@ def boundary_specs(blocks: nn.Sequential, example: Any) -> list[tuple[TensorSpec
     """What block ``i`` passes to block ``i + 1``, for every ``i``.
 
     A split model knows; for an ``nn.Sequential`` one sample runs through it in evaluation
-    mode, and every floating-point tensor it passes gets a gradient back.
+    mode, and every floating-point tensor it passes gets a gradient back. Blocks on the meta
+    device (a built-in model before its stages are materialized) run on a meta copy of the
+    sample: only shapes and dtypes are computed.
     """
     if isinstance(blocks, SplitModel):
         return list(blocks.boundaries)
     specs = []
     was_training = blocks.training
     blocks.eval()
+    meta = any(t.is_meta for t in (*blocks.parameters(), *blocks.buffers()))
     with torch.no_grad():
-        x = example[:1]
+        x = example[:1].to("meta") if meta else example[:1]
         for block in list(blocks)[:-1]:
             x = block(x)
             tensors = x if isinstance(x, tuple) else (x,)

@@ -12,6 +12,11 @@ split into blocks automatically (:mod:`tandem.split`); weights its stages share 
 for all stages and ``--clip-grad-norm`` clips the whole model's gradient norm (see
 :class:`~tandem.runtime.precision.StagePrecision`).
 
+A built-in model (``--model mlp``, ``gpt``, ...) is built on the meta device and each worker
+materializes only its stage's blocks, initialized by name as the whole model would be (see
+``materialize.py``); a user's own model (an ``nn.Module`` or builder given to the API or by
+``--model package.module:function``) is built whole on every worker, then sliced.
+
 Checkpoints hold the whole model's state and the optimizer's by parameter name (see
 ``checkpoint.py``), so a run resumes on any layout. A flush schedule is saved between steps; an
 asynchronous one as every stage was when it applied the checkpoint's step-th update (caught in
@@ -37,6 +42,7 @@ from tandem.data import Batch
 from tandem.errors import UsageError
 from tandem.loss import evaluation, score_batch
 from tandem.models.tensor import tensor_plan
+from tandem.runtime import memory
 from tandem.runtime.base import BaseTrainer
 from tandem.runtime.checkpoint import (
     CHECKPOINT_VERSION, load_checkpoint, load_schedule, resume_path, save_atomic,
@@ -48,6 +54,7 @@ from tandem.runtime.pipeline.checkpoint import (
     load_precision, load_stage, merge_stages, precision_state, stage_state,
 )
 from tandem.runtime.asynchrony import restore_momentum
+from tandem.runtime.pipeline.materialize import materialize
 from tandem.runtime.pipeline.engine import Microbatch, StageEngine, StageShapes, Tie
 from tandem.runtime.pipeline.setup import (
     boundary_specs, example_inputs, model_names, pipeline_blocks, pipeline_setup,
@@ -113,7 +120,7 @@ class PipelineTrainer(BaseTrainer):
         super().__init__(job, env, beat)
         config = job.run
         torch.manual_seed(config.seed)
-        model = self.task.build_model()
+        model = self.task.build_model(meta=True)  # a built-in model: shapes only, see materialize
         self.loss_terms_per_sample = 1
         example = example_inputs(self.data.train)
         if not isinstance(model, nn.Sequential):  # traced where it runs (a trace fixes devices)
@@ -137,9 +144,13 @@ class PipelineTrainer(BaseTrainer):
         self.divergence.where = f"stage {self.stage}{replica}{part} (rank {env.rank})"
         start, end = self.layout.bounds[self.stage]
         boundaries = boundary_specs(blocks, example)
-        self.module = nn.Sequential(*list(blocks)[start:end]).to(env.device)
+        self.module = materialize(list(blocks)[start:end], start, config.seed, env.device)
         self.names = model_names(blocks, start)
         self.mesh = self._split_stage(model, blocks, start, end) if self.tensor_degree > 1 else None
+        self.held_model_bytes = sum(local_tensor(t).numel() * t.element_size() for t in
+                                    (*blocks.parameters(), *blocks.buffers()) if not t.is_meta)
+        """Bytes of the whole model's parameters and buffers this worker materialized (its
+        shares of the split layers, with tensor parallelism)."""
         self.groups = self._stage_groups()
         self.links = self._links()
         ties = self._ties(blocks)
@@ -167,7 +178,7 @@ class PipelineTrainer(BaseTrainer):
             vertical_sync=job.plan.vertical_sync, trace=self.trace, beat=beat,
             loss_fn=self.task.loss, wire=self.wire,
             ties=ties, clone_received=not isinstance(blocks, SplitModel),
-            precision=self.precision,
+            precision=self.precision, recompute=job.plan.recompute,
         )
         self.chunks = (step_chunks(self.schedule, self.worker,
                                    max(1, self.last_step - self.first_step))
@@ -490,8 +501,13 @@ class PipelineTrainer(BaseTrainer):
         for them) and ``activation_compression_ratio`` (the first over the second). A worker
         whose stage shares parameters with others lists them in ``shared_parameters``, with
         the largest difference between the copies the stages hold (0 when they are equal).
-        ``precision``, ``clip_grad_norm`` and ``skipped_steps`` (fp16 steps every stage skipped
-        together; per worker too) as the data-parallel trainer reports them."""
+        ``held_model_bytes``: the model's parameters and buffers the worker materialized (its
+        stage's for a built-in model); ``training_peak_rss_bytes``, ``peak_rss_bytes`` and
+        ``start_rss_bytes``, its process's resident memory at its peak up to the last
+        update (before the checkpoint and final.pt, for which rank 0 gathers every stage's
+        state), at its peak, and at start (:mod:`tandem.runtime.memory`). ``precision``,
+        ``clip_grad_norm`` and ``skipped_steps`` (fp16 steps every stage skipped together; per
+        worker too) as the data-parallel trainer reports them."""
         traffic = self.engine.traffic
         totals = torch.tensor([traffic.total_bytes, traffic.activation_bytes,
                                traffic.message_bytes], dtype=torch.float64, device=self.env.device)
@@ -505,6 +521,10 @@ class PipelineTrainer(BaseTrainer):
             "stash_peak_bytes": self.engine.stash.peak_bytes if self.engine.stash else 0,
             "parameter_bytes": sum(local_tensor(p).numel() * p.element_size()
                                    for p in self.module.parameters()),
+            "held_model_bytes": self.held_model_bytes,
+            "training_peak_rss_bytes": self.training_peak_rss_bytes,
+            "peak_rss_bytes": memory.peak_rss_bytes(),
+            "start_rss_bytes": memory.START_RSS_BYTES,
             "shared_parameters": [self._tie_report(tie) for tie in self.engine.ties],
             "skipped_steps": self.precision.skipped_steps,
         }
@@ -522,6 +542,7 @@ class PipelineTrainer(BaseTrainer):
                       "mesh": dict(zip(self.mesh.mesh_dim_names or (), self.mesh.shape)),
                       "tensor_whole_layers": list(whole)}
         return {"pipeline": self.layout.text(), **tensor, "vertical_sync": self.plan.vertical_sync,
+                "recompute": self.plan.recompute,
                 "sent_bytes_per_step": sent, "activation_bytes_per_step": activations,
                 "compressed_activation_bytes_per_step": messages,
                 "activation_compression_ratio": activations / messages if messages else 1.0,
