@@ -154,12 +154,8 @@ class StageEngine:
                  trace: Callable[..., None], beat: Any,
                  loss_fn: Callable[[Any, Any], torch.Tensor], wire: Wire | None = None,
                  ties: Sequence[Tie] = (), clone_received: bool = False,
-<<<<<<< HEAD
-                 precision: StagePrecision | None = None,
+                 precision: StagePrecision | None = None, recompute: bool = False,
                  rank_of: Callable[[int], int] | None = None) -> None:
-=======
-                 precision: StagePrecision | None = None, recompute: bool = False) -> None:
->>>>>>> recompute
         self.module, self.stage, self.device = module, stage, device
         self.first, self.last = stage == 0, stage == num_stages - 1
         self.shapes, self.group, self.num_replicas = shapes, group, num_replicas
