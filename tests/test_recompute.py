@@ -94,10 +94,12 @@ def test_recompute_refusals(tmp_path: Path) -> None:
     assert "1 stage" in line and "--stages" in line
 
 
-def test_recompute_refused_with_tensor_parallelism() -> None:
+def test_recompute_refused_with_tensor_parallelism_alone() -> None:
+    """Tensor parallelism alone is one stage: nothing to checkpoint per stage (a pipeline x
+    tensor layout recomputes: tests/test_tensor_parallel.py)."""
     plan = Plan(stages=[Stage(start=0, end=4, replicas=1)], num_layers=4, num_devices=2,
                 schedule="1f1b", num_microbatches=1, tensor_degree=2, recompute=True)
-    with pytest.raises(UsageError, match="tensor degree 2"):
+    with pytest.raises(UsageError, match="1 stage"):
         Job(run=RunConfig(model="mlp", nproc=2), plan=plan)
 
 

@@ -146,7 +146,8 @@ LAYOUTS = {  # name: (common args, layout args, mesh, layers left whole)
     "data 2 x tensor 2": (GPT, ("--nproc", "4", "--tensor-parallel", "2"),
                           {"data": 2, "pipeline": 1, "tensor": 2}, None),
     "pipeline 2 x tensor 2": (MLP5, ("--strategy", "pipeline", "--stages", "2", "--nproc", "4",
-                                     "--tensor-parallel", "2", "--schedule", "gpipe"),
+                                     "--tensor-parallel", "2", "--schedule", "gpipe",
+                                     "--recompute"),
                               {"data": 1, "pipeline": 2, "tensor": 2}, []),
     "data 2 x pipeline 2 x tensor 2": (GPT, ("--strategy", "pipeline", "--replicas", "2,2",
                                              "--nproc", "8", "--tensor-parallel", "2"),
@@ -158,7 +159,9 @@ LAYOUTS = {  # name: (common args, layout args, mesh, layers left whole)
 def test_3d_layouts_equal_one_process(shared_run: SharedRun, name: str) -> None:
     """Every layout ends with single-process training's parameters (and names); each worker
     holds a share of its split layers. mlp's 5 blocks cut 3 + 2 put the pair (2.0, 3.0) in
-    two stages: the first gathers its output, the second splits its whole input."""
+    two stages: the first gathers its output, the second splits its whole input; that run also
+    recomputes its stages' activations in the backward (whose split layers run their
+    collectives again)."""
     common, layout, mesh, whole = LAYOUTS[name]
     single, _ = shared_run(*common, "--nproc", "1")
     out, summary = shared_run(*common, *layout, timeout_s=300)
@@ -167,6 +170,7 @@ def test_3d_layouts_equal_one_process(shared_run: SharedRun, name: str) -> None:
     assert max_abs_diff(single / "final.pt", out / "final.pt") <= 1e-5
     if whole is not None:
         assert summary["tensor_whole_layers"] == whole
+    assert summary.get("recompute", False) == ("--recompute" in layout)
     memories = ([summary["tensor_memory"]] if "workers" not in summary
                 else [worker["tensor_memory"] for worker in summary["workers"]])
     for memory in memories:

@@ -304,10 +304,6 @@ class Job:
 
         plan, run = self.plan, self.run
         degree = plan.tensor_degree
-        if plan.recompute and degree > 1:
-            raise UsageError(f"recompute with tensor degree {degree} is not run yet (tandem "
-                             f"recomputes the stages of a pipeline); drop --recompute or set "
-                             f"recompute to false in the plan")
         if plan.recompute and len(plan.stages) < 2:
             raise UsageError(f"recompute with {len(plan.stages)} stage would checkpoint the "
                              f"whole model as one piece and save nothing; use --strategy "

@@ -24,20 +24,28 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 
 def saved_bytes(tensor: torch.Tensor, weights: set[int]) -> int:
     """Bytes ``tensor`` adds to what autograd keeps: none for a view of the weights (their
-    storage is held anyway), else its size."""
+    storage is held anyway), else its size (a DTensor's: its local shard's)."""
+    tensor = _local(tensor)
     if tensor.device.type == "meta" or tensor.untyped_storage().data_ptr() in weights:
         return 0
     return tensor.numel() * tensor.element_size()
 
 
 def storages(tensors: Any) -> set[int]:
-    """The storage addresses of ``tensors`` (parameters, stashed weight versions)."""
-    return {t.untyped_storage().data_ptr() for t in tensors}
+    """The storage addresses of ``tensors`` (parameters, stashed weight versions; a DTensor's
+    local shard's)."""
+    return {_local(t).untyped_storage().data_ptr() for t in tensors}
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel parameter's local shard (its DTensor has no storage of its own)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 class Recompute:
