@@ -9,6 +9,7 @@ Usage::
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import os
 import re
@@ -95,6 +96,12 @@ def _with_step(message: str, progress: str | None) -> str:
                            f"worker rank {match.group(1)} at step {step}", 1)
 
 
+def _shutdown_option() -> dict[str, float]:
+    """``shutdown_timeout`` where the elastic agent takes it (torch 2.13; 2.11 does not)."""
+    names = {field.name for field in dataclasses.fields(LaunchConfig)}
+    return {"shutdown_timeout": SHUTDOWN_S} if "shutdown_timeout" in names else {}
+
+
 def _launch_once(fn: Callable[[Any], R], arg: Any, *, nproc: int, threads: int) -> R | None:
     """One attempt: ``nproc`` workers through PyTorch's elastic agent."""
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
@@ -103,7 +110,7 @@ def _launch_once(fn: Callable[[Any], R], arg: Any, *, nproc: int, threads: int) 
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=run_id,
         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
         start_method="spawn", logs_specs=DefaultLogsSpecs(), local_addr="127.0.0.1",
-        shutdown_timeout=SHUTDOWN_S,
+        **_shutdown_option(),
     )
     loggers = [logging.getLogger(name) for name in sorted(logging.root.manager.loggerDict)
                if name.startswith(_NOISY_LOGGERS)]  # each module's own, which sets its level
