@@ -71,7 +71,7 @@ def _split_training(rank: int, world_size: int) -> dict[str, Any]:
 
     from tandem.models.tensor import tensor_plan
     from tandem.runtime.tensor_parallel import (
-        gathered_state_dict, memory_report, parameter_bytes, split_model,
+        gathered_state_dict, materialize_split, memory_report, parameter_bytes, split_model,
     )
 
     meshes = {4: init_device_mesh("cpu", (4,)),
@@ -83,6 +83,11 @@ def _split_training(rank: int, world_size: int) -> dict[str, Any]:
         names = list(model.state_dict())
         whole = parameter_bytes(model)
         plan = tensor_plan(spec, model, degree)
+        meta = build_model(spec, info, device="meta")  # a worker's start, one layer at a time
+        materialize_split(meta, plan, meshes[degree], seed=SEED, device=torch.device("cpu"))
+        start = gathered_state_dict(meta, plan, meshes[degree])
+        meta_diff = max(float((start[key] - value).abs().max())
+                        for key, value in model.state_dict().items())
         split_model(model, plan, meshes[degree])
         optimizer = train(model, info)
         memory = memory_report(model, optimizer, whole)
@@ -90,7 +95,8 @@ def _split_training(rank: int, world_size: int) -> dict[str, Any]:
         # numpy, pickled by value: a tensor would travel as shared memory that this process
         # may have freed by the time the test reads it
         results[name] = {"state": {key: value.numpy() for key, value in state.items()},
-                         "names": names, "memory": memory}
+                         "names": names, "memory": memory, "meta_diff": meta_diff,
+                         "meta_names": list(start)}
     return results if rank in (0, 2) else {}
 
 
@@ -111,6 +117,16 @@ def test_split_training_equals_one_process(split_results: list[dict[str, Any]],
         for key, value in expected.items():
             assert got["state"][key].shape == value.shape, key
             assert float((torch.from_numpy(got["state"][key]) - value).abs().max()) <= 1e-5, key
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_layer_by_layer_materialization_starts_from_the_whole_model(
+        split_results: list[dict[str, Any]], name: str) -> None:
+    """A worker that builds the model on the meta device and gives each layer storage (cut to
+    its share) one at a time starts from exactly the weights of the whole model built at once:
+    both are initialized by the seed and each module's name."""
+    got = split_results[0][name]
+    assert got["meta_names"] == got["names"] and got["meta_diff"] == 0.0
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

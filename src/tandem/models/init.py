@@ -40,13 +40,17 @@ def initialize(module: nn.Module, seed: int, prefix: str = "") -> None:
     reference models give every such module one.
     """
     for name, sub in module.named_modules():
-        if not owns_state(sub):
-            continue
-        full = ".".join(part for part in (prefix, name) if part)
-        reset = getattr(sub, "reset_parameters", None)
-        if reset is None:
-            raise RuntimeError(f"module {full!r} ({type(sub).__name__}) holds weights but has no "
-                               f"reset_parameters, so it cannot be initialized by name")
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
-            torch.default_generator.manual_seed(seed_of(seed, full))  # the CPU's alone
-            reset()
+        if owns_state(sub):
+            reset_module(sub, seed, ".".join(part for part in (prefix, name) if part))
+
+
+def reset_module(module: nn.Module, seed: int, name: str) -> None:
+    """Reset ``module``'s own state (``reset_parameters``) under the seed of its full ``name``
+    (its children are left as they are)."""
+    reset = getattr(module, "reset_parameters", None)
+    if reset is None:
+        raise RuntimeError(f"module {name!r} ({type(module).__name__}) holds weights but has no "
+                           f"reset_parameters, so it cannot be initialized by name")
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.default_generator.manual_seed(seed_of(seed, name))  # the CPU's alone
+        reset()

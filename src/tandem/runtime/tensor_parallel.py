@@ -53,20 +53,50 @@ def split_model(model: nn.Module, plan: TensorPlan, mesh: DeviceMesh) -> None:
     """Replace the parameters of every layer ``plan`` names by this worker's share (in place);
     the layers it does not name stay whole. ``model`` must hold the same weights on every
     worker of ``mesh`` (build it from the same seed)."""
-    degree = mesh.size()
-    for name, style in plan.items():
-        if style == "heads":
-            layer = model.get_submodule(name)
-            order = heads_order(layer.out_features, degree)
-            with torch.no_grad():
-                layer.weight.copy_(layer.weight[order])
-                if layer.bias is not None:
-                    layer.bias.copy_(layer.bias[order])
-        elif style == "channels":
-            _split_channels(model.get_submodule(name), mesh)
     styles = dtensor_styles(model, plan)
-    if styles:
-        parallelize_module(model, mesh, styles)
+    for name in plan:
+        _split_layer(model, name, plan[name], mesh, styles)
+
+
+def materialize_split(model: nn.Module, plan: TensorPlan, mesh: DeviceMesh, *, seed: int,
+                      device: torch.device) -> None:
+    """Give ``model`` (a built-in model on the meta device) storage one module at a time, each
+    initialized by the seed and its name (:func:`tandem.models.init.reset_module`, as one
+    process initializes the whole model) and, if ``plan`` splits it, cut to this worker's share
+    at once: a worker never holds more than one split layer whole."""
+    from tandem.models.init import owns_state, reset_module
+
+    styles = dtensor_styles(model, plan)
+    for name, module in model.named_modules():
+        if not owns_state(module):
+            continue
+        module.to_empty(device="cpu", recurse=False)  # initialized on the CPU, as one process's
+        reset_module(module, seed, name)
+        with torch.no_grad():
+            for tensors in (module._parameters, module._buffers):  # noqa: SLF001 - own state only
+                for key, tensor in tensors.items():
+                    if tensor is not None:
+                        moved = tensor.to(device)
+                        tensors[key] = (nn.Parameter(moved, tensor.requires_grad)
+                                        if isinstance(tensor, nn.Parameter) else moved)
+        if name in plan:
+            _split_layer(model, name, plan[name], mesh, styles)
+
+
+def _split_layer(model: nn.Module, name: str, style: str, mesh: DeviceMesh,
+                 styles: dict[str, ParallelStyle]) -> None:
+    """Cut layer ``name`` of ``model`` to this worker's share in ``style``."""
+    layer = model.get_submodule(name)
+    if style == "heads":
+        order = heads_order(layer.out_features, mesh.size())
+        with torch.no_grad():
+            layer.weight.copy_(layer.weight[order])
+            if layer.bias is not None:
+                layer.bias.copy_(layer.bias[order])
+    elif style == "channels":
+        _split_channels(layer, mesh)
+    if name in styles:
+        parallelize_module(model, mesh, {name: styles[name]})
 
 
 MESH_DIMS = ("data", "pipeline", "tensor")

@@ -2,8 +2,11 @@
 
 A one-stage plan of tensor degree T and D replicas runs on D x T workers laid out on a
 ``data x pipeline x tensor`` device mesh (pipeline of size 1; a replica's T workers are adjacent
-ranks). Each builds the whole model from the run's seed and keeps its share of the layers the
-model's tensor plan splits (:mod:`tandem.models.tensor`, :mod:`tandem.runtime.tensor_parallel`).
+ranks). Each builds a built-in model on the meta device and gives it storage one layer at a time,
+initialized by the seed and the layer's name as one process initializes it, cutting each split
+layer to its share at once (so it never holds more than one split layer whole); a user's model
+is built whole from the run's seed. Each keeps its share of the layers the model's tensor plan
+splits (:mod:`tandem.models.tensor`, :mod:`tandem.runtime.tensor_parallel`).
 The T workers of a replica train on the same share of the global batch (the whole batch when
 D = 1); the collectives inside the split layers keep their whole layers (embeddings, norms,
 unsplit linear layers) equal. With D > 1 each worker then sums its gradients (its own shares)
@@ -31,8 +34,8 @@ from tandem.runtime.dist import WorkerEnv
 from tandem.runtime.noise_scale import NoiseScale
 from tandem.runtime.precision import Precision
 from tandem.runtime.tensor_parallel import (
-    MESH_DIMS, gathered_state_dict, layout_mesh, local_tensor, memory_report, parameter_bytes,
-    split_model, sum_gradients,
+    MESH_DIMS, gathered_state_dict, layout_mesh, local_tensor, materialize_split, memory_report,
+    parameter_bytes, split_model, sum_gradients,
 )
 from tandem.runtime.watchdog import Heartbeat
 from tandem.structures import call_model
@@ -45,7 +48,12 @@ class TensorParallelTrainer(BaseTrainer):
         super().__init__(job, env, beat)
         config, degree = job.run, job.plan.tensor_degree
         torch.manual_seed(config.seed)
-        model = self.task.build_model().to(env.device)
+        model = self.task.build_model(meta=True)
+        self.from_meta = any(p.is_meta for p in model.parameters())
+        """A built-in model comes on the meta device: each layer gets storage (and, if split,
+        is cut to this worker's share) one at a time; a user's is built whole."""
+        if not self.from_meta:
+            model = model.to(env.device)
         own = job.objects is not None and job.objects.model is not None
         self.tensor_plan = tensor_plan(None if own else config.model, model, degree,
                                        job.plan.tensor_layers)
@@ -58,7 +66,13 @@ class TensorParallelTrainer(BaseTrainer):
         self.layout_shape = dict(zip(MESH_DIMS, layout.shape))
         self.data_group = layout["data"].get_group() if self.replicas > 1 else None
         self.data_rank = env.rank // degree
-        split_model(model, self.tensor_plan, self.mesh)
+        if self.from_meta:
+            materialize_split(model, self.tensor_plan, self.mesh, seed=config.seed,
+                              device=env.device)
+        else:
+            split_model(model, self.tensor_plan, self.mesh)
+        self.held_model_bytes = sum(parameter_bytes(model).values()) + sum(
+            b.numel() * b.element_size() for b in model.buffers())
         self.codec = self._codec(model) if job.plan.compress is not None else None
         self.module = self.model = model
         model.train()
@@ -171,6 +185,7 @@ class TensorParallelTrainer(BaseTrainer):
         bound = report["model_bytes"] / degree + report["whole_layer_bytes"]
         return {"parameters": self.num_parameters, "tensor_parallel": degree,
                 "data_parallel": self.replicas, "mesh": self.layout_shape,
+                "built_from_meta": self.from_meta, "held_model_bytes": self.held_model_bytes,
                 "tensor_memory": {
                     "worker_bytes": int(worst), "model_bytes": int(report["model_bytes"]),
                     "whole_layer_bytes": int(report["whole_layer_bytes"]),
