@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, Dataset
 from tandem import structures
 from tandem.data.pack import NUMPY_DTYPES
 from tandem.data.samples import Batch, Samples
+from tandem.runtime.zygote import child_context
 
 PIPE_BYTES = 1 << 20
 """Batches smaller than this travel from a loader process through its pipe as arrays (a third
@@ -85,16 +86,6 @@ def _as_is(item: Any) -> Any:
     return item
 
 
-def _context() -> Any:
-    """Fork where the platform has it: a worker started by spawn would spawn its loader too
-    (seconds to import torch again, per process); a loader process uses no CUDA and none of the
-    parent's threads, so forking is safe."""
-    import multiprocessing
-
-    methods = multiprocessing.get_all_start_methods()
-    return multiprocessing.get_context("fork" if "fork" in methods else methods[0])
-
-
 def _one_thread(worker_id: int) -> None:
     torch.set_num_threads(1)
 
@@ -115,7 +106,7 @@ class PlannedLoader:
         self.loader = DataLoader(_PlannedBatches(samples, self.plan), batch_size=None,
                                  shuffle=False, num_workers=workers, prefetch_factor=prefetch,
                                  collate_fn=_as_is, worker_init_fn=_one_thread,
-                                 multiprocessing_context=_context())
+                                 multiprocessing_context=child_context())
         self.batches: Iterator[tuple[Any, Any, int]] | None = (
             iter(self.loader) if self.plan else None)
 

@@ -30,6 +30,7 @@ from tandem.errors import Diverged, Interrupted, UsageError, WorkerFailure
 from tandem.runtime import divergence
 from tandem.runtime.dist import under_launcher
 from tandem.runtime.faults import ATTEMPT, PROGRESS_DIR, last_progress
+from tandem.runtime.zygote import Carried, start, start_method
 
 R = TypeVar("R")
 
@@ -103,13 +104,15 @@ def _shutdown_option() -> dict[str, float]:
 
 
 def _launch_once(fn: Callable[[Any], R], arg: Any, *, nproc: int, threads: int) -> R | None:
-    """One attempt: ``nproc`` workers through PyTorch's elastic agent."""
+    """One attempt: ``nproc`` workers through PyTorch's elastic agent, forked from the
+    preloaded forkserver (:mod:`tandem.runtime.zygote`)."""
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    start()
     run_id = f"tandem-{uuid.uuid4().hex[:8]}"
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=run_id,
         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
-        start_method="spawn", logs_specs=DefaultLogsSpecs(), local_addr="127.0.0.1",
+        start_method=start_method(), logs_specs=DefaultLogsSpecs(), local_addr="127.0.0.1",
         **_shutdown_option(),
     )
     loggers = [logging.getLogger(name) for name in sorted(logging.root.manager.loggerDict)
@@ -120,7 +123,7 @@ def _launch_once(fn: Callable[[Any], R], arg: Any, *, nproc: int, threads: int) 
     handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
     os.environ[LAUNCHED] = run_id
     try:
-        results = elastic_launch(config, fn)(arg)
+        results = elastic_launch(config, Carried.of(fn))(arg)
     except SignalException as exc:  # the agent has stopped every worker
         raise Interrupted(int(exc.sigval)) from None
     except ChildFailedError as exc:

@@ -35,6 +35,7 @@ from tandem.runtime.faults import announce_resume, attempt, maybe_fail
 from tandem.runtime.launch import die_with_parent, end_diverged, prepare_worker
 from tandem.runtime.noise_scale import NoiseScale, two_batch_estimates
 from tandem.runtime.precision import Precision
+from tandem.runtime.zygote import child_context
 from tandem.runtime.watchdog import (
     FENCED_EXIT,
     PERIOD_S,
@@ -117,7 +118,7 @@ def _supervise(job: Job) -> None:
     (``Diverged``) stop the job, as elsewhere.
     """
     os.environ[SUPERVISED] = "1"
-    context = multiprocessing.get_context("spawn")
+    context = child_context()  # forked before this process starts threads
     mirror = context.Value("d", 0.0, lock=False)
     mistakes, mistake = context.Pipe(duplex=False)  # no semaphores to leak, unlike a queue
     child = context.Process(target=_supervised_worker, args=(job, mirror, mistake), daemon=True)
