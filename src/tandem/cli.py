@@ -13,13 +13,14 @@ import importlib
 import os
 import signal
 import sys
+import threading
 from types import FrameType
 from typing import NoReturn, Sequence
 
-from tandem.commands.config_file import add_config_argument, expand_config
 from tandem.errors import Interrupted, UsageError, WorkerFailure
 
 COMMANDS = ("train", "demo", "pack", "profile", "plan", "topology", "simulate", "search", "scale")
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 CONFIG_COMMANDS = ("train", "profile", "plan", "simulate", "search", "scale")
 """The commands that train or plan, which read options from ``--config FILE`` too."""
 
@@ -36,6 +37,8 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def build_parser() -> ArgumentParser:
     """The parser of all subcommands."""
+    from tandem.commands.config_file import add_config_argument
+
     parser = ArgumentParser(
         prog="tandem", description="Train one neural network on many devices with PyTorch."
     )
@@ -57,10 +60,39 @@ def _stop(signum: int, frame: FrameType | None) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status.
 
-    SIGINT (Ctrl-C), SIGTERM and SIGHUP stop every worker and end the command with one line
-    and status ``128 + signal`` (130, 143, 129).
+    SIGINT (Ctrl-C), SIGTERM and SIGHUP, at any moment from here on (reading the arguments,
+    importing torch, starting or running the workers), stop every worker and end the command
+    with one line and status ``128 + signal`` (130, 143, 129). SIGINT is always honoured (the
+    elastic agent honours it once the workers run, so an ignored SIGINT inherited from a
+    shell's background job would only be ignored until then); SIGTERM and SIGHUP only where
+    they are not ignored already (``nohup``).
     """
-    argv = list(sys.argv[1:] if argv is None else argv)
+    handlers = _catch_stop_signals()
+    words = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(words)
+    except KeyboardInterrupt as exc:  # before a command's own handling (e.g. in an import)
+        return _interrupted(words[0] if words and words[0] in COMMANDS else "", exc)
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+
+
+def _catch_stop_signals() -> dict[int, object]:
+    """Turn the stop signals into :class:`Interrupted`; returns the handlers they replaced
+    (none off the main thread, where Python lets no handler be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    for signum, handler in handlers.items():
+        if signum == signal.SIGINT or handler is signal.SIG_DFL:
+            signal.signal(signum, _stop)
+    return handlers
+
+
+def _main(argv: list[str]) -> int:
+    from tandem.commands.config_file import expand_config
+
     parser = build_parser()
     if argv and argv[0] in CONFIG_COMMANDS:
         try:
@@ -69,15 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _usage_error(argv[0], exc)
     args = parser.parse_args(argv)
     _find_user_modules()
-    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGHUP)}
-    for signum, handler in handlers.items():
-        if handler is signal.SIG_DFL:
-            signal.signal(signum, _stop)
-    try:
-        return _run(args)
-    finally:
-        for signum, handler in handlers.items():
-            signal.signal(signum, handler)
+    return _run(args)
 
 
 def _find_user_modules() -> None:
@@ -98,10 +122,15 @@ def _run(args: argparse.Namespace) -> int:
         print(f"tandem {args.command}: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as exc:
-        signum = getattr(exc, "signum", signal.SIGINT)
-        print(f"tandem {args.command}: stopped by {signal.Signals(signum).name}; every worker "
-              f"has ended", file=sys.stderr)
-        return 128 + signum
+        return _interrupted(args.command, exc)
+
+
+def _interrupted(command: str, exc: KeyboardInterrupt) -> int:
+    """Report a stop signal in one line; the exit status ``128 + signal``."""
+    signum = getattr(exc, "signum", signal.SIGINT)
+    print(f"tandem{' ' + command if command else ''}: stopped by "
+          f"{signal.Signals(signum).name}; every worker has ended", file=sys.stderr, flush=True)
+    return 128 + signum
 
 
 def _usage_error(command: str, exc: UsageError) -> int:
