@@ -17,14 +17,18 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import uuid
+from types import FrameType
 from typing import Any, Callable, TypeVar
+
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.errors import (
     ChildFailedError, ProcessFailure, get_error_handler,
 )
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from torch.multiprocessing.spawn import start_processes as start_worker_processes
 
 from tandem.errors import Diverged, Interrupted, UsageError, WorkerFailure
 from tandem.runtime import divergence
@@ -43,6 +47,11 @@ LAUNCHED = "TANDEM_LAUNCHED"
 SHUTDOWN_S = 3
 """Seconds a stopping worker gets after SIGTERM before SIGKILL (a frozen one never answers)."""
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+SIGNALS_VARIABLE = "TORCHELASTIC_SIGNALS_TO_HANDLE"
+"""The signals the elastic agent handles itself (it reads this variable)."""
+RESEND_S = 0.05
+"""How soon a stop signal that came while the workers were being started is sent again."""
+_START_PROCESSES = start_worker_processes.__code__
 
 
 def launch(fn: Callable[[Any], R], arg: Any, *, nproc: int, threads: int = 1,
@@ -120,7 +129,7 @@ def _launch_once(fn: Callable[[Any], R], arg: Any, *, nproc: int, threads: int) 
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.CRITICAL)
-    handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    handlers = _catch_stop_signals()
     os.environ[LAUNCHED] = run_id
     try:
         results = elastic_launch(config, Carried.of(fn))(arg)
@@ -130,11 +139,60 @@ def _launch_once(fn: Callable[[Any], R], arg: Any, *, nproc: int, threads: int) 
         raise _failure(exc) from None
     finally:
         del os.environ[LAUNCHED]
-        for signum, handler in handlers.items():  # the agent leaves its own installed
-            signal.signal(signum, handler)
+        _restore(handlers)
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)
     return results.get(0)
+
+
+def _catch_stop_signals() -> dict[str, Any]:
+    """Handle the stop signals that are not ignored (``nohup``) with
+    :func:`_stop_once_started` instead of the elastic agent's own handler; returns what to
+    restore. Off the main thread, where no handler can be set, the agent's rules apply."""
+    saved: dict[str, Any] = {SIGNALS_VARIABLE: os.environ.get(SIGNALS_VARIABLE)}
+    if threading.current_thread() is not threading.main_thread():
+        return saved
+    for signum in STOP_SIGNALS:
+        saved[signum.name] = signal.getsignal(signum)
+        if saved[signum.name] is not signal.SIG_IGN:
+            signal.signal(signum, _stop_once_started)
+    os.environ[SIGNALS_VARIABLE] = "SIGQUIT"  # the agent leaves the others to this module
+    return saved
+
+
+def _restore(saved: dict[str, Any]) -> None:
+    variable = saved.pop(SIGNALS_VARIABLE)
+    if variable is None:
+        os.environ.pop(SIGNALS_VARIABLE, None)
+    else:
+        os.environ[SIGNALS_VARIABLE] = variable
+    for name, handler in saved.items():  # the agent leaves its SIGQUIT handler installed
+        signal.signal(signal.Signals[name], handler)
+
+
+def _stop_once_started(signum: int, frame: FrameType | None) -> None:
+    """Stop the job as the elastic agent's own handler does (it stops every worker with this
+    signal), but not while it is starting the worker processes: until it holds all of them it
+    could stop none, and those already forked would outlive the job. There the signal is sent
+    again a moment later."""
+    if _started_some(frame):
+        timer = threading.Timer(RESEND_S, os.kill, (os.getpid(), signum))
+        timer.daemon = True
+        timer.start()
+        return
+    name = signal.Signals(signum).name
+    raise SignalException(f"the launcher got {name}", sigval=signal.Signals(signum))
+
+
+def _started_some(frame: FrameType | None) -> bool:
+    """Whether ``frame`` is inside torch's start of the worker processes with one or more of
+    them started (its list of processes; where that list is not found, any start counts)."""
+    while frame is not None:
+        if frame.f_code is _START_PROCESSES:
+            started = frame.f_locals.get("processes")
+            return not isinstance(started, list) or any(p is not None for p in started)
+        frame = frame.f_back
+    return False
 
 
 def prepare_worker() -> None:
