@@ -137,6 +137,31 @@ CODEC_OPTIONS: dict[str, type] = {
 }
 """Codec name -> its options dataclass: the names ``--compress`` knows."""
 
+STRATEGIES_WITH_COMPRESSION = ("dp", "ps", "gossip", "pipeline")
+"""Strategies ``--compress`` applies to: ``dp`` (gradient buckets, as DDP hooks), ``ps``
+(gradient pushes and parameter pulls), ``gossip`` (the parameters neighbours exchange) and
+``pipeline`` (activations and activation gradients between stages)."""
+
+STATELESS_STRATEGIES = {
+    "gossip": "CHOCO-gossip's public copies of the neighbours' parameters already carry what "
+              "compression drops",
+    "pipeline": "a residual would carry one micro-batch's activations into another's",
+}
+"""Strategies whose codecs run without error feedback, and why."""
+
+UNSUPPORTED: dict[str, dict[str, str]] = {
+    "ps": {"powersgd": "it is PyTorch's DDP communication hook"},
+    "gossip": {"powersgd": "it is PyTorch's DDP communication hook"},
+    "pipeline": {"powersgd": "it is PyTorch's DDP communication hook",
+                 "randk": "its positions are not sent, and the receiving stage cannot draw "
+                          "the sender's"},
+}
+"""Strategy -> codec -> why the strategy cannot use it."""
+
+BUCKET_CODECS = ("powersgd",)
+"""Codecs that exchange whole DDP gradient buckets (PyTorch's communication hooks) rather than
+each tensor on its own."""
+
 
 def read_codec_spec(spec: str, *,
                     adjust: Callable[[str, dict[str, str]], None] | None = None) -> tuple[str, Any]:
@@ -155,6 +180,42 @@ def read_codec_spec(spec: str, *,
             raise UsageError(f"give k or ratio in --compress {spec!r}, not both (the same option)")
         raw["ratio"] = raw.pop("k")
     return name, fill_options(options_cls, raw, spec=spec, what="codec")
+
+
+def read_codec_for(spec: str, *, strategy: str = "dp") -> tuple[str, Any]:
+    """The codec's name and options of ``spec`` as ``strategy`` uses it (a stateless strategy's
+    without error feedback); :class:`UsageError` if malformed or if the strategy cannot use it."""
+    if strategy not in STRATEGIES_WITH_COMPRESSION:
+        raise UsageError(f"--compress {spec} is not supported with --strategy {strategy}; "
+                         f"it works with --strategy {', '.join(STRATEGIES_WITH_COMPRESSION)}")
+
+    def for_strategy(name: str, raw: dict[str, str]) -> None:
+        why = UNSUPPORTED.get(strategy, {}).get(name)
+        if why is not None:
+            usable = sorted(set(CODEC_OPTIONS) - set(UNSUPPORTED[strategy]))
+            raise UsageError(f"--compress {name} cannot be used with --strategy {strategy} "
+                             f"({why}); use one of: {', '.join(usable)}")
+        if strategy in STATELESS_STRATEGIES and "ef" in CODEC_OPTIONS[name].__dataclass_fields__:
+            if raw.get("ef", "false").lower() not in ("false", "0", "no", "off"):
+                raise UsageError(f"--compress {spec}: with --strategy {strategy} codecs run "
+                                 f"without error feedback ({STATELESS_STRATEGIES[strategy]}); "
+                                 f"drop ef=")
+            if "momentum" in raw:
+                raise UsageError(f"--compress {spec}: momentum before compression is for "
+                                 f"gradients with error feedback, not for --strategy "
+                                 f"{strategy}; drop momentum=")
+            raw["ef"] = "false"
+
+    return read_codec_spec(spec, adjust=for_strategy)
+
+
+def check_codec(spec: str, *, strategy: str, sgd_momentum: float) -> None:
+    """Check that ``strategy`` and the optimizer (SGD's ``sgd_momentum``) can use ``spec``; the
+    checks of :func:`tandem.compress.check_compress`, without building the codec."""
+    _, options = read_codec_for(spec, strategy=strategy)
+    if getattr(options, "momentum", 0.0) and sgd_momentum:
+        raise UsageError(f"--compress {spec} applies momentum itself, before compressing; "
+                         f"add --momentum 0 so that SGD does not apply it again")
 
 
 def num_selected(numel: int, ratio: float) -> int:
