@@ -12,15 +12,14 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from tandem.data.bundle import DataBundle, Split
-from tandem.data.digits import DigitsOptions, load_digits
+from tandem.data.digits import load_digits
 from tandem.data.info import DataInfo
 from tandem.data.load import Data, data_of, load_data
 from tandem.data.samples import Batch, DatasetSamples, Samples, TensorSamples, samples_of
 from tandem.data.sampler import GlobalBatchSampler, RankBatchSampler, shard_sizes
 from tandem.data.shards import ShardDataset
-from tandem.data.synthetic import ImagesOptions, TokensOptions, make_images, make_tokens
-from tandem.errors import UsageError
-from tandem.options import fill_options, split_spec
+from tandem.data.synthetic import make_images, make_tokens
+from tandem.data_spec import DATASET_OPTIONS, read_dataset_spec
 
 __all__ = [
     "DATASETS", "Batch", "Data", "DataBundle", "DataInfo", "DatasetSamples", "GlobalBatchSampler",
@@ -28,23 +27,20 @@ __all__ = [
     "dataset_bytes", "load_data", "samples_of", "shard_sizes",
 ]
 
-DATASETS: dict[str, tuple[type, Callable[[Any], DataBundle]]] = {
-    "digits": (DigitsOptions, load_digits),
-    "images": (ImagesOptions, make_images),
-    "tokens": (TokensOptions, make_tokens),
+MAKERS: dict[str, Callable[[Any], DataBundle]] = {
+    "digits": load_digits, "images": make_images, "tokens": make_tokens,
 }
+
+DATASETS: dict[str, tuple[type, Callable[[Any], DataBundle]]] = {
+    name: (options, MAKERS[name]) for name, options in DATASET_OPTIONS.items()}
+"""Name -> (options dataclass, maker): the names and options of :mod:`tandem.data_spec` (which
+reads a spec without torch)."""
 
 
 def build_dataset(spec: str) -> DataBundle:
     """Build the dataset named by ``spec`` (``name`` or ``name:key=value,...``)."""
-    name, raw = split_spec(spec, what="dataset")
-    if name not in DATASETS:
-        raise UsageError(
-            f"unknown dataset {name!r}; choose one of: {', '.join(sorted(DATASETS))}, or "
-            f"folder:PATH, or your own as package.module:function"
-        )
-    options_cls, make = DATASETS[name]
-    return make(fill_options(options_cls, raw, spec=spec, what="dataset"))
+    name, options = read_dataset_spec(spec)
+    return DATASETS[name][1](options)
 
 
 def dataset_bytes(spec: str) -> int | None:
@@ -53,7 +49,6 @@ def dataset_bytes(spec: str) -> int | None:
     :func:`build_dataset`."""
     if spec.partition(":")[0] not in DATASETS:  # folder:PATH, a user's function: unknown
         return None
-    name, raw = split_spec(spec, what="dataset")
-    options = fill_options(DATASETS[name][0], raw, spec=spec, what="dataset")
+    _, options = read_dataset_spec(spec)
     size = getattr(options, "memory_bytes", None)
     return size() if size is not None else None

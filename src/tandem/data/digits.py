@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import gzip
 import importlib.util
 from pathlib import Path
@@ -10,25 +9,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tandem.data.bundle import DataBundle, check_split, split_held_out
+from tandem.data.bundle import DataBundle, split_held_out
 from tandem.data.info import DataInfo
-from tandem.options import check_seed
-
-NUM_SAMPLES = 1797
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class DigitsOptions:
-    """Options of ``--data digits:...``."""
-
-    test: float = 0.2
-    """Fraction of the samples held out for evaluation."""
-    split_seed: int = 0
-    """Seed of the train/test split (kept apart from the run's seed so the test set is fixed)."""
-
-    def __post_init__(self) -> None:
-        check_split(NUM_SAMPLES, self.test, fixed_n=True)
-        check_seed("split_seed", self.split_seed)
+from tandem.data_spec import DigitsOptions
 
 
 def load_digits(options: DigitsOptions) -> DataBundle:

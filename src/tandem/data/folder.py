@@ -13,43 +13,24 @@ Usage::
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from tandem.data.bundle import DataBundle, Split, check_split, split_held_out
+from tandem.data.bundle import DataBundle, Split, split_held_out
 from tandem.data.info import DataInfo
+from tandem.data_spec import FolderOptions, check_split, read_folder_spec
 from tandem.errors import UsageError
-from tandem.options import check_seed, path_spec
 
 EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".gif", ".ppm", ".pgm", ".tif",
                         ".tiff", ".webp"})
 """Image files read (by extension, case-insensitive); other files are ignored."""
 
 
-@dataclasses.dataclass(kw_only=True, slots=True)
-class FolderOptions:
-    """Options of ``--data folder:PATH:key=value,...``."""
-
-    test: float = 0.2
-    """Fraction held out for evaluation (when the folder has no ``train/``/``test/`` split)."""
-    split_seed: int = 0
-    """Seed of that held-out split."""
-    size: int = 0
-    """Resize every image to ``size x size`` (0: keep the size; all images must share it)."""
-
-    def __post_init__(self) -> None:
-        check_seed("split_seed", self.split_seed)
-        if self.size < 0:
-            raise UsageError(f"folder option size={self.size} must be 0 (keep) or a number of "
-                             f"pixels, e.g. size=32")
-
-
 def parse_folder_spec(spec: str) -> tuple[Path, FolderOptions]:
     """The directory and options of ``folder:PATH[:key=value,...]``."""
-    path, options = path_spec(spec, FolderOptions, what="folder", example="folder:./images")
+    path, options = read_folder_spec(spec)
     return Path(path).expanduser(), options
 
 

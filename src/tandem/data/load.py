@@ -23,6 +23,7 @@ import torch
 from tandem.data.bundle import DataBundle
 from tandem.data.info import DataInfo
 from tandem.data.samples import DatasetSamples, Samples, TensorSamples, samples_of
+from tandem.data_spec import is_user_data
 from tandem.errors import UsageError
 from tandem.options import user_function
 
@@ -61,9 +62,9 @@ class Data:
 def load_data(spec: str, *, cache_dir: str | None = None) -> Data:
     """The data named by ``spec`` (see the module docstring); ``cache_dir`` keeps local copies
     of the shards of ``shards:DIR`` (the only data read from storage as training goes)."""
-    from tandem.data import DATASETS, build_dataset
+    from tandem.data import build_dataset
 
-    head, _, rest = spec.partition(":")
+    head = spec.partition(":")[0]
     if head == "shards":
         from tandem.data.shards import load_shards
 
@@ -75,7 +76,7 @@ def load_data(spec: str, *, cache_dir: str | None = None) -> Data:
         from tandem.data.folder import load_folder
 
         return Data.of_bundle(load_folder(spec))
-    if head not in DATASETS and rest and "=" not in rest.split(":")[0]:
+    if is_user_data(spec):
         return _call_user_data(spec)
     return Data.of_bundle(build_dataset(spec))
 

@@ -23,32 +23,26 @@ from torch import nn
 
 from tandem.data.info import DataInfo
 from tandem.errors import UsageError
-from tandem.models.emulated import EmulatedOptions, build_emulated
-from tandem.models.gpt import GPTOptions, build_gpt
+from tandem.model_spec import MODEL_OPTIONS, is_builtin, read_model_spec
+from tandem.models.emulated import build_emulated
+from tandem.models.gpt import build_gpt
 from tandem.models.init import initialize
-from tandem.models.mlp import MLPOptions, build_mlp
-from tandem.models.resnet import ResNetOptions, build_resnet
-from tandem.models.vgg import VGGOptions, build_vgg
-from tandem.options import fill_options, split_spec, user_function
+from tandem.models.mlp import build_mlp
+from tandem.models.resnet import build_resnet
+from tandem.models.vgg import build_vgg
+from tandem.options import user_function
 
 __all__ = ["MODELS", "build_model", "initialize", "is_builtin"]
 
 Builder = Callable[[Any, DataInfo], nn.Module]
 
+BUILDERS: dict[str, Builder] = {"mlp": build_mlp, "resnet": build_resnet, "vgg": build_vgg,
+                                "gpt": build_gpt, "emulated": build_emulated}
+
 MODELS: dict[str, tuple[type, Builder, str]] = {
-    "mlp": (MLPOptions, build_mlp, "classify"),
-    "resnet": (ResNetOptions, build_resnet, "classify"),
-    "vgg": (VGGOptions, build_vgg, "classify"),
-    "gpt": (GPTOptions, build_gpt, "lm"),
-    "emulated": (EmulatedOptions, build_emulated, "any"),
-}
-"""Name -> (options dataclass, builder, the task it trains on; ``any`` for every task)."""
-
-
-def is_builtin(spec: str) -> bool:
-    """Whether ``spec`` names a built-in model (not a user's ``package.module:function``)."""
-    head, _, rest = spec.partition(":")
-    return head in MODELS or not rest or "=" in rest.split(":")[0]
+    name: (options, BUILDERS[name], task) for name, (options, task) in MODEL_OPTIONS.items()}
+"""Name -> (options dataclass, builder, the task it trains on; ``any`` for every task): the
+names and options of :mod:`tandem.model_spec` (which reads a spec without torch)."""
 
 
 def build_model(spec: str, info: DataInfo | Callable[[], DataInfo], *, seed: int | None = None,
@@ -67,14 +61,8 @@ def build_model(spec: str, info: DataInfo | Callable[[], DataInfo], *, seed: int
     """
     if not is_builtin(spec):
         return _build_user_model(spec, info)
-    name, raw = split_spec(spec, what="model")
-    if name not in MODELS:
-        raise UsageError(
-            f"unknown model {name!r}; choose one of: {', '.join(sorted(MODELS))} "
-            f"(or give your own as package.module:function)"
-        )
-    options_cls, build, task = MODELS[name]
-    options = fill_options(options_cls, raw, spec=spec, what="model")
+    name, options = read_model_spec(spec)
+    _, build, task = MODELS[name]
     info = info() if callable(info) else info
     if task not in ("any", info.task):
         needs = "an image dataset (digits, images)" if task == "classify" else "a token dataset"

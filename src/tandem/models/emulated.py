@@ -65,6 +65,7 @@ import torch
 from torch import nn
 
 from tandem.data.info import DataInfo
+from tandem.model_spec import EmulatedOptions
 from tandem.profile import LayerProfile, load_profile, scale_call
 
 CHAIN_GAP_S = 1e-3
@@ -76,34 +77,6 @@ SPIN_S = 2e-4
 takes 0.1-0.3 ms on a loaded machine, which would otherwise lengthen every pass."""
 
 FLOAT_BYTES = 4
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class EmulatedOptions:
-    """Options of ``--model emulated:...``."""
-
-    profile: str = ""
-    """Profile to emulate: JSON or PipeDream ``graph.txt``."""
-    scale: float = 1.0
-    """Factor on every profiled time (0 for no waiting)."""
-    batch: int = 0
-    """Minibatch size the profile was measured at (0: the profile's ``batch_size``, if any)."""
-    bytes_scale: float = 1.0
-    """Factor on activation sizes (and parameter sizes with ``params=profiled``)."""
-    params: str = "small"
-    """``small`` (a few parameters per block) or ``profiled`` (the profiled parameter bytes)."""
-
-    def __post_init__(self) -> None:
-        if not self.profile:
-            raise ValueError("emulated needs profile=PATH (a JSON profile or a graph.txt)")
-        if not (self.scale >= 0 and math.isfinite(self.scale)):
-            raise ValueError(f"scale must be a finite number >= 0 (got {self.scale})")
-        if self.batch < 0:
-            raise ValueError(f"batch must be >= 0 (got {self.batch})")
-        if not (self.bytes_scale > 0 and math.isfinite(self.bytes_scale)):
-            raise ValueError(f"bytes_scale must be a finite number > 0 (got {self.bytes_scale})")
-        if self.params not in ("small", "profiled"):
-            raise ValueError(f"params must be small or profiled (got {self.params!r})")
 
 
 class Clock:

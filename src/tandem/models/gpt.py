@@ -2,37 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from tandem.data.info import DataInfo
-from tandem.options import positive
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class GPTOptions:
-    """Options of ``--model gpt:...``."""
-
-    layers: int = 4
-    """Number of transformer blocks."""
-    dim: int = 128
-    """Model width."""
-    heads: int = 4
-    """Attention heads; must divide ``dim``."""
-    mlp_ratio: int = 4
-    """Hidden width of each block's MLP, as a multiple of ``dim``."""
-    dropout: float = 0.0
-
-    def __post_init__(self) -> None:
-        for name in ("layers", "dim", "heads", "mlp_ratio"):
-            positive(name, getattr(self, name), GPTOptions.__dataclass_fields__[name].default)
-        if self.dim % self.heads:
-            raise ValueError(f"heads ({self.heads}) must divide dim ({self.dim})")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1) (got {self.dropout})")
+from tandem.model_spec import GPTOptions
 
 
 class Embedding(nn.Module):

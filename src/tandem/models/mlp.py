@@ -2,28 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 from torch import nn
 
 from tandem.data.info import DataInfo
-from tandem.options import positive
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class MLPOptions:
-    """Options of ``--model mlp:...``."""
-
-    hidden: int = 128
-    """Width of the hidden layers."""
-    layers: int = 4
-    """Number of blocks (linear layers); each block can become a pipeline stage."""
-
-    def __post_init__(self) -> None:
-        positive("hidden", self.hidden, 128)
-        if self.layers < 2:
-            raise ValueError(f"layers must be at least 2 (got {self.layers})")
+from tandem.model_spec import MLPOptions
 
 
 def build_mlp(options: MLPOptions, info: DataInfo) -> nn.Sequential:

@@ -3,52 +3,12 @@ ImageNet layouts (ResNet-18/34/50/101/152, ResNet-50 being bottleneck blocks [3,
 
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 from torch import nn
 
 from tandem.data.info import DataInfo
-from tandem.options import positive
-
-IMAGENET_LAYOUTS: dict[int, tuple[str, tuple[int, ...]]] = {
-    18: ("basic", (2, 2, 2, 2)),
-    34: ("basic", (3, 4, 6, 3)),
-    50: ("bottleneck", (3, 4, 6, 3)),
-    101: ("bottleneck", (3, 4, 23, 3)),
-    152: ("bottleneck", (3, 8, 36, 3)),
-}
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class ResNetOptions:
-    """Options of ``--model resnet:...``."""
-
-    depth: int = 20
-    """6n+2 for the CIFAR layout (20, 32, 56, ...); 18, 34, 50, 101 or 152 for ImageNet's."""
-    width: int = 0
-    """Channels of the first stage; 0 picks the layout's own (16 for CIFAR, 64 for ImageNet)."""
-    layout: str = "auto"
-    """``cifar``, ``imagenet``, or ``auto`` (ImageNet for depths 18/34/50/101/152)."""
-
-    def __post_init__(self) -> None:
-        if self.layout not in ("auto", "cifar", "imagenet"):
-            raise ValueError(f"layout must be auto, cifar or imagenet (got {self.layout!r})")
-        if self.width < 0:
-            raise ValueError(f"width must be >= 0 (got {self.width})")
-        if self.resolved_layout() == "imagenet" and self.depth not in IMAGENET_LAYOUTS:
-            raise ValueError(
-                f"no ImageNet layout of depth {self.depth}; use one of {sorted(IMAGENET_LAYOUTS)}"
-            )
-        if self.resolved_layout() == "cifar" and (self.depth < 8 or (self.depth - 2) % 6):
-            raise ValueError(f"CIFAR depth must be 6n+2 with n >= 1, e.g. 20 (got {self.depth})")
-        positive("depth", self.depth, 20)
-
-    def resolved_layout(self) -> str:
-        """The layout after resolving ``auto``."""
-        if self.layout != "auto":
-            return self.layout
-        return "imagenet" if self.depth in IMAGENET_LAYOUTS else "cifar"
+from tandem.model_spec import IMAGENET_LAYOUTS, ResNetOptions
 
 
 class BasicBlock(nn.Module):

@@ -2,33 +2,15 @@
 
 from __future__ import annotations
 
-import dataclasses
 
 from torch import nn
 
 from tandem.data.info import DataInfo
-from tandem.options import positive
+from tandem.model_spec import VGGOptions
 
 VGG16_LAYOUT: tuple[int | str, ...] = (
     64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M",
 )
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class VGGOptions:
-    """Options of ``--model vgg:...``."""
-
-    width: float = 1.0
-    """Multiplier of every layer's channels (0.25 gives a quarter-width VGG-16)."""
-    hidden: int = 0
-    """Width of the two hidden linear layers; 0 picks 4096 x width."""
-    bn: bool = False
-    """Add batch normalization after every convolution (VGG-16-BN)."""
-
-    def __post_init__(self) -> None:
-        positive("width", self.width, 0.25)
-        if self.hidden < 0:
-            raise ValueError(f"hidden must be >= 0 (got {self.hidden})")
 
 
 def build_vgg(options: VGGOptions, info: DataInfo) -> nn.Sequential:
