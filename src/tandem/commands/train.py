@@ -10,14 +10,17 @@ from typing import Any
 
 from tandem import strict_json
 from tandem.cluster import parse_duration
+from tandem.codec_spec import check_codec
+from tandem.data_spec import check_data_spec
 from tandem.errors import UsageError
+from tandem.model_spec import check_model_spec
 from tandem.plan import Plan
 from tandem.runtime.config import (
     BACKENDS, DEFAULT_BASE_BATCH, OPTIMIZERS, SCHEDULES, Job, RunConfig, make_job,
-    resolve_batch_size,
+    resolve_batch_size, sketch_job,
 )
-from tandem.runtime.dist import under_launcher, world_size
 from tandem.runtime.faults import check_fault
+from tandem.runtime.launcher_env import under_launcher, world_size
 from tandem.strategy import PLAN_FLAGS, STRATEGIES, plan_with_flags, strategy_of
 from tandem.sync_spec import GossipSync
 
@@ -194,18 +197,20 @@ def job_from_args(args: argparse.Namespace) -> Job:
     settings = resolve_batch_size(
         {key: value for key, value in vars(args).items() if key in fields and key != "nproc"})
     if args.plan is None:
-        return make_job(args.strategy or "dp", given,
-                        nproc=1 if processes is None else processes, **settings)
+        strategy, nproc = args.strategy or "dp", 1 if processes is None else processes
+        check_flags(sketch_job(strategy, given, RunConfig(**settings, nproc=nproc)))
+        return make_job(strategy, given, nproc=nproc, **settings)
     plan = plan_with_flags(Plan.load(args.plan), args.strategy, given, args.plan)
-    return Job(run=RunConfig(**settings, nproc=plan.num_workers if processes is None else processes),
-               plan=plan)
+    job = Job(run=RunConfig(**settings, nproc=plan.num_workers if processes is None else processes),
+              plan=plan)
+    check_flags(job)
+    return job
 
 
-def check_job(job: Job) -> None:
-    """Catch the user's mistakes before any worker starts (one :class:`UsageError`); warn once
-    if the local workers will share this machine's cores (:mod:`tandem.runtime.preflight`)."""
-    from tandem.runtime import preflight
-
+def check_flags(job: Job) -> None:
+    """The checks of :func:`check_job` that need neither torch nor the model, which ``tandem
+    train`` runs before it imports torch: on the job read with ``--plan``, or on the one its
+    flags sketch before the model decides the stages (:func:`~tandem.runtime.config.sketch_job`)."""
     run, plan = job.run, job.plan
     if run.max_restarts and under_launcher():
         raise UsageError(f"--max-restarts {run.max_restarts} restarts tandem's own workers; under "
@@ -215,20 +220,13 @@ def check_job(job: Job) -> None:
     if run.split_points is not None and not plan.pipelined:
         raise UsageError(f"--split-points cuts a model into pipeline blocks; it needs --strategy "
                          f"pipeline (this run is {strategy_of(plan)})")
-    data, model = preflight.build_checked(run, job.objects)
-    if plan.tensor_degree > 1:
-        from tandem.models.tensor import tensor_plan
-
-        tensor_plan(run.model if job.objects is None or job.objects.model is None else None,
-                    model, plan.tensor_degree, plan.tensor_layers)
-    preflight.check_batch(run, data)
-    preflight.check_output(model, data, run, job.objects)
-    note = None
+    if job.objects is None or job.objects.train is None:
+        check_data_spec(run.data)
+    if job.objects is None or job.objects.model is None:
+        check_model_spec(run.model)
     if plan.compress is not None:
-        from tandem.compress import check_compress
-
-        check_compress(plan.compress.text, strategy=strategy_of(plan),
-                       sgd_momentum=run.momentum if run.optimizer in ("sgd", "lars") else 0.0)
+        check_codec(plan.compress.text, strategy=strategy_of(plan),
+                    sgd_momentum=run.momentum if run.optimizer in ("sgd", "lars") else 0.0)
     if not under_launcher():
         job.check_world(run.nproc)
         if isinstance(plan.sync, GossipSync):
@@ -238,6 +236,25 @@ def check_job(job: Job) -> None:
             mixing_matrix(graph, plan.sync.weights)
             if plan.sync.asynchronous:
                 two_colouring(graph)
+
+
+def check_job(job: Job) -> None:
+    """Catch the user's mistakes before any worker starts (one :class:`UsageError`); warn once
+    if the local workers will share this machine's cores (:mod:`tandem.runtime.preflight`)."""
+    from tandem.runtime import preflight
+
+    run, plan = job.run, job.plan
+    check_flags(job)
+    data, model = preflight.build_checked(run, job.objects)
+    if plan.tensor_degree > 1:
+        from tandem.models.tensor import tensor_plan
+
+        tensor_plan(run.model if job.objects is None or job.objects.model is None else None,
+                    model, plan.tensor_degree, plan.tensor_layers)
+    preflight.check_batch(run, data)
+    preflight.check_output(model, data, run, job.objects)
+    note = None
+    if not under_launcher():
         if plan.pipelined:
             from tandem.runtime.pipeline.setup import (
                 example_inputs, pipeline_blocks, pipeline_setup,

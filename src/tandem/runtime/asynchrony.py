@@ -28,8 +28,6 @@ import torch
 if TYPE_CHECKING:
     from tandem.runtime.config import RunConfig
 
-COMPENSATIONS = ("auto", "off")
-"""``--async-compensation`` choices."""
 ADAM_BETA1 = 0.9
 """``beta1`` of the Adam-family optimizers (PyTorch's default, which tandem uses)."""
 

@@ -9,10 +9,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from tandem.batch_schedule import AUTO, BatchSchedule, parse_batch_schedule
+from tandem.codec_spec import BUCKET_CODECS
 from tandem.errors import UsageError
 from tandem.options import MAX_SEED
 from tandem.plan import Plan
-from tandem.runtime.asynchrony import COMPENSATIONS
 from tandem.sync_spec import ElasticAveragingSync
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "lars", "lamb")
@@ -27,6 +27,8 @@ multiplies the learning rate by 0.2 at step 200 and again at step 400)."""
 BACKENDS = ("auto", "gloo", "nccl")
 PRECISIONS = ("fp32", "bf16", "fp16")
 """``--precision`` choices (:mod:`tandem.runtime.precision` implements them)."""
+COMPENSATIONS = ("auto", "off")
+"""``--async-compensation`` choices (:mod:`tandem.runtime.asynchrony` implements them)."""
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 """Longest ``--timeout``: a week (a longer wait is no bound at all)."""
 MAX_THREADS = 1024
@@ -348,9 +350,6 @@ class Job:
         plan = self.plan
         if plan.compress is None:
             return
-        from tandem.compress import build_compression
-        from tandem.compress.codec import Codec
-
         spec, degree = plan.compress.text, plan.tensor_degree
         if plan.pipelined:
             raise UsageError(f"--compress {spec} is not supported in a pipeline x tensor layout "
@@ -360,7 +359,7 @@ class Job:
                              f"--tensor-parallel {degree} on {degree} workers has one replica; "
                              f"drop --compress, or use --nproc {2 * degree} (data 2 x tensor "
                              f"{degree})")
-        if not isinstance(build_compression(spec), Codec):
+        if plan.compress.name in BUCKET_CODECS:
             raise UsageError(f"--compress {spec} exchanges whole DDP buckets, which a "
                              f"tensor-parallel job does not use; pick a per-tensor codec (fp16, "
                              f"qsgd, topk, ...) or drop --compress")
@@ -493,20 +492,22 @@ def make_job(strategy: str = "dp", flags: Mapping[str, Any] | None = None, *,
     """The job ``tandem train --strategy STRATEGY FLAGS... SETTINGS...`` runs, for library use:
     ``flags`` are the plan's command-line flags (``{"--servers": 2, "--mode": "async"}``),
     ``settings`` the fields of :class:`RunConfig` (``nproc`` is the number of processes) and
-    ``objects`` the user's own model, data and loss (:class:`tandem.runtime.task.UserObjects`)."""
+    ``objects`` the user's own model, data and loss (:class:`tandem.runtime.task.UserObjects`).
+    The flags are checked (:func:`sketch_job`) before torch is imported and the model built."""
+    run = RunConfig(**resolve_batch_size(settings))
+    sketch_job(strategy, flags or {}, run, objects)
     from torch import nn
 
     from tandem.runtime.preflight import build_checked
     from tandem.strategy import STRATEGIES, plan_from_flags
 
-    run = RunConfig(**resolve_batch_size(settings))
     data, model = build_checked(run, objects)
     if isinstance(model, nn.Sequential) or not (strategy in STRATEGIES
                                                 and STRATEGIES[strategy].pipelined):
         blocks = len(model) if isinstance(model, nn.Sequential) else None
         plan = plan_from_flags(strategy, flags or {}, num_processes=run.nproc, num_blocks=blocks)
         return Job(run=run, plan=plan, objects=objects)
-    from tandem.runtime.dist import under_launcher
+    from tandem.runtime.launcher_env import under_launcher
     from tandem.runtime.pipeline.bounds import profiled_plan
     from tandem.runtime.pipeline.setup import example_inputs, pipeline_blocks
 
@@ -518,6 +519,18 @@ def make_job(strategy: str = "dp", flags: Mapping[str, Any] | None = None, *,
     if run.split_points is None and not under_launcher():
         plan = profiled_plan(plan, split, data.train, batch_size=run.batch_size,
                              threads=run.threads)
+    return Job(run=run, plan=plan, objects=objects)
+
+
+def sketch_job(strategy: str, flags: Mapping[str, Any], run: RunConfig,
+               objects: Any = None) -> Job:
+    """The job of ``tandem train --strategy STRATEGY FLAGS...`` as far as its flags tell, without
+    torch: every check of the plan and of the job runs on it. Its plan cuts as many blocks as
+    the job has processes (enough for every stage count the flags can give); in the job that
+    :func:`make_job` builds only the stages' blocks differ, as the model decides them."""
+    from tandem.strategy import plan_from_flags
+
+    plan = plan_from_flags(strategy, flags, num_processes=run.nproc, num_blocks=max(1, run.nproc))
     return Job(run=run, plan=plan, objects=objects)
 
 
