@@ -7,24 +7,23 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
 from tandem import strict_json
 from tandem.cluster import parse_size
-from tandem.data.pack import DEFAULT_SHARD_SIZE, pack
 from tandem.errors import UsageError
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        shard_size = int(parse_size(args.shard_size)) if args.shard_size else DEFAULT_SHARD_SIZE
+        shard_size = int(parse_size(args.shard_size)) if args.shard_size else None
     except UsageError:
         raise UsageError(f"--shard-size {args.shard_size!r} is not a size; write a number and a "
                          f"unit, e.g. --shard-size 64MB") from None
+    from tandem.data.pack import DEFAULT_SHARD_SIZE, pack  # torch, once the flags are checked
+
     bar = _Bar(enabled=args.progress)
     try:
-        result = pack(args.source, Path(args.out), shard_size=shard_size, progress=bar)
+        result = pack(args.source, Path(args.out), progress=bar,
+                      shard_size=DEFAULT_SHARD_SIZE if shard_size is None else shard_size)
     finally:
         bar.progress.stop()
     spec = result.source
@@ -43,6 +42,11 @@ class _Bar:
     """A progress bar of samples written (on stderr)."""
 
     def __init__(self, *, enabled: bool) -> None:
+        from rich.console import Console  # rich takes a tenth of a second: not for --help
+        from rich.progress import (
+            BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+        )
+
         self.progress = Progress(TextColumn("[bold]pack"), BarColumn(), MofNCompleteColumn(),
                                  TextColumn("samples"), TimeElapsedColumn(),
                                  console=Console(stderr=True), disable=not enabled)

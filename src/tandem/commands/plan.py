@@ -128,10 +128,10 @@ def run(args: argparse.Namespace) -> int:
     """Plan, print a table (stderr with --json) or JSON, and optionally write the plan."""
     check_output_files(("-o", args.output))
     cluster = build_cluster(args)
-    options = _options(args)
-    profile = load_source(args)
+    options, sim = _options(args), sim_options(args)
     if args.profile_batch is not None and args.profile_batch < 1:
         raise UsageError(f"--profile-batch must be at least 1 sample (got {args.profile_batch})")
+    profile = load_source(args)  # --model: measured, with torch, once the flags are checked
     if profile.batch_size is None and args.profile_batch:
         profile = dataclasses.replace(profile, batch_size=args.profile_batch)
     elif args.profile_batch is not None and args.profile_batch != profile.batch_size:
@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
                                       ("--microbatches", args.microbatches is not None),
                                       ("--straight", args.straight)) if given]
     plan = make_plan(profile, cluster, options, schedule=args.schedule or "1f1b",
-                     num_microbatches=args.microbatches, sim=sim_options(args),
+                     num_microbatches=args.microbatches, sim=sim,
                      pipeline_only=bool(asked))
     human = sys.stderr if args.json else sys.stdout
     if plan.options.get("branch_compression"):

@@ -7,7 +7,9 @@ import sys
 
 from tandem import strict_json
 from tandem.commands.output_paths import check_output_files
+from tandem.data_spec import check_data_spec
 from tandem.errors import UsageError
+from tandem.model_spec import check_model_spec
 from tandem.profile import ModelProfile
 
 
@@ -41,6 +43,10 @@ def measure(model_spec: str, batch_size: int, data_spec: str | None, *, warmup: 
             split_points: str | None = None) -> ModelProfile:  # fmt: skip
     """Build the model and a minibatch of its data, and profile it (a model that is not an
     ``nn.Sequential`` as the blocks of its split, see :mod:`tandem.split`)."""
+    if batch_size < 1:
+        raise UsageError(f"--batch-size must be at least 1 (got {batch_size})")
+    check_data_spec(data_spec or _default_data(model_spec))
+    check_model_spec(model_spec)
     import torch
     from torch import nn
 
@@ -49,8 +55,6 @@ def measure(model_spec: str, batch_size: int, data_spec: str | None, *, warmup: 
     from tandem.runtime.pipeline.setup import parse_split_points
     from tandem.runtime.profiler import profile_model
 
-    if batch_size < 1:
-        raise UsageError(f"--batch-size must be at least 1 (got {batch_size})")
     data = load_data(data_spec or _default_data(model_spec))
     torch.manual_seed(0)
     model = build_model(model_spec, lambda: data.info)

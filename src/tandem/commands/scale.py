@@ -233,8 +233,14 @@ def run(args: argparse.Namespace) -> int:
     """Analyse, print the table (stderr with --json) or JSON, and draw the plot."""
     check_output_files(("--plot", args.plot if args.plot and args.plot != "none" else None))
     cluster = with_memory(parse_cluster(args.cluster), args.memory)
+    options = ScaleOptions(max_devices=args.max_devices, compressions=_compressions(args.compress),
+                           microbatches_per_stage=args.microbatches_per_stage,
+                           families=_families(args.families),
+                           ps_servers=args.ps_servers, period=args.period,
+                           per_device_batch=args.per_device_batch,
+                           max_tensor_degree=args.max_tensor_degree)
     profile = load_source(argparse.Namespace(profile=args.profile, model=args.model,
-                                             batch_size=None, data=args.data))
+                                             batch_size=None, data=args.data))  # --model: torch
     weak = args.per_device_batch is not None
     if weak:
         profile = _weak_profile(args, profile)
@@ -246,13 +252,7 @@ def run(args: argparse.Namespace) -> int:
         batch = (f"global minibatch {batch_scale:g} profile minibatches"
                  + (f" ({samples} samples)" if samples else ""))
     sim = dataclasses.replace(sim_options(args, profile), batch_scale=batch_scale or 1.0)
-    options = ScaleOptions(max_devices=args.max_devices, compressions=_compressions(args.compress),
-                           microbatches_per_stage=args.microbatches_per_stage,
-                           batch_samples=samples, families=_families(args.families),
-                           ps_servers=args.ps_servers, period=args.period,
-                           per_device_batch=args.per_device_batch,
-                           max_tensor_degree=args.max_tensor_degree)
-    result = scale(profile, cluster, options, sim)
+    result = scale(profile, cluster, dataclasses.replace(options, batch_samples=samples), sim)
     human = sys.stderr if args.json else sys.stdout
     print(format_scale(result, args.cluster, batch), file=human)
     if args.plot and args.plot != "none":

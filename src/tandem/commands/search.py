@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import sys
 from typing import Any
@@ -190,22 +191,22 @@ def result_dict(found: SearchResult) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     """Search, print the comparison (stderr with --json) or JSON, and write the best plan."""
     check_output_files(("-o", args.output))
-    profile, cluster = planning_inputs(args)
     schedules = tuple(k.strip() for k in args.schedules.split(",") if k.strip())
     options = SearchOptions(budget_s=parse_duration(args.budget), max_iterations=args.iterations,
                             seed=args.seed, schedules=schedules,
                             max_microbatches=args.max_microbatches,
-                            batch_samples=_batch_samples(args, profile),
                             max_tensor_degree=args.max_tensor_degree,
                             recompute=not args.no_recompute)
-    sim = sim_options(args, profile)
-    partitioner, error = _partitioner(profile, cluster)
-    found = search(profile, cluster, options, sim, partitioner)
     methods = () if args.families.strip() == "none" else tuple(
         m.strip() for m in args.families.split(",") if m.strip())
     if args.pick != "allreduce" and args.pick not in methods:
         raise UsageError(f"--pick {args.pick!r} is not allreduce or one of --families "
                          f"{','.join(methods) or 'none'}; e.g. --pick ps")
+    profile, cluster = planning_inputs(args)  # --model: measured with torch, after the checks
+    options = dataclasses.replace(options, batch_samples=_batch_samples(args, profile))
+    sim = sim_options(args, profile)
+    partitioner, error = _partitioner(profile, cluster)
+    found = search(profile, cluster, options, sim, partitioner)
     families = best_of_families(profile, cluster, sim, methods, _batch_samples(args, profile))
     chosen = found.best if args.pick == "allreduce" else families.get(args.pick)
     if chosen is None:
