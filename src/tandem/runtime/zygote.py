@@ -19,9 +19,12 @@ while the launcher still reads its arguments.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import os
+import signal
 from typing import Any, Callable
 
 START_METHOD = "forkserver"
@@ -100,3 +103,18 @@ def child_context() -> Any:
     the platform's default. Fork before the worker starts threads or uses CUDA."""
     methods = multiprocessing.get_all_start_methods()
     return multiprocessing.get_context("fork" if "fork" in methods else methods[0])
+
+
+def stop() -> None:
+    """End this process's forkserver now, if it runs, and reap it: a command line's last act
+    (a forkserver left to end by itself stays a zombie until init collects it, and one still
+    importing would make the command wait for its imports). Its children end with it."""
+    if not (available() and _running()):
+        return
+    server = multiprocessing.forkserver._forkserver  # noqa: SLF001 - no public stop
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(server._forkserver_pid, signal.SIGKILL)  # noqa: SLF001
+    server._stop()  # noqa: SLF001 - closes its pipe and socket, and reaps it
+    tracker = multiprocessing.resource_tracker._resource_tracker  # started with the forkserver
+    if getattr(tracker, "_fd", None) is not None:
+        tracker._stop()  # noqa: SLF001 - it cleans up what is left, and is reaped
