@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,6 +39,34 @@ def temporary_path(path: Path) -> Path:
     """A hidden name beside ``path``, unique to this process, with the same suffix (writers
     such as matplotlib choose the format from it)."""
     return path.with_name(f".{path.stem}.tmp{os.getpid()}{path.suffix}")
+
+
+_TEMPORARY = re.compile(r"\.(?P<stem>.+)\.tmp(?P<pid>\d+)(?P<suffix>\.[^.]*)?")
+
+
+def remove_abandoned(directory: Path) -> list[Path]:
+    """Remove the temporary files in ``directory`` whose writer has ended without renaming them
+    (a worker killed mid-write by a stop signal); returns what was removed. The file they were
+    to replace keeps its last whole content."""
+    removed = []
+    for path in directory.glob(".*.tmp*"):
+        match = _TEMPORARY.fullmatch(path.name)
+        if match is None or _alive(int(match.group("pid"))):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 @contextlib.contextmanager

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from tandem.errors import UsageError
-from tandem.output_files import write_failure
+from tandem.output_files import remove_abandoned, write_failure
 from tandem.runtime.config import RunConfig
 from tandem.runtime.dist import under_launcher
 
@@ -54,6 +54,7 @@ def claim_out(run: RunConfig) -> Iterator[None]:
             _make_room(out, overwrite=run.overwrite)
         yield
     finally:
+        remove_abandoned(out)  # what workers stopped mid-write left (their files stay whole)
         os.close(fd)
 
 

@@ -92,7 +92,7 @@ class Carried:
         for name in [name for name in os.environ if not _agent_variable(name)]:
             if name not in self.environ:
                 del os.environ[name]
-        os.environ.update(self.environ)
+        os.environ.update({k: v for k, v in self.environ.items() if not _agent_variable(k)})
         return self.fn(arg)
 
 
