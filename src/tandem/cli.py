@@ -37,8 +37,9 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def build_parser() -> ArgumentParser:
-    """The parser of all subcommands."""
+def build_parser(command: str | None = None) -> ArgumentParser:
+    """The parser of all subcommands, or of ``command`` alone: all that a command line naming
+    it needs, without importing the other commands' modules (the planning commands' numpy)."""
     from tandem.commands.config_file import add_config_argument
 
     parser = ArgumentParser(
@@ -47,11 +48,12 @@ def build_parser() -> ArgumentParser:
     subparsers = parser.add_subparsers(
         dest="command", required=True, metavar="COMMAND", parser_class=ArgumentParser
     )
-    for name in COMMANDS:
+    for name in COMMANDS if command is None else (command,):
         importlib.import_module(f"tandem.commands.{name}").add_parser(subparsers)
     parser.commands = subparsers.choices
     for name in CONFIG_COMMANDS:
-        add_config_argument(parser.commands[name])
+        if name in parser.commands:
+            add_config_argument(parser.commands[name])
     return parser
 
 
@@ -98,7 +100,7 @@ def _catch_stop_signals() -> dict[int, object]:
 def _main(argv: list[str]) -> int:
     from tandem.commands.config_file import expand_config
 
-    parser = build_parser()
+    parser = build_parser(argv[0] if argv and argv[0] in COMMANDS else None)
     if argv and argv[0] in CONFIG_COMMANDS:
         try:
             argv = [argv[0], *expand_config(parser.commands[argv[0]], argv[1:])]
