@@ -10,8 +10,9 @@ STAMP := $(VENV)/.tandem-installed
 demo: $(STAMP)
 	$(VENV)/bin/tandem demo
 
+# the whole suite, then its 25 slowest tests; one tier alone: `$(PY) -m pytest -m pure` (README)
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 install: $(STAMP)
 

@@ -1,13 +1,19 @@
-"""Shared helpers: run the real ``tandem`` command line in a subprocess with a time limit."""
+"""Shared helpers: run the ``tandem`` command line in this process or in a subprocess, and the
+cost tiers every test is marked with (``pytest -m pure`` runs one tier; see the README)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import json
+import multiprocessing.process
 import os
+import random
+import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,13 +22,21 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
+TIERS = ("pure", "multiprocess", "cli")
+"""What a test costs, one of these per test (``statistical`` may be added to any)."""
+_LAUNCHER_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+"""A torchrun worker's variables: a run started from a test is never one."""
+
 
 def run_tandem(*args: str, timeout_s: float = 180) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m tandem ARGS`` with one thread per process; fail the test on a hang."""
+    """Run ``python -m tandem ARGS`` in a subprocess with one thread per process; fail the test
+    on a hang. For the command's own contract (exit status, what goes to stdout and to stderr,
+    signals): each call pays a torch import. Anything else runs in this process
+    (:func:`run_here`, :func:`run_json`)."""
     # this checkout's src first (a git worktree's, not the one the editable install names)
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
-    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+    for key in _LAUNCHER_KEYS:
         env.pop(key, None)
     return subprocess.run(
         [sys.executable, "-m", "tandem", *args], capture_output=True, text=True, env=env,
@@ -30,9 +44,55 @@ def run_tandem(*args: str, timeout_s: float = 180) -> subprocess.CompletedProces
     )
 
 
-def run_json(*args: str, timeout_s: float = 180) -> dict[str, Any]:
-    """Run a command with ``--json`` and return its summary; fail with its stderr otherwise."""
-    result = run_tandem(*args, "--json", "--no-progress", timeout_s=timeout_s)
+def run_here(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``tandem ARGS`` in this process (``tandem.cli.main``), as :func:`run_tandem` would:
+    its exit status and what the command printed on stdout and stderr (the local workers'
+    own output is not captured; it shows in the test's output). ``env`` adds variables for this
+    run. The process's environment, working directory, ``sys.path``, signal handlers, random
+    states and thread count are restored afterwards. A hang ends at pytest's timeout."""
+    from tandem.cli import main
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with _isolated(env), contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse's usage errors and --help
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            if isinstance(exc.code, str):
+                print(exc.code, file=sys.stderr)
+    return subprocess.CompletedProcess(["tandem", *args], code, stdout.getvalue(),
+                                       stderr.getvalue())
+
+
+@contextlib.contextmanager
+def _isolated(env: dict[str, str] | None) -> Iterator[None]:
+    """Give a run a subprocess's clean start where it matters, and take back what it changed."""
+    environ, cwd, path = dict(os.environ), os.getcwd(), list(sys.path)
+    handlers = {signum: signal.getsignal(signum)
+                for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    rng, py_rng, threads = torch.get_rng_state(), random.getstate(), torch.get_num_threads()
+    for key in _LAUNCHER_KEYS:
+        os.environ.pop(key, None)
+    os.environ.update({"OMP_NUM_THREADS": "1", **(env or {})})
+    os.chdir(ROOT)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+        os.chdir(cwd)
+        sys.path[:] = path
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        torch.set_rng_state(rng)
+        random.setstate(py_rng)
+        torch.set_num_threads(threads)
+
+
+def run_json(*args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run a command with ``--json`` in this process and return its summary; fail with its
+    stderr otherwise."""
+    result = run_here(*args, "--json", "--no-progress", env=env)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -61,11 +121,11 @@ def shared_run(tmp_path_factory: pytest.TempPathFactory) -> SharedRun:
     that resumes or adds to a run's outputs starts its own)."""
     runs: dict[tuple[tuple[str, ...], ...], tuple[Path, dict[str, Any]]] = {}
 
-    def run(*args: str, timeout_s: float = 180) -> tuple[Path, dict[str, Any]]:
+    def run(*args: str) -> tuple[Path, dict[str, Any]]:
         key = _canonical(args)
         if key not in runs:
             out = tmp_path_factory.mktemp("shared-run")
-            runs[key] = (out, run_json("train", *args, "--out", str(out), timeout_s=timeout_s))
+            runs[key] = (out, run_json("train", *args, "--out", str(out)))
         out, summary = runs[key]
         return out, copy.deepcopy(summary)
 
@@ -96,3 +156,53 @@ def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, s
     code = main(list(argv))
     out, err = capsys.readouterr()
     return code, out, err
+
+
+# The tiers: every test carries one, and a test that starts a process its tier does not allow
+# fails, so that ``-m pure`` starts none and ``-m "not cli"`` starts no interpreter. (A module
+# of mixed tests marks each test: ``-m`` would see a module's mark beside a test's own.)
+
+_current: list[pytest.Item] = []
+"""The test running now (the guards below read its tier)."""
+
+
+def tiers_of(item: pytest.Item) -> set[str]:
+    """The tiers a test is marked with: its own, its class's and its module's (``pytestmark``)."""
+    return {mark.name for mark in item.iter_markers() if mark.name in TIERS}
+
+
+def _running(item: pytest.Item) -> Iterator[None]:
+    if len(tiers := tiers_of(item)) != 1:
+        pytest.fail(f"{item.nodeid} is marked {sorted(tiers) or 'with no tier'}: mark it, or "
+                    f"its module, with one of {', '.join(TIERS)} (see tests/conftest.py)",
+                    pytrace=False)
+    _current.append(item)
+    try:
+        return (yield)
+    finally:
+        _current.pop()
+
+
+pytest_runtest_setup = pytest.hookimpl(wrapper=True)(_running)  # its fixtures' runs count too
+pytest_runtest_call = pytest.hookimpl(wrapper=True)(_running)
+
+
+def _tier() -> str | None:
+    """The running test's tier; None outside a test (collection, a session fixture's end)."""
+    return next(iter(tiers_of(_current[-1]))) if _current else None
+
+
+def _guard(original: Callable[..., Any], allowed: tuple[str, ...], what: str) -> Callable[..., Any]:
+    def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        tier = _tier()
+        if tier is not None and tier not in allowed:
+            pytest.fail(f"a test marked {tier!r} {what}: mark it "
+                        f"{' or '.join(repr(name) for name in allowed)}", pytrace=False)
+        return original(self, *args, **kwargs)
+    return guarded
+
+
+subprocess.Popen.__init__ = _guard(  # type: ignore[method-assign]
+    subprocess.Popen.__init__, ("cli",), "started a subprocess")
+multiprocessing.process.BaseProcess.start = _guard(  # type: ignore[method-assign]
+    multiprocessing.process.BaseProcess.start, ("multiprocess", "cli"), "started a process")

@@ -12,9 +12,10 @@ import torch
 
 from tandem.runtime.asynchrony import apply_compensation, compensation, restore_momentum
 from tandem.runtime.trainer import async_batch_share
-from tests.conftest import SharedRun, run_tandem
+from tests.conftest import SharedRun, run_here
 
 
+@pytest.mark.pure
 def test_parameter_server_updates_take_off_the_implicit_momentum_and_keep_the_step_per_sample() -> None:
     # 4 workers: updates 3 stale, each of a quarter of the batch (Mitliagkas et al.: implicit
     # momentum 1 - 1/4 = 0.75 of the explicit 0.9 leaves 0.15)
@@ -24,6 +25,7 @@ def test_parameter_server_updates_take_off_the_implicit_momentum_and_keep_the_st
     assert 0.05 * comp.lr_scale / (1 - comp.momentum) / 16 == pytest.approx(0.05 / 0.1 / 64)
 
 
+@pytest.mark.pure
 def test_pipedream_drops_momentum_and_divides_the_long_run_step() -> None:
     comp = compensation("auto", 0.9, 3)
     assert comp.momentum == 0.0
@@ -32,6 +34,7 @@ def test_pipedream_drops_momentum_and_divides_the_long_run_step() -> None:
     assert vertical.lr_scale == pytest.approx(1 / 0.1 / 4)
 
 
+@pytest.mark.pure
 def test_no_delay_or_off_changes_nothing_and_adam_keeps_its_step_size() -> None:
     for comp in (compensation("auto", 0.9, 0), compensation("off", 0.9, 3, share=0.25)):
         assert (comp.momentum, comp.lr_scale) == (0.9, 1.0)
@@ -39,6 +42,7 @@ def test_no_delay_or_off_changes_nothing_and_adam_keeps_its_step_size() -> None:
     assert (adam.momentum, adam.lr_scale) == (pytest.approx(0.15), 0.25)
 
 
+@pytest.mark.pure
 def test_applied_to_sgd_and_adam_groups() -> None:
     param = torch.nn.Parameter(torch.zeros(2))
     sgd = torch.optim.SGD([param], lr=0.05, momentum=0.9)
@@ -51,6 +55,7 @@ def test_applied_to_sgd_and_adam_groups() -> None:
     assert adam.param_groups[0]["lr"] == pytest.approx(1e-3 / 2 ** 0.5)
 
 
+@pytest.mark.pure
 def test_a_resumed_optimizer_takes_this_runs_momentum_not_the_checkpoints() -> None:
     param = torch.nn.Parameter(torch.zeros(2))
     saved = torch.optim.SGD([param], lr=0.05, momentum=0.9).state_dict()  # a sync run's
@@ -63,6 +68,7 @@ def test_a_resumed_optimizer_takes_this_runs_momentum_not_the_checkpoints() -> N
     assert resumed.param_groups[0]["momentum"] == pytest.approx(0.15)
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("first", [0, 40])
 def test_asynchronous_workers_read_every_share_of_every_batch_once(first: int) -> None:
     workers = 4
@@ -78,6 +84,8 @@ def test_asynchronous_workers_read_every_share_of_every_batch_once(first: int) -
 DEFAULTS = ("--data", "digits", "--steps", "300", "--batch-size", "64")
 
 
+@pytest.mark.multiprocess
+@pytest.mark.statistical
 def test_async_parameter_server_learns_with_the_defaults(shared_run: SharedRun) -> None:
     _, summary = shared_run("--strategy", "ps", "--mode", "async", "--nproc", "5", *DEFAULTS)
     # 0.97-0.975 on seeds 0-2 (benchmarks/async_convergence.py); the order of asynchronous
@@ -89,6 +97,8 @@ def test_async_parameter_server_learns_with_the_defaults(shared_run: SharedRun) 
     assert summary["async_compensation"] == {"delay": 3, "momentum": 0.15, "lr_scale": 2.125}
 
 
+@pytest.mark.multiprocess
+@pytest.mark.statistical
 def test_pipedream_learns_with_the_defaults(shared_run: SharedRun) -> None:
     """4 stages of PipeDream (updates 3 minibatches stale) learn digits with the defaults, but
     their test accuracy after 300 steps depends on the seed: 0.78-0.97 over seeds 0-4 with the
@@ -102,6 +112,7 @@ def test_pipedream_learns_with_the_defaults(shared_run: SharedRun) -> None:
     assert summary["async_compensation"]["delay"] == 3
 
 
+@pytest.mark.multiprocess
 def test_async_steps_checkpoint_log_and_evaluate_per_global_batch(shared_run: SharedRun) -> None:
     out, summary = shared_run("--strategy", "ps", "--mode", "ssp", "--nproc", "3", "--steps",
                               "12", "--log-every", "4", "--eval-every", "6",
@@ -116,23 +127,24 @@ def test_async_steps_checkpoint_log_and_evaluate_per_global_batch(shared_run: Sh
     assert torch.load(out / "server-0.pt", weights_only=False)["step"] == 12
 
 
+@pytest.mark.pure
 def test_bad_compensation_and_mid_run_evaluation_of_split_servers_are_one_line() -> None:
-    result = run_tandem("train", "--strategy", "ps", "--mode", "async", "--nproc", "3",
+    result = run_here("train", "--strategy", "ps", "--mode", "async", "--nproc", "3",
                         "--async-compensation", "yes")
     assert result.returncode == 2 and "--async-compensation 'yes'" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
-    result = run_tandem("train", "--strategy", "dp", "--nproc", "2", "--async-compensation", "off")
+    result = run_here("train", "--strategy", "dp", "--nproc", "2", "--async-compensation", "off")
     assert result.returncode == 2 and "--async-compensation off" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
-    result = run_tandem("train", "--strategy", "ps", "--mode", "async", "--nproc", "3",
+    result = run_here("train", "--strategy", "ps", "--mode", "async", "--nproc", "3",
                         "--staleness-lr")
     assert result.returncode == 2 and "--async-compensation off" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
-    result = run_tandem("train", "--strategy", "ps", "--mode", "ssp", "--nproc", "3",
+    result = run_here("train", "--strategy", "ps", "--mode", "ssp", "--nproc", "3",
                         "--compress", "topk:ratio=0.1", "--checkpoint-every", "5")
     assert result.returncode == 2 and "--mode sync" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
-    result = run_tandem("train", "--strategy", "ps", "--servers", "2", "--nproc", "4",
+    result = run_here("train", "--strategy", "ps", "--servers", "2", "--nproc", "4",
                         "--eval-every", "5")
     assert result.returncode == 2 and "--servers 1" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tandem.runtime.pipeline.wire import Wire
-from tests.conftest import max_abs_diff, run_cli, run_json, run_tandem
+from tests.conftest import max_abs_diff, run_cli, run_here, run_json
 
 BN = ("--model", "tests.split_models:skip_bn", "--data", "digits", "--batch-size", "32")
 TIED = ("--model", "tests.split_models:tied_lm", "--data", "tokens:n=256,seq=8,vocab=32",
@@ -31,6 +31,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return found
 
 
+@pytest.mark.multiprocess
 def test_skip_connection_batchnorm_pipeline_matches_dp(reference: dict[str, Path],
                                                        tmp_path: Path) -> None:
     summary = run_json("train", *BN, *SGD, "--strategy", "pipeline", "--nproc", "2",
@@ -41,6 +42,7 @@ def test_skip_connection_batchnorm_pipeline_matches_dp(reference: dict[str, Path
     assert max_abs_diff(reference["bn"], tmp_path / "final.pt") <= 1e-5
 
 
+@pytest.mark.multiprocess
 def test_skip_connection_batchnorm_four_stage_pipeline_matches_dp(reference: dict[str, Path],
                                                                   tmp_path: Path) -> None:
     """Split automatically into 4 stages: skip tensors and BatchNorm buffers cross 3 cuts."""
@@ -55,6 +57,7 @@ def shared(summary: dict) -> list[dict]:
     return [tie for worker in summary["workers"] for tie in worker["shared_parameters"]]
 
 
+@pytest.mark.multiprocess
 def test_tied_embedding_pipeline_matches_dp(reference: dict[str, Path], tmp_path: Path) -> None:
     """Cut before the user's split points: blocks embed..layers.0, layers.1..layers.2, norm..out."""
     summary = run_json("train", *TIED, *SGD, "--strategy", "pipeline", "--nproc", "2",
@@ -69,6 +72,7 @@ def test_tied_embedding_pipeline_matches_dp(reference: dict[str, Path], tmp_path
     assert max_abs_diff(reference["tied"], tmp_path / "final.pt") <= 1e-5
 
 
+@pytest.mark.multiprocess
 def test_profile_plan_and_a_four_stage_run(reference: dict[str, Path], tmp_path: Path,
                                            capsys: pytest.CaptureFixture[str]) -> None:
     profile, plan = tmp_path / "profile.json", tmp_path / "plan.json"
@@ -90,6 +94,7 @@ def test_profile_plan_and_a_four_stage_run(reference: dict[str, Path], tmp_path:
 UNBALANCED = ("--model", "tests.split_models:unbalanced", "--data", "digits", "--batch-size", "32")
 
 
+@pytest.mark.multiprocess
 def test_stages_are_cut_where_the_profile_balances_them(tmp_path: Path) -> None:
     """Block 3 (a wide weight applied six times) outweighs the other 13 blocks together: the
     partitioner gives it the stage with fewer blocks, not 7 blocks to each stage."""
@@ -108,6 +113,7 @@ def test_stages_are_cut_where_the_profile_balances_them(tmp_path: Path) -> None:
     assert max_abs_diff(dp / "final.pt", tmp_path / "run" / "final.pt") <= 1e-5
 
 
+@pytest.mark.pure
 def test_profile_at_split_points(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_cli(capsys, "profile", *TIED, "--split-points", "layers.1,norm", "--json")
     assert code == 0, err
@@ -115,6 +121,7 @@ def test_profile_at_split_points(capsys: pytest.CaptureFixture[str]) -> None:
         "0: embed..layers.0", "1: layers.1..layers.2", "2: norm..out"]
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(("flags", "message"), [
     (("--strategy", "dp"), "--split-points cuts a model into pipeline blocks; it needs --strategy "
                            "pipeline (this run is dp)"),
@@ -126,9 +133,10 @@ def test_split_points_mistakes(capsys: pytest.CaptureFixture[str], flags: tuple[
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.pure
 def test_an_untraceable_model_is_one_line_and_exit_2() -> None:
-    result = run_tandem("train", "--model", "tests.split_models:value_branch", "--data", "digits",
-                        "--strategy", "pipeline", "--nproc", "2", "--steps", "1", timeout_s=120)
+    result = run_here("train", "--model", "tests.split_models:value_branch", "--data", "digits",
+                      "--strategy", "pipeline", "--nproc", "2", "--steps", "1")
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
@@ -136,6 +144,7 @@ def test_an_untraceable_model_is_one_line_and_exit_2() -> None:
     assert "`if h.sum() > 0:`" in lines[0] and "nn.Sequential" in lines[0]
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("codec", [None, "bf16"])
 def test_several_tensors_travel_as_one_message(codec: str | None) -> None:
     wire = Wire.build(codec, rank=0, world_size=2)

@@ -31,6 +31,7 @@ COMMON = ("--model", "mlp", "--data", "digits", "--steps", "20", "--batch-schedu
 # -- parsing ---------------------------------------------------------------------------------
 
 
+@pytest.mark.pure
 def test_parse_and_look_up() -> None:
     schedule = parse_batch_schedule("64@0, 128@200,256@400", steps=500)
     assert schedule == ((0, 64), (200, 128), (400, 256))
@@ -39,6 +40,7 @@ def test_parse_and_look_up() -> None:
         64, 64, 128, 128, 256, 256]
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(("text", "message"), [
     ("64@x", "not BATCH@STEP"), ("64", "not BATCH@STEP"), ("@0", "not BATCH@STEP"),
     ("", "empty entry"), ("64@0,,128@5", "empty entry"), ("-64@0", "at least 1"),
@@ -51,6 +53,7 @@ def test_malformed_schedules(text: str, message: str) -> None:
         parse_batch_schedule(text, steps=100)
 
 
+@pytest.mark.pure
 def test_batch_size_comes_from_the_schedule() -> None:
     settings = resolve_batch_size({"batch_size": None, "batch_schedule": "32@0,64@5"})
     assert RunConfig(**settings).batch_size == 32
@@ -61,6 +64,7 @@ def test_batch_size_comes_from_the_schedule() -> None:
 # -- the sampler -----------------------------------------------------------------------------
 
 
+@pytest.mark.pure
 def test_steps_walk_epochs_across_batch_changes() -> None:
     sampler = GlobalBatchSampler(10, global_batch_size=2, seed=0, shuffle=False,
                                  schedule=((0, 2), (3, 4)))
@@ -77,6 +81,7 @@ def test_steps_walk_epochs_across_batch_changes() -> None:
     assert sampler.global_indices(6).tolist() == [8, 9]
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("schedule", [((0, 8),), ((0, 8), (5, 16)), ((0, 4), (3, 24), (9, 50))])
 @pytest.mark.parametrize("num_samples", [64, 101])
 def test_every_epoch_reads_every_sample_once(schedule: tuple[tuple[int, int], ...],
@@ -90,6 +95,7 @@ def test_every_epoch_reads_every_sample_once(schedule: tuple[tuple[int, int], ..
         assert sum(sampler.epoch_batch_sizes(epoch)) == num_samples
 
 
+@pytest.mark.pure
 def test_ranks_share_each_scheduled_batch() -> None:
     sampler = GlobalBatchSampler(50, global_batch_size=4, seed=1, schedule=((0, 4), (4, 12)))
     for step in range(12):
@@ -99,6 +105,7 @@ def test_ranks_share_each_scheduled_batch() -> None:
     assert len(list(loader)) == len(sampler.epoch_steps(0))
 
 
+@pytest.mark.pure
 def test_fixed_batch_is_unchanged_and_resume_math_agrees() -> None:
     fixed = GlobalBatchSampler(100, global_batch_size=30, seed=2)
     scheduled = GlobalBatchSampler(100, global_batch_size=30, seed=2, schedule=((0, 30),))
@@ -118,6 +125,7 @@ def test_fixed_batch_is_unchanged_and_resume_math_agrees() -> None:
         grown.extend(9, 80)
 
 
+@pytest.mark.pure
 def test_shard_epochs_are_cut_for_the_schedule() -> None:
     """Shards: each partition reads its share of every scheduled batch from its own stream."""
     from tandem.data.shards import ShardBatchSampler
@@ -137,6 +145,7 @@ def test_shard_epochs_are_cut_for_the_schedule() -> None:
 # -- the auto policy -------------------------------------------------------------------------
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(("current", "estimate", "workers", "cap", "expected"), [
     (64, None, 2, 1437, 64),        # no estimate yet: keep
     (64, float("nan"), 2, 1437, 64),
@@ -154,12 +163,14 @@ def test_auto_next_batch(current: int, estimate: float | None, workers: int, cap
 # -- step learning-rate decay ----------------------------------------------------------------
 
 
+@pytest.mark.pure
 def test_step_decay() -> None:
     config = RunConfig(steps=500, lr_schedule="step:0.2@200,400")
     assert [lr_factor(config, s) for s in (0, 199, 200, 399, 400, 499)] == pytest.approx(
         [1, 1, 0.2, 0.2, 0.04, 0.04])
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(("text", "message"), [
     ("step:0.2", "not step:FACTOR"), ("step:x@200", "not step:FACTOR"),
     ("step:0.2@200,x", "not step:FACTOR"), ("step:0@200", "other than 1"),
@@ -173,6 +184,7 @@ def test_bad_step_decay(text: str, message: str) -> None:
 # -- bad input on the command line: one line, exit 2 -----------------------------------------
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(("args", "message"), [
     (("--batch-schedule", "64@x"), "not BATCH@STEP"),
     (("--batch-schedule", "128@0,64@10"), "only grows"),
@@ -196,6 +208,7 @@ def test_bad_input_is_one_line(capsys: pytest.CaptureFixture[str], args: tuple[s
 # -- training with a schedule ----------------------------------------------------------------
 
 
+@pytest.mark.multiprocess
 def test_single_process_logs_the_batch(shared_run: SharedRun) -> None:
     out, summary = shared_run(*COMMON, "--nproc", "1")
     assert summary["batch_schedule"] == SCHEDULE
@@ -205,6 +218,7 @@ def test_single_process_logs_the_batch(shared_run: SharedRun) -> None:
         (5, 32), (10, 64), (15, 256), (20, 256)]
 
 
+@pytest.mark.multiprocess
 def test_dp_with_a_schedule_matches_one_process(shared_run: SharedRun) -> None:
     single, _ = shared_run(*COMMON, "--nproc", "1")
     dp, summary = shared_run(*COMMON, "--nproc", "2", "--accumulate", "2")
@@ -212,6 +226,7 @@ def test_dp_with_a_schedule_matches_one_process(shared_run: SharedRun) -> None:
     assert max_abs_diff(single / "final.pt", dp / "final.pt") <= 1e-5
 
 
+@pytest.mark.multiprocess
 def test_pipeline_with_a_schedule_matches_one_process(shared_run: SharedRun) -> None:
     single, _ = shared_run(*COMMON, "--nproc", "1")
     piped, summary = shared_run(*COMMON, "--strategy", "pipeline", "--nproc", "2",
@@ -220,6 +235,7 @@ def test_pipeline_with_a_schedule_matches_one_process(shared_run: SharedRun) -> 
     assert max_abs_diff(single / "final.pt", piped / "final.pt") <= 1e-5
 
 
+@pytest.mark.multiprocess
 def test_resume_across_a_batch_change(shared_run: SharedRun, tmp_path: Path) -> None:
     single, _ = shared_run(*COMMON, "--nproc", "1")
     stopped = run_json("train", *COMMON, "--nproc", "1", "--stop-after", "11",
@@ -233,6 +249,7 @@ def test_resume_across_a_batch_change(shared_run: SharedRun, tmp_path: Path) -> 
     assert max_abs_diff(single / "final.pt", tmp_path / "final.pt") <= 1e-6
 
 
+@pytest.mark.multiprocess
 def test_auto_runs_under_dp_and_records_its_schedule(tmp_path: Path) -> None:
     """Without a noise-scale estimate in the trainer the batch stays at --batch-size; the
     decision runs at every log step on every worker (a collective) and is checkpointed."""
@@ -244,6 +261,7 @@ def test_auto_runs_under_dp_and_records_its_schedule(tmp_path: Path) -> None:
     assert checkpoint["data"]["batch_schedule"] == "32@0"
 
 
+@pytest.mark.multiprocess
 def test_sync_ps_with_a_schedule_matches_one_process(shared_run: SharedRun) -> None:
     single, _ = shared_run(*COMMON, "--nproc", "1")
     ps, summary = shared_run(*COMMON, "--strategy", "ps", "--nproc", "3", "--servers", "1")
@@ -251,6 +269,7 @@ def test_sync_ps_with_a_schedule_matches_one_process(shared_run: SharedRun) -> N
     assert max_abs_diff(single / "final.pt", ps / "final.pt") <= 1e-5
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("strategy", [
     ("--strategy", "ps", "--nproc", "3", "--servers", "1", "--mode", "async"),
     ("--strategy", "gossip", "--nproc", "2", "--async-gossip"),

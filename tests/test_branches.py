@@ -27,6 +27,8 @@ from tandem.planning.simulate import simulate
 from tandem.profile import LayerProfile, ModelProfile, load_profile
 from tests.conftest import run_cli
 
+pytestmark = pytest.mark.pure
+
 DATA = Path(__file__).parent / "data" / "profiles"
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "profiles"
 

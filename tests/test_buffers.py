@@ -21,7 +21,7 @@ from tandem.sync.gossip import GossipMixer
 from tandem.topology import build_topology, mixing_matrix
 
 from tests.bn_models import resnet, unused
-from tests.conftest import ROOT, max_abs_diff, run_json, run_tandem
+from tests.conftest import ROOT, max_abs_diff, run_here, run_json
 from tests.distributed import run_distributed
 
 BN = ("--model", "tests.bn_models:resnet", "--data", "digits", "--steps", "12",
@@ -46,6 +46,7 @@ def _check_buffers_trained(path: Path) -> None:
     assert float((state["block.bn2.running_var"] - 1).abs().max()) > 1e-3
 
 
+@pytest.mark.multiprocess
 def test_synchronous_ps_ends_with_dp_parameters_and_buffers(dp_run: Path, tmp_path: Path) -> None:
     """Two servers: the parameters are sharded, the buffers travel with server 0's shard."""
     summary = run_json("train", *BN, "--strategy", "ps", "--servers", "2", "--nproc", "4",
@@ -57,6 +58,7 @@ def test_synchronous_ps_ends_with_dp_parameters_and_buffers(dp_run: Path, tmp_pa
     assert summary["test_accuracy"] == dp_summary["test_accuracy"]  # dp's workers agree too
 
 
+@pytest.mark.cli
 def test_ps_runs_under_torchrun_and_matches_dp(dp_run: Path, tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
@@ -72,6 +74,7 @@ def test_ps_runs_under_torchrun_and_matches_dp(dp_run: Path, tmp_path: Path) -> 
     assert max_abs_diff(dp_run, tmp_path / "final.pt") <= 1e-5
 
 
+@pytest.mark.multiprocess
 def test_asynchronous_ps_takes_the_pushed_buffers(tmp_path: Path) -> None:
     """With one worker, asynchronous parameter-server training is plain SGD: the server's
     buffers are the ones each push carries, as one process's are after each forward. (With 2
@@ -124,6 +127,7 @@ def _buffer_values(model: torch.nn.Module) -> dict[str, float]:
     return {name: float(b.flatten()[0]) for name, b in model.named_buffers()}
 
 
+@pytest.mark.multiprocess
 def test_averaging_and_gossip_strategies_average_float_buffers_and_keep_counters() -> None:
     ranks = run_distributed(_strategy_buffers, 2)
     float_mean, after_drift = 1.5, 2.0  # (1 + 2) / 2; then rank r adds r: (1.5 + 2.5) / 2
@@ -139,16 +143,18 @@ def test_averaging_and_gossip_strategies_average_float_buffers_and_keep_counters
         assert set(seen["dp consensus"].values()) == {1.0, 0.0}
 
 
+@pytest.mark.multiprocess
 def test_an_unused_parameter_is_one_line_naming_it_and_the_flag() -> None:
     for strategy in (("--strategy", "dp", "--nproc", "2"),
                      ("--strategy", "ps", "--mode", "async", "--nproc", "3")):
-        result = run_tandem("train", *UNUSED, *strategy, "--no-progress", timeout_s=120)
+        result = run_here("train", *UNUSED, *strategy, "--no-progress")
         lines = [line for line in result.stderr.splitlines() if "warning" not in line]
         assert result.returncode == 2, result.stderr
         assert len(lines) == 1, result.stderr
         assert "spare.weight, spare.bias" in lines[0] and "--find-unused-parameters" in lines[0]
 
 
+@pytest.mark.multiprocess
 def test_find_unused_parameters_trains_with_a_zero_gradient_in_dp_and_ps(tmp_path: Path) -> None:
     """Weight decay moves the unused parameters, the same way in both strategies."""
     run_json("train", *UNUSED, "--strategy", "dp", "--nproc", "2", "--find-unused-parameters",

@@ -11,6 +11,8 @@ from tandem.errors import UsageError, WorkerFailure
 from tandem.runtime import checkpoint
 from tandem.runtime.checkpoint import CHECKPOINT_VERSION, load_checkpoint, save_atomic
 
+pytestmark = pytest.mark.pure
+
 
 def _state(step: int) -> dict[str, object]:
     return {"version": CHECKPOINT_VERSION, "step": step, "fingerprint": {"seed": 0}}

@@ -7,6 +7,8 @@ import pytest
 from tandem.cluster import PRESETS, flat_cluster, parse_bandwidth, parse_cluster, parse_size
 from tandem.errors import UsageError
 
+pytestmark = pytest.mark.pure
+
 
 @pytest.mark.parametrize("text,expected", [
     ("10Gb/s", 1.25e9), ("10Gbps", 1.25e9), ("300GB/s", 3e11), ("1.5MB/s", 1.5e6),

@@ -12,6 +12,8 @@ from tandem.compress.bits import pack, unpack
 from tandem.compress.qsgd import QSGD
 from tandem.errors import UsageError
 
+pytestmark = pytest.mark.pure
+
 
 def codec(spec: str) -> Codec:
     built = build_compression(spec)

@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tandem.cli import main
 from tandem.compress import ByteMeter, build_compression
 
-from tests.conftest import run_json, run_tandem
+from tests.conftest import run_here, run_json
 from tests.distributed import run_distributed
 from tests.test_train_dp import reference_training
 
@@ -59,12 +59,14 @@ def hook_runs() -> list[dict[str, Any]]:
             for run in runs]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("spec", HOOK_SPECS)
 def test_replicas_stay_identical(hook_runs: list[dict[str, Any]], spec: str) -> None:
     rank0, rank1 = (run[spec][0] for run in hook_runs)
     assert torch.equal(rank0, rank1)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("spec", ["topk:ratio=1,ef=false", "randk:ratio=1,ef=false", "fp16"])
 def test_lossless_codecs_give_plain_ddp(hook_runs: list[dict[str, Any]], spec: str) -> None:
     tolerance = 1e-3 if spec == "fp16" else 1e-6
@@ -85,6 +87,7 @@ EXPECTED_BYTES = {
 }
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("spec", sorted(EXPECTED_BYTES))
 def test_bytes_are_counted(hook_runs: list[dict[str, Any]], spec: str) -> None:
     _, payload, gradient = hook_runs[0][spec]
@@ -92,6 +95,7 @@ def test_bytes_are_counted(hook_runs: list[dict[str, Any]], spec: str) -> None:
     assert payload == EXPECTED_BYTES[spec]
 
 
+@pytest.mark.multiprocess
 def test_powersgd_counts_plain_steps_then_its_factors(hook_runs: list[dict[str, Any]]) -> None:
     # Steps 0-1 allreduce everything; then 0.weight (16x12) goes as rank-2 factors (16+12)*2.
     plain = 4 * sum(_sizes())
@@ -103,6 +107,7 @@ COMMON = ("--model", "mlp", "--data", "digits", "--steps", "20", "--batch-size",
           "--lr", "0.05", "--momentum", "0.9", "--seed", "3", "--nproc", "2")
 
 
+@pytest.mark.multiprocess
 def test_fp16_run_equals_uncompressed_within_fp16_tolerance(tmp_path: Path) -> None:
     """Against plain single-process training, which uncompressed dp equals to 1e-5
     (tests/test_train_dp.py): the same run with fp16 gradients differs by fp16 rounding only."""
@@ -123,14 +128,16 @@ def test_fp16_run_equals_uncompressed_within_fp16_tolerance(tmp_path: Path) -> N
     assert len(logged) == 2 and logged == [sent, sent]
 
 
+@pytest.mark.pure
 def test_unknown_codec_exits_2_with_one_line() -> None:
-    result = run_tandem("train", *COMMON, "--compress", "zip")
+    result = run_here("train", *COMMON, "--compress", "zip")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "tandem train: error: unknown codec 'zip' in --compress 'zip'; choose one of: "
         "bf16, fp16, powersgd, qsgd, randk, sign, topk"]
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(("args", "message"), [
     (("--compress", "topk:k=0"), "ratio (k) must be in (0, 1] (got 0.0)"),
     (("--compress", "topk:ratio=1.01"), "ratio (k) must be in (0, 1] (got 1.01)"),

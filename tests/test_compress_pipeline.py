@@ -36,7 +36,7 @@ def boundary_widths(bounds: tuple[tuple[int, int], ...]) -> list[int]:
 
 
 def train(out: Path, *args: str) -> dict[str, Any]:
-    return run_json("train", *args, "--out", str(out), timeout_s=120)
+    return run_json("train", *args, "--out", str(out))
 
 
 def metrics_bytes(out: Path) -> set[float]:
@@ -49,10 +49,11 @@ def metrics_bytes(out: Path) -> set[float]:
 def plain(shared_run: SharedRun) -> dict[str, Path]:
     """The uncompressed pipelines: 1F1B on 2 workers and GPipe on a 2-1 layout (the runs
     test_pipeline.py compares with single-process training)."""
-    return {name: shared_run(*COMMON, *layout, timeout_s=120)[0]
+    return {name: shared_run(*COMMON, *layout)[0]
             for name, layout in (("1f1b", ONE_F_ONE_B), ("2-1", REPLICATED))}
 
 
+@pytest.mark.multiprocess
 def test_top_k_of_everything_is_lossless_on_1f1b(plain: dict[str, Path], tmp_path: Path) -> None:
     summary = train(tmp_path, *COMMON, *ONE_F_ONE_B, "--compress", "topk:ratio=1")
     assert max_abs_diff(plain["1f1b"] / "final.pt", tmp_path / "final.pt") == 0.0
@@ -67,6 +68,7 @@ def test_top_k_of_everything_is_lossless_on_1f1b(plain: dict[str, Path], tmp_pat
     assert metrics_bytes(tmp_path) == {uncompressed * 2}
 
 
+@pytest.mark.multiprocess
 def test_top_k_of_everything_is_lossless_on_replicated_stages(plain: dict[str, Path],
                                                              tmp_path: Path) -> None:
     summary = train(tmp_path, *COMMON, *REPLICATED, "--compress", "topk:ratio=1")
@@ -93,6 +95,7 @@ def _moved_by_at_most(reference: Path, got: Path, fraction: float) -> None:
         assert float((have[name] - tensor).norm()) <= fraction * moved, name
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(("codec", "fraction"), [("fp16", 0.1), ("bf16", 0.2)])
 def test_half_precision_stays_close_and_halves_the_bytes(plain: dict[str, Path], tmp_path: Path,
                                                          codec: str, fraction: float) -> None:
@@ -127,6 +130,8 @@ def _trained(summary: dict[str, Any]) -> None:
     assert summary["final_loss"] < 1.2 and summary["test_accuracy"] >= 0.5, summary
 
 
+@pytest.mark.multiprocess
+@pytest.mark.statistical
 def test_qsgd_on_pipedream_still_trains(tmp_path: Path) -> None:
     summary = train(tmp_path, *STILL_TRAINS, "--lr", "0.004", "--compress", "qsgd")
     _trained(summary)
@@ -139,6 +144,8 @@ def test_qsgd_on_pipedream_still_trains(tmp_path: Path) -> None:
         2 * sum(sizes) * sum(widths) * FLOAT_BYTES / 200)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.statistical
 def test_top_k_on_pipedream_with_vertical_sync_and_a_plan_still_trains(tmp_path: Path) -> None:
     # written out rather than planned: what `tandem plan` chooses depends on timings it measures
     plan = tmp_path / "plan.json"
@@ -168,6 +175,7 @@ BAD_INPUT = {
 }
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("case", sorted(BAD_INPUT))
 def test_bad_compression_is_one_line_and_status_2(case: str, capsys: Any) -> None:
     args, expected = BAD_INPUT[case]

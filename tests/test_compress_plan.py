@@ -14,6 +14,8 @@ from tandem.cluster import Cluster, parse_cluster
 from tandem.planning import PartitionOptions, partition
 from tandem.profile import load_profile
 
+pytestmark = pytest.mark.pure
+
 VGG = str(Path(__file__).parent / "data" / "profiles" / "vgg16.graph.txt")
 
 

@@ -155,6 +155,7 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dic
 # -- parameter servers ---------------------------------------------------------------------------
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", ["topk1", "topk1-ef", "fp16"])
 def test_lossless_codecs_give_the_uncompressed_parameter_server_run(
         one_server: tuple[Path, list[dict[str, Any]]], name: str) -> None:
@@ -165,12 +166,14 @@ def test_lossless_codecs_give_the_uncompressed_parameter_server_run(
     assert max_abs_diff(root / "none" / "final.pt", root / name / "final.pt") <= tolerance
 
 
+@pytest.mark.multiprocess
 def test_lossless_codec_with_two_servers(four_ranks: tuple[Path, list[dict[str, Any]]]) -> None:
     root, seen = four_ranks
     assert max_abs_diff(root / "ps-none" / "final.pt", root / "ps-topk1" / "final.pt") <= 1e-6
     assert seen[0]["ps-topk1"]["summary"]["steps"] == 20
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", [*(f"topk10-{mode}" for mode in PS_MODES), "randk", "qsgd"])
 def test_every_worker_holds_exactly_the_servers_copy_of_its_parameters(
         one_server: tuple[Path, list[dict[str, Any]]], name: str) -> None:
@@ -185,6 +188,7 @@ def test_every_worker_holds_exactly_the_servers_copy_of_its_parameters(
     assert not torch.equal(final, server["copies"][1])
 
 
+@pytest.mark.multiprocess
 def test_each_of_two_servers_tracks_its_own_shard(
         four_ranks: tuple[Path, list[dict[str, Any]]]) -> None:
     _, seen = four_ranks
@@ -195,6 +199,7 @@ def test_each_of_two_servers_tracks_its_own_shard(
             assert torch.equal(params[start:end], seen[server]["ps-topk10"]["copies"][worker])
 
 
+@pytest.mark.multiprocess
 def test_compressed_parameter_servers_run_in_every_mode(
         one_server: tuple[Path, list[dict[str, Any]]]) -> None:
     _, seen = one_server
@@ -205,6 +210,8 @@ def test_compressed_parameter_servers_run_in_every_mode(
     assert seen[0]["topk10-backup"]["summary"]["dropped_pushes"] > 0
 
 
+@pytest.mark.multiprocess
+@pytest.mark.statistical
 def test_compressed_parameter_server_learns_like_uncompressed(
         one_server: tuple[Path, list[dict[str, Any]]]) -> None:
     _, seen = one_server
@@ -238,6 +245,7 @@ def _ps_bytes(shards: list[list[int]], bodies: list[int] | None = None) -> dict[
             "uncompressed": workers * (2 * steps + 3) * sum(header + b for b in raw) / steps}
 
 
+@pytest.mark.multiprocess
 def test_parameter_server_bytes_follow_the_codec_formula(
         one_server: tuple[Path, list[dict[str, Any]]]) -> None:
     root, seen = one_server
@@ -265,6 +273,7 @@ def test_parameter_server_bytes_follow_the_codec_formula(
     assert steady["fp16"]["sent_bytes_per_step"] - headers == halved
 
 
+@pytest.mark.multiprocess
 def test_two_servers_count_both_shards(four_ranks: tuple[Path, list[dict[str, Any]]]) -> None:
     _, seen = four_ranks
     shards = [SIZES[:3], SIZES[3:]]
@@ -280,6 +289,7 @@ def test_two_servers_count_both_shards(four_ranks: tuple[Path, list[dict[str, An
 SPECS = ["fp16", "bf16", "sign", "topk:ratio=0.1", "randk:ratio=0.1", "qsgd", "qsgd:norm=max"]
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("spec", SPECS)
 def test_pull_tracking_is_exact_and_converges(spec: str) -> None:
     """Property: over random parameter trajectories the worker's parameters always equal the
@@ -304,6 +314,7 @@ def test_pull_tracking_is_exact_and_converges(spec: str) -> None:
         assert float((x - encoder.copy).norm()) < max(0.2 * gap, 1e-6 * float(x.norm()))
 
 
+@pytest.mark.pure
 def test_qsgd_tracking_is_scaled_to_a_contraction() -> None:
     codec = protocol.ShardCodec("qsgd", [torch.Size([512])], ["w"], feedback=False)
     assert tracking_scale(codec.codec, 512) == pytest.approx(1 / (1 + math.sqrt(512) / 7))
@@ -314,6 +325,7 @@ def test_qsgd_tracking_is_scaled_to_a_contraction() -> None:
 # -- gossip --------------------------------------------------------------------------------------
 
 
+@pytest.mark.multiprocess
 def test_choco_gossip_with_a_lossless_codec_and_step_1_is_dpsgd(
         four_ranks: tuple[Path, list[dict[str, Any]]]) -> None:
     root, _ = four_ranks
@@ -321,6 +333,7 @@ def test_choco_gossip_with_a_lossless_codec_and_step_1_is_dpsgd(
     assert max_abs_diff(root / "dpsgd" / "final.pt", root / "choco-fp16" / "final.pt") <= 2e-3
 
 
+@pytest.mark.multiprocess
 def test_choco_gossip_resumes_exactly(four_ranks: tuple[Path, list[dict[str, Any]]]) -> None:
     """Checkpoints keep each worker's model, optimizer, public copies and codec state."""
     root, _ = four_ranks
@@ -334,6 +347,8 @@ def _disagreement(seen: list[dict[str, Any]], name: str) -> float:
     return float((models - mean).norm() / (mean.norm() * math.sqrt(len(models))))
 
 
+@pytest.mark.multiprocess
+@pytest.mark.statistical
 def test_choco_gossip_with_top_10_percent_learns_like_dpsgd(
         four_ranks: tuple[Path, list[dict[str, Any]]]) -> None:
     _, seen = four_ranks
@@ -344,6 +359,7 @@ def test_choco_gossip_with_top_10_percent_learns_like_dpsgd(
     assert choco["compression_ratio"] == pytest.approx(4 * 42634 / _topk_bytes(SIZES, 0.1))
 
 
+@pytest.mark.multiprocess
 def test_gossip_bytes_follow_the_codec_formula(
         four_ranks: tuple[Path, list[dict[str, Any]]]) -> None:
     root, seen = four_ranks
@@ -356,6 +372,7 @@ def test_gossip_bytes_follow_the_codec_formula(
                    for line in _metrics(root / name) if "loss" in line)
 
 
+@pytest.mark.multiprocess
 def test_choco_gossip_keeps_the_mean_and_shrinks_disagreement() -> None:
     """Consensus only (no gradients): the mean of the workers never moves and their
     disagreement shrinks, for a lossy codec with a small enough step."""
@@ -399,6 +416,7 @@ BAD = {
 }
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_input_is_one_line_and_status_2(capsys: pytest.CaptureFixture[str], case: str) -> None:
     args, expected = BAD[case]

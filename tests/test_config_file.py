@@ -23,6 +23,7 @@ def write(tmp_path: Path, text: str, name: str = "run.yaml") -> str:
     return str(path)
 
 
+@pytest.mark.multiprocess
 def test_train_takes_its_options_from_the_file(tmp_path) -> None:
     out = tmp_path / "run"
     config = write(tmp_path, f"model: mlp\ndata: digits\nstrategy: dp\nnproc: 2\nsteps: 2\n"
@@ -34,6 +35,7 @@ def test_train_takes_its_options_from_the_file(tmp_path) -> None:
     assert (run["steps"], run["batch_size"], run["lr"]) == (2, 64, 0.05)
 
 
+@pytest.mark.multiprocess
 def test_the_command_line_overrides_the_file(tmp_path) -> None:
     out = tmp_path / "run"
     config = write(tmp_path, f"model: mlp\ndata: digits\nsteps: 5\nbatch-size: 32\nlr: 0.05\n"
@@ -46,6 +48,7 @@ def test_the_command_line_overrides_the_file(tmp_path) -> None:
     assert not (tmp_path / "elsewhere").exists()
 
 
+@pytest.mark.pure
 def test_plan_takes_its_options_from_the_file(capsys, tmp_path) -> None:
     code, out, _ = run_cli(capsys, "plan", "--config", write(tmp_path, PLAN))
     assert code == 0
@@ -56,6 +59,7 @@ def test_plan_takes_its_options_from_the_file(capsys, tmp_path) -> None:
     assert code == 0 and json.loads(out)["config"] == json.loads(direct)["config"]
 
 
+@pytest.mark.pure
 def test_a_command_line_alternative_overrides_the_file(capsys, tmp_path) -> None:
     """--profile and --model exclude each other: --model on the command line drops the file's
     --profile instead of clashing with it."""
@@ -109,6 +113,7 @@ def one_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
     return err
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("case", TRAIN_ERRORS)
 def test_a_wrong_file_is_one_line_and_status_2(capsys, tmp_path, case: str) -> None:
     text, message = TRAIN_ERRORS[case]
@@ -116,6 +121,7 @@ def test_a_wrong_file_is_one_line_and_status_2(capsys, tmp_path, case: str) -> N
     assert err.startswith("tandem train: error: ") and message in err
 
 
+@pytest.mark.pure
 def test_a_file_that_cannot_be_read(capsys, tmp_path) -> None:
     missing = str(tmp_path / "nope.yaml")
     assert f"--config {missing}: no such file; check the path" in one_error(
@@ -129,6 +135,7 @@ def test_a_file_that_cannot_be_read(capsys, tmp_path) -> None:
         capsys, "train", "--config", str(binary), "--config", str(binary))
 
 
+@pytest.mark.pure
 @pytest.mark.skipif(os.geteuid() == 0, reason="root can read anything")
 def test_a_file_without_read_permission(capsys, tmp_path) -> None:
     locked = Path(write(tmp_path, "steps: 2\n"))
@@ -137,6 +144,7 @@ def test_a_file_without_read_permission(capsys, tmp_path) -> None:
         one_error(capsys, "train", "--config", str(locked))
 
 
+@pytest.mark.pure
 def test_plan_errors(capsys, tmp_path) -> None:
     err = one_error(capsys, "plan", "--config", write(tmp_path, PLAN + "model: vgg\n"))
     assert "run.yaml:5: 'model' and 'profile' (line 1) exclude each other; keep one" in err
@@ -144,12 +152,14 @@ def test_plan_errors(capsys, tmp_path) -> None:
     assert "run.yaml:5: schedule: invalid choice: 'zigzag' (choose from" in err
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("command", CONFIG_COMMANDS)
 def test_every_command_that_trains_or_plans_reads_a_file(capsys, tmp_path, command) -> None:
     err = one_error(capsys, command, "--config", write(tmp_path, "jsn: true\n"))
     assert f"'jsn' is not an option of tandem {command}; did you mean 'json'?" in err
 
 
+@pytest.mark.cli
 def test_the_real_process_exits_2_with_one_line(tmp_path) -> None:
     done = run_tandem("train", "--config", write(tmp_path, "lr: [0.1]\n"))
     assert done.returncode == 2 and done.stdout == ""
@@ -169,6 +179,7 @@ def switches() -> argparse.ArgumentParser:
     return parser
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("text, expected", [
     ("fast: false\n", dict(fast=False, progress=True, color=True, resume=None)),
     ("fast: true\nno_progress: true\n", dict(fast=True, progress=False, color=True, resume=None)),
@@ -184,6 +195,7 @@ def test_switches_take_true_and_false(tmp_path, text: str, expected: dict) -> No
     assert {key: args[key] for key in expected} == expected
 
 
+@pytest.mark.pure
 def test_a_switch_on_the_command_line_beats_false_in_the_file(tmp_path) -> None:
     parser = switches()
     argv = expand_config(parser, ["--config", write(tmp_path, "color: false\n"), "--color"])

@@ -12,6 +12,8 @@ import torch
 
 from tests.conftest import max_abs_diff, run_json
 
+pytestmark = pytest.mark.multiprocess
+
 MLP = ("--model", "mlp", "--data", "digits", "--steps", "20", "--batch-size", "32",
        "--lr", "0.05", "--momentum", "0.9", "--seed", "3", "--backend", "nccl")
 BN = ("--model", "tests.bn_models:resnet", "--data", "digits", "--steps", "12",

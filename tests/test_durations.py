@@ -11,6 +11,8 @@ from tandem.cluster import parse_duration
 from tandem.errors import UsageError
 from tests.conftest import VGG, run_cli
 
+pytestmark = pytest.mark.pure
+
 
 @pytest.mark.parametrize(("text", "seconds"), [
     ("1ms", 1e-3), ("20us", 20e-6), ("0.5s", 0.5), ("300", 300.0), ("0", 0.0), ("2e-3s", 2e-3),

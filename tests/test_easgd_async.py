@@ -18,7 +18,7 @@ from tandem.data import build_dataset
 from tandem.models import build_model
 from tandem.runtime.elastic_server import elastic_update
 from tandem.sync.averaging import paper_variables
-from tests.conftest import ROOT, VGG, SharedRun, run_cli, run_json, run_tandem
+from tests.conftest import ROOT, VGG, SharedRun, run_cli, run_here, run_json
 
 MUST_SHOW = ("--strategy", "easgd", "--mode", "async", "--nproc", "5", "--steps", "300",
              "--batch-size", "64", "--data", "digits")
@@ -61,6 +61,7 @@ def paper_algorithm(steps: int, batch_size: int, lr: float, delta: float, rho: f
     return dict(zip(names, center))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("nesterov", [False, True], ids=["easgd", "eamsgd"])
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_one_worker_follows_the_papers_algorithm(tmp_path: Path, mode: str,
@@ -79,6 +80,7 @@ def test_one_worker_follows_the_papers_algorithm(tmp_path: Path, mode: str,
     assert max(float((got[k] - expected[k]).abs().max()) for k in got) <= 1e-5
 
 
+@pytest.mark.pure
 def test_the_elastic_exchange_is_the_papers() -> None:
     """The server's update and the worker's move: ``diff = alpha (x_i - x~)``, the worker
     ``x_i - diff``, the center ``x~ + diff`` (their sum unchanged)."""
@@ -89,6 +91,7 @@ def test_the_elastic_exchange_is_the_papers() -> None:
     assert torch.equal(moved + new_center, worker + center)
 
 
+@pytest.mark.pure
 def test_nesterov_sgd_in_the_papers_variables() -> None:
     """Within :func:`paper_variables`, a Nesterov SGD parameter is the paper's ``x``, from which
     ``x + delta v`` is where the next gradient is taken: torch's parameter after the step."""
@@ -109,6 +112,8 @@ def test_nesterov_sgd_in_the_papers_variables() -> None:
     assert torch.allclose(p.detach(), x - 1.0 + 0.5 * v, atol=1e-7)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.statistical
 def test_async_easgd_reaches_90_percent_with_the_defaults(shared_run: SharedRun) -> None:
     """The issue's must-show: 4 workers, 300 steps of 64 on digits, default optimizer."""
     out, summary = shared_run(*MUST_SHOW)
@@ -128,6 +133,7 @@ def test_async_easgd_reaches_90_percent_with_the_defaults(shared_run: SharedRun)
     assert {"0ST", "0PU", "0PL"} <= names, names
 
 
+@pytest.mark.multiprocess
 def test_stop_and_resume_completes(tmp_path: Path) -> None:
     common = ("train", "--strategy", "easgd", "--mode", "async", "--nproc", "3", "--steps",
               "40", "--batch-size", "32", "--out", str(tmp_path))
@@ -140,6 +146,7 @@ def test_stop_and_resume_completes(tmp_path: Path) -> None:
     assert (tmp_path / "final.pt").is_file()
 
 
+@pytest.mark.cli
 def test_a_dead_worker_is_named_and_the_others_go_on() -> None:
     """As in asynchronous ``ps``: the dead worker is named and the job ends with the others."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TANDEM_FAULT": "2:5",
@@ -176,17 +183,18 @@ BAD = {
 }
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_input_is_one_line_and_status_2(case: str) -> None:
     args, expected = BAD[case]
-    result = run_tandem("train", "--strategy", "easgd", "--nproc", "2", "--steps", "2", *args,
-                        timeout_s=60)
+    result = run_here("train", "--strategy", "easgd", "--nproc", "2", "--steps", "2", *args)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and expected in lines[0], result.stderr
     assert result.stdout == ""
 
 
+@pytest.mark.pure
 def test_the_simulator_refuses_asynchronous_easgd(capsys: pytest.CaptureFixture[str]) -> None:
     """It models synchronous EASGD only: one line, not a synchronous prediction."""
     common = ("simulate", "--profile", VGG, "--devices", "5", "--bandwidth", "10Gb/s",

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import ROOT, max_abs_diff, run_json, run_tandem
+from tests.conftest import ROOT, max_abs_diff, run_here, run_json, run_tandem
 
 RUN = ("train", "--steps", "60", "--batch-size", "60", "--checkpoint-every", "10", "--seed", "3",
        "--no-progress")
@@ -21,6 +21,8 @@ RUN = ("train", "--steps", "60", "--batch-size", "60", "--checkpoint-every", "10
 
 
 def _with_fault(fault: str, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
+    """``python -m tandem ARGS`` with ``TANDEM_FAULT`` set, in a subprocess: for what the
+    workers print (their restart lines), which a run in this process does not capture."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TANDEM_FAULT": fault}
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(key, None)
@@ -31,7 +33,7 @@ def _with_fault(fault: str, *args: str, timeout_s: float = 300) -> subprocess.Co
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("elastic") / "whole"
-    summary = run_json(*RUN, "--nproc", "4", "--out", str(out), timeout_s=300)
+    summary = run_json(*RUN, "--nproc", "4", "--out", str(out))
     assert summary["finished"] and summary["restarts"] == 0
     return out / "final.pt"
 
@@ -41,7 +43,7 @@ def killed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The job with rank 2 killed at step 35 and no restarts: it stops, naming the rank, and
     leaves the checkpoint of step 30."""
     out = tmp_path_factory.mktemp("elastic") / "killed"
-    result = _with_fault("2:35", *RUN, "--nproc", "4", "--out", str(out))
+    result = run_here(*RUN, "--nproc", "4", "--out", str(out), env={"TANDEM_FAULT": "2:35"})
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1] == (
         "tandem train: worker rank 2 died: killed by SIGKILL")
@@ -49,6 +51,7 @@ def killed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.cli
 def test_a_killed_worker_is_restarted_and_the_job_ends_as_if_uninterrupted(
         uninterrupted: Path, tmp_path: Path) -> None:
     result = _with_fault("2:35", *RUN, "--nproc", "4", "--out", str(tmp_path), "--max-restarts",
@@ -63,17 +66,18 @@ def test_a_killed_worker_is_restarted_and_the_job_ends_as_if_uninterrupted(
     assert max_abs_diff(uninterrupted, tmp_path / "final.pt") <= 1e-6
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("workers", ["3", "2"])
 def test_a_stopped_job_resumes_on_fewer_workers_with_the_same_result(
         uninterrupted: Path, killed: Path, tmp_path: Path, workers: str) -> None:
     out = tmp_path / "resized"
     shutil.copytree(killed, out, ignore=shutil.ignore_patterns(".tandem.lock"))
-    summary = run_json(*RUN, "--nproc", workers, "--out", str(out), "--resume", "auto",
-                       timeout_s=300)
+    summary = run_json(*RUN, "--nproc", workers, "--out", str(out), "--resume", "auto")
     assert summary["finished"] and summary["world_size"] == int(workers)
     assert max_abs_diff(uninterrupted, out / "final.pt") <= 1e-6
 
 
+@pytest.mark.cli
 def test_torchrun_restarts_the_workers_and_they_resume_by_themselves(
         uninterrupted: Path, tmp_path: Path) -> None:
     import socket
@@ -97,12 +101,13 @@ def test_torchrun_restarts_the_workers_and_they_resume_by_themselves(
     assert max_abs_diff(uninterrupted, tmp_path / "final.pt") <= 1e-6
 
 
+@pytest.mark.multiprocess
 def test_resume_auto_starts_afresh_without_a_checkpoint(tmp_path: Path) -> None:
-    summary = run_json("train", "--steps", "3", "--out", str(tmp_path), "--resume", "auto",
-                       timeout_s=120)
+    summary = run_json("train", "--steps", "3", "--out", str(tmp_path), "--resume", "auto")
     assert summary["finished"] and summary["steps"] == 3
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(("args", "fault", "expected"), [
     (("--max-restarts", "-1", "--resume", "auto"), "",
      "--max-restarts must be at least 0 (got -1)"),
@@ -113,24 +118,25 @@ def test_resume_auto_starts_afresh_without_a_checkpoint(tmp_path: Path) -> None:
 ])
 def test_bad_restart_settings_are_one_line_and_status_2(
         tmp_path: Path, args: tuple[str, ...], fault: str, expected: str) -> None:
-    result = _with_fault(fault, "train", "--steps", "2", "--nproc", "2", "--out", str(tmp_path),
-                         "--no-progress", *args, timeout_s=120)
+    result = run_here("train", "--steps", "2", "--nproc", "2", "--out", str(tmp_path),
+                      "--no-progress", *args, env={"TANDEM_FAULT": fault})
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and expected in lines[0], lines
 
 
+@pytest.mark.multiprocess
 def test_resume_auto_refuses_a_checkpoint_of_another_model(tmp_path: Path) -> None:
-    assert run_tandem("train", "--steps", "2", "--out", str(tmp_path), "--checkpoint-every",
-                      "1", "--no-progress").returncode == 0
-    result = run_tandem("train", "--steps", "4", "--model", "mlp:hidden=32", "--out",
-                        str(tmp_path), "--resume", "auto", "--no-progress")
+    run_json("train", "--steps", "2", "--out", str(tmp_path), "--checkpoint-every", "1")
+    result = run_here("train", "--steps", "4", "--model", "mlp:hidden=32", "--out",
+                      str(tmp_path), "--resume", "auto", "--no-progress")
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "was made with model='mlp', this run has model='mlp:hidden=32'" \
         in lines[0], lines
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("codec", [None, "topk"])
 def test_parameter_servers_restarted_after_a_killed_worker_end_as_uninterrupted(
         tmp_path: Path, codec: str | None) -> None:
@@ -138,7 +144,7 @@ def test_parameter_servers_restarted_after_a_killed_worker_end_as_uninterrupted(
     feedback, tracked pulls); a killed worker restarts the group from them."""
     args = ("train", "--strategy", "ps", "--nproc", "3", "--steps", "40", "--batch-size", "60",
             "--checkpoint-every", "10", "--seed", "3", *(("--compress", codec) if codec else ()))
-    run_json(*args, "--out", str(tmp_path / "whole"), timeout_s=300)
+    run_json(*args, "--out", str(tmp_path / "whole"))
     result = _with_fault("2:25", *args, "--out", str(tmp_path / "cut"), "--max-restarts", "1",
                          "--resume", "auto", "--no-progress")
     assert result.returncode == 0, result.stderr
@@ -146,12 +152,14 @@ def test_parameter_servers_restarted_after_a_killed_worker_end_as_uninterrupted(
     assert max_abs_diff(tmp_path / "whole" / "final.pt", tmp_path / "cut" / "final.pt") == 0.0
 
 
+@pytest.mark.cli
+@pytest.mark.statistical
 @pytest.mark.parametrize("strategy", ["localsgd", "easgd", "gossip"])
 def test_strategies_with_their_own_replicas_resume_on_fewer_workers_from_their_mean(
         tmp_path: Path, strategy: str) -> None:
     common = ("train", "--strategy", strategy, "--steps", "60", "--batch-size", "60",
               "--checkpoint-every", "10", "--out", str(tmp_path), "--no-progress")
-    assert run_tandem(*common, "--nproc", "4", "--stop-after", "30").returncode == 0
+    run_json(*common, "--nproc", "4", "--stop-after", "30")
     saved = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
     models = [rank["model"] for rank in saved["ranks"]]
     assert len(models) == 4

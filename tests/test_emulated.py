@@ -19,6 +19,8 @@ from tandem.models import build_model
 from tandem.models.emulated import _Emulate
 from tandem.profile import LayerProfile, ModelProfile
 
+pytestmark = pytest.mark.pure
+
 IMAGES = build_dataset("images:n=64,size=4,channels=1,classes=5")
 TOKENS = build_dataset("tokens:n=16,seq=6,vocab=11")
 PROFILES = Path(__file__).parent / "data" / "profiles"

@@ -1,14 +1,18 @@
-"""User mistakes give one line and exit 2; a dead or stuck worker stops the job, named."""
+"""User mistakes give one line and exit 2; a dead or stuck worker stops the job, named.
+
+One case of each runs the real command in a subprocess (nothing else on stderr, stdout empty);
+the others run it in this process (the launcher's stderr, which names the mistake)."""
 
 from __future__ import annotations
 
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.conftest import run_tandem
+from tests.conftest import run_here, run_json, run_tandem
 
 BAD_INPUTS = {
     "unknown model": (("--model", "transformerxl"), "unknown model 'transformerxl'"),
@@ -29,10 +33,18 @@ BAD_INPUTS = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+CASE_TIERS = {"unknown model": pytest.mark.cli,  # the real command: nothing else on stderr
+              "resume without checkpoint": pytest.mark.multiprocess}  # a worker finds it
+"""The tier of each case that is not ``pure`` (a mistake found in this process before any
+worker starts)."""
+
+
+@pytest.mark.parametrize("case", [pytest.param(case, marks=CASE_TIERS.get(case, pytest.mark.pure))
+                                  for case in sorted(BAD_INPUTS)])
 def test_bad_input_is_one_line_and_status_2(case: str) -> None:
     args, expected = BAD_INPUTS[case]
-    result = run_tandem("train", "--steps", "2", *args, timeout_s=60)
+    run = run_tandem if case == "unknown model" else run_here
+    result = run("train", "--steps", "2", *args)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
@@ -40,44 +52,49 @@ def test_bad_input_is_one_line_and_status_2(case: str) -> None:
     assert result.stdout == ""
 
 
+@pytest.mark.pure
 @pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere; see the /proc case")
 def test_unwritable_out_permission(tmp_path: Path) -> None:
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)
-    result = run_tandem("train", "--steps", "2", "--out", str(locked / "run"), timeout_s=60)
+    result = run_here("train", "--steps", "2", "--out", str(locked / "run"))
     assert result.returncode == 2 and "--out" in result.stderr
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("out", ["/proc/tandem-run", "FILE"])
 def test_unwritable_out(tmp_path: Path, out: str) -> None:
     if out == "FILE":
         out = str(tmp_path / "a-file")
         Path(out).write_text("not a directory")
-    result = run_tandem("train", "--steps", "2", "--out", out, timeout_s=60)
+    result = run_here("train", "--steps", "2", "--out", out)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and f"--out {out} is not a writable directory" in lines[0]
 
 
+@pytest.mark.multiprocess
 def test_resume_with_other_settings_is_refused(tmp_path: Path) -> None:
-    assert run_tandem("train", "--steps", "2", "--out", str(tmp_path), "--no-progress").returncode == 0
-    result = run_tandem("train", "--steps", "4", "--seed", "9", "--out", str(tmp_path), "--resume")
+    run_json("train", "--steps", "2", "--out", str(tmp_path))
+    result = run_here("train", "--steps", "4", "--seed", "9", "--out", str(tmp_path), "--resume")
     assert result.returncode == 2 and "seed=0" in result.stderr
 
 
 @pytest.mark.parametrize(
-    ("how", "expected"),
-    [
-        ("crash", "worker rank 1 failed: RuntimeError: injected failure"),
-        ("kill", "worker rank 1 died: killed by SIGKILL"),
-        ("hang", "worker rank 1 at step 3 (forward) is stuck"),
+    ("how", "expected", "run"),
+    [  # a killed worker prints nothing itself: the launcher's line is all there is to see
+        pytest.param("crash", "worker rank 1 failed: RuntimeError: injected failure", run_tandem,
+                     marks=pytest.mark.cli),
+        pytest.param("kill", "worker rank 1 died: killed by SIGKILL", run_here,
+                     marks=pytest.mark.multiprocess),
+        pytest.param("hang", "worker rank 1 at step 3 (forward) is stuck", run_tandem,
+                     marks=pytest.mark.cli),
     ],
 )
-def test_failed_worker_stops_the_job_and_is_named(how: str, expected: str) -> None:
+def test_failed_worker_stops_the_job_and_is_named(how: str, expected: str, run: Any) -> None:
     start = time.monotonic()
-    result = run_tandem("train", "--model", f"tests.faulty_models:{how}", "--nproc", "3",
-                        "--batch-size", "63", "--steps", "20", "--timeout", "5", "--no-progress",
-                        timeout_s=120)
+    result = run("train", "--model", f"tests.faulty_models:{how}", "--nproc", "3",
+                 "--batch-size", "63", "--steps", "20", "--timeout", "5", "--no-progress")
     assert result.returncode == 1
     lines = [line for line in result.stderr.strip().splitlines()
              if not line.startswith("tandem: warning:")]  # 3 workers on fewer cores say so

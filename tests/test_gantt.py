@@ -14,6 +14,7 @@ from tests.conftest import run_json
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(("name", "kind"), [
     ("1F3", ("F", "3")), ("0B12", ("B", "12")), ("0ST", ("ST", "")), ("2ST4", ("ST", "4")),
     ("1SA3>2", ("send", "")), ("1SG0>0", ("send", "")), ("2RA3<1", ("receive", "")),
@@ -27,6 +28,7 @@ def test_event_kinds(name: str, kind: tuple[str, str]) -> None:
     assert event_kind(name) == kind
 
 
+@pytest.mark.pure
 def test_plot_gantt_writes_a_png(tmp_path: Path) -> None:
     events = []
     for m in range(4):
@@ -44,6 +46,7 @@ def test_plot_gantt_writes_a_png(tmp_path: Path) -> None:
     assert (tmp_path / "empty.png").read_bytes()[:8] == PNG_MAGIC
 
 
+@pytest.mark.multiprocess
 def test_pipeline_run_writes_an_aligned_trace_and_a_gantt_chart(tmp_path: Path) -> None:
     """Stage 1's forward of a micro-batch starts after stage 0's ends, on one clock."""
     layers = [LayerProfile(name=f"l{i}", forward_s=0.01, backward_s=0.01, activation_bytes=256,
@@ -54,7 +57,7 @@ def test_pipeline_run_writes_an_aligned_trace_and_a_gantt_chart(tmp_path: Path) 
         "train", "--model", f"emulated:profile={tmp_path / 'p.json'}", "--data",
         "images:n=64,size=4,channels=1", "--strategy", "pipeline", "--schedule", "gpipe",
         "--stages", "2", "--nproc", "2", "--microbatches", "2", "--batch-size", "8",
-        "--steps", "3", "--out", str(out), timeout_s=120,
+        "--steps", "3", "--out", str(out),
     )
     assert summary["steps"] == 3
     assert (out / "gantt.png").read_bytes()[:8] == PNG_MAGIC

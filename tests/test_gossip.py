@@ -11,7 +11,7 @@ import torch
 from tandem.sync.gossip import GossipMixer
 from tandem.topology import build_topology, mixing_matrix, spectral_gap
 
-from tests.conftest import run_tandem
+from tests.conftest import run_here
 from tests.distributed import run_distributed
 
 ROUNDS = 12
@@ -33,6 +33,7 @@ def _consensus_distance(states: np.ndarray) -> float:
     return float(np.linalg.norm(states - states.mean(axis=0, keepdims=True)))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(("kind", "world_size", "weights"), [
     ("ring", 4, "metropolis"), ("ring", 5, "uniform"), ("complete", 3, "uniform"),
     ("custom:0-1,1-2,2-3,0-2", 4, "metropolis"),
@@ -53,6 +54,7 @@ def test_gossip_shrinks_disagreement_exactly_as_the_mixing_matrix_predicts(
     assert last <= (1 - spectral_gap(matrix)) ** ROUNDS * first * (1 + 1e-9)
 
 
+@pytest.mark.pure
 def test_mixing_matrices_are_doubly_stochastic() -> None:
     for kind in ("ring", "torus", "exponential", "complete"):
         for weights in ("uniform", "metropolis"):
@@ -62,20 +64,23 @@ def test_mixing_matrices_are_doubly_stochastic() -> None:
             assert np.allclose(matrix, matrix.T) and (matrix >= 0).all()
 
 
+@pytest.mark.pure
 def test_spectral_gap_of_a_ring_matches_the_closed_form() -> None:
     gap = spectral_gap(mixing_matrix(build_topology("ring", 16), "uniform"))
     assert gap == pytest.approx(1 - (1 + 2 * np.cos(2 * np.pi / 16)) / 3)
 
 
+@pytest.mark.pure
 def test_topology_command() -> None:
-    result = run_tandem("topology", "--kind", "ring", "--n", "16", "--json", timeout_s=60)
+    result = run_here("topology", "--kind", "ring", "--n", "16", "--json")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     assert len(data["matrix"]) == 16 and data["spectral_gap"] == pytest.approx(0.0507, abs=1e-4)
-    text = run_tandem("topology", "--kind", "torus", "--n", "16", timeout_s=60)
+    text = run_here("topology", "--kind", "torus", "--n", "16")
     assert "spectral gap 0.4000" in text.stdout
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(("args", "expected"), [
     (("--kind", "custom:0-1,2-3", "--n", "4"), "is not connected: workers [2, 3]"),
     (("--kind", "torus", "--n", "7"), "a torus of 7 workers"),
@@ -83,6 +88,6 @@ def test_topology_command() -> None:
     (("--kind", "custom:0-0", "--n", "4"), "needs two different workers"),
 ])
 def test_bad_topologies(args: tuple[str, ...], expected: str) -> None:
-    result = run_tandem("topology", *args, timeout_s=60)
+    result = run_here("topology", *args)
     assert result.returncode == 2 and expected in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1

@@ -72,6 +72,7 @@ BAD_TRAIN = {
 }
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("case", sorted(BAD_TRAIN))
 def test_bad_train_input_is_one_line_and_status_2(capsys: pytest.CaptureFixture[str], case: str) -> None:
     args, expected = BAD_TRAIN[case]
@@ -83,6 +84,7 @@ def test_bad_train_input_is_one_line_and_status_2(capsys: pytest.CaptureFixture[
     assert out == ""
 
 
+@pytest.mark.pure
 def test_straggler_is_checked_under_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
     """Under torchrun the plan is built for the launcher's world: a rank outside it is refused
     by the job itself, in every worker, before training."""
@@ -99,6 +101,7 @@ def test_straggler_is_checked_under_torchrun(monkeypatch: pytest.MonkeyPatch) ->
         job_from_args(args)
 
 
+@pytest.mark.pure
 def test_a_model_too_big_for_memory_is_refused_before_it_is_built(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Its parameters are counted on the meta device; nothing the size of the model is
@@ -110,6 +113,7 @@ def test_a_model_too_big_for_memory_is_refused_before_it_is_built(
         preflight.build_checked(run)
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(("nproc", "refused"), [(1, False), (2, False), (3, True), (64, True)])
 def test_workers_that_cannot_fit_in_memory_are_refused(nproc: int, refused: bool) -> None:
     """Workers of 300 MB in 1 GB available (75% usable): 2 fit; one always may."""
@@ -124,6 +128,7 @@ def test_workers_that_cannot_fit_in_memory_are_refused(nproc: int, refused: bool
         f"1.0 GiB available; use --nproc 2 or fewer")
 
 
+@pytest.mark.pure
 def test_loss_input_of_a_token_model_needs_a_prediction_per_position() -> None:
     tokens = load_data("tokens:n=8,seq=6,vocab=11")
     run = RunConfig(model="gpt", data="tokens:n=8,seq=6,vocab=11")
@@ -139,6 +144,7 @@ def test_loss_input_of_a_token_model_needs_a_prediction_per_position() -> None:
         preflight.check_loss_input(torch.zeros(1, 6, 11, dtype=torch.int64), targets, tokens, run)
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(("nproc", "threads", "model", "expected"), [
     (64, 1, "mlp", "--nproc 64 on 2 cores: workers will time-share the cores; expect each step to "
                    "take ~32x longer than with one worker per core"),
@@ -155,6 +161,7 @@ def test_sharing_warning(monkeypatch: pytest.MonkeyPatch, nproc: int, threads: i
     assert preflight.sharing_warning(run) == expected
 
 
+@pytest.mark.pure
 def test_check_job_warns_once_after_every_check(monkeypatch: pytest.MonkeyPatch,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     from tandem.commands.train import check_job
@@ -170,6 +177,7 @@ def test_check_job_warns_once_after_every_check(monkeypatch: pytest.MonkeyPatch,
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.cli
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs an affinity mask")
 def test_train_on_fewer_cores_than_workers_warns_once_before_the_workers_start() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -201,6 +209,7 @@ def _planning(tmp_path: Path) -> dict[str, tuple[str, ...]]:
     }
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("command", ["plan", "profile", "simulate --trace", "simulate --gantt",
                                      "search", "scale"])
 @pytest.mark.parametrize("where", ["/proc", "missing dir", "a directory"])
@@ -218,6 +227,7 @@ def test_unwritable_output_is_refused_before_the_work(
     assert expected in lines[0], err
 
 
+@pytest.mark.pure
 @pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
 def test_output_in_a_read_only_directory(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     locked = tmp_path / "locked"
@@ -227,6 +237,7 @@ def test_output_in_a_read_only_directory(capsys: pytest.CaptureFixture[str], tmp
     assert code == 2 and f"-o {locked / 'plan.json'} cannot be written" in err
 
 
+@pytest.mark.pure
 def test_a_writable_output_leaves_no_trace_of_the_check(capsys: pytest.CaptureFixture[str],
                                                         tmp_path: Path) -> None:
     target = tmp_path / "plan.json"

@@ -26,7 +26,7 @@ from tandem.runtime.config import RunConfig
 from tandem.runtime.out_dir import LOCK_NAME, claim_out
 from tandem.strategy import plan_from_flags
 from tandem.timeline import Event, Timeline, plot_gantt
-from tests.conftest import ROOT, run_tandem
+from tests.conftest import ROOT, run_here, run_json, run_tandem
 
 NO_SPACE = "No space left on device"
 
@@ -39,6 +39,7 @@ def strict_loads(text: str) -> Any:
     return json.loads(text, parse_constant=reject)
 
 
+@pytest.mark.pure
 def test_non_finite_numbers_become_null() -> None:
     text = strict_json.dumps({"loss": math.nan, "rates": [math.inf, -math.inf, 1.5], "t": (2,)})
     assert text == '{"loss": null, "rates": [null, null, 1.5], "t": [2]}'
@@ -91,6 +92,7 @@ WRITERS: dict[str, Callable[[Path, int], None]] = {
 """Each output's writer, given a size (small when the disk has room, larger when it has not)."""
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("name", list(WRITERS))
 def test_a_write_that_does_not_fit_keeps_the_old_file(disk: dict[str, int], tmp_path: Path,
                                                      name: str) -> None:
@@ -105,6 +107,7 @@ def test_a_write_that_does_not_fit_keeps_the_old_file(disk: dict[str, int], tmp_
     assert sorted(tmp_path.iterdir()) == [path]  # no temporary file left
 
 
+@pytest.mark.pure
 def test_the_last_good_checkpoint_stays_loadable(disk: dict[str, int], tmp_path: Path) -> None:
     path = tmp_path / "checkpoint.pt"
     save_atomic(_checkpoint(10), path)
@@ -114,6 +117,7 @@ def test_the_last_good_checkpoint_stays_loadable(disk: dict[str, int], tmp_path:
     assert load_checkpoint(path, {})["step"] == 10
 
 
+@pytest.mark.pure
 def test_a_metrics_line_that_does_not_fit_is_taken_back(disk: dict[str, int],
                                                         tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
@@ -126,6 +130,7 @@ def test_a_metrics_line_that_does_not_fit_is_taken_back(disk: dict[str, int],
     assert path.read_text() == '{"step": 1}\n'
 
 
+@pytest.mark.pure
 def test_a_gantt_chart_that_does_not_fit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """matplotlib writes through its own file objects: its disk fills up half-way."""
     from matplotlib.figure import Figure
@@ -143,6 +148,7 @@ def test_a_gantt_chart_that_does_not_fit(tmp_path: Path, monkeypatch: pytest.Mon
 # -- the --out directory ---------------------------------------------------------------------
 
 
+@pytest.mark.pure
 def test_a_fresh_run_over_outputs_is_refused_and_overwrite_removes_them(tmp_path: Path) -> None:
     for name in ("checkpoint.pt", "metrics.jsonl", "plan.json", "server-1.pt"):
         (tmp_path / name).write_text("old")
@@ -172,6 +178,7 @@ with claim_out(RunConfig(out=sys.argv[1])):
 """
 
 
+@pytest.mark.cli
 def test_a_second_job_on_the_same_out_stops_at_once(tmp_path: Path) -> None:
     """The lock a job's launching process holds (here a process that only holds it) makes a
     second ``tandem train`` fail at once, naming it; killed, it leaves no stale lock."""
@@ -180,7 +187,7 @@ def test_a_second_job_on_the_same_out_stops_at_once(tmp_path: Path) -> None:
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout is not None and holder.stdout.readline() == "held\n"
-        result = run_tandem("train", "--steps", "2", "--out", str(tmp_path), timeout_s=60)
+        result = run_here("train", "--steps", "2", "--out", str(tmp_path))
         assert result.returncode == 2, result.stderr
         assert result.stderr.splitlines() == [
             f"tandem train: error: --out {tmp_path} is in use by another tandem job (pid "
@@ -205,12 +212,13 @@ def diverged(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     its directory and its ``--json`` output. In fp16, where a non-finite loss is an overflow
     the loss scaler skips (in fp32 it stops the run: see test_divergence.py)."""
     out = tmp_path_factory.mktemp("diverged")
-    result = run_tandem(*TRAIN, "--lr", "1e30", "--precision", "fp16", "--stop-after", "3",
-                        "--log-every", "1", "--out", str(out), "--json", timeout_s=120)
+    result = run_here(*TRAIN, "--lr", "1e30", "--precision", "fp16", "--stop-after", "3",
+                      "--log-every", "1", "--out", str(out), "--json")
     assert result.returncode == 0, result.stderr
     return out, result.stdout
 
 
+@pytest.mark.multiprocess
 def test_a_diverged_run_writes_strict_json(diverged: tuple[Path, str]) -> None:
     out, stdout = diverged
     summary = strict_loads(stdout.strip().splitlines()[-1])
@@ -222,10 +230,11 @@ def test_a_diverged_run_writes_strict_json(diverged: tuple[Path, str]) -> None:
         strict_loads((out / name).read_text())
 
 
+@pytest.mark.multiprocess
 def test_a_fresh_run_does_not_overwrite_an_unfinished_one(diverged: tuple[Path, str]) -> None:
     out, _ = diverged
     before = (out / "checkpoint.pt").read_bytes()
-    result = run_tandem(*TRAIN, "--out", str(out), timeout_s=60)
+    result = run_here(*TRAIN, "--out", str(out))
     assert result.returncode == 2
     assert result.stderr.splitlines() == [
         f"tandem train: error: --out {out} holds another run (checkpoint.pt, config.json, "
@@ -234,21 +243,23 @@ def test_a_fresh_run_does_not_overwrite_an_unfinished_one(diverged: tuple[Path, 
     assert (out / "checkpoint.pt").read_bytes() == before
 
 
+@pytest.mark.multiprocess
 def test_resuming_with_fewer_steps_than_the_checkpoint_is_refused(
         diverged: tuple[Path, str]) -> None:
     out, _ = diverged
-    result = run_tandem(*TRAIN, "--steps", "2", "--out", str(out), "--resume", timeout_s=60)
+    result = run_here(*TRAIN, "--steps", "2", "--out", str(out), "--resume")
     assert result.returncode == 2
     assert result.stderr.splitlines() == [
         f"tandem train: error: checkpoint {out / 'checkpoint.pt'} was saved after 3 steps, but "
         f"this run has --steps 2; resume with --steps 3 or more"]
 
 
+@pytest.mark.multiprocess
 def test_overwrite_starts_over(diverged: tuple[Path, str], tmp_path: Path) -> None:
     out = tmp_path / "run"
     shutil.copytree(diverged[0], out)
-    result = run_tandem(*TRAIN, "--steps", "2", "--log-every", "1", "--out", str(out),
-                        "--overwrite", timeout_s=120)
+    result = run_here(*TRAIN, "--steps", "2", "--log-every", "1", "--out", str(out),
+                      "--overwrite")
     assert result.returncode == 0, result.stderr
     steps = [strict_loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 2]  # this run's lines only
@@ -271,12 +282,13 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
     subprocess.run(["umount", "-l", str(mount)], check=True)
 
 
+@pytest.mark.cli
 def test_a_full_disk_stops_the_run_with_one_line(small_fs: Path) -> None:
     """Two workers; the disk fills up between a run's first checkpoint and its second: the job
     stops with one line naming the file, and the first checkpoint is still there."""
     out = small_fs / "run"
     args = (*TRAIN, "--model", "mlp", "--steps", "4", "--nproc", "2", "--out", str(out))
-    assert run_tandem(*args, "--stop-after", "2", timeout_s=120).returncode == 0
+    run_json(*args, "--stop-after", "2")
     free = shutil.disk_usage(small_fs).free
     (small_fs / "filler").write_bytes(bytes(free - 100_000))  # a checkpoint needs ~350 kB
     result = run_tandem(*args, "--resume", timeout_s=300)

@@ -20,6 +20,8 @@ import pytest
 
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.cli
+
 MARK = "TANDEM_TEST_JOB"
 FAST = ("--steps", "100000", "--batch-size", "32", "--no-progress", "--log-every", "1")
 

@@ -11,6 +11,8 @@ import torch
 
 from tests.conftest import max_abs_diff, run_json
 
+pytestmark = pytest.mark.multiprocess
+
 pytest.importorskip("transformers")
 
 GPT2 = ("--model", "tests.hf_models:gpt2", "--data", "tests.hf_models:tokens", "--steps", "20",
@@ -27,7 +29,7 @@ def _tied(path: Path) -> bool:
 @pytest.fixture(scope="module")
 def single(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("gpt2-single")
-    summary = run_json("train", *GPT2, "--nproc", "1", "--out", str(out), timeout_s=300)
+    summary = run_json("train", *GPT2, "--nproc", "1", "--out", str(out))
     assert summary["test_accuracy"] is not None and summary["loss"] == "cross_entropy"
     return out / "final.pt"
 
@@ -37,15 +39,16 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> Path:
                          ids=["dp", "ps-sync"])
 def test_gpt2_synchronous_strategies_equal_single_process(tmp_path: Path, single: Path,
                                                           strategy: tuple[str, ...]) -> None:
-    run_json("train", *GPT2, *strategy, "--out", str(tmp_path), timeout_s=300)
+    run_json("train", *GPT2, *strategy, "--out", str(tmp_path))
     assert max_abs_diff(single, tmp_path / "final.pt") <= 1e-5
     assert _tied(tmp_path / "final.pt") and _tied(single)
 
 
+@pytest.mark.statistical
 def test_gpt2_learns_with_gossip(tmp_path: Path) -> None:
     summary = run_json("train", "--model", "tests.hf_models:gpt2", "--data",
                        "tests.hf_models:tokens", "--steps", "60", "--batch-size", "32",
                        "--strategy", "gossip", "--nproc", "2", "--optimizer", "adamw",
-                       "--lr", "0.003", "--out", str(tmp_path), "--no-progress", timeout_s=300)
+                       "--lr", "0.003", "--out", str(tmp_path), "--no-progress")
     assert summary["test_accuracy"] > 0.2, summary  # chance is 1/64
     assert _tied(tmp_path / "final.pt")

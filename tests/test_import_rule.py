@@ -6,6 +6,10 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
+pytestmark = pytest.mark.cli
+
 MODULES = ["tandem.cluster", "tandem.profile", "tandem.plan", "tandem.planning",
            "tandem.planning.antichain", "tandem.planning.levels", "tandem.planning.partition",
            "tandem.planning.planner", "tandem.timeline", "tandem.topology",

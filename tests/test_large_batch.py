@@ -53,6 +53,7 @@ def train_with_tandem(config: RunConfig) -> list[torch.Tensor]:
     return [p.detach() for p in model.parameters()]
 
 
+@pytest.mark.pure
 def test_lars_follows_the_paper() -> None:
     """You, Gitman, Ginsburg 2017, Algorithm 1: local lr = eta ||w|| / (||g|| + beta ||w||),
     v = m v + lr * local_lr * (g + beta w), w = w - v; biases and norms: local lr 1, no decay."""
@@ -80,6 +81,7 @@ def test_lars_follows_the_paper() -> None:
     assert moved(got) > 1e-3
 
 
+@pytest.mark.pure
 def test_lamb_follows_the_paper() -> None:
     """You et al. 2019, Algorithm 2 (phi the identity): Adam's moments with bias correction,
     r = m_hat / (sqrt(v_hat) + eps), u = r + lambda w, w = w - lr ||w|| / ||u|| u; biases and
@@ -110,6 +112,7 @@ def test_lamb_follows_the_paper() -> None:
     assert moved(got) > 1e-3
 
 
+@pytest.mark.pure
 def test_biases_and_norms_are_grouped_out() -> None:
     """ndim <= 1 parameters: their own group, no weight decay and no trust ratio."""
     model = small_model()
@@ -122,6 +125,7 @@ def test_biases_and_norms_are_grouped_out() -> None:
         assert (excluded["trust"], excluded["weight_decay"]) == (False, 0.0)
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("name", ["lars", "lamb"])
 def test_an_excluded_parameter_steps_as_plain_sgd_or_adam(name: str) -> None:
     """A vector alone (as a bias): LARS is SGD with momentum and LAMB is Adam, decay ignored."""
@@ -140,6 +144,7 @@ def test_an_excluded_parameter_steps_as_plain_sgd_or_adam(name: str) -> None:
     assert float((ours - theirs).detach().abs().max()) <= 1e-6
 
 
+@pytest.mark.pure
 def test_lars_local_lr_is_one_for_a_zero_weight() -> None:
     weight = nn.Parameter(torch.zeros(3, 2))
     optimizer = build_optimizer(RunConfig(optimizer="lars", lr=0.1, weight_decay=0.5), [weight])
@@ -148,6 +153,7 @@ def test_lars_local_lr_is_one_for_a_zero_weight() -> None:
     assert torch.equal(weight.detach(), torch.full((3, 2), -0.1))
 
 
+@pytest.mark.pure
 def test_lr_scaling_values() -> None:
     def lr(**settings: object) -> float:
         return scaled_lr(RunConfig(lr=0.1, batch_size=256, **settings))  # type: ignore[arg-type]
@@ -165,6 +171,7 @@ def test_lr_scaling_values() -> None:
             [0.8] * len(optimizer.param_groups))
 
 
+@pytest.mark.pure
 def test_easgd_moves_at_the_scaled_lr() -> None:
     """EASGD's moving rate is lr * rho at the run's (scaled) learning rate."""
     from tandem.runtime.config import make_job
@@ -180,6 +187,7 @@ def _fields(config: RunConfig) -> dict[str, object]:
     return {name: getattr(config, name) for name in RunConfig.__dataclass_fields__}
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(("flags", "message"), [
     (["--lr-scaling", "cubic"], "--lr-scaling 'cubic' is not one of: linear, sqrt"),
     (["--lr-scaling", "linear", "--base-batch", "0"], "--base-batch must be at least 1 (got 0)"),
@@ -220,6 +228,7 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, di
     return runs
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", ["lars", "lamb"])
 def test_data_parallel_equals_one_process(name: str, single: dict[str, tuple[Path, dict]],
                                           tmp_path: Path) -> None:
@@ -229,11 +238,13 @@ def test_data_parallel_equals_one_process(name: str, single: dict[str, tuple[Pat
     assert max_abs_diff(single[name][0] / "final.pt", tmp_path / "final.pt") <= 1e-5
 
 
+@pytest.mark.multiprocess
 def test_summary_reports_the_scaled_lr(single: dict[str, tuple[Path, dict]]) -> None:
     assert single["lamb"][1]["lr"] == pytest.approx(0.01)  # 0.005 * 32 / 16
     assert single["lars"][1]["lr"] == pytest.approx(1.0)
 
 
+@pytest.mark.multiprocess
 def test_parameter_servers_take_whole_parameter_norms(single: dict[str, tuple[Path, dict]],
                                                       tmp_path: Path) -> None:
     """Two servers each hold whole parameters, so LAMB's ratios and the scaled lr are the same
@@ -244,6 +255,7 @@ def test_parameter_servers_take_whole_parameter_norms(single: dict[str, tuple[Pa
     assert max_abs_diff(single["lamb"][0] / "final.pt", tmp_path / "final.pt") <= 1e-5
 
 
+@pytest.mark.multiprocess
 def test_lamb_resumes_to_the_uninterrupted_result(single: dict[str, tuple[Path, dict]],
                                                   tmp_path: Path) -> None:
     args = ("train", *COMMON, "--optimizer", "lamb", *LR["lamb"], "--out", str(tmp_path))
@@ -254,6 +266,7 @@ def test_lamb_resumes_to_the_uninterrupted_result(single: dict[str, tuple[Path, 
     assert max_abs_diff(single["lamb"][0] / "final.pt", tmp_path / "final.pt") <= 1e-6
 
 
+@pytest.mark.multiprocess
 def test_pipeline_stages_resume_to_one_process(single: dict[str, tuple[Path, dict]],
                                                tmp_path: Path) -> None:
     """Each stage's optimizer over its whole parameters; its two groups reload by position."""

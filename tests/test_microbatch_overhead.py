@@ -30,6 +30,8 @@ from tandem.profile import (
 from tandem.runtime.profiler import fit_batches, fit_fixed_s, profile_model
 from tests.conftest import run_cli
 
+pytestmark = pytest.mark.pure
+
 MICROBATCHES = [1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32]
 
 

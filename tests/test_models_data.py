@@ -11,6 +11,8 @@ from tandem.errors import UsageError
 from tandem.models import build_model
 from tandem.options import split_spec
 
+pytestmark = pytest.mark.pure
+
 DIGITS = build_dataset("digits")
 
 

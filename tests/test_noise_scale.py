@@ -24,6 +24,7 @@ MEASURED = ("--model", "mlp", "--data", "digits", "--strategy", "dp", "--nproc",
 """At lr 1e-9 the parameters stay at their initial values for the whole run."""
 
 
+@pytest.mark.pure
 def test_estimator_by_hand() -> None:
     # b = 2, B = 8: |G_b|² = 5, |G_B|² = 2
     sq_norm, trace = two_batch_estimates(5.0, 2.0, 2, 8)
@@ -33,6 +34,7 @@ def test_estimator_by_hand() -> None:
     assert two_batch_estimates(1 + 8 / 4, 1 + 8 / 16, 4, 16) == pytest.approx((1.0, 8.0))
 
 
+@pytest.mark.pure
 def test_estimator_without_replacement_by_hand() -> None:
     # N = 10 samples: the noise of a mean over n is tr(Σ)(N - n)/(n(N - 1))
     population, sq_norm, trace = 10, 1.0, 9.0
@@ -42,11 +44,13 @@ def test_estimator_without_replacement_by_hand() -> None:
     assert two_batch_estimates(5.0, 2.0, 2, 5, population=population) == pytest.approx((1.0, 9.0))
 
 
+@pytest.mark.pure
 def test_estimator_refuses_one_batch_size() -> None:
     with pytest.raises(ValueError, match="b: 8, B: 8"):
         two_batch_estimates(1.0, 1.0, 8, 8)
 
 
+@pytest.mark.pure
 def test_moving_averages_divide_after_smoothing() -> None:
     noise = NoiseScale(ema_steps=2)
     assert noise.estimate() is None
@@ -83,6 +87,8 @@ def brute_force_noise_scale(seed: int) -> float:
     return float(trace / (mean @ mean))
 
 
+@pytest.mark.multiprocess
+@pytest.mark.statistical
 def test_dp_estimate_matches_brute_force(shared_run: SharedRun) -> None:
     out, summary = shared_run(*MEASURED)
     expected = brute_force_noise_scale(SEED)
@@ -96,6 +102,7 @@ def test_dp_estimate_matches_brute_force(shared_run: SharedRun) -> None:
     assert all(value is None or value > 0 for _, value in logged)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("args, reason", [
     (("--strategy", "dp", "--nproc", "1"), "one worker"),
     (("--strategy", "localsgd", "--nproc", "2"), "strategy localsgd"),

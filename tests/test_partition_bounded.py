@@ -18,6 +18,8 @@ from tandem.planning.bounded import solve_row0
 from tandem.planning.levels import LevelProblem, solve_level
 from tests.test_partition_exact import random_profile
 
+pytestmark = pytest.mark.pure
+
 segment_matrix = importlib.import_module("tandem.planning.partition")._segment_matrix
 
 

@@ -15,6 +15,8 @@ import importlib
 partition_module = importlib.import_module("tandem.planning.partition")
 from tandem.profile import LayerProfile, ModelProfile
 
+pytestmark = pytest.mark.pure
+
 
 def random_profile(rng: random.Random, num_layers: int, dag: bool) -> ModelProfile:
     layers = [

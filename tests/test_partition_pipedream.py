@@ -22,6 +22,8 @@ from tandem.cluster import flat_cluster
 from tandem.planning import PartitionOptions, partition
 from tandem.profile import load_profile
 
+pytestmark = pytest.mark.pure
+
 DATA = Path(__file__).parent / "data" / "profiles"
 BANDWIDTH_Bps = 1.25e9
 

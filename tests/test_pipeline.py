@@ -16,7 +16,7 @@ from tandem.models import build_model
 from tandem.strategy import even_bounds
 from tandem.timeline import Timeline, event_action
 
-from tests.conftest import SharedRun, max_abs_diff, run_json, run_tandem
+from tests.conftest import SharedRun, max_abs_diff, run_here, run_json
 from tests.test_train_dp import reference_training
 
 COMMON = ("--model", "mlp", "--data", "digits", "--steps", "20", "--batch-size", "32",
@@ -31,6 +31,7 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(("schedule", "layout"), [
     ("gpipe", ("--nproc", "2")),
     ("gpipe", ("--nproc", "4")),
@@ -49,10 +50,11 @@ def test_flush_schedules_match_single_process(single: Path, shared_run: SharedRu
     assert (out / "trace.json").exists()
 
 
+@pytest.mark.multiprocess
 def test_pipeline_from_a_plan(single: Path, tmp_path: Path) -> None:
     plan = tmp_path / "plan.json"
-    result = run_tandem("plan", "--model", "mlp", "--devices", "3", "--bandwidth", "10Gb/s",
-                        "--schedule", "gpipe", "--microbatches", "4", "-o", str(plan), "--json")
+    result = run_here("plan", "--model", "mlp", "--devices", "3", "--bandwidth", "10Gb/s",
+                      "--schedule", "gpipe", "--microbatches", "4", "-o", str(plan), "--json")
     assert result.returncode == 0, result.stderr
     config = json.loads(result.stdout)["config"]
     summary = run_json("train", *COMMON, "--strategy", "pipeline", "--plan", str(plan),
@@ -109,6 +111,7 @@ def _versions(trace: Path) -> dict[tuple[int, str, int], int]:
             if a is not None and a.kind.is_compute and a.microbatch is not None}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("vertical_sync", [False, True])
 def test_pipedream_weight_stashing(tmp_path: Path, vertical_sync: bool) -> None:
     flags = ("--vertical-sync",) if vertical_sync else ()
@@ -129,6 +132,8 @@ def test_pipedream_weight_stashing(tmp_path: Path, vertical_sync: bool) -> None:
     assert max(float((got[k] - expected_state[k]).abs().max()) for k in got) <= 1e-5
 
 
+@pytest.mark.multiprocess
+@pytest.mark.statistical
 def test_pipedream_reaches_90_percent_on_digits() -> None:
     summary = run_json("train", "--model", "mlp", "--data", "digits", "--strategy", "pipeline",
                        "--schedule", "pipedream", "--nproc", "3", "--steps", "300",
@@ -146,17 +151,19 @@ w1: 1RA0<0 1RA1<0 1F0 1F1 1B0 1SG0>0 1B1 1SG1>0 1ST
 """
 
 
+@pytest.mark.pure
 def test_checker_rejects_a_misordered_schedule_before_running(tmp_path: Path) -> None:
     schedule = tmp_path / "bad.txt"
     schedule.write_text(MISORDERED)
-    result = run_tandem("train", "--strategy", "pipeline", "--schedule", str(schedule),
-                        "--nproc", "2", "--batch-size", "32", "--steps", "2", "--out",
-                        str(tmp_path / "run"), timeout_s=60)
+    result = run_here("train", "--strategy", "pipeline", "--schedule", str(schedule),
+                      "--nproc", "2", "--batch-size", "32", "--steps", "2", "--out",
+                      str(tmp_path / "run"))
     assert result.returncode == 2
     assert "deadlock" in result.stderr and "*0B0*" in result.stderr and "*1F1*" in result.stderr
     assert not (tmp_path / "run" / "trace.json").exists()
 
 
+@pytest.mark.multiprocess
 def test_a_valid_schedule_file_runs(single: Path, tmp_path: Path) -> None:
     from tandem.schedule import one_f_one_b
 
@@ -181,10 +188,12 @@ BAD_PIPELINES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(BAD_PIPELINES))
+@pytest.mark.parametrize("case", [  # a worker finds a missing checkpoint
+    pytest.param(case, marks=pytest.mark.multiprocess if case == "resume" else pytest.mark.pure)
+    for case in sorted(BAD_PIPELINES)])
 def test_bad_pipeline_input_is_one_line_and_status_2(case: str) -> None:
     args, expected = BAD_PIPELINES[case]
-    result = run_tandem("train", "--strategy", "pipeline", "--steps", "2", *args, timeout_s=60)
+    result = run_here("train", "--strategy", "pipeline", "--steps", "2", *args)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and expected in lines[0], result.stderr

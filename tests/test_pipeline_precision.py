@@ -21,6 +21,7 @@ OVERFLOW = ("--model", "tests.precision_models:overflow:at=3", "--precision", "f
 the gradient it sends back to stage 0 stays finite."""
 
 
+@pytest.mark.multiprocess
 def test_clipped_pipeline_equals_clipped_dp(tmp_path: Path) -> None:
     """The norm is the whole model's: stage 0's two replicas count once, and so does the
     embedding that stage 0 (input) and stage 1 (output layer) share. The clip is active (the
@@ -36,6 +37,7 @@ def test_clipped_pipeline_equals_clipped_dp(tmp_path: Path) -> None:
     assert max_abs_diff(tmp_path / "dp" / "final.pt", tmp_path / "pipeline" / "final.pt") <= 1e-5
 
 
+@pytest.mark.multiprocess
 def test_fp16_overflow_on_one_stage_skips_the_step_on_every_stage(tmp_path: Path) -> None:
     run_json("train", *OVERFLOW, "--strategy", "dp", "--nproc", "1", "--accumulate", "2",
              "--out", str(tmp_path / "dp"))
@@ -50,14 +52,17 @@ def test_fp16_overflow_on_one_stage_skips_the_step_on_every_stage(tmp_path: Path
     assert max_abs_diff(tmp_path / "dp" / "final.pt", tmp_path / "pipeline" / "final.pt") <= 1e-5
 
 
+@pytest.mark.multiprocess
+@pytest.mark.statistical
 def test_bf16_pipeline_learns_digits() -> None:
     summary = run_json("train", "--strategy", "pipeline", "--nproc", "2", "--precision", "bf16",
                        "--clip-grad-norm", "5", "--steps", "200", "--lr", "0.1",
-                       "--lr-schedule", "cosine", "--seed", "0", timeout_s=300)
+                       "--lr-schedule", "cosine", "--seed", "0")
     assert summary["precision"] == "bf16" and summary["skipped_steps"] == 0
     assert summary["test_accuracy"] >= 0.9, summary
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(("flags", "message"), [
     (("--precision", "fp16"), "--precision fp16 needs one loss scale that every stage changes "
                               "at the same step"),
@@ -73,6 +78,7 @@ def test_pipedream_refuses_fp16_and_clipping(capsys: pytest.CaptureFixture[str],
     assert "--schedule 1f1b or gpipe" in lines[0]
 
 
+@pytest.mark.pure
 def test_loss_scale_follows_grad_scaler() -> None:
     """The pipeline's shared scale changes as torch's GradScaler does on the same overflows."""
     ours = LossScale(growth_interval=2)

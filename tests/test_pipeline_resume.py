@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests import test_pipeline
-from tests.conftest import SharedRun, max_abs_diff, run_json, run_tandem
+from tests.conftest import SharedRun, max_abs_diff, run_here, run_json
 
 COMMON = ("--model", "mlp", "--data", "digits", "--steps", "20", "--batch-size", "32",
           "--lr", "0.05", "--momentum", "0.9", "--seed", "3")
@@ -55,6 +55,7 @@ def one_f_one_b(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[st
     return out, *stopped_then_resumed(out, args, args)
 
 
+@pytest.mark.multiprocess
 def test_resume_auto_without_a_checkpoint_starts_afresh_and_stops_cleanly(
         one_f_one_b: tuple[Path, dict[str, Any], dict[str, Any], dict[str, Any]]) -> None:
     _, stopped, saved, _ = one_f_one_b
@@ -66,6 +67,7 @@ def test_resume_auto_without_a_checkpoint_starts_afresh_and_stops_cleanly(
     assert set(saved["optimizer"]["state"]["0.1.weight"]) == {"momentum_buffer"}
 
 
+@pytest.mark.multiprocess
 def test_1f1b_stopped_and_resumed_equals_the_whole_run(
         one_f_one_b: tuple[Path, dict[str, Any], dict[str, Any], dict[str, Any]],
         shared_run: SharedRun) -> None:
@@ -75,11 +77,12 @@ def test_1f1b_stopped_and_resumed_equals_the_whole_run(
     assert max_abs_diff(whole / "final.pt", out / "final.pt") == 0.0
 
 
+@pytest.mark.multiprocess
 def test_resume_auto_with_another_models_checkpoint_is_one_line_and_status_2(
         one_f_one_b: tuple[Path, dict[str, Any], dict[str, Any], dict[str, Any]]) -> None:
     out = one_f_one_b[0]
-    result = run_tandem("train", *COMMON, *STRAIGHT, "--model", "mlp:hidden=32", "--resume",
-                        "auto", "--out", str(out), "--no-progress", timeout_s=120)
+    result = run_here("train", *COMMON, *STRAIGHT, "--model", "mlp:hidden=32", "--resume",
+                      "auto", "--out", str(out), "--no-progress")
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
@@ -87,6 +90,7 @@ def test_resume_auto_with_another_models_checkpoint_is_one_line_and_status_2(
     assert "model='mlp:hidden=32'" in lines[0]
 
 
+@pytest.mark.multiprocess
 def test_replicated_2_1_stopped_and_resumed_equals_the_whole_run(
         tmp_path: Path, shared_run: SharedRun) -> None:
     args = (*REPLICATED, "--schedule", "1f1b")
@@ -97,6 +101,7 @@ def test_replicated_2_1_stopped_and_resumed_equals_the_whole_run(
     assert max_abs_diff(whole / "final.pt", tmp_path / "final.pt") == 0.0
 
 
+@pytest.mark.multiprocess
 def test_gpipe_saved_on_2_stages_resumes_on_3_resharded_by_name(
         tmp_path: Path, shared_run: SharedRun) -> None:
     whole, _ = shared_run(*COMMON, *STRAIGHT, "--schedule", "gpipe")
@@ -116,6 +121,7 @@ TIED = ("--model", "tests.split_models:tied_lm", "--data", "tokens:n=256,seq=8,v
 after COMMON, its flags win)."""
 
 
+@pytest.mark.multiprocess
 def test_tied_fp16_pipeline_resumes_with_its_loss_scale(tmp_path: Path) -> None:
     """The tied weight and its momentum are saved under both its names; the stages' shared
     loss scale continues its count of good steps."""
@@ -145,6 +151,7 @@ def differs(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> 
     return max(float((got[k] - expected[k]).abs().max()) for k in got)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("vertical_sync", [False, True])
 def test_pipedream_stops_drained_and_resumes_filling_again(tmp_path: Path,
                                                            vertical_sync: bool) -> None:
@@ -161,6 +168,7 @@ def test_pipedream_stops_drained_and_resumes_filling_again(tmp_path: Path,
     assert differs(final, pipedream_reference(20, None, vertical_sync)) > 1e-4  # it did refill
 
 
+@pytest.mark.multiprocess
 def test_pipedream_killed_mid_run_restarts_from_each_stage_after_exactly_n_updates(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A worker killed at step 13 leaves the checkpoint of step 10, taken while minibatches
@@ -174,6 +182,8 @@ def test_pipedream_killed_mid_run_restarts_from_each_stage_after_exactly_n_updat
     assert differs(final, pipedream_reference(20, 10, False)) <= 1e-5
 
 
+@pytest.mark.multiprocess
+@pytest.mark.statistical
 def test_pipedream_stopped_and_resumed_reaches_90_percent_on_digits(tmp_path: Path) -> None:
     """As test_pipeline.py's uninterrupted run (300 steps reach 90%), cut in the middle."""
     args = ("train", "--model", "mlp", "--data", "digits", *PIPEDREAM, "--steps", "300",
@@ -187,10 +197,11 @@ def test_pipedream_stopped_and_resumed_reaches_90_percent_on_digits(tmp_path: Pa
     assert resumed["steps"] == 300 and resumed["test_accuracy"] >= 0.9
 
 
+@pytest.mark.pure
 def test_pipedream_checkpoints_between_rounds_of_replicas() -> None:
-    result = run_tandem("train", *COMMON, "--strategy", "pipeline", "--schedule", "pipedream",
-                        "--nproc", "3", "--stages", "2", "--replicas", "2,1",
-                        "--checkpoint-every", "5", timeout_s=60)
+    result = run_here("train", *COMMON, "--strategy", "pipeline", "--schedule", "pipedream",
+                      "--nproc", "3", "--stages", "2", "--replicas", "2,1",
+                      "--checkpoint-every", "5")
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "--checkpoint-every 5: pipedream with replicas 2-1" in lines[0]

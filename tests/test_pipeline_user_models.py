@@ -17,26 +17,28 @@ SGD = ("--steps", "20", "--lr", "0.05", "--momentum", "0.9")
 TIED = ("transformer.wte.weight", "lm_head.weight")
 
 
+@pytest.mark.multiprocess
 def test_gpt2_pipeline_equals_dp(tmp_path: Path) -> None:
     """Traced with its cache off, split into 34 blocks on 2 stages: equal to one process
     accumulating the same 2 micro-batches, its embedding still tied to its output layer."""
     pytest.importorskip("transformers")
     run_json("train", *GPT2, *SGD, "--strategy", "dp", "--nproc", "1", "--accumulate", "2",
-             "--out", str(tmp_path / "dp"), timeout_s=300)
+             "--out", str(tmp_path / "dp"))
     summary = run_json("train", *GPT2, *SGD, "--strategy", "pipeline", "--nproc", "2",
-                       "--microbatches", "2", "--out", str(tmp_path / "pipeline"), timeout_s=300)
+                       "--microbatches", "2", "--out", str(tmp_path / "pipeline"))
     assert summary["pipeline"] == "1-1"
     final = torch.load(tmp_path / "pipeline" / "final.pt")
     assert torch.equal(final[TIED[0]], final[TIED[1]])
     assert max_abs_diff(tmp_path / "dp" / "final.pt", tmp_path / "pipeline" / "final.pt") <= 1e-5
 
 
+@pytest.mark.multiprocess
 def test_gpt2_on_four_stages_trains_in_bf16_with_clipping() -> None:
     pytest.importorskip("transformers")
     summary = run_json("train", *GPT2, "--strategy", "pipeline", "--nproc", "4", "--stages", "4",
                        "--microbatches", "4", "--steps", "10", "--optimizer", "adamw",
                        "--lr", "0.01", "--precision", "bf16", "--clip-grad-norm", "1",
-                       "--log-every", "2", timeout_s=300)
+                       "--log-every", "2")
     assert summary["pipeline"] == "1-1-1-1" and summary["precision"] == "bf16"
     ties = [tie for worker in summary["workers"] for tie in worker["shared_parameters"]]
     assert [tie["stages"] for tie in ties] == [[0, 3], [0, 3]]
@@ -45,6 +47,7 @@ def test_gpt2_on_four_stages_trains_in_bf16_with_clipping() -> None:
     assert summary["test_accuracy"] > 0.1, summary  # chance: 1/64
 
 
+@pytest.mark.pure
 def test_split_traces_without_the_cache_and_restores_the_config() -> None:
     pytest.importorskip("transformers")
     from tandem.split import split_model
@@ -59,6 +62,7 @@ def test_split_traces_without_the_cache_and_restores_the_config() -> None:
     assert torch.allclose(output.logits, model(tokens).logits, atol=1e-6)
 
 
+@pytest.mark.pure
 def test_profile_takes_a_data_function(capsys: pytest.CaptureFixture[str]) -> None:
     """Dict inputs from the user's dataset reach the model's keyword arguments."""
     code, out, err = run_cli(capsys, "profile", "--model", "tests.user_data:skip_net", "--data",

@@ -10,6 +10,8 @@ import pytest
 from tandem.plan import Plan, Stage, parse_config
 from tests.conftest import PROFILES, VGG, run_cli
 
+pytestmark = pytest.mark.pure
+
 DATA = PROFILES
 
 

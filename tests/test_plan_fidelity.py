@@ -16,7 +16,9 @@ from tandem.planning import NoPlanFits, PartitionOptions, make_plan, partition_p
 from tandem.planning.memory import stage_memory_bytes
 from tandem.planning.simulate import SimOptions, data_parallel_plan, simulate
 from tandem.profile import load_profile
-from tests.conftest import PROFILES, run_cli
+from tests.conftest import PROFILES, run_cli, run_here
+
+pytestmark = pytest.mark.pure
 
 REAL = {name: load_profile(str(PROFILES / f"{name}.graph.txt"))
         for name in ("vgg16", "resnet50", "gnmt")}
@@ -273,8 +275,7 @@ def test_a_one_stage_plan_that_recomputes_is_refused_by_the_runtime(tmp_path) ->
     data["recompute"] = True
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(data))
-    from tests.conftest import run_tandem
-    result = run_tandem("train", "--model", "mlp", "--data", "digits", "--plan", str(path),
-                        "--steps", "1")
+    result = run_here("train", "--model", "mlp", "--data", "digits", "--plan", str(path),
+                      "--steps", "1")
     assert result.returncode == 2, result.stderr
     assert "recompute" in result.stderr and len(result.stderr.strip().splitlines()) == 1

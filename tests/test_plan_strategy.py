@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from tandem.sync_spec import (
     ParameterServerSync,
     sync_from_dict,
 )
-from tests.conftest import ROOT, SharedRun, max_abs_diff, run_cli, run_json, run_tandem
+from tests.conftest import ROOT, SharedRun, max_abs_diff, run_cli, run_here, run_json
 
 INAPPLICABLE = {
     "dp --mode": (("--mode", "async"), "--mode applies to --strategy ps or easgd only (this run "
@@ -67,6 +66,7 @@ INAPPLICABLE = {
 }
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("case", sorted(INAPPLICABLE))
 def test_an_option_of_another_strategy_is_one_line_and_status_2(
         capsys: pytest.CaptureFixture[str], case: str) -> None:
@@ -76,6 +76,7 @@ def test_an_option_of_another_strategy_is_one_line_and_status_2(
     assert err.count("\n") == 1 and expected in err, err
 
 
+@pytest.mark.pure
 def test_every_plan_flag_belongs_to_a_strategy() -> None:
     """The table the errors come from: each strategy's own flags, and nobody else's."""
     assert owners("--servers") == ("ps", "easgd")
@@ -86,6 +87,7 @@ def test_every_plan_flag_belongs_to_a_strategy() -> None:
     assert set(STRATEGIES) == {"dp", "ps", "gossip", "easgd", "localsgd", "pipeline"}
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(("strategy", "flags", "processes", "sync"), [
     ("dp", {}, 4, None),
     ("ps", {"--servers": 2, "--mode": "ssp", "--staleness": 3}, 6,
@@ -110,6 +112,7 @@ def test_flags_build_one_plan_that_round_trips(strategy: str, flags: dict, proce
     assert again == plan and strategy_of(again) == strategy
 
 
+@pytest.mark.pure
 def test_micro_batch_defaults_are_decided_by_the_plan() -> None:
     """One stage: one micro-batch per worker (times --accumulate); a pipeline: max(stages,
     most replicas); PipeDream: one whole minibatch."""
@@ -122,6 +125,7 @@ def test_micro_batch_defaults_are_decided_by_the_plan() -> None:
     assert count("pipeline", {"--schedule": "pipedream"}, 2) == 1
 
 
+@pytest.mark.pure
 def test_malformed_plans_are_one_line_errors(tmp_path: Path) -> None:
     good = plan_from_flags("ps", {}, num_processes=3, num_blocks=4).to_dict()
     with pytest.raises(UsageError, match="no option 'shards'"):
@@ -137,6 +141,7 @@ def test_malformed_plans_are_one_line_errors(tmp_path: Path) -> None:
         Plan.from_dict({**good, "compress": "zip"})
 
 
+@pytest.mark.pure
 def test_a_schema_1_plan_file_is_still_read() -> None:
     """Plans written before the sync spec existed: allreduce, their predictions PipeDream's."""
     old = {"schema_version": 1, "stages": [{"start": 0, "end": 3, "replicas": 2, "sync": "allreduce"},
@@ -148,13 +153,14 @@ def test_a_schema_1_plan_file_is_still_read() -> None:
     assert plan.predicted_schedule == "pipedream"
 
 
+@pytest.mark.multiprocess
 def test_a_gpipe_plan_with_8_micro_batches_runs_exactly_that(tmp_path: Path) -> None:
     """``tandem plan --schedule gpipe --microbatches 8 -o`` then ``train --plan``: the summary,
     the recorded plan and the trace (8 forwards per worker per step) all say GPipe with 8."""
     plan_file = tmp_path / "plan.json"
-    written = run_tandem("plan", "--model", "mlp", "--data", "digits", "--devices", "2",
-                         "--bandwidth", "10Gb/s", "--schedule", "gpipe", "--microbatches", "8",
-                         "-o", str(plan_file))
+    written = run_here("plan", "--model", "mlp", "--data", "digits", "--devices", "2",
+                       "--bandwidth", "10Gb/s", "--schedule", "gpipe", "--microbatches", "8",
+                       "-o", str(plan_file))
     assert written.returncode == 0, written.stderr
     recorded = json.loads(plan_file.read_text())
     assert (recorded["schedule"], recorded["num_microbatches"]) == ("gpipe", 8)
@@ -178,6 +184,7 @@ def test_a_gpipe_plan_with_8_micro_batches_runs_exactly_that(tmp_path: Path) -> 
         assert compute == ["F"] * 8 + ["B"] * 8, names
 
 
+@pytest.mark.multiprocess
 def test_a_run_reruns_from_its_own_plan_file(shared_run: SharedRun, tmp_path: Path) -> None:
     """``plan.json`` of a run is its strategy: running it again gives the same model. (The
     first run is the ``ps`` run whose trace is checked below.)"""
@@ -189,10 +196,12 @@ def test_a_run_reruns_from_its_own_plan_file(shared_run: SharedRun, tmp_path: Pa
     assert max_abs_diff(first / "final.pt", tmp_path / "final.pt") == 0.0
 
 
+@pytest.mark.pure
 def test_no_strategy_name_is_compared_outside_the_registry() -> None:
-    found = subprocess.run(["grep", "-rn", "strategy ==", str(ROOT / "src")],
-                           capture_output=True, text=True)
-    assert found.stdout == ""
+    found = [f"{path}:{number}" for path in sorted((ROOT / "src").rglob("*.py"))
+             for number, line in enumerate(path.read_text().splitlines(), 1)
+             if "strategy ==" in line]
+    assert found == []
 
 
 DATA_PARALLEL_TRACES = {
@@ -206,6 +215,7 @@ DATA_PARALLEL_TRACES = {
 }
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("flags", list(DATA_PARALLEL_TRACES), ids=lambda flags: flags[0])
 def test_data_parallel_traces_use_the_schedule_vocabulary(shared_run: SharedRun,
                                                          flags: tuple) -> None:
@@ -219,6 +229,7 @@ def test_data_parallel_traces_use_the_schedule_vocabulary(shared_run: SharedRun,
     assert seen == DATA_PARALLEL_TRACES[flags]
 
 
+@pytest.mark.pure
 def test_a_schedule_file_without_a_step_is_refused_with_the_grid(
         capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """The tester's case: a 1F1B file with ``0ST`` deleted used to run, and stage 0 never
@@ -234,6 +245,7 @@ def test_a_schedule_file_without_a_step_is_refused_with_the_grid(
     assert "step  w0      w1" in err  # the step-by-worker grid of the dry run
 
 
+@pytest.mark.pure
 def test_the_simulator_runs_the_plans_codec() -> None:
     """A data-parallel plan's codec is what ``tandem simulate --plan`` models, exactly as if it
     had been given with ``--compress``."""
@@ -252,6 +264,7 @@ def test_the_simulator_runs_the_plans_codec() -> None:
     assert simulate(plain, profile, cluster).codec_s == 0
 
 
+@pytest.mark.pure
 def test_the_simulator_replays_a_plans_hand_written_schedule() -> None:
     """A plan built from ``--schedule FILE`` carries the file's schedule; the simulator replays
     that one (the runtime runs it), not the generated schedule of the same kind."""

@@ -9,6 +9,8 @@ import pytest
 from tandem.errors import UsageError
 from tandem.profile import LayerProfile, ModelProfile, from_pipedream_graph, load_profile
 
+pytestmark = pytest.mark.pure
+
 DATA = Path(__file__).parent / "data" / "profiles"
 
 

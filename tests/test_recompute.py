@@ -14,7 +14,7 @@ from tandem.plan import Plan, Stage
 from tandem.runtime.config import Job, RunConfig
 from tandem.runtime.pipeline.materialize import materialize, on_meta
 
-from tests.conftest import SharedRun, max_abs_diff, run_tandem
+from tests.conftest import SharedRun, max_abs_diff, run_here
 
 MLP = ("--model", "mlp:hidden=256", "--data", "digits", "--steps", "6", "--batch-size", "32",
        "--lr", "0.05", "--momentum", "0.9", "--seed", "3")
@@ -28,6 +28,7 @@ def single_mlp(shared_run: SharedRun) -> Path:
     return shared_run(*MLP)[0]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_recompute_matches_without(single_mlp: Path, shared_run: SharedRun,
                                    schedule: str) -> None:
@@ -41,6 +42,7 @@ def test_recompute_matches_without(single_mlp: Path, shared_run: SharedRun,
         assert 0 < after < before / 2, (after, before)
 
 
+@pytest.mark.multiprocess
 def test_recompute_keeps_batchnorm_statistics(shared_run: SharedRun) -> None:
     """The recomputed forward would update BatchNorm's running statistics (and its count of
     batches) a second time: the buffers must come out as without recomputation. (A pipeline's
@@ -53,6 +55,7 @@ def test_recompute_keeps_batchnorm_statistics(shared_run: SharedRun) -> None:
     assert max_abs_diff(plain / "final.pt", again / "final.pt") <= 1e-5
 
 
+@pytest.mark.multiprocess
 def test_recompute_with_weight_stashing(shared_run: SharedRun) -> None:
     """PipeDream's backward recomputes on the stashed weight version its forward used."""
     plain, _ = shared_run(*MLP, "--strategy", "pipeline", "--nproc", "2", "--schedule",
@@ -62,6 +65,7 @@ def test_recompute_with_weight_stashing(shared_run: SharedRun) -> None:
     assert max_abs_diff(plain / "final.pt", again / "final.pt") <= 1e-5
 
 
+@pytest.mark.multiprocess
 def test_a_plan_file_that_recomputes_runs_it(shared_run: SharedRun, tmp_path: Path) -> None:
     plan = Plan(stages=[Stage(start=0, end=2, replicas=1), Stage(start=2, end=4, replicas=1)],
                 num_layers=4, num_devices=2, schedule="gpipe", num_microbatches=4,
@@ -77,13 +81,14 @@ def test_a_plan_file_that_recomputes_runs_it(shared_run: SharedRun, tmp_path: Pa
 
 
 def _refused(*args: str) -> str:
-    result = run_tandem("train", *args, "--no-progress", timeout_s=120)
+    result = run_here("train", *args, "--no-progress")
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     return lines[0]
 
 
+@pytest.mark.pure
 def test_recompute_refusals(tmp_path: Path) -> None:
     assert "--strategy pipeline" in _refused(*MLP, "--recompute", "--out", str(tmp_path / "a"))
     plan = Plan(stages=[Stage(start=0, end=4, replicas=1)], num_layers=4, num_devices=1,
@@ -94,6 +99,7 @@ def test_recompute_refusals(tmp_path: Path) -> None:
     assert "1 stage" in line and "--stages" in line
 
 
+@pytest.mark.pure
 def test_recompute_refused_with_tensor_parallelism_alone() -> None:
     """Tensor parallelism alone is one stage: nothing to checkpoint per stage (a pipeline x
     tensor layout recomputes: tests/test_tensor_parallel.py)."""
@@ -105,6 +111,7 @@ def test_recompute_refused_with_tensor_parallelism_alone() -> None:
 
 # -- per-stage materialization ---------------------------------------------------------------
 
+@pytest.mark.pure
 @pytest.mark.parametrize("spec", ["mlp", "resnet:depth=8,width=4", "gpt:layers=2,dim=32"])
 def test_a_stage_materialized_from_meta_equals_the_whole_model_slice(spec: str) -> None:
     data = build_dataset("tokens" if spec.startswith("gpt") else "digits")
@@ -122,6 +129,7 @@ def test_a_stage_materialized_from_meta_equals_the_whole_model_slice(spec: str) 
         assert torch.equal(tensor, reference[key]), key
 
 
+@pytest.mark.pure
 def test_initialization_depends_on_the_seed_only() -> None:
     info = build_dataset("digits").info
     torch.manual_seed(1)
@@ -133,6 +141,7 @@ def test_initialization_depends_on_the_seed_only() -> None:
     assert not torch.equal(a.state_dict()["0.1.weight"], c.state_dict()["0.1.weight"])
 
 
+@pytest.mark.multiprocess
 def test_a_pipeline_worker_holds_only_its_stage(shared_run: SharedRun) -> None:
     _, summary = shared_run(*MLP, *PIPE, "--schedule", "gpipe")
     info = build_dataset("digits").info
@@ -143,6 +152,7 @@ def test_a_pipeline_worker_holds_only_its_stage(shared_run: SharedRun) -> None:
     assert held == [worker["parameter_bytes"] for worker in summary["workers"]]
 
 
+@pytest.mark.pure
 def test_users_models_are_still_built_whole() -> None:
     info = build_dataset("digits").info
     model = build_model("tests.bn_models:resnet", info, device="meta")

@@ -12,7 +12,7 @@ import torch
 from tandem.cli import main
 from tandem.compress import build_compression
 
-from tests.conftest import max_abs_diff, run_json, run_tandem
+from tests.conftest import max_abs_diff, run_here, run_json
 
 COMMON = ("--model", "mlp", "--data", "digits", "--steps", "12", "--batch-size", "32",
           "--lr", "0.05", "--seed", "5", "--nproc", "2")
@@ -29,6 +29,7 @@ def interrupted_and_whole(tmp_path: Path, *args: str) -> tuple[Path, Path]:
     return whole / "final.pt", parts / "final.pt"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("args", [
     ("--compress", "topk:ratio=0.1,momentum=0.9", "--momentum", "0"),
     ("--compress", "qsgd:levels=3", "--momentum", "0.9"),
@@ -40,6 +41,7 @@ def test_compressed_dp_resumes_exactly(tmp_path: Path, args: tuple[str, ...]) ->
     assert max_abs_diff(whole, resumed) <= 1e-6
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("args", [
     ("--strategy", "easgd", "--period", "4"),
     ("--strategy", "gossip", "--topology", "ring"),
@@ -52,6 +54,7 @@ def test_decentralized_strategies_resume_each_workers_model(tmp_path: Path,
     assert max_abs_diff(whole, resumed) <= 1e-6
 
 
+@pytest.mark.pure
 def test_codec_state_round_trips() -> None:
     """A codec restored from its state encodes the next tensor as the original does."""
     torch.manual_seed(0)
@@ -78,29 +81,33 @@ def stopped(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.multiprocess
 def test_resume_with_other_worker_count_is_refused(stopped: Path, tmp_path: Path) -> None:
     out = shutil.copytree(stopped, tmp_path / "run")
-    result = run_tandem("train", *STOPPED, "--compress", "topk:ratio=0.1", "--nproc", "4",
-                        "--out", str(out), "--resume", "--no-progress")
+    result = run_here("train", *STOPPED, "--compress", "topk:ratio=0.1", "--nproc", "4",
+                      "--out", str(out), "--resume", "--no-progress")
     assert result.returncode != 0
     assert ("the checkpoint holds 2 workers' codec state (error feedback) for --compress "
             "topk:ratio=0.1, which cannot be split among 4; resume with --nproc 2") in result.stderr
 
 
+@pytest.mark.multiprocess
 def test_resume_with_another_codec_is_refused(stopped: Path, tmp_path: Path) -> None:
     out = shutil.copytree(stopped, tmp_path / "run")
-    result = run_tandem("train", *STOPPED, "--compress", "sign", "--nproc", "2",
-                        "--out", str(out), "--resume", "--no-progress")
+    result = run_here("train", *STOPPED, "--compress", "sign", "--nproc", "2",
+                      "--out", str(out), "--resume", "--no-progress")
     assert result.returncode == 2
     assert "made with compress='topk:ratio=0.1', this run has compress='sign'" in result.stderr
 
 
+@pytest.mark.pure
 def test_powersgd_checkpoints_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["train", "--steps", "4", "--compress", "powersgd", "--stop-after", "2"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--compress powersgd cannot be resumed" in err
 
 
+@pytest.mark.multiprocess
 def test_a_synchronous_parameter_server_run_stops_after_and_resumes_exactly(tmp_path: Path) -> None:
     """``--stop-after`` used to be ignored by ``ps`` (the servers served every step); now the
     servers stop there with their checkpoints, and the resumed run equals the whole one."""

@@ -9,6 +9,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from tandem.data import GlobalBatchSampler, shard_sizes
 from tandem.data.sampler import RankBatchSampler
 
+pytestmark = pytest.mark.pure
+
 
 @pytest.mark.parametrize(("total", "shards", "expected"), [
     (8, 4, [2, 2, 2, 2]), (10, 4, [3, 3, 2, 2]), (3, 4, [1, 1, 1, 0]), (0, 2, [0, 0]),

@@ -19,6 +19,8 @@ from tandem.planning.simulate import SimOptions, data_parallel_plan, simulate
 from tandem.profile import ModelProfile, load_profile
 from tests.conftest import PROFILES, VGG, run_cli
 
+pytestmark = pytest.mark.pure
+
 DATA = PROFILES
 SERVERS = "8x300GB/s,128x25Gb/s"
 TWO_LEVEL = "4x16GB/s,16x10Gb/s"

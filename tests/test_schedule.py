@@ -21,6 +21,8 @@ from tandem.schedule import (
     pipedream,
 )
 
+pytestmark = pytest.mark.pure
+
 SMALL_CASES = [([1], 1), ([1], 3), ([1, 1], 2), ([1, 1], 3), ([2, 1], 4), ([1, 2], 6),
                ([1, 1, 1], 6), ([2, 1, 3], 6), ([3, 3], 6), ([1, 1, 1, 1], 8)]  # fmt: skip
 

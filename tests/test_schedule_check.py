@@ -12,6 +12,8 @@ import pytest
 from tandem.errors import UsageError
 from tandem.schedule import SCHEDULE_KINDS, Schedule, ScheduleError, check, generate, grid
 
+pytestmark = pytest.mark.pure
+
 
 def table(text: str) -> str:
     return textwrap.dedent(text).strip("\n")

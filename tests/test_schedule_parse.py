@@ -48,6 +48,7 @@ MALFORMED = {
 }
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("text", sorted(MALFORMED))
 def test_malformed_schedules_are_one_clear_line(text: str) -> None:
     with pytest.raises(ScheduleParseError) as caught:
@@ -58,6 +59,7 @@ def test_malformed_schedules_are_one_clear_line(text: str) -> None:
     assert "\n" not in message
 
 
+@pytest.mark.pure
 def test_actions_built_in_code_are_checked_too() -> None:
     cases = {
         (0, Kind.SEND_ACT, 3, None): "action '0SA3': a send of an activation needs its peer worker "
@@ -72,6 +74,7 @@ def test_actions_built_in_code_are_checked_too() -> None:
             Action(stage, kind, microbatch, peer)
 
 
+@pytest.mark.pure
 def test_a_good_schedule_still_parses() -> None:
     schedule = Schedule.parse(GOOD)
     assert schedule.text() == GOOD
@@ -92,6 +95,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.cli
 def test_the_same_errors_under_python_O() -> None:
     """``python -O`` strips ``assert``: parsing must not rely on it."""
     texts = sorted(MALFORMED)

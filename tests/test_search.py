@@ -15,6 +15,8 @@ from tandem.planning.simulate import SimOptions, simulate
 from tandem.profile import load_profile
 from tests.conftest import PROFILES, run_cli
 
+pytestmark = pytest.mark.pure
+
 DATA = PROFILES
 PROFILES = {name: load_profile(str(DATA / f"{name}.graph.txt")) for name in ("vgg16", "gnmt")}
 QUICK = SearchOptions(budget_s=60, max_iterations=60, seed=0)

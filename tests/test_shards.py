@@ -18,7 +18,7 @@ from tandem.data.pack import pack
 from tandem.data.shards import ShardBatchSampler, load_shards
 from tandem.data.storage import CachedStorage, EmulatedStorage, Storage
 from tandem.errors import UsageError
-from tests.conftest import max_abs_diff, run_json, run_tandem
+from tests.conftest import max_abs_diff, run_here, run_json
 from tests.test_your_data import _write_digit_pngs
 
 
@@ -32,6 +32,7 @@ def digit_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 # -- the format --------------------------------------------------------------------------------
 
+@pytest.mark.pure
 def test_packed_digits_read_back_equal_to_the_in_memory_digits(digit_shards: Path) -> None:
     shards, memory = load_shards(f"shards:{digit_shards}"), load_data("digits")
     assert shards.info == memory.info
@@ -45,6 +46,7 @@ def test_packed_digits_read_back_equal_to_the_in_memory_digits(digit_shards: Pat
     assert sum(sizes) == len(memory.train) and len(sizes) > 20
 
 
+@pytest.mark.pure
 def test_the_webdataset_reader_reads_our_shards(digit_shards: Path) -> None:
     webdataset = pytest.importorskip("webdataset")
     memory = load_data("digits").train
@@ -57,6 +59,7 @@ def test_the_webdataset_reader_reads_our_shards(digit_shards: Path) -> None:
         assert int(sample["cls"]) == int(memory.targets[number])
 
 
+@pytest.mark.pure
 def test_an_image_folder_packs_its_files_and_decodes_as_folder_does(tmp_path: Path) -> None:
     _write_digit_pngs(tmp_path / "pngs")
     out = tmp_path / "shards"
@@ -73,6 +76,7 @@ def test_an_image_folder_packs_its_files_and_decodes_as_folder_does(tmp_path: Pa
         assert torch.equal(batch.targets, getattr(folder, split).targets)
 
 
+@pytest.mark.pure
 def test_structured_samples_pack_as_pth_and_read_back(tmp_path: Path) -> None:
     pack("tests.user_data:digit_dicts", tmp_path / "dicts", shard_size=1 << 20)
     shards = load_shards(f"shards:{tmp_path / 'dicts'}")
@@ -87,6 +91,7 @@ def test_structured_samples_pack_as_pth_and_read_back(tmp_path: Path) -> None:
 
 # -- the order of an epoch -----------------------------------------------------------------------
 
+@pytest.mark.pure
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])
 @pytest.mark.parametrize("batch", [7, 64])
 def test_every_sample_once_per_epoch_with_equal_shares_from_unequal_shards(
@@ -115,6 +120,7 @@ def test_every_sample_once_per_epoch_with_equal_shares_from_unequal_shards(
         assert sum(len(o) > 1 for o in owners.values()) <= ranks - 1
 
 
+@pytest.mark.pure
 def test_the_order_depends_on_seed_and_epoch_only_and_the_buffer_shuffles() -> None:
     def order(seed: int, epoch: int, buffer: int) -> list[int]:
         sampler = ShardBatchSampler([30] * 10, global_batch_size=32, seed=seed, partitions=2,
@@ -132,6 +138,7 @@ def test_the_order_depends_on_seed_and_epoch_only_and_the_buffer_shuffles() -> N
     assert (np.diff(shuffled) == 1).sum() < 30
 
 
+@pytest.mark.pure
 def test_fewer_shards_than_ranks_split_by_samples() -> None:
     sampler = ShardBatchSampler([100], global_batch_size=8, seed=0, partitions=4,
                                 shuffle_buffer=5)
@@ -140,6 +147,7 @@ def test_fewer_shards_than_ranks_split_by_samples() -> None:
     assert sorted(np.concatenate(streams).tolist()) == list(range(100))
 
 
+@pytest.mark.pure
 def test_each_rank_opens_only_the_shards_of_its_range(digit_shards: Path) -> None:
     data = load_shards(f"shards:{digit_shards}")
     sampler = data.train.batch_sampler(global_batch_size=64, seed=0, partitions=4)
@@ -152,6 +160,7 @@ def test_each_rank_opens_only_the_shards_of_its_range(digit_shards: Path) -> Non
         assert samples.opens == len(own) < len(data.train.shards) / 2
 
 
+@pytest.mark.multiprocess
 def test_the_loader_hands_over_the_planned_batches_in_order(digit_shards: Path) -> None:
     data = load_shards(f"shards:{digit_shards}")
     sampler = data.train.batch_sampler(global_batch_size=32, seed=0, partitions=2)
@@ -169,6 +178,7 @@ def test_the_loader_hands_over_the_planned_batches_in_order(digit_shards: Path) 
 
 # -- storage --------------------------------------------------------------------------------------
 
+@pytest.mark.pure
 def test_the_emulator_charges_each_open_and_caps_the_bandwidth(tmp_path: Path) -> None:
     path = tmp_path / "blob"
     path.write_bytes(b"x" * 2_000_000)
@@ -183,6 +193,7 @@ def test_the_emulator_charges_each_open_and_caps_the_bandwidth(tmp_path: Path) -
     assert done - opened >= 0.1  # 2 MB at 20 MB/s
 
 
+@pytest.mark.pure
 def test_the_cache_copies_a_shard_once_and_reads_it_locally(tmp_path: Path) -> None:
     source = tmp_path / "remote" / "a.tar"
     source.parent.mkdir()
@@ -202,18 +213,20 @@ def test_the_cache_copies_a_shard_once_and_reads_it_locally(tmp_path: Path) -> N
 # -- bad input -----------------------------------------------------------------------------------
 
 def _train_error(*args: str) -> str:
-    result = run_tandem("train", "--steps", "2", "--no-progress", *args, timeout_s=120)
+    result = run_here("train", "--steps", "2", "--no-progress", *args)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     return lines[0]
 
 
+@pytest.mark.pure
 def test_a_missing_directory_is_one_line(tmp_path: Path) -> None:
     line = _train_error("--data", f"shards:{tmp_path / 'nowhere'}")
     assert "is not a directory" in line and "tandem pack" in line
 
 
+@pytest.mark.pure
 def test_a_directory_without_shards_is_one_line(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="holds no shards; write the shards with tandem pack"):
         load_shards(f"shards:{tmp_path}")
@@ -222,6 +235,7 @@ def test_a_directory_without_shards_is_one_line(tmp_path: Path) -> None:
         load_shards(f"shards:{tmp_path}")
 
 
+@pytest.mark.pure
 def test_a_truncated_shard_is_named(digit_shards: Path, tmp_path: Path) -> None:
     import shutil
 
@@ -243,18 +257,21 @@ def test_a_truncated_shard_is_named(digit_shards: Path, tmp_path: Path) -> None:
         data.train.take(torch.tensor([first]))
 
 
+@pytest.mark.pure
 def test_options_that_do_not_apply_are_refused(digit_shards: Path, tmp_path: Path) -> None:
     assert "--loader-workers 2 reads batches ahead" in _train_error("--loader-workers", "2")
     assert "--cache-dir keeps local copies of shards" in _train_error(
         "--cache-dir", str(tmp_path))
     assert "shuffle=0 must be at least 1" in _train_error(
         "--data", f"shards:{digit_shards}:shuffle=0")
-    line = run_tandem("pack", "digits", "--out", str(digit_shards), timeout_s=60)
+    line = run_here("pack", "digits", "--out", str(digit_shards))
     assert line.returncode == 2 and "already holds shards" in line.stderr
 
 
 # -- training ------------------------------------------------------------------------------------
 
+@pytest.mark.multiprocess
+@pytest.mark.statistical
 def test_shards_train_to_the_in_memory_accuracy(digit_shards: Path) -> None:
     """The same runs on shards and in memory, over four seeds (the two read the samples in
     different orders, so single runs differ by a test sample or two either way)."""
@@ -272,6 +289,7 @@ def test_shards_train_to_the_in_memory_accuracy(digit_shards: Path) -> None:
     assert abs(means["shards"] - means["memory"]) <= 0.005, accuracy
 
 
+@pytest.mark.multiprocess
 def test_a_run_stopped_mid_epoch_resumes_to_the_uninterrupted_result(
         digit_shards: Path, tmp_path: Path) -> None:
     # 1,438 samples at 64 a step: an epoch is 23 steps, so stopping after 30 is mid-epoch 2
@@ -286,12 +304,14 @@ def test_a_run_stopped_mid_epoch_resumes_to_the_uninterrupted_result(
     assert resumed["finished"]
     assert max_abs_diff(tmp_path / "whole" / "final.pt", tmp_path / "cut" / "final.pt") == 0.0
     assert any((tmp_path / "cache").iterdir())
-    other = run_tandem("train", *common, "--out", str(tmp_path / "cut"), "--resume", "auto",
-                       "--nproc", "4", "--no-progress")
+    other = run_here("train", *common, "--out", str(tmp_path / "cut"), "--resume", "auto",
+                     "--nproc", "4", "--no-progress")
     assert other.returncode == 2
     assert "cut for 2 data-parallel workers, and this run has 4" in other.stderr
 
 
+@pytest.mark.multiprocess
+@pytest.mark.statistical
 @pytest.mark.parametrize("strategy", [
     ("--strategy", "ps", "--nproc", "3"),
     ("--strategy", "ps", "--mode", "async", "--nproc", "3"),
@@ -304,8 +324,7 @@ def test_every_strategy_trains_on_shards(digit_shards: Path, strategy: tuple[str
     """Synchronous strategies learn digits in 60 steps; the asynchronous ones (ps async,
     PipeDream) learn too slowly with the defaults for an accuracy bar that short (issue 14), so
     for them the loss must have fallen below chance (ln 10 = 2.30)."""
-    summary = run_json("train", "--data", f"shards:{digit_shards}", *strategy, "--steps", "60",
-                       timeout_s=240)
+    summary = run_json("train", "--data", f"shards:{digit_shards}", *strategy, "--steps", "60")
     assert summary["finished"], summary
     if "async" in strategy or "pipedream" in strategy:
         assert summary["final_loss"] < 2.2, summary
@@ -315,6 +334,7 @@ def test_every_strategy_trains_on_shards(digit_shards: Path, strategy: tuple[str
 
 # -- the Python API ------------------------------------------------------------------------------
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [1, 3])
 def test_shard_dataset_gives_each_rank_its_part_of_an_epoch(digit_shards: Path,
                                                             world: int) -> None:
@@ -342,6 +362,8 @@ def test_shard_dataset_gives_each_rank_its_part_of_an_epoch(digit_shards: Path,
     assert len(set(seen)) >= len(memory) - 20  # a few digits have exact duplicates
 
 
+@pytest.mark.multiprocess
+@pytest.mark.statistical
 def test_fit_streams_a_shard_dataset_as_it_streams_the_spec(digit_shards: Path,
                                                              tmp_path: Path) -> None:
     import tandem
@@ -357,15 +379,16 @@ def test_fit_streams_a_shard_dataset_as_it_streams_the_spec(digit_shards: Path,
     assert max_abs_diff(tmp_path / "given" / "final.pt", tmp_path / "named" / "final.pt") == 0
 
 
+@pytest.mark.pure
 def test_pack_on_the_command_line_reports_shards_samples_and_bytes(tmp_path: Path) -> None:
-    result = run_tandem("pack", "digits", "--out", str(tmp_path / "s"), "--shard-size", "300KB",
-                        "--json", "--no-progress", timeout_s=120)
+    result = run_here("pack", "digits", "--out", str(tmp_path / "s"), "--shard-size", "300KB",
+                      "--json", "--no-progress")
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["samples"] == {"train": 1438, "test": 359}
     tars = sorted(tmp_path.glob("s/*.tar"))
     assert summary["shards"] == len(tars) > 4
     assert summary["bytes"] == sum(p.stat().st_size for p in tars)
-    bad = run_tandem("pack", "digits", "--out", str(tmp_path / "t"), "--shard-size", "64XB")
+    bad = run_here("pack", "digits", "--out", str(tmp_path / "t"), "--shard-size", "64XB")
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
     assert "--shard-size '64XB' is not a size" in bad.stderr

@@ -63,6 +63,7 @@ def normalized(text: str) -> str:
 TWO = profile((2, 4, 100, 0), (2, 4, 100, 0))
 
 
+@pytest.mark.pure
 def test_gpipe_two_stages_two_microbatches() -> None:
     result = simulate(pipeline([(0, 1, 1), (1, 2, 1)], "gpipe", 2, 2), TWO, flat(2),
                       SimOptions(num_steps=1))
@@ -92,6 +93,7 @@ def test_gpipe_two_stages_two_microbatches() -> None:
     assert [w.activation_bytes for w in result.workers] == [100, 100]
 
 
+@pytest.mark.pure
 def test_one_f_one_b_three_microbatches() -> None:
     result = simulate(pipeline([(0, 1, 1), (1, 2, 1)], "1f1b", 3, 2),
                       profile((3, 6, 300, 0), (3, 6, 300, 0)), flat(2), SimOptions(num_steps=1))
@@ -125,6 +127,7 @@ def test_one_f_one_b_three_microbatches() -> None:
     assert [w.activation_bytes for w in result.workers] == [200, 100]
 
 
+@pytest.mark.pure
 def test_two_replicas_share_the_receivers_port() -> None:
     # GPipe 2-1, two micro-batches of forward 0.5 s and 100-byte activations (1 s to send): w0
     # runs micro-batch 0, w1 micro-batch 1, both send to w2 at 0.5 s. w2's port takes one
@@ -143,6 +146,7 @@ def test_two_replicas_share_the_receivers_port() -> None:
     """)).splitlines()
 
 
+@pytest.mark.pure
 def test_flush_steps_run_back_to_back() -> None:
     # Two steps of the GPipe case: worker 0 starts step 1 at 10, when its own step 0 ended.
     result = simulate(pipeline([(0, 1, 1), (1, 2, 1)], "gpipe", 2, 2), TWO, flat(2))
@@ -151,6 +155,7 @@ def test_flush_steps_run_back_to_back() -> None:
     assert result.step_time_s == 10
 
 
+@pytest.mark.pure
 def test_data_parallel_buckets_overlap_the_backward() -> None:
     # Two replicas, each half the batch: forward 2 s, backward 4 s. Two 100-byte buckets: the
     # last layer's gradients are ready 2 s into the backward, the first layer's at its end.
@@ -176,6 +181,7 @@ def test_data_parallel_buckets_overlap_the_backward() -> None:
     assert blocking.step_time_s == 8
 
 
+@pytest.mark.pure
 def test_pipedream_steady_state_and_stashed_weights() -> None:
     # Straight 2-stage PipeDream, free communication: in steady state each stage runs one
     # forward (1 s) and one backward (2 s) per minibatch, so a minibatch every 3 s. Stage 0
@@ -191,6 +197,7 @@ def test_pipedream_steady_state_and_stashed_weights() -> None:
     assert result.workers[0].peak_memory_bytes == 7 + 7 + 7 + 7 + 20
 
 
+@pytest.mark.pure
 def test_speed_and_optimizer_step() -> None:
     prof = profile((2, 4, 10, 100))
     cluster = Cluster(levels=(Level(num_units=1, bandwidth_Bps=1.0),), speed=2.0)
@@ -213,6 +220,7 @@ def two_level() -> Cluster:
                            Level(num_units=2, bandwidth_Bps=100.0, latency_s=0.01)))
 
 
+@pytest.mark.pure
 def test_link_levels_and_branching() -> None:
     cluster = two_level()
     assert link_level(cluster, 1, 2) == 0 and link_level(cluster, 3, 4) == 1
@@ -221,6 +229,7 @@ def test_link_levels_and_branching() -> None:
     assert branching(cluster, [0, 4]) == [1, 2]
 
 
+@pytest.mark.pure
 def test_allreduce_formulas() -> None:
     # Ring over 4 devices, 400 bytes, 100 B/s, 10 ms: 2 * 3 * (0.01 + 400 / 400) = 6.06 s.
     assert ring_s(4, 400, 0.01, 100) == pytest.approx(6.06)
@@ -236,6 +245,7 @@ def test_allreduce_formulas() -> None:
     assert allreduce_s(cluster, [5], 800) == 0.0
 
 
+@pytest.mark.pure
 def test_transfer_between_servers_uses_the_slow_link() -> None:
     # Stage 0 on device 0, stage 1 on device 4 (the other server): 50 bytes at 100 B/s + 10 ms.
     plan = pipeline([(0, 1, 1), (1, 2, 1)], "gpipe", 2, 8)
@@ -245,6 +255,7 @@ def test_transfer_between_servers_uses_the_slow_link() -> None:
     assert ra0.end_s == pytest.approx(1.51)
 
 
+@pytest.mark.pure
 def test_dag_boundary_carries_every_crossing_output() -> None:
     # 0 -> 1 -> 2 and a skip 0 -> 2: cutting after layer 1 sends layers 0's and 1's outputs.
     prof = profile((1, 1, 10, 0), (1, 1, 20, 0), (1, 1, 40, 0), edges=[(0, 1), (1, 2), (0, 2)])
@@ -252,6 +263,7 @@ def test_dag_boundary_carries_every_crossing_output() -> None:
     assert boundary_bytes(plan, prof) == [10, 30, 0]
 
 
+@pytest.mark.cli
 def test_planning_side_imports_no_torch() -> None:
     assert_imports_without(["tandem.planning.simulate", "tandem.planning.replay",
                             "tandem.planning.collectives", "tandem.planning.costs",
@@ -259,6 +271,7 @@ def test_planning_side_imports_no_torch() -> None:
                             "tandem.planning.scaling"], "torch")
 
 
+@pytest.mark.pure
 def test_allreduce_latency_override() -> None:
     # Ring over 4 devices with 1 s per step instead of the links' 10 ms: 2 * 3 * (1 + 1).
     cluster = Cluster(levels=(Level(num_units=4, bandwidth_Bps=100.0, latency_s=0.01),))

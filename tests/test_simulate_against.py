@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from tandem.profile import LayerProfile, ModelProfile
-from tests.conftest import run_cli, run_json, run_tandem
+from tests.conftest import run_cli, run_here, run_json
 
 TRAIN = ("train", "--data", "digits", "--nproc", "2", "--steps", "6", "--batch-size", "32")
 EMULATED_TOLERANCE = 0.10
@@ -46,7 +46,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def against(*args: str) -> dict[str, Any]:
-    result = run_tandem("simulate", "--against", *args, "--json")
+    result = run_here("simulate", "--against", *args, "--json")
     assert result.returncode == 0, result.stderr
     assert "predicted ms" in result.stderr  # the table goes to stderr with --json
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -65,6 +65,7 @@ def check_consistent(report: dict[str, Any], num_workers: int) -> None:
     assert Path(report["gantt"]).stat().st_size > 10_000
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(("name", "stages"), [("dp", [0, 0]), ("pipeline", [0, 1])])
 def test_real_runs_report_predicted_next_to_measured(runs: dict[str, Path], name: str,
                                                      stages: list[int]) -> None:
@@ -76,6 +77,7 @@ def test_real_runs_report_predicted_next_to_measured(runs: dict[str, Path], name
     assert "calibration" not in report  # the cluster was given
 
 
+@pytest.mark.multiprocess
 def test_emulated_run_is_predicted_closely(runs: dict[str, Path], tmp_path: Path) -> None:
     gantt = tmp_path / "side.png"
     report = against(str(runs["emulated"]), "--gantt", str(gantt))
@@ -93,6 +95,7 @@ def _one_line_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
     return err
 
 
+@pytest.mark.multiprocess
 def test_user_mistakes_are_one_line_and_exit_2(runs: dict[str, Path], tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     assert "no such directory" in _one_line_error(capsys, "--against", str(tmp_path / "nope"))

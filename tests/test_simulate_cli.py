@@ -11,6 +11,8 @@ from tandem.plan import Plan, Stage
 from tandem.timeline import Timeline
 from tests.conftest import PROFILES, VGG, run_cli
 
+pytestmark = pytest.mark.pure
+
 DATA = PROFILES
 
 

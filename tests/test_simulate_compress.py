@@ -27,6 +27,7 @@ SPECS = ["fp16", "bf16", "qsgd", "qsgd:levels=1", "qsgd:levels=127,chunk=100", "
 
 # -- the model against the real codecs ----------------------------------------------------------
 
+@pytest.mark.pure
 @pytest.mark.parametrize("spec", SPECS)
 def test_payload_bytes_match_the_real_codecs(spec: str) -> None:
     codec = build_compression(spec)
@@ -38,6 +39,7 @@ def test_payload_bytes_match_the_real_codecs(spec: str) -> None:
         assert model.payload_bytes(n) == payload_bytes(sent), (spec, n)
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("spec", ["qsgd:levels=0", "qsgd:norm=l1", "sign:ef=false,momentum=0.9",
                                   "topk:ratio=0", "topk:k=0.1,ratio=0.1", "powersgd:start=1",
                                   "fp16:ratio=2", "randk:seed=x"])
@@ -48,6 +50,7 @@ def test_options_are_rejected_alike(spec: str) -> None:
         parse_codec(spec)
 
 
+@pytest.mark.pure
 def test_powersgd_follows_pytorchs_rule() -> None:
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
 
@@ -66,6 +69,7 @@ def test_powersgd_follows_pytorchs_rule() -> None:
                                               ("allreduce", 4 * 6144)]
 
 
+@pytest.mark.pure
 def test_encode_and_decode_time() -> None:
     speed = CodecSpeed(encode_ns=2.0, decode_ns=0.5)
     sign, fp16 = parse_codec("sign", speed), parse_codec("fp16", speed)
@@ -80,6 +84,7 @@ def test_encode_and_decode_time() -> None:
 
 # -- collectives ---------------------------------------------------------------------------------
 
+@pytest.mark.pure
 def test_allgather_formulas() -> None:
     # Ring over 4 devices, 400 bytes each, 100 B/s, 10 ms: 3 * (0.01 + 400 / 100) = 12.03 s.
     assert ring_allgather_s(4, 400, 0.01, 100) == pytest.approx(12.03)
@@ -99,6 +104,7 @@ def test_allgather_formulas() -> None:
     assert collective_s(cluster, "allreduce", range(4), 400, "ring") == pytest.approx(6 * 0.101)
 
 
+@pytest.mark.pure
 def test_overlapped_sync_without_codec_work_is_ddps() -> None:
     # Buckets ready 2 s and 4 s into a 4 s backward, 1 s collectives: the second ends at 5.
     assert overlapped_sync_s(4, [(2, 1), (4, 1)], [(0, 0), (0, 0)]) == 5
@@ -113,6 +119,7 @@ TINY = profile((2, 4, 10, 400), (2, 4, 10, 400))
 SLOW = CodecSpeed(encode_ns=1e7, decode_ns=5e6)
 
 
+@pytest.mark.pure
 def test_data_parallel_step_with_an_allgather_codec() -> None:
     # topk:ratio=0.25 keeps 25 of each layer's 100 elements: 200 bytes (values and indices) per
     # bucket, allgathered over 2 devices at 100 B/s: 1 * 200 / 100 = 2 s. Each bucket encodes in
@@ -143,6 +150,7 @@ def test_data_parallel_step_with_an_allgather_codec() -> None:
     assert blocking.step_time_s == 14
 
 
+@pytest.mark.pure
 def test_free_allreduce_codec_is_a_ratio() -> None:
     # fp16 encoding in no time is the old ratio 2, overlapped or not.
     plan = data_parallel_plan(TINY, 2)
@@ -156,6 +164,7 @@ def test_free_allreduce_codec_is_a_ratio() -> None:
         assert codec.communication_s == pytest.approx(ratio.communication_s)
 
 
+@pytest.mark.pure
 def test_device_speed_and_speedup_scale_codec_time() -> None:
     plan = data_parallel_plan(TINY, 2)
     fast = Cluster(levels=(Level(num_units=2, bandwidth_Bps=100.0),), speed=2.0)
@@ -166,6 +175,7 @@ def test_device_speed_and_speedup_scale_codec_time() -> None:
     assert simulate(data_parallel_plan(TINY, 1), TINY, flat(1), options).codec_s == 0
 
 
+@pytest.mark.pure
 def test_codec_and_ratio_are_exclusive() -> None:
     with pytest.raises(UsageError, match="not both"):
         SimOptions(compress="sign", gradient_compression=2)
@@ -173,12 +183,14 @@ def test_codec_and_ratio_are_exclusive() -> None:
         SimOptions(compress="sign", codec_speedup=0)
 
 
+@pytest.mark.cli
 def test_planning_codecs_import_no_torch() -> None:
     assert_imports_without(["tandem.planning.codecs", "tandem.planning.simulate"], "torch")
 
 
 # -- command line -------------------------------------------------------------------------------
 
+@pytest.mark.pure
 def test_simulate_cli_with_a_codec(capsys) -> None:
     argv = ["simulate", "--plan", "dp", "--profile", VGG, "--devices", "16", "--bandwidth",
             "10Gb/s", "--profile-batch", "128", "--batch-size", "2048", "--json"]
@@ -192,6 +204,7 @@ def test_simulate_cli_with_a_codec(capsys) -> None:
     assert "encode+decode" in err
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(("codec", "words"), [
     ("zip", "unknown codec 'zip'"),
     ("topk:ratio=2", "ratio (k) must be in (0, 1]"),
@@ -204,6 +217,7 @@ def test_simulate_cli_rejects_bad_codecs(capsys, codec: str, words: str) -> None
     assert words in err
 
 
+@pytest.mark.pure
 def test_scale_cli_with_codecs(capsys) -> None:
     code, out, err = run_cli(capsys, "scale", "--profile", VGG, "--cluster", "8x10Gb/s",
                              "--max-devices", "8", "--compress", "2,topk:ratio=0.01,ef=false",
@@ -213,6 +227,7 @@ def test_scale_cli_with_codecs(capsys) -> None:
     assert {"dp", "dp+2x", "dp+topk:ratio=0.01,ef=false"} <= strategies
 
 
+@pytest.mark.pure
 def test_search_cli_with_a_codec(capsys) -> None:
     """The search costs every plan with the codec: its data-parallel reference is the
     simulator's data-parallel step with that codec."""

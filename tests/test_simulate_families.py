@@ -29,6 +29,8 @@ from tandem.sync_spec import (
 )
 from tests.test_simulate import drawn, normalized
 
+pytestmark = pytest.mark.pure
+
 ONE = ModelProfile(layers=[LayerProfile(name="l0", forward_s=2, backward_s=4,
                                         activation_bytes=10, parameter_bytes=100)],
                    batch_size=32)

@@ -20,6 +20,8 @@ from tandem.planning.simulate import SimOptions, simulate
 from tandem.profile import LayerProfile, ModelProfile
 from tests.conftest import run_cli
 
+pytestmark = pytest.mark.pure
+
 GB = 1e9
 
 

@@ -17,6 +17,8 @@ from tandem.errors import UsageError
 from tandem.split import BATCH, SplitModel, split_model
 from tests import split_models
 
+pytestmark = pytest.mark.pure
+
 IMAGES = DataInfo(task="classify", input_shape=(1, 8, 8), num_classes=10)
 TOKENS = DataInfo(task="lm", input_shape=(8,), num_classes=32)
 

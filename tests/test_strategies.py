@@ -6,12 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import SharedRun, max_abs_diff, run_json, run_tandem
+from tests.conftest import SharedRun, max_abs_diff, run_here, run_json, run_tandem
 
 COMMON = ("--model", "mlp", "--data", "digits", "--steps", "20", "--batch-size", "32",
           "--lr", "0.05", "--momentum", "0.9", "--seed", "3")
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("servers", ["1", "2"])
 def test_synchronous_parameter_servers_match_allreduce(shared_run: SharedRun, tmp_path: Path,
                                                        servers: str) -> None:
@@ -42,11 +43,13 @@ ACCURACY_RUNS = {
 }
 
 
+@pytest.mark.multiprocess
+@pytest.mark.statistical
 @pytest.mark.parametrize("name", sorted(ACCURACY_RUNS))
 def test_every_strategy_learns_digits_with_4_workers(name: str) -> None:
     args = ("--model", "mlp", "--data", "digits", "--steps", "600", "--batch-size", "64",
             "--lr", "0.05", *ACCURACY_RUNS[name])
-    summary = run_json("train", *args, timeout_s=300)
+    summary = run_json("train", *args)
     assert summary["test_accuracy"] >= 0.9, summary
     if name == "ps backup":
         assert summary["workers"] == 5 and summary["dropped_pushes"] > 0
@@ -54,6 +57,7 @@ def test_every_strategy_learns_digits_with_4_workers(name: str) -> None:
         assert max(summary["pushes"].values()) - min(summary["pushes"].values()) <= 1 + 1
 
 
+@pytest.mark.cli
 def test_async_parameter_server_survives_a_dead_worker(tmp_path: Path) -> None:
     """(``--timeout 30``: at the end the server waits up to that for the receive it had posted
     for the dead worker; see docs/reliability.md. With 10 s the job's closing collectives,
@@ -93,10 +97,11 @@ BAD = {
 }
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_strategy_input_is_one_line_and_status_2(case: str) -> None:
     args, expected = BAD[case]
-    result = run_tandem("train", "--steps", "2", *args, timeout_s=60)
+    result = run_here("train", "--steps", "2", *args)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and expected in lines[0], result.stderr

@@ -105,6 +105,7 @@ def split_results() -> list[dict[str, Any]]:
     return run_distributed(_split_training, 4, timeout_s=300)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_split_training_equals_one_process(split_results: list[dict[str, Any]],
                                            name: str) -> None:
@@ -119,6 +120,7 @@ def test_split_training_equals_one_process(split_results: list[dict[str, Any]],
             assert float((torch.from_numpy(got["state"][key]) - value).abs().max()) <= 1e-5, key
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_layer_by_layer_materialization_starts_from_the_whole_model(
         split_results: list[dict[str, Any]], name: str) -> None:
@@ -129,6 +131,7 @@ def test_layer_by_layer_materialization_starts_from_the_whole_model(
     assert got["meta_names"] == got["names"] and got["meta_diff"] == 0.0
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_worker_memory_is_a_share_plus_the_whole_layers(split_results: list[dict[str, Any]],
                                                         name: str) -> None:
@@ -142,6 +145,7 @@ COMMON = ("--model", "mlp", "--data", "digits", "--steps", "20", "--batch-size",
           "--lr", "0.05", "--momentum", "0.9", "--seed", "3")
 
 
+@pytest.mark.multiprocess
 def test_cli_tensor_parallel_equals_one_process(shared_run: SharedRun) -> None:
     """(With ``--accumulate 2``: every worker runs the global batch in two micro-batches.)"""
     single, _ = shared_run(*COMMON, "--nproc", "1")
@@ -171,6 +175,7 @@ LAYOUTS = {  # name: (common args, layout args, mesh, layers left whole)
 }
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_3d_layouts_equal_one_process(shared_run: SharedRun, name: str) -> None:
     """Every layout ends with single-process training's parameters (and names); each worker
@@ -180,7 +185,7 @@ def test_3d_layouts_equal_one_process(shared_run: SharedRun, name: str) -> None:
     collectives again)."""
     common, layout, mesh, whole = LAYOUTS[name]
     single, _ = shared_run(*common, "--nproc", "1")
-    out, summary = shared_run(*common, *layout, timeout_s=300)
+    out, summary = shared_run(*common, *layout)
     assert summary["mesh"] == mesh and summary["tensor_parallel"] == 2
     assert list(torch.load(out / "final.pt")) == list(torch.load(single / "final.pt"))
     assert max_abs_diff(single / "final.pt", out / "final.pt") <= 1e-5
@@ -194,6 +199,7 @@ def test_3d_layouts_equal_one_process(shared_run: SharedRun, name: str) -> None:
         assert memory["worker_bytes"] < memory["model_bytes"]
 
 
+@pytest.mark.multiprocess
 def test_data_dimension_compresses_in_bf16(shared_run: SharedRun) -> None:
     """Data 2 x tensor 2 with ``--compress fp16 --precision bf16`` ends where data parallelism
     with the same codec and precision does, within bf16's rounding (bf16 against fp32 is 3e-4
@@ -201,8 +207,7 @@ def test_data_dimension_compresses_in_bf16(shared_run: SharedRun) -> None:
     replicas exchange: each worker encodes its own shares of the gradients."""
     options = ("--compress", "fp16", "--precision", "bf16")
     dp, _ = shared_run(*GPT, "--nproc", "2", *options)
-    out, summary = shared_run(*GPT, "--nproc", "4", "--tensor-parallel", "2", *options,
-                              timeout_s=300)
+    out, summary = shared_run(*GPT, "--nproc", "4", "--tensor-parallel", "2", *options)
     assert summary["compress"] == "fp16" and summary["compression_ratio"] == 2.0
     assert summary["precision"] == "bf16"
     assert max_abs_diff(dp / "final.pt", out / "final.pt") <= 2e-3
@@ -246,6 +251,7 @@ BAD = {
 }
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("name", sorted(BAD))
 def test_bad_tensor_parallel_input_is_one_line(capsys: pytest.CaptureFixture[str],
                                                name: str) -> None:

@@ -157,6 +157,7 @@ def split_results() -> dict[str, Any]:
     return run_distributed(_split_training, 2, timeout_s=300)[0]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", ["bert", "skipnet"])
 def test_users_model_split_by_its_plan_equals_one_process(split_results: dict[str, Any],
                                                           name: str) -> None:
@@ -173,6 +174,7 @@ def test_users_model_split_by_its_plan_equals_one_process(split_results: dict[st
         assert got["local"][key][0] * got["local"][key][1] * 2 == expected[key].numel(), key
 
 
+@pytest.mark.multiprocess
 def test_fit_with_tensor_layers_equals_one_process(tmp_path: Path) -> None:
     """The whole job, through ``tandem.fit``: the same run on one process and on two."""
     import tandem
@@ -191,6 +193,7 @@ def test_fit_with_tensor_layers_equals_one_process(tmp_path: Path) -> None:
         assert float((value - whole).abs().max()) <= 1e-5, key
 
 
+@pytest.mark.pure
 def test_plan_file_keeps_the_tensor_layers(tmp_path: Path) -> None:
     plan = Plan(stages=[Stage(start=0, end=1, replicas=1)], num_layers=1, num_devices=2,
                 tensor_degree=2, tensor_layers={"fc1": "colwise", "fc2": "rowwise"})
@@ -240,6 +243,7 @@ BAD = {
 }
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("name", sorted(BAD))
 def test_bad_tensor_layers_are_one_line(capsys: pytest.CaptureFixture[str], name: str) -> None:
     args, message = BAD[name]

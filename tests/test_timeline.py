@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tandem.timeline import Event, Timeline
+
+pytestmark = pytest.mark.pure
 
 
 def test_chrome_trace_round_trip(tmp_path: Path) -> None:

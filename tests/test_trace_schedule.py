@@ -58,8 +58,7 @@ def run(shared_run: SharedRun, tmp_path: Path, kind: str,
                           "--microbatches", str(MICROBATCHES), *layout, *stages, *replicated)
     layout += replicated
     return tmp_path, run_json("train", *COMMON, "--schedule", kind, "--steps",
-                              str(PIPEDREAM_STEPS), *layout, "--out", str(tmp_path),
-                              timeout_s=120)
+                              str(PIPEDREAM_STEPS), *layout, "--out", str(tmp_path))
 
 
 def worker_events(events: list[Event], worker: int) -> list[Event]:
@@ -67,6 +66,7 @@ def worker_events(events: list[Event], worker: int) -> list[Event]:
     return [e for e in events if e.worker == worker]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(("kind", "replicas"), RUN_CASES, ids=map(case_id, RUN_CASES))
 def test_trace_names_every_executed_action_once_in_order(shared_run: SharedRun, tmp_path: Path,
                                                          kind: str,
@@ -89,6 +89,7 @@ def test_trace_names_every_executed_action_once_in_order(shared_run: SharedRun, 
                 assert event_kind(event.name) == (action.kind.value, str(action.microbatch))
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(("kind", "replicas"), ALL_CASES, ids=map(case_id, ALL_CASES))
 def test_simulator_names_its_events_like_the_runtime(kind: str,
                                                      replicas: tuple[int, ...]) -> None:

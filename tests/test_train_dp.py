@@ -49,6 +49,7 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.multiprocess
 def test_single_worker_matches_plain_pytorch(single: Path) -> None:
     expected = reference_training(20, 32, 0.05, 0.9, 3)
     got = torch.load(single / "final.pt")
@@ -56,6 +57,7 @@ def test_single_worker_matches_plain_pytorch(single: Path) -> None:
     assert max(float((got[k] - expected[k]).abs().max()) for k in got) <= 1e-6
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_dp_matches_single_process(single: Path, shared_run: SharedRun, nproc: int) -> None:
     """(The 2-worker run is also the ``dp`` that test_strategies.py's servers must equal.)"""
@@ -64,11 +66,13 @@ def test_dp_matches_single_process(single: Path, shared_run: SharedRun, nproc: i
     assert max_abs_diff(single / "final.pt", out / "final.pt") <= 1e-5
 
 
+@pytest.mark.multiprocess
 def test_gradient_accumulation_matches_single_process(single: Path, tmp_path: Path) -> None:
     run_json("train", *COMMON, "--nproc", "2", "--accumulate", "4", "--out", str(tmp_path))
     assert max_abs_diff(single / "final.pt", tmp_path / "final.pt") <= 1e-5
 
 
+@pytest.mark.multiprocess
 def test_training_moves_the_weights(single: Path) -> None:
     data = build_dataset("digits")
     torch.manual_seed(3)
@@ -77,6 +81,7 @@ def test_training_moves_the_weights(single: Path) -> None:
     assert max(float((final[k] - initial[k]).abs().max()) for k in final) > 1e-2
 
 
+@pytest.mark.multiprocess
 def test_resume_gives_the_uninterrupted_result(single: Path, tmp_path: Path) -> None:
     first = run_json("train", *COMMON, "--nproc", "2", "--out", str(tmp_path), "--stop-after", "10")
     assert first["steps"] == 10 and not first["finished"]
@@ -86,6 +91,7 @@ def test_resume_gives_the_uninterrupted_result(single: Path, tmp_path: Path) -> 
     assert max_abs_diff(single / "final.pt", tmp_path / "final.pt") <= 1e-6
 
 
+@pytest.mark.multiprocess
 def test_outputs_and_summary(single: Path) -> None:
     settings = json.loads((single / "config.json").read_text())
     assert settings["run"]["model"] == "mlp" and settings["plan"]["sync"] == {"method": "allreduce"}
@@ -100,6 +106,7 @@ def test_outputs_and_summary(single: Path) -> None:
     assert all(event.end_s >= event.start_s for event in timeline.events)
 
 
+@pytest.mark.multiprocess
 def test_json_summary_fields(shared_run: SharedRun) -> None:
     """Of the 2-worker run above (any run's summary has them)."""
     _, summary = shared_run(*COMMON, "--nproc", "2")
@@ -109,12 +116,15 @@ def test_json_summary_fields(shared_run: SharedRun) -> None:
     assert 0.0 <= summary["test_accuracy"] <= 1.0 and summary["samples_per_s"] > 0
 
 
+@pytest.mark.multiprocess
+@pytest.mark.statistical
 def test_demo_reaches_95_percent() -> None:
     summary = run_json("demo")
     assert summary["world_size"] == 2 and summary["strategy"] == "dp"
     assert summary["test_accuracy"] >= 0.95
 
 
+@pytest.mark.cli
 def test_runs_as_a_worker_of_torchrun(single: Path, tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

@@ -27,20 +27,23 @@ def _tied(path: Path) -> bool:
 @pytest.fixture(scope="module")
 def single(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tied-single")
-    run_json("train", *TIED, "--nproc", "1", "--out", str(out), timeout_s=120)
+    run_json("train", *TIED, "--nproc", "1", "--out", str(out))
     return out / "final.pt"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("strategy", [("--strategy", "dp", "--nproc", "2"),
                                       ("--strategy", "ps", "--servers", "2", "--nproc", "4")],
                          ids=["dp", "ps-2-servers"])
 def test_tied_model_synchronous_strategies_equal_one_process(tmp_path: Path, single: Path,
                                                              strategy: tuple[str, ...]) -> None:
-    run_json("train", *TIED, *strategy, "--out", str(tmp_path), timeout_s=180)
+    run_json("train", *TIED, *strategy, "--out", str(tmp_path))
     assert max_abs_diff(single, tmp_path / "final.pt") <= 1e-5
     assert _tied(tmp_path / "final.pt")
 
 
+@pytest.mark.multiprocess
+@pytest.mark.statistical
 def test_tied_model_learns_with_gossip_through_the_api(tmp_path: Path) -> None:
     data = load_data("tokens:n=512,seq=12,vocab=24")
     torch.manual_seed(0)

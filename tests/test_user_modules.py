@@ -39,6 +39,7 @@ def build(info):
 '''
 
 
+@pytest.mark.pure
 def test_rank_batch_sampler_is_importable_and_shares_each_global_batch() -> None:
     dataset = TensorDataset(torch.arange(100))
     sampler = GlobalBatchSampler(len(dataset), global_batch_size=10, seed=1)
@@ -51,6 +52,7 @@ def test_rank_batch_sampler_is_importable_and_shares_each_global_batch() -> None
     assert [len(shares[0]) for shares in seen] == [4, 3, 3]
 
 
+@pytest.mark.cli
 def test_the_tandem_script_finds_a_module_in_the_current_directory(tmp_path: Path) -> None:
     script = Path(sys.executable).parent / "tandem"
     if not script.exists():

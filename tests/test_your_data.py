@@ -15,7 +15,7 @@ import tandem
 from tandem.data import GlobalBatchSampler, load_data
 from tandem.errors import UsageError
 from tests import user_data
-from tests.conftest import max_abs_diff, run_json, run_tandem
+from tests.conftest import max_abs_diff, run_here, run_json
 
 SMALL = ("--steps", "20", "--batch-size", "32", "--lr", "0.05", "--momentum", "0.9",
          "--seed", "5", "--no-progress")
@@ -35,6 +35,8 @@ def _write_digit_pngs(root: Path) -> int:
     return len(raw.images)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.statistical
 def test_a_folder_of_1797_png_digits_trains_to_95_percent(tmp_path: Path) -> None:
     count = _write_digit_pngs(tmp_path / "digits")
     assert count == 1797 and len(list((tmp_path / "digits").rglob("*.png"))) == 1797
@@ -42,10 +44,11 @@ def test_a_folder_of_1797_png_digits_trains_to_95_percent(tmp_path: Path) -> Non
     assert data.info.num_classes == 10 and data.info.input_shape == (1, 8, 8)
     assert len(data.train) + len(data.test) == 1797
     summary = run_json("train", "--data", f"folder:{tmp_path / 'digits'}", "--nproc", "2",
-                       "--steps", "500", "--batch-size", "64", timeout_s=300)
+                       "--steps", "500", "--batch-size", "64")
     assert summary["test_accuracy"] >= 0.95, summary
 
 
+@pytest.mark.pure
 def test_a_folder_with_train_and_test_subfolders_keeps_its_split(tmp_path: Path) -> None:
     from PIL import Image
 
@@ -60,6 +63,7 @@ def test_a_folder_with_train_and_test_subfolders_keeps_its_split(tmp_path: Path)
     assert data.info.input_shape == (3, 4, 4) and data.info.num_classes == 2
 
 
+@pytest.mark.multiprocess
 def test_user_data_function_with_dict_inputs_matches_single_process(tmp_path: Path) -> None:
     """A map-style dataset whose inputs are dicts and a module with a skip connection: 2 workers
     end equal to 1. (Without BatchNorm: on CPU each worker normalises over its own share of the
@@ -71,6 +75,7 @@ def test_user_data_function_with_dict_inputs_matches_single_process(tmp_path: Pa
     assert max_abs_diff(tmp_path / "one" / "final.pt", tmp_path / "two" / "final.pt") <= 1e-5
 
 
+@pytest.mark.multiprocess
 def test_user_loss_of_a_structured_output_equals_a_plain_pytorch_loop(tmp_path: Path) -> None:
     """``--loss`` on a model that returns a dict, against a hand-written training loop over the
     same global batches (the sampler's order) with the same initial parameters."""
@@ -112,16 +117,18 @@ BAD = {
 }
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_user_data_and_loss_are_one_line_and_status_2(tmp_path: Path, case: str) -> None:
     args, expected = BAD[case]
     args = tuple(arg.replace("{empty}", str(tmp_path)) for arg in args)
-    result = run_tandem("train", "--steps", "2", "--no-progress", *args, timeout_s=120)
+    result = run_here("train", "--steps", "2", "--no-progress", *args)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1, result.stderr
     assert expected in lines[0], lines[0]
 
 
+@pytest.mark.pure
 def test_folder_of_images_of_different_sizes_says_how_to_resize(tmp_path: Path) -> None:
     from PIL import Image
 
@@ -134,6 +141,7 @@ def test_folder_of_images_of_different_sizes_says_how_to_resize(tmp_path: Path) 
     assert load_data(f"folder:{tmp_path}:size=3,test=0.5").info.input_shape == (1, 3, 3)
 
 
+@pytest.mark.multiprocess
 def test_fit_trains_the_users_module_in_place_and_equals_a_plain_loop() -> None:
     """The Python API with objects: a module, two Datasets and a loss function, on 2 workers;
     the module given is updated with the result, equal to a hand-written loop."""
@@ -157,6 +165,7 @@ def test_fit_trains_the_users_module_in_place_and_equals_a_plain_loop() -> None:
         assert torch.allclose(model.state_dict()[key], value, atol=1e-5), key
 
 
+@pytest.mark.multiprocess
 def test_fit_reads_an_iterable_dataset_and_takes_plan_options(tmp_path: Path) -> None:
     result = tandem.fit(user_data.pair_net, user_data.DigitStream(), user_data.DigitPairs("test"),
                         strategy="ps", servers=1, nproc=3, steps=30, batch_size=32,
@@ -165,6 +174,7 @@ def test_fit_reads_an_iterable_dataset_and_takes_plan_options(tmp_path: Path) ->
     assert (tmp_path / "final.pt").exists() and isinstance(result.model, user_data.PairNet)
 
 
+@pytest.mark.pure
 def test_fit_refuses_unknown_options_and_unpicklable_objects() -> None:
     with pytest.raises(UsageError, match="unknown option 'stepz'; did you mean 'steps'"):
         tandem.fit("mlp", data="digits", stepz=3)
@@ -174,6 +184,7 @@ def test_fit_refuses_unknown_options_and_unpicklable_objects() -> None:
         tandem.fit("mlp")
 
 
+@pytest.mark.multiprocess
 def test_fit_runs_a_plan_object_with_its_workers(tmp_path: Path) -> None:
     from tandem.strategy import plan_from_flags
 
