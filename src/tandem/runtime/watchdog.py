@@ -3,7 +3,7 @@ waited for (stuck or dead) instead of only reporting its own timeout."""
 
 from __future__ import annotations
 
-import atexit
+import multiprocessing.util
 import os
 import socket
 import subprocess
@@ -19,6 +19,11 @@ PERIOD_S = 0.5
 SILENT_AFTER_S = 10.0
 """A worker whose heartbeat is older than this is taken for dead or hung (a loaded machine can
 delay a heartbeat thread by seconds, so this is generous)."""
+DIAGNOSIS_GRACE_S = 1.0
+"""How long a worker whose collective failed waits before it reads the others' heartbeats: a
+peer that died is reported by the launcher meanwhile (which then stops this worker, so that the
+death, not this worker's view of it, names the failure), and living peers publish fresh
+progress (a beat is up to ``PERIOD_S`` old)."""
 FENCED_EXIT = 75
 """The exit status of a worker that ended itself because a server fenced it."""
 
@@ -131,7 +136,9 @@ class Heartbeat:
                 and now - beats[r][2] <= SILENT_AFTER_S and now - beats[r][3] > after_s}
 
     def diagnose(self, error: BaseException) -> WorkerFailure:
-        """Explain a failed collective by naming the workers that fell silent or behind."""
+        """Explain a failed collective by naming the workers that fell silent or behind (after
+        ``DIAGNOSIS_GRACE_S``)."""
+        time.sleep(DIAGNOSIS_GRACE_S)
         beats = self.read_beats()
         now = time.time()
         silent = [r for r in range(self.world_size) if r != self.rank
@@ -164,7 +171,9 @@ class Heartbeat:
         except Exception:  # noqa: BLE001 - no record: it never started, or the store is gone
             return
         if host == socket.gethostname() and int(pid) != os.getpid():
-            atexit.register(_continue_later, int(pid))
+            # at this process's exit, as ``atexit`` would, but also in a worker forked from
+            # the forkserver, which ends without running ``atexit``'s handlers
+            multiprocessing.util.Finalize(None, _continue_later, (int(pid),), exitpriority=0)
 
     def read_beats(self) -> dict[int, tuple[int, str, float, float]]:
         """Last published ``(step, phase, wall time, wall time since that step and phase)`` of

@@ -89,11 +89,25 @@ class Carried:
         return cls(fn, {k: v for k, v in os.environ.items() if not _agent_variable(k)})
 
     def __call__(self, arg: Any) -> Any:
+        _let_go_of_the_forkserver()
         for name in [name for name in os.environ if not _agent_variable(name)]:
             if name not in self.environ:
                 del os.environ[name]
         os.environ.update({k: v for k, v in self.environ.items() if not _agent_variable(k)})
         return self.fn(arg)
+
+
+def _let_go_of_the_forkserver() -> None:
+    """In a worker: close this process's copy of the forkserver's "alive" pipe, so that the
+    forkserver ends (and every worker with it, see :mod:`tandem.runtime.zygote_boot`) as soon as
+    the launcher ends, however it ends; a worker that kept it would keep the forkserver, and so
+    itself, alive after a killed launcher. A worker's own children fork (:func:`child_context`)."""
+    server = multiprocessing.forkserver._forkserver  # noqa: SLF001 - no public accessor
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None and multiprocessing.parent_process() is not None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        server._forkserver_alive_fd = None  # noqa: SLF001
 
 
 def child_context() -> Any:
