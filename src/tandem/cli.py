@@ -21,8 +21,6 @@ from tandem.errors import Interrupted, UsageError, WorkerFailure
 
 COMMANDS = ("train", "demo", "pack", "profile", "plan", "topology", "simulate", "search", "scale")
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-LAUNCHING_COMMANDS = ("train", "demo")
-"""The commands that start local workers (from the forkserver of :mod:`tandem.runtime.zygote`)."""
 CONFIG_COMMANDS = ("train", "profile", "plan", "simulate", "search", "scale")
 """The commands that train or plan, which read options from ``--config FILE`` too."""
 
@@ -122,8 +120,6 @@ def _find_user_modules() -> None:
 
 def _run(args: argparse.Namespace) -> int:
     try:
-        if args.command in LAUNCHING_COMMANDS:
-            _start_forkserver()
         return int(args.run(args))
     except UsageError as exc:
         return _usage_error(args.command, exc)
@@ -140,16 +136,6 @@ def _interrupted(command: str, exc: KeyboardInterrupt) -> int:
     print(f"tandem{' ' + command if command else ''}: stopped by "
           f"{signal.Signals(signum).name}; every worker has ended", file=sys.stderr, flush=True)
     return 128 + signum
-
-
-def _start_forkserver() -> None:
-    """Start the forkserver local workers come from now, so that its imports (torch and
-    tandem's runtime) overlap this process's own; not under torchrun, which starts workers."""
-    from tandem.runtime import zygote
-    from tandem.runtime.launcher_env import under_launcher
-
-    if not under_launcher():
-        zygote.start()
 
 
 def _usage_error(command: str, exc: UsageError) -> int:

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from tandem.commands.train import print_summary, run_training
+from tandem.commands.train import print_summary, run_training, start_forkserver
 from tandem.runtime.config import make_job
 from tandem.strategy import strategy_of
 
@@ -16,6 +16,7 @@ DEMO = {"model": "mlp:hidden=128,layers=4", "data": "digits", "nproc": 2, "steps
 
 
 def run(args: argparse.Namespace) -> int:
+    start_forkserver()  # the demo's settings need no checking: its imports start at once
     job = make_job("dp", **DEMO, out=args.out, overwrite=True,
                    progress=args.progress and not args.json)
     config = job.run

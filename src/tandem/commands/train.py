@@ -199,12 +199,24 @@ def job_from_args(args: argparse.Namespace) -> Job:
     if args.plan is None:
         strategy, nproc = args.strategy or "dp", 1 if processes is None else processes
         check_flags(sketch_job(strategy, given, RunConfig(**settings, nproc=nproc)))
+        start_forkserver()
         return make_job(strategy, given, nproc=nproc, **settings)
     plan = plan_with_flags(Plan.load(args.plan), args.strategy, given, args.plan)
     job = Job(run=RunConfig(**settings, nproc=plan.num_workers if processes is None else processes),
               plan=plan)
     check_flags(job)
+    start_forkserver()
     return job
+
+
+def start_forkserver() -> None:
+    """Start the forkserver that local workers fork from (:mod:`tandem.runtime.zygote`) once the
+    flags are checked, so that its imports of torch and tandem's runtime overlap this process's
+    own from here on; not under torchrun, which starts the workers itself."""
+    if not under_launcher():
+        from tandem.runtime import zygote  # multiprocessing: not for --help
+
+        zygote.start()
 
 
 def check_flags(job: Job) -> None:
