@@ -55,8 +55,36 @@ def build_parser(command: str | None = None) -> ArgumentParser:
     return parser
 
 
+_this_process: str | None = None
+"""The command this process runs as its own command line (``main()`` without ``argv``), e.g.
+``"train"``; None in-process (a test's or a user's ``main([...])``)."""
+
+
 def _stop(signum: int, frame: FrameType | None) -> None:
+    """Raise :class:`Interrupted`, unless this process is the command line and the signal
+    landed in an import: torch's imports call back into Python from C++, where an exception
+    raised by a signal handler aborts the process (``terminate called after throwing an
+    instance of 'pybind11::error_already_set'``). Nothing has started there that needs undoing,
+    so the command ends at once, with its line and status."""
+    if _this_process is not None and _importing(frame):
+        _end_now(_this_process, signum)
     raise Interrupted(signum)
+
+
+def _importing(frame: FrameType | None) -> bool:
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _end_now(command: str, signum: int) -> NoReturn:
+    code = _interrupted(command, Interrupted(signum))
+    if "tandem.runtime.zygote" in sys.modules:
+        sys.modules["tandem.runtime.zygote"].stop()
+    sys.stdout.flush()
+    os._exit(code)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -69,8 +97,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     shell's background job would only be ignored until then); SIGTERM and SIGHUP only where
     they are not ignored already (``nohup``).
     """
+    global _this_process
     handlers = _catch_stop_signals()
     words = list(sys.argv[1:] if argv is None else argv)
+    if argv is None:
+        _this_process = words[0] if words and words[0] in COMMANDS else ""
     try:
         return _main(words)
     except KeyboardInterrupt as exc:  # before a command's own handling (e.g. in an import)
@@ -79,6 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if argv is None and "tandem.runtime.zygote" in sys.modules:
             sys.modules["tandem.runtime.zygote"].stop()  # this process is the command: its
             # workers' forkserver ends with it
+        _this_process = None
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
 
