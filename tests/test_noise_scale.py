@@ -19,9 +19,11 @@ from tests.conftest import SharedRun, run_json
 
 SEED = 4
 MEASURED = ("--model", "mlp", "--data", "digits", "--strategy", "dp", "--nproc", "4",
-            "--batch-size", "512", "--steps", "300", "--lr", "1e-9", "--log-every", "50",
+            "--batch-size", "512", "--steps", "100", "--lr", "1e-9", "--log-every", "20",
             "--seed", str(SEED))
-"""At lr 1e-9 the parameters stay at their initial values for the whole run."""
+"""At lr 1e-9 the parameters stay at their initial values for the whole run. 100 steps (300
+before): the estimate was 0.92-0.95 of the brute-force one on seeds 4, 1 and 2 (0.97-0.995
+after 300), well inside the bound of 25%."""
 
 
 @pytest.mark.pure
@@ -93,11 +95,11 @@ def test_dp_estimate_matches_brute_force(shared_run: SharedRun) -> None:
     out, summary = shared_run(*MEASURED)
     expected = brute_force_noise_scale(SEED)
     assert summary["noise_scale_note"] is None
-    assert summary["gradient_noise"]["steps_measured"] == 300
+    assert summary["gradient_noise"]["steps_measured"] == 100
     assert summary["noise_scale"] == pytest.approx(expected, rel=0.25)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     logged = [(r["step"], r["noise_scale"]) for r in records if "noise_scale" in r]
-    assert [step for step, _ in logged] == [50, 100, 150, 200, 250, 300]
+    assert [step for step, _ in logged] == [20, 40, 60, 80, 100]
     assert logged[-1][1] == summary["noise_scale"]
     assert all(value is None or value > 0 for _, value in logged)
 

@@ -47,7 +47,10 @@ ACCURACY_RUNS = {
 @pytest.mark.statistical
 @pytest.mark.parametrize("name", sorted(ACCURACY_RUNS))
 def test_every_strategy_learns_digits_with_4_workers(name: str) -> None:
-    args = ("--model", "mlp", "--data", "digits", "--steps", "600", "--batch-size", "64",
+    """300 steps (600 before): over seeds 0-2 every strategy reached 0.955-0.981 on a loaded
+    machine (load 5-10 on 2 cores), well above the bound; after 150 steps easgd reached 0.88
+    and ps backup 0.889 on one seed, too close to it."""
+    args = ("--model", "mlp", "--data", "digits", "--steps", "300", "--batch-size", "64",
             "--lr", "0.05", *ACCURACY_RUNS[name])
     summary = run_json("train", *args)
     assert summary["test_accuracy"] >= 0.9, summary
