@@ -232,8 +232,9 @@ def test_lr_1e6_stops_the_run_with_one_line(tmp_path: Path, strategy: tuple[str,
     assert elapsed < 90  # the others stopped at once, not at --timeout (300 s)
     records = [r for r in _records(tmp_path) if "diverged" in r]
     assert line.removeprefix("tandem train: ") in [r["message"] for r in records]
-    assert all(r["loss"] > 1e3 and r["step"] == int(r["message"].split(" at step ")[1].split()[0])
-               for r in records)
+    for r in records:  # another worker may find its loss non-finite (null) instead
+        assert r["step"] == int(r["message"].split(" at step ")[1].split()[0]), r
+        assert r["loss"] is None if " became " in r["message"] else r["loss"] > 1e3, r
 
 
 @pytest.mark.multiprocess
