@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
 import socket
 from collections.abc import Callable
 from typing import Any
@@ -11,6 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from tandem.runtime import zygote
 
 
 def free_port() -> int:
@@ -21,9 +24,13 @@ def free_port() -> int:
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...],
-           results: Any) -> None:
+           results: Any, environ: dict[str, str]) -> None:
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # the forkserver ignores them
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_DFL)
+    os.environ.clear()  # the test's, not the forkserver's from whenever it started
+    os.environ.update(environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         results.put((rank, fn(rank, world_size, *args)))
@@ -36,15 +43,17 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
     """``fn(rank, world_size, *args)`` on every rank; the results in rank order.
 
     ``fn`` must be importable (defined at module level). Fails instead of hanging. Each rank
-    is a fresh process (forked from a server process that only imported torch and tandem).
+    is a fresh process, forked from the forkserver tandem's launcher forks its workers from.
     """
     context = mp.get_context("forkserver")
-    # one server process per test session imports torch (and tandem) once; each rank is a fork
-    # of it, ready at once, where a spawned rank would spend ~2 s of CPU importing torch again
-    context.set_forkserver_preload(["torch", "torch.distributed", "tandem"])
+    # one server process per test session imports torch and tandem's runtime once (whichever of
+    # this and the launcher starts it); each rank is a fork of it, ready at once, where a
+    # spawned rank would spend ~2 s of CPU importing torch again
+    zygote.start()
     results = context.Queue()
     port = free_port()
-    processes = [context.Process(target=_entry, args=(r, world_size, port, fn, args, results))
+    processes = [context.Process(target=_entry,
+                                 args=(r, world_size, port, fn, args, results, dict(os.environ)))
                  for r in range(world_size)]
     for process in processes:
         process.start()
