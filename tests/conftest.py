@@ -7,6 +7,7 @@ import contextlib
 import copy
 import io
 import json
+import multiprocessing.forkserver
 import multiprocessing.process
 import os
 import random
@@ -31,7 +32,8 @@ _LAUNCHER_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RAN
 def run_tandem(*args: str, timeout_s: float = 180) -> subprocess.CompletedProcess[str]:
     """Run ``python -m tandem ARGS`` in a subprocess with one thread per process; fail the test
     on a hang. For the command's own contract (exit status, what goes to stdout and to stderr,
-    signals): each call pays a torch import. Anything else runs in this process
+    signals, what its workers print): each call pays a new interpreter's imports, torch's in
+    the command and again in its forkserver. Anything else runs in this process
     (:func:`run_here`, :func:`run_json`)."""
     # this checkout's src first (a git worktree's, not the one the editable install names)
     env = {**os.environ, "OMP_NUM_THREADS": "1",
@@ -158,8 +160,32 @@ def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, s
     return code, out, err
 
 
+FORKSERVER_EXTRAS = ["matplotlib.figure", "transformers.models.gpt2.modeling_gpt2"]
+"""Imported by the session's forkserver besides tandem's own preloads: rank 0 of every run with
+``--out`` draws ``gantt.png`` (importing matplotlib cost each run ~0.7 s), and the Hugging Face
+tests' every worker built a GPT-2 (~3 s of imports each). A missing one is skipped."""
+
+
+def start_forkserver() -> None:
+    """Start the forkserver tandem's launcher forks its workers from (and
+    :func:`tests.distributed.run_distributed` its ranks), once per session, with
+    :data:`FORKSERVER_EXTRAS` imported too; tandem finds it running and uses it. Called before
+    every ``multiprocess`` test (a ``pure`` one starts no process, a ``cli`` one starts its
+    own)."""
+    global _forkserver_started
+    from tandem.runtime.zygote import PRELOAD, available
+
+    if available() and not _forkserver_started:
+        multiprocessing.set_forkserver_preload([*PRELOAD, *FORKSERVER_EXTRAS])
+        multiprocessing.forkserver.ensure_running()
+        _forkserver_started = True
+
+
+_forkserver_started = False
+
+
 # The tiers: every test carries one, and a test that starts a process its tier does not allow
-# fails, so that ``-m pure`` starts none and ``-m "not cli"`` starts no interpreter. (A module
+# fails, so that ``-m pure`` starts none and ``-m "not cli"`` no subprocess. (A module
 # of mixed tests marks each test: ``-m`` would see a module's mark beside a test's own.)
 
 _current: list[pytest.Item] = []
@@ -176,6 +202,8 @@ def _running(item: pytest.Item) -> Iterator[None]:
         pytest.fail(f"{item.nodeid} is marked {sorted(tiers) or 'with no tier'}: mark it, or "
                     f"its module, with one of {', '.join(TIERS)} (see tests/conftest.py)",
                     pytrace=False)
+    if tiers == {"multiprocess"}:
+        start_forkserver()
     _current.append(item)
     try:
         return (yield)

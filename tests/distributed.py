@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tandem.runtime import zygote
+from tests.conftest import start_forkserver
 
 
 def free_port() -> int:
@@ -46,10 +46,9 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
     is a fresh process, forked from the forkserver tandem's launcher forks its workers from.
     """
     context = mp.get_context("forkserver")
-    # one server process per test session imports torch and tandem's runtime once (whichever of
-    # this and the launcher starts it); each rank is a fork of it, ready at once, where a
-    # spawned rank would spend ~2 s of CPU importing torch again
-    zygote.start()
+    # one server process per test session imports torch and tandem's runtime once; each rank is
+    # a fork of it, ready at once, where a spawned rank would spend ~2 s of CPU importing torch
+    start_forkserver()
     results = context.Queue()
     port = free_port()
     processes = [context.Process(target=_entry,
