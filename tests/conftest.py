@@ -211,8 +211,9 @@ def _running(item: pytest.Item) -> Iterator[None]:
         _current.pop()
 
 
-pytest_runtest_setup = pytest.hookimpl(wrapper=True)(_running)  # its fixtures' runs count too
-pytest_runtest_call = pytest.hookimpl(wrapper=True)(_running)
+# innermost (trylast): inside pytest's output capture, which the forkserver's children inherit
+pytest_runtest_setup = pytest.hookimpl(wrapper=True, trylast=True)(_running)  # fixtures count
+pytest_runtest_call = pytest.hookimpl(wrapper=True, trylast=True)(_running)
 
 
 def _tier() -> str | None:

@@ -43,10 +43,9 @@ def reference_training(steps: int, batch_size: int, lr: float, momentum: float,
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("single")
-    run_json("train", *COMMON, "--nproc", "1", "--out", str(out))
-    return out
+def single(shared_run: SharedRun) -> Path:
+    """(The one-process run test_tensor_parallel.py compares with too.)"""
+    return shared_run(*COMMON, "--nproc", "1")[0]
 
 
 @pytest.mark.multiprocess
