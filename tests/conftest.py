@@ -222,12 +222,12 @@ def _tier() -> str | None:
 
 
 def _guard(original: Callable[..., Any], allowed: tuple[str, ...], what: str) -> Callable[..., Any]:
-    def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def guarded(*args: Any, **kwargs: Any) -> Any:
         tier = _tier()
         if tier is not None and tier not in allowed:
             pytest.fail(f"a test marked {tier!r} {what}: mark it "
                         f"{' or '.join(repr(name) for name in allowed)}", pytrace=False)
-        return original(self, *args, **kwargs)
+        return original(*args, **kwargs)
     return guarded
 
 
@@ -235,3 +235,7 @@ subprocess.Popen.__init__ = _guard(  # type: ignore[method-assign]
     subprocess.Popen.__init__, ("cli",), "started a subprocess")
 multiprocessing.process.BaseProcess.start = _guard(  # type: ignore[method-assign]
     multiprocessing.process.BaseProcess.start, ("multiprocess", "cli"), "started a process")
+# tandem's launcher starts its forkserver (a process that imports torch) once a job's flags are
+# checked, before the checks that build the model: a usage error found there is not ``pure``
+multiprocessing.forkserver.ensure_running = _guard(
+    multiprocessing.forkserver.ensure_running, ("multiprocess", "cli"), "started the forkserver")

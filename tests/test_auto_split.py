@@ -121,7 +121,7 @@ def test_profile_at_split_points(capsys: pytest.CaptureFixture[str]) -> None:
         "0: embed..layers.0", "1: layers.1..layers.2", "2: norm..out"]
 
 
-@pytest.mark.pure
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(("flags", "message"), [
     (("--strategy", "dp"), "--split-points cuts a model into pipeline blocks; it needs --strategy "
                            "pipeline (this run is dp)"),
@@ -133,7 +133,7 @@ def test_split_points_mistakes(capsys: pytest.CaptureFixture[str], flags: tuple[
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.pure
+@pytest.mark.multiprocess
 def test_an_untraceable_model_is_one_line_and_exit_2() -> None:
     result = run_here("train", "--model", "tests.split_models:value_branch", "--data", "digits",
                       "--strategy", "pipeline", "--nproc", "2", "--steps", "1")

@@ -184,7 +184,7 @@ def test_bad_step_decay(text: str, message: str) -> None:
 # -- bad input on the command line: one line, exit 2 -----------------------------------------
 
 
-@pytest.mark.pure
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(("args", "message"), [
     (("--batch-schedule", "64@x"), "not BATCH@STEP"),
     (("--batch-schedule", "128@0,64@10"), "only grows"),

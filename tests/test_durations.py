@@ -11,9 +11,8 @@ from tandem.cluster import parse_duration
 from tandem.errors import UsageError
 from tests.conftest import VGG, run_cli
 
-pytestmark = pytest.mark.pure
 
-
+@pytest.mark.pure
 @pytest.mark.parametrize(("text", "seconds"), [
     ("1ms", 1e-3), ("20us", 20e-6), ("0.5s", 0.5), ("300", 300.0), ("0", 0.0), ("2e-3s", 2e-3),
     ("7ns", 7e-9), (" 5 ms ", 5e-3), (0.25, 0.25),
@@ -22,6 +21,7 @@ def test_durations_read_with_and_without_units(text: str, seconds: float) -> Non
     assert parse_duration(text, "--x") == pytest.approx(seconds, rel=1e-12)
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(("text", "words"), [
     ("5xs", "--x '5xs' is not a duration; write seconds or a number with a unit (s, ms, us, "
             "ns), e.g. --x 1ms"),
@@ -42,6 +42,7 @@ def _simulated(capsys: pytest.CaptureFixture[str], *extra: str) -> dict:
     return json.loads(out)
 
 
+@pytest.mark.pure
 def test_simulate_takes_overhead_and_allreduce_latency_with_or_without_units(
         capsys: pytest.CaptureFixture[str]) -> None:
     plain = _simulated(capsys)
@@ -51,6 +52,7 @@ def test_simulate_takes_overhead_and_allreduce_latency_with_or_without_units(
     assert with_units["step_time_s"] > plain["step_time_s"]
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(("flag", "value"), [("--overhead", "2 parsecs"),
                                              ("--allreduce-latency", "fast")])
 def test_simulate_refuses_an_unreadable_duration_in_one_line(
@@ -61,6 +63,7 @@ def test_simulate_refuses_an_unreadable_duration_in_one_line(
     assert f"{flag} {value!r} is not a duration" in err
 
 
+@pytest.mark.multiprocess
 def test_train_timeout_takes_units(capsys: pytest.CaptureFixture[str]) -> None:
     from tandem.cli import build_parser
     from tandem.commands.train import job_from_args
@@ -74,6 +77,7 @@ def test_train_timeout_takes_units(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--timeout '5 minutes' is not a duration" in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.pure
 def test_simulate_reports_samples_per_s_when_the_profile_batch_is_given(
         capsys: pytest.CaptureFixture[str]) -> None:
     """PipeDream's graph.txt records no minibatch; with ``--profile-batch`` it is known (issue

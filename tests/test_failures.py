@@ -34,9 +34,10 @@ BAD_INPUTS = {
 
 
 CASE_TIERS = {"unknown model": pytest.mark.cli,  # the real command: nothing else on stderr
-              "resume without checkpoint": pytest.mark.multiprocess}  # a worker finds it
-"""The tier of each case that is not ``pure`` (a mistake found in this process before any
-worker starts)."""
+              "resume without checkpoint": pytest.mark.multiprocess,  # a worker finds it
+              "model for other task": pytest.mark.multiprocess}  # found after the forkserver starts
+"""The tier of each case that is not ``pure`` (a mistake found in this process before the
+workers' forkserver starts)."""
 
 
 @pytest.mark.parametrize("case", [pytest.param(case, marks=CASE_TIERS.get(case, pytest.mark.pure))
@@ -61,7 +62,7 @@ def test_unwritable_out_permission(tmp_path: Path) -> None:
     assert result.returncode == 2 and "--out" in result.stderr
 
 
-@pytest.mark.pure
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("out", ["/proc/tandem-run", "FILE"])
 def test_unwritable_out(tmp_path: Path, out: str) -> None:
     if out == "FILE":

@@ -72,7 +72,7 @@ BAD_TRAIN = {
 }
 
 
-@pytest.mark.pure
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("case", sorted(BAD_TRAIN))
 def test_bad_train_input_is_one_line_and_status_2(capsys: pytest.CaptureFixture[str], case: str) -> None:
     args, expected = BAD_TRAIN[case]

@@ -197,7 +197,7 @@ def test_pipedream_stopped_and_resumed_reaches_90_percent_on_digits(tmp_path: Pa
     assert resumed["steps"] == 300 and resumed["test_accuracy"] >= 0.9
 
 
-@pytest.mark.pure
+@pytest.mark.multiprocess
 def test_pipedream_checkpoints_between_rounds_of_replicas() -> None:
     result = run_here("train", *COMMON, "--strategy", "pipeline", "--schedule", "pipedream",
                       "--nproc", "3", "--stages", "2", "--replicas", "2,1",

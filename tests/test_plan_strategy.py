@@ -229,7 +229,7 @@ def test_data_parallel_traces_use_the_schedule_vocabulary(shared_run: SharedRun,
     assert seen == DATA_PARALLEL_TRACES[flags]
 
 
-@pytest.mark.pure
+@pytest.mark.multiprocess
 def test_a_schedule_file_without_a_step_is_refused_with_the_grid(
         capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """The tester's case: a 1F1B file with ``0ST`` deleted used to run, and stage 0 never

@@ -220,7 +220,7 @@ def _train_error(*args: str) -> str:
     return lines[0]
 
 
-@pytest.mark.pure
+@pytest.mark.multiprocess
 def test_a_missing_directory_is_one_line(tmp_path: Path) -> None:
     line = _train_error("--data", f"shards:{tmp_path / 'nowhere'}")
     assert "is not a directory" in line and "tandem pack" in line
@@ -235,7 +235,7 @@ def test_a_directory_without_shards_is_one_line(tmp_path: Path) -> None:
         load_shards(f"shards:{tmp_path}")
 
 
-@pytest.mark.pure
+@pytest.mark.multiprocess
 def test_a_truncated_shard_is_named(digit_shards: Path, tmp_path: Path) -> None:
     import shutil
 
@@ -257,7 +257,7 @@ def test_a_truncated_shard_is_named(digit_shards: Path, tmp_path: Path) -> None:
         data.train.take(torch.tensor([first]))
 
 
-@pytest.mark.pure
+@pytest.mark.multiprocess
 def test_options_that_do_not_apply_are_refused(digit_shards: Path, tmp_path: Path) -> None:
     assert "--loader-workers 2 reads batches ahead" in _train_error("--loader-workers", "2")
     assert "--cache-dir keeps local copies of shards" in _train_error(

@@ -251,7 +251,7 @@ BAD = {
 }
 
 
-@pytest.mark.pure
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", sorted(BAD))
 def test_bad_tensor_parallel_input_is_one_line(capsys: pytest.CaptureFixture[str],
                                                name: str) -> None:

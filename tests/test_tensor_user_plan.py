@@ -243,7 +243,7 @@ BAD = {
 }
 
 
-@pytest.mark.pure
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", sorted(BAD))
 def test_bad_tensor_layers_are_one_line(capsys: pytest.CaptureFixture[str], name: str) -> None:
     args, message = BAD[name]

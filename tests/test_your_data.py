@@ -117,7 +117,7 @@ BAD = {
 }
 
 
-@pytest.mark.pure
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_user_data_and_loss_are_one_line_and_status_2(tmp_path: Path, case: str) -> None:
     args, expected = BAD[case]
