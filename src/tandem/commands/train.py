@@ -198,7 +198,10 @@ def job_from_args(args: argparse.Namespace) -> Job:
         {key: value for key, value in vars(args).items() if key in fields and key != "nproc"})
     if args.plan is None:
         strategy, nproc = args.strategy or "dp", 1 if processes is None else processes
-        check_flags(sketch_job(strategy, given, RunConfig(**settings, nproc=nproc)))
+        sketch = sketch_job(strategy, given, RunConfig(**settings, nproc=nproc))
+        # a sketched pipeline's default micro-batches follow stages the model has not decided
+        # yet: its batch is checked on the real job (more stages than layers comes first)
+        check_flags(sketch, batches=not sketch.plan.pipelined or "--microbatches" in given)
         start_forkserver()
         return make_job(strategy, given, nproc=nproc, **settings)
     plan = plan_with_flags(Plan.load(args.plan), args.strategy, given, args.plan)
@@ -219,10 +222,11 @@ def start_forkserver() -> None:
         zygote.start()
 
 
-def check_flags(job: Job) -> None:
+def check_flags(job: Job, *, batches: bool = True) -> None:
     """The checks of :func:`check_job` that need neither torch nor the model, which ``tandem
     train`` runs before it imports torch: on the job read with ``--plan``, or on the one its
-    flags sketch before the model decides the stages (:func:`~tandem.runtime.config.sketch_job`)."""
+    flags sketch before the model decides the stages (:func:`~tandem.runtime.config.sketch_job`).
+    Without ``batches``, the job's size and batch are left to the real job's check."""
     run, plan = job.run, job.plan
     if run.max_restarts and under_launcher():
         raise UsageError(f"--max-restarts {run.max_restarts} restarts tandem's own workers; under "
@@ -240,7 +244,8 @@ def check_flags(job: Job) -> None:
         check_codec(plan.compress.text, strategy=strategy_of(plan),
                     sgd_momentum=run.momentum if run.optimizer in ("sgd", "lars") else 0.0)
     if not under_launcher():
-        job.check_world(run.nproc)
+        if batches:
+            job.check_world(run.nproc)
         if isinstance(plan.sync, GossipSync):
             from tandem.topology import build_topology, mixing_matrix, two_colouring
 
