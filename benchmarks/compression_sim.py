@@ -37,9 +37,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
 from tandem.cluster import flat_cluster
-from tandem.codec_spec import ring_bytes
-from tandem.planning.codecs import CodecSpeed, parse_codec
-from tandem.planning.simulate import SimOptions, SimResult, data_parallel_plan, simulate
+from tandem.spec.codec import ring_bytes
+from tandem.planning.simulate.codecs import CodecSpeed, parse_codec
+from tandem.planning.simulate.simulator import SimOptions, SimResult, data_parallel_plan, simulate
 from tandem.profile import ModelProfile, load_profile
 
 PROFILE = ROOT / "tests" / "data" / "profiles" / "vgg16.graph.txt"
@@ -214,7 +214,7 @@ def math_prod(shape: tuple[int, ...]) -> int:
 
 def sync_bytes(profile: ModelProfile, spec: str | None) -> tuple[float, float]:
     """``(payload, wire)`` bytes one worker hands to collectives and sends (rings) per step."""
-    from tandem.planning.costs import stage_costs
+    from tandem.planning.simulate.costs import stage_costs
 
     plan = data_parallel_plan(profile, WORKERS)
     if spec is None:
@@ -303,11 +303,11 @@ def main() -> None:
                         help="workers' messages an allgather codec decodes when measured")
     parser.add_argument("--bandwidths", default=",".join(BANDWIDTHS))
     parser.add_argument("--use-defaults", action="store_true",
-                        help="skip (a): simulate with tandem.planning.codecs.DEFAULT_SPEEDS")
+                        help="skip (a): simulate with tandem.planning.simulate.codecs.DEFAULT_SPEEDS")
     args = parser.parse_args()
     started = time.perf_counter()
     if args.use_defaults:
-        from tandem.planning.codecs import DEFAULT_SPEEDS
+        from tandem.planning.simulate.codecs import DEFAULT_SPEEDS
 
         measured: dict[str, dict[str, float]] = {}
         speeds = {spec: DEFAULT_SPEEDS[spec.partition(":")[0]] for spec in CODECS}

@@ -11,7 +11,7 @@ One profile of a real MLP, by ``tandem profile`` on this machine (one thread), g
 per-layer times and each layer's fixed cost per call (fitted over the batch, its half, quarter
 and eighth). Then, for each micro-batch count, a GPipe pipeline is run with ``tandem train ...
 --strategy pipeline --plan PLAN --json`` (its ``step_time_s``: rank 0's median step after the
-warm-up, the best of ``--repeats`` runs) and simulated (``tandem.planning.simulate``, the library
+warm-up, the best of ``--repeats`` runs) and simulated (``tandem.planning.simulate.simulator``, the library
 behind ``tandem simulate``) on the same plan:
 
 - ``emulated``: 4 stages of the emulated model playing that profile (times x ``--scale``):
@@ -52,8 +52,8 @@ sys.path.insert(0, str(ROOT / "src"))
 from simulator_fidelity import tandem  # noqa: E402
 
 from tandem.cluster import Cluster  # noqa: E402
-from tandem.planning.balance import balanced_plan  # noqa: E402
-from tandem.planning.simulate import SimOptions, simulate  # noqa: E402
+from tandem.planning.search.balance import balanced_plan  # noqa: E402
+from tandem.planning.simulate.simulator import SimOptions, simulate  # noqa: E402
 from tandem.profile import ModelProfile  # noqa: E402
 
 MODEL = "mlp:hidden=256,layers=8"

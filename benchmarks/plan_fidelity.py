@@ -25,7 +25,7 @@ from pathlib import Path
 from tandem.cluster import Cluster, Level, flat_cluster, parse_cluster
 from tandem.errors import UsageError
 from tandem.planning import PartitionOptions, make_plan, partition_plan
-from tandem.planning.simulate import data_parallel_plan, simulate
+from tandem.planning.simulate.simulator import data_parallel_plan, simulate
 from tandem.profile import load_profile
 
 ROOT = Path(__file__).resolve().parent.parent

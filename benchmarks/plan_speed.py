@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Callable, TypeVar
 
 from tandem.cluster import flat_cluster, parse_cluster
-from tandem.planning import PartitionOptions, partition
-from tandem.planning.antichain import build_states
+from tandem.planning import PartitionOptions
+from tandem.planning.partition.pipedream import partition
+from tandem.planning.partition.antichain import build_states
 from tandem.profile import LayerProfile, ModelProfile, load_profile
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -24,8 +24,8 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from tandem.cluster import parse_cluster  # noqa: E402
 from tandem.plan import Plan  # noqa: E402
-from tandem.planning.balance import balanced_plan  # noqa: E402
-from tandem.planning.simulate import SimOptions, data_parallel_plan, simulate  # noqa: E402
+from tandem.planning.search.balance import balanced_plan  # noqa: E402
+from tandem.planning.simulate.simulator import SimOptions, data_parallel_plan, simulate  # noqa: E402
 from tandem.profile import load_profile  # noqa: E402
 
 PROFILES = ROOT / "tests" / "data" / "profiles"

@@ -5,7 +5,7 @@ Every measurement is a real run of the command line (``tandem train ... --json``
 ``step_time_s`` is rank 0's median step after two warm-up steps; for PipeDream's schedule the
 steady-state time per minibatch on stage 0, from the run's ``trace.json``), the best of three runs;
 every prediction simulates the same plan on a cluster model of this machine
-(``tandem.planning.simulate``, the library behind ``tandem simulate``). Four parts:
+(``tandem.planning.simulate.simulator``, the library behind ``tandem simulate``). Four parts:
 
 - ``emulated``: PipeDream's VGG-16 profile played by the emulated model (each block sleeps its
   profiled time, so 2-8 workers on this 2-core machine behave like devices: sleeping workers do
@@ -69,11 +69,11 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from tandem.cluster import Cluster, Level  # noqa: E402
 from tandem.plan import Plan  # noqa: E402
-from tandem.planning.balance import balanced_plan  # noqa: E402
-from tandem.planning.simulate import SimOptions, data_parallel_plan, simulate  # noqa: E402
-from tandem.planning.tensor import tensor_allreduce_count  # noqa: E402
+from tandem.planning.search.balance import balanced_plan  # noqa: E402
+from tandem.planning.simulate.simulator import SimOptions, data_parallel_plan, simulate  # noqa: E402
+from tandem.planning.simulate.tensor import tensor_allreduce_count  # noqa: E402
 from tandem.profile import ModelProfile, load_profile  # noqa: E402
-from tandem.sync_spec import GossipSync, ParameterServerSync  # noqa: E402
+from tandem.spec.sync import GossipSync, ParameterServerSync  # noqa: E402
 from tandem.schedule import Kind  # noqa: E402
 from tandem.timeline import event_action  # noqa: E402
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.batch_schedule import (
+from tandem.spec.batch_schedule import (
     auto_next_batch, batch_at, format_schedule, parse_batch_schedule,
 )
 from tandem.data import GlobalBatchSampler

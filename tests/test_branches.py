@@ -12,18 +12,19 @@ import pytest
 
 from tandem.cluster import Cluster, Level, flat_cluster
 from tandem.errors import UsageError
-from tandem.planning import PartitionOptions, make_plan, partition
-from tandem.planning.antichain import MAX_STATES, build_states, count_states
-from tandem.planning.branches import (
+from tandem.planning import PartitionOptions, make_plan
+from tandem.planning.partition.pipedream import partition
+from tandem.planning.partition.antichain import MAX_STATES, build_states, count_states
+from tandem.planning.partition.branches import (
     DEFAULT_MAX_STATES,
     compress_branches,
     compress_for_planning,
     expand_plan,
 )
-from tandem.planning.costs import check_plan
-from tandem.planning.downsets import count_down_sets, dag_of_profile
+from tandem.planning.simulate.costs import check_plan
+from tandem.planning.partition.downsets import count_down_sets, dag_of_profile
 from tandem.plan import Plan
-from tandem.planning.simulate import simulate
+from tandem.planning.simulate.simulator import simulate
 from tandem.profile import LayerProfile, ModelProfile, load_profile
 from tests.conftest import run_cli
 
@@ -235,7 +236,7 @@ def test_expanded_plan_covers_every_layer_once_in_order(devices: int, straight: 
 
 
 def test_simulator_runs_the_expanded_plan_on_the_real_layers() -> None:
-    from tandem.planning.simulate import simulate
+    from tandem.planning.simulate.simulator import simulate
 
     profile = inception(6, 4, 3, seed=4)
     compression = compress_for_planning(profile, max_states=100)

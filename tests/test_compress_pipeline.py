@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from tandem.codec_spec import CodecSpec
+from tandem.spec.codec import CodecSpec
 from tandem.data import GlobalBatchSampler, build_dataset
 from tandem.models import build_model
 from tandem.plan import Plan, Stage

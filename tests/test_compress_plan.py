@@ -11,7 +11,8 @@ import pytest
 
 from tandem.cli import main
 from tandem.cluster import Cluster, parse_cluster
-from tandem.planning import PartitionOptions, partition
+from tandem.planning import PartitionOptions
+from tandem.planning.partition.pipedream import partition
 from tandem.profile import load_profile
 
 pytestmark = pytest.mark.pure

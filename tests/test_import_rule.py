@@ -11,10 +11,10 @@ import pytest
 pytestmark = pytest.mark.cli
 
 MODULES = ["tandem.cluster", "tandem.profile", "tandem.plan", "tandem.planning",
-           "tandem.planning.antichain", "tandem.planning.levels", "tandem.planning.partition",
-           "tandem.planning.planner", "tandem.timeline", "tandem.topology",
-           "tandem.codec_spec", "tandem.planning.codecs", "tandem.planning.compare",
-           "tandem.planning.branches", "tandem.planning.downsets"]  # fmt: skip
+           "tandem.planning.partition.antichain", "tandem.planning.partition.levels", "tandem.planning.partition.pipedream",
+           "tandem.planning.search.planner", "tandem.timeline", "tandem.topology",
+           "tandem.spec.codec", "tandem.planning.simulate.codecs", "tandem.planning.simulate.compare",
+           "tandem.planning.partition.branches", "tandem.planning.partition.downsets"]  # fmt: skip
 SCHEDULE_MODULES = ["tandem.schedule", "tandem.schedule.action", "tandem.schedule.schedule",
                     "tandem.schedule.generators", "tandem.schedule.check"]  # fmt: skip
 

@@ -19,7 +19,7 @@ from tandem.data import build_dataset
 from tandem.errors import UsageError
 from tandem.models import build_model
 from tandem.plan import Plan, Stage
-from tandem.planning.simulate import SimOptions, simulate
+from tandem.planning.simulate.simulator import SimOptions, simulate
 from tandem.profile import (
     DEFAULT_BACKWARD_FIXED_S,
     DEFAULT_FORWARD_FIXED_S,
@@ -112,8 +112,8 @@ def test_overhead_option_adds_to_the_profile_fixed_cost() -> None:
 
 def test_data_parallel_families_pay_it_too() -> None:
     # A parameter-server plan (its own model of one stage) charges the fixed cost per call too.
-    from tandem.planning.families import family_costs
-    from tandem.sync_spec import ParameterServerSync
+    from tandem.planning.simulate.families import family_costs
+    from tandem.spec.sync import ParameterServerSync
 
     one = chain(1, forward_s=4e-3, backward_s=8e-3, forward_fixed_s=1e-3, backward_fixed_s=2e-3)
     plan = Plan(stages=[Stage(start=0, end=1, replicas=2)], num_layers=1, num_devices=3,

@@ -9,7 +9,7 @@ from torch import nn
 from tandem.data import build_dataset
 from tandem.errors import UsageError
 from tandem.models import build_model
-from tandem.options import split_spec
+from tandem.spec.options import split_spec
 
 pytestmark = pytest.mark.pure
 

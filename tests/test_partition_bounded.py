@@ -13,14 +13,14 @@ import random
 
 import pytest
 
-from tandem.planning.antichain import build_states
-from tandem.planning.bounded import solve_row0
-from tandem.planning.levels import LevelProblem, solve_level
+from tandem.planning.partition.antichain import build_states
+from tandem.planning.partition.bounded import solve_row0
+from tandem.planning.partition.levels import LevelProblem, solve_level
 from tests.test_partition_exact import random_profile
 
 pytestmark = pytest.mark.pure
 
-segment_matrix = importlib.import_module("tandem.planning.partition")._segment_matrix
+segment_matrix = importlib.import_module("tandem.planning.partition.pipedream")._segment_matrix
 
 
 def random_problem(rng: random.Random) -> LevelProblem:

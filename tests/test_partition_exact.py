@@ -9,10 +9,11 @@ import random
 import pytest
 
 from tandem.cluster import Cluster, Level
-from tandem.planning import PartitionOptions, partition
+from tandem.planning import PartitionOptions
+from tandem.planning.partition.pipedream import partition
 import importlib
 
-partition_module = importlib.import_module("tandem.planning.partition")
+partition_module = importlib.import_module("tandem.planning.partition.pipedream")
 from tandem.profile import LayerProfile, ModelProfile
 
 pytestmark = pytest.mark.pure

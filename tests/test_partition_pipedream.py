@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from tandem.cluster import flat_cluster
-from tandem.planning import PartitionOptions, partition
+from tandem.planning import PartitionOptions
+from tandem.planning.partition.pipedream import partition
 from tandem.profile import load_profile
 
 pytestmark = pytest.mark.pure
@@ -211,7 +212,7 @@ def test_recorded_optimum(key) -> None:
 
 @pytest.mark.parametrize("model", ["vgg16", "gnmt", "resnet50"])
 def test_same_states_as_pipedreams_antichain_dag(model: str) -> None:
-    from tandem.planning.antichain import build_states
+    from tandem.planning.partition.antichain import build_states
 
     compute, params, cut, pred_ids = reference_states(DATA / f"{model}.graph.txt")
     ours = build_states(load_profile(str(DATA / f"{model}.graph.txt")))

@@ -13,8 +13,8 @@ import pytest
 from tandem.cluster import Cluster, Level, flat_cluster, parse_cluster
 from tandem.plan import Plan, Stage
 from tandem.planning import NoPlanFits, PartitionOptions, make_plan, partition_plan
-from tandem.planning.memory import stage_memory_bytes
-from tandem.planning.simulate import SimOptions, data_parallel_plan, simulate
+from tandem.planning.partition.memory import stage_memory_bytes
+from tandem.planning.simulate.simulator import SimOptions, data_parallel_plan, simulate
 from tandem.profile import load_profile
 from tests.conftest import PROFILES, run_cli, run_here
 

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from tandem.codec_spec import CodecSpec
+from tandem.spec.codec import CodecSpec
 from tandem.errors import UsageError
 from tandem.plan import Plan, Stage
 from tandem.strategy import STRATEGIES, owners, plan_from_flags, strategy_of
-from tandem.sync_spec import (
+from tandem.spec.sync import (
     ElasticAveragingSync,
     GossipSync,
     LocalSGDSync,
@@ -250,7 +250,7 @@ def test_the_simulator_runs_the_plans_codec() -> None:
     """A data-parallel plan's codec is what ``tandem simulate --plan`` models, exactly as if it
     had been given with ``--compress``."""
     from tandem.cluster import flat_cluster
-    from tandem.planning.simulate import SimOptions, simulate
+    from tandem.planning.simulate.simulator import SimOptions, simulate
     from tandem.profile import load_profile
     from tests.conftest import VGG
 
@@ -268,7 +268,7 @@ def test_the_simulator_runs_the_plans_codec() -> None:
 def test_the_simulator_replays_a_plans_hand_written_schedule() -> None:
     """A plan built from ``--schedule FILE`` carries the file's schedule; the simulator replays
     that one (the runtime runs it), not the generated schedule of the same kind."""
-    from tandem.planning.simulate import plan_schedule
+    from tandem.planning.simulate.simulator import plan_schedule
     from tandem.schedule import gpipe, one_f_one_b
 
     written = one_f_one_b([1, 1], 3).text()

@@ -12,10 +12,10 @@ import pytest
 
 from tandem.cluster import parse_cluster
 from tandem.errors import UsageError
-from tandem.planning.partition import PartitionOptions
-from tandem.planning.planner import make_plan
-from tandem.planning.scaling import ScaleOptions, ScaleResult, device_counts, resized, scale
-from tandem.planning.simulate import SimOptions, data_parallel_plan, simulate
+from tandem.planning.partition.pipedream import PartitionOptions
+from tandem.planning.search.planner import make_plan
+from tandem.planning.search.scaling import ScaleOptions, ScaleResult, device_counts, resized, scale
+from tandem.planning.simulate.simulator import SimOptions, data_parallel_plan, simulate
 from tandem.profile import ModelProfile, load_profile
 from tests.conftest import PROFILES, VGG, run_cli
 

@@ -10,8 +10,8 @@ import pytest
 
 from tandem.cluster import flat_cluster, parse_cluster
 from tandem.planning import make_plan, partition_plan
-from tandem.planning.search import SearchOptions, search
-from tandem.planning.simulate import SimOptions, simulate
+from tandem.planning.search.flexflow import SearchOptions, search
+from tandem.planning.simulate.simulator import SimOptions, simulate
 from tandem.profile import load_profile
 from tests.conftest import PROFILES, run_cli
 

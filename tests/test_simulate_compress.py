@@ -12,10 +12,10 @@ import torch
 from tandem.cluster import Cluster, Level
 from tandem.compress import Codec, build_compression, payload_bytes
 from tandem.errors import UsageError
-from tandem.planning.codecs import CodecSpeed, matrix_shape, parse_codec, powersgd_elements
-from tandem.planning.collectives import allgather_s, collective_s, ring_allgather_s
-from tandem.planning.replay import overlapped_sync_s
-from tandem.planning.simulate import SimOptions, data_parallel_plan, simulate
+from tandem.planning.simulate.codecs import CodecSpeed, matrix_shape, parse_codec, powersgd_elements
+from tandem.planning.simulate.collectives import allgather_s, collective_s, ring_allgather_s
+from tandem.planning.simulate.replay import overlapped_sync_s
+from tandem.planning.simulate.simulator import SimOptions, data_parallel_plan, simulate
 from tests.conftest import VGG, run_cli
 from tests.test_import_rule import assert_imports_without
 from tests.test_simulate import drawn, flat, normalized, profile, table, two_level
@@ -185,7 +185,7 @@ def test_codec_and_ratio_are_exclusive() -> None:
 
 @pytest.mark.cli
 def test_planning_codecs_import_no_torch() -> None:
-    assert_imports_without(["tandem.planning.codecs", "tandem.planning.simulate"], "torch")
+    assert_imports_without(["tandem.planning.simulate.codecs", "tandem.planning.simulate.simulator"], "torch")
 
 
 # -- command line -------------------------------------------------------------------------------

@@ -16,11 +16,11 @@ from tandem.cli import main
 from tandem.cluster import Cluster, Level
 from tandem.errors import UsageError
 from tandem.plan import Plan
-from tandem.planning.crossover import gossip_vs_ps
-from tandem.planning.family_search import best_of_families
-from tandem.planning.simulate import SimOptions, SimResult, data_parallel_plan, simulate
+from tandem.planning.search.crossover import gossip_vs_ps
+from tandem.planning.search.family_search import best_of_families
+from tandem.planning.simulate.simulator import SimOptions, SimResult, data_parallel_plan, simulate
 from tandem.profile import LayerProfile, ModelProfile, load_profile
-from tandem.sync_spec import (
+from tandem.spec.sync import (
     ElasticAveragingSync,
     GossipSync,
     LocalSGDSync,

@@ -13,10 +13,10 @@ import pytest
 from tandem.cluster import flat_cluster, parse_cluster
 from tandem.errors import UsageError
 from tandem.plan import Plan, Stage
-from tandem.planning.memory import stage_memory_bytes
-from tandem.planning.scaling import ScaleOptions, scale
-from tandem.planning.search import SearchOptions, search
-from tandem.planning.simulate import SimOptions, simulate
+from tandem.planning.partition.memory import stage_memory_bytes
+from tandem.planning.search.scaling import ScaleOptions, scale
+from tandem.planning.search.flexflow import SearchOptions, search
+from tandem.planning.simulate.simulator import SimOptions, simulate
 from tandem.profile import LayerProfile, ModelProfile
 from tests.conftest import run_cli
 

@@ -176,9 +176,9 @@ def test_usage_errors_answer_without_torch(tmp_path: Path) -> None:
 
 @pytest.mark.pure
 def test_bucket_codecs_are_the_compressions_that_are_no_per_tensor_codec() -> None:
-    """``tandem.codec_spec.BUCKET_CODECS`` (torch-free, for the job's checks) names exactly the
+    """``tandem.spec.codec.BUCKET_CODECS`` (torch-free, for the job's checks) names exactly the
     codecs the registry builds as whole-bucket compressions."""
-    from tandem.codec_spec import BUCKET_CODECS
+    from tandem.spec.codec import BUCKET_CODECS
     from tandem.compress import CODECS, Codec, build_compression
 
     assert {name for name in CODECS if not isinstance(build_compression(name), Codec)} == \

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tandem.cluster import Cluster, Level
-from tandem.planning.replay import Workload, replay
+from tandem.planning.simulate.replay import Workload, replay
 from tandem.schedule import Action, Schedule, generate
 from tandem.timeline import Event, Timeline, event_action, event_kind
 from tests.conftest import SharedRun, run_json

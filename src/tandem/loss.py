@@ -22,7 +22,7 @@ from torch.nn import functional as F
 
 from tandem import structures
 from tandem.errors import UsageError
-from tandem.options import user_function
+from tandem.spec.options import user_function
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 DEFAULT_LOSS = "cross_entropy"

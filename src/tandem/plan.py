@@ -3,7 +3,7 @@
 A plan says how many workers run what: pipeline stages as layer ranges with a replica count
 each (one stage replicated on every worker is data parallelism), a tensor degree, the schedule
 kind and its number of micro-batches, how the replicas synchronize (a typed spec of
-:mod:`tandem.sync_spec`) and the compression codec (a :class:`tandem.codec_spec.CodecSpec`).
+:mod:`tandem.spec.sync`) and the compression codec (a :class:`tandem.spec.codec.CodecSpec`).
 ``tandem plan``, ``tandem search`` and the command-line flags of ``tandem train`` all build a
 ``Plan``; the simulator and the runtime read it, and nothing else decides how workers cooperate.
 
@@ -24,13 +24,13 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.codec_spec import CodecSpec
+from tandem.spec.codec import CodecSpec
 from tandem import strict_json
 from tandem.errors import UsageError
 from tandem.output_files import write_text
 from tandem.schedule.generators import generate
 from tandem.schedule.schedule import SCHEDULE_KINDS, Schedule
-from tandem.sync_spec import AllReduceSync, SyncSpec, sync_from_dict, sync_to_dict
+from tandem.spec.sync import AllReduceSync, SyncSpec, sync_from_dict, sync_to_dict
 
 SCHEMA_VERSION = 2
 """Version of the JSON layout written by :meth:`Plan.to_dict` (1: stages and schedule only,
@@ -82,7 +82,7 @@ class Plan:
     bottleneck_s: float = 0.0
     """Predicted time per step (one global minibatch) of the plan as it runs: the simulator's
     for ``predicted_schedule`` (``tandem plan`` and ``tandem search``), or the partitioner's
-    estimate for a bare partition (:func:`tandem.planning.planner.partition_plan`)."""
+    estimate for a bare partition (:func:`tandem.planning.search.planner.partition_plan`)."""
     single_s: float = 0.0
     """Predicted time per minibatch on one device (the same predictor)."""
     data_parallel_s: float = 0.0

@@ -71,7 +71,7 @@ class LayerProfile:
     forward and to its backward, as the model's tensor plan splits it (``tandem profile`` of a
     reference model records them: a GPT block has two each way, an embedding none); ``(0, 0)``:
     the layer stays whole on every device. None: not recorded, and
-    :mod:`tandem.planning.tensor`'s rule decides (a layer with parameters splits with one each
+    :mod:`tandem.planning.simulate.tensor`'s rule decides (a layer with parameters splits with one each
     way)."""
 
     def __post_init__(self) -> None:

@@ -18,11 +18,11 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from tandem.codec_spec import CodecSpec
+from tandem.spec.codec import CodecSpec
 from tandem.errors import UsageError
 from tandem.plan import Plan, Stage
 from tandem.schedule.schedule import SCHEDULE_KINDS, Schedule
-from tandem.sync_spec import (
+from tandem.spec.sync import (
     AllReduceSync,
     ElasticAveragingSync,
     GossipSync,

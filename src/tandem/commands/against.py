@@ -18,7 +18,7 @@ global batch, processes, threads, optimizer) and ``trace.json`` (every worker's 
    bandwidth, ring-allreduce step latency, how fast busy processes run together; a few seconds)
    plus the speed of the run's optimizer step on the model's parameters;
 3. simulates the plan (four steps of a flush schedule) and reads both timelines the same way
-   (:mod:`tandem.planning.compare`): per worker, the median time between the ends of its
+   (:mod:`tandem.planning.simulate.compare`): per worker, the median time between the ends of its
    consecutive steps after the warm-up; overall, the same for the whole job's steps next to
    the simulator's step time.
 
@@ -43,7 +43,7 @@ from tandem.cluster import Cluster, parse_duration
 from tandem.commands.args import build_cluster
 from tandem.errors import UsageError
 from tandem.plan import Plan
-from tandem.planning.compare import (
+from tandem.planning.simulate.compare import (
     GANTT_STEPS,
     Comparison,
     compare,
@@ -52,7 +52,7 @@ from tandem.planning.compare import (
     simulated_skip,
     warmup_steps,
 )
-from tandem.planning.simulate import SimOptions, SimResult, simulate
+from tandem.planning.simulate.simulator import SimOptions, SimResult, simulate
 from tandem.profile import ModelProfile
 from tandem.strategy import strategy_of
 from tandem.timeline import Timeline

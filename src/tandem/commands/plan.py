@@ -13,7 +13,7 @@ from tandem.commands.output_paths import check_output_files
 from tandem.errors import UsageError
 from tandem.plan import Plan
 from tandem.planning import PartitionOptions, make_plan
-from tandem.planning.simulate import SimOptions
+from tandem.planning.simulate.simulator import SimOptions
 from tandem.profile import ModelProfile
 from tandem.schedule import SCHEDULE_KINDS
 

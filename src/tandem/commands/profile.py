@@ -7,9 +7,9 @@ import sys
 
 from tandem import strict_json
 from tandem.commands.output_paths import check_output_files
-from tandem.data_spec import check_data_spec
+from tandem.spec.data import check_data_spec
 from tandem.errors import UsageError
-from tandem.model_spec import check_model_spec
+from tandem.spec.model import check_model_spec
 from tandem.profile import ModelProfile
 
 

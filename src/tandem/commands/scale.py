@@ -13,8 +13,8 @@ from tandem.commands.args import load_source, with_memory
 from tandem.commands.simulate import add_codec_args, add_sim_args, sim_options
 from tandem.commands.output_paths import check_output_files
 from tandem.errors import UsageError
-from tandem.planning.scaling import FAMILIES, ScaleOptions, ScaleResult, scale
-from tandem.planning.tensor import DEFAULT_MAX_TENSOR_DEGREE
+from tandem.planning.search.scaling import FAMILIES, ScaleOptions, ScaleResult, scale
+from tandem.planning.simulate.tensor import DEFAULT_MAX_TENSOR_DEGREE
 from tandem.profile import ModelProfile
 
 DEFAULT_MINIBATCHES = 8

@@ -16,13 +16,13 @@ from tandem.commands.output_paths import check_output_files
 from tandem.errors import UsageError
 from tandem.plan import Plan
 from tandem.planning import PartitionOptions, make_plan
-from tandem.planning.family_search import FAMILIES, best_of_families, describe_sync
-from tandem.planning.search import Candidate, SearchOptions, SearchResult, search
-from tandem.planning.tensor import DEFAULT_MAX_TENSOR_DEGREE, layout_text, split_layer
+from tandem.planning.search.family_search import FAMILIES, best_of_families, describe_sync
+from tandem.planning.search.flexflow import Candidate, SearchOptions, SearchResult, search
+from tandem.planning.simulate.tensor import DEFAULT_MAX_TENSOR_DEGREE, layout_text, split_layer
 from tandem.profile import ModelProfile
 from tandem.schedule import SCHEDULE_KINDS
 from tandem.strategy import strategy_of
-from tandem.sync_spec import ParameterServerSync
+from tandem.spec.sync import ParameterServerSync
 
 _DURATION = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|min|h)?\s*")
 _SECONDS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, None: 1.0}

@@ -20,11 +20,11 @@ from tandem.commands.args import (
 from tandem.commands.output_paths import check_output_files
 from tandem.errors import UsageError
 from tandem.plan import Plan
-from tandem.planning.collectives import ALGORITHMS
-from tandem.planning.simulate import SimOptions, SimResult, data_parallel_plan, simulate
+from tandem.planning.simulate.collectives import ALGORITHMS
+from tandem.planning.simulate.simulator import SimOptions, SimResult, data_parallel_plan, simulate
 from tandem.profile import ModelProfile
 from tandem.schedule import SCHEDULE_KINDS
-from tandem.sync_spec import (
+from tandem.spec.sync import (
     AllReduceSync,
     ElasticAveragingSync,
     GossipSync,

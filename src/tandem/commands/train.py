@@ -10,10 +10,10 @@ from typing import Any
 
 from tandem import strict_json
 from tandem.cluster import parse_duration
-from tandem.codec_spec import check_codec
-from tandem.data_spec import check_data_spec
+from tandem.spec.codec import check_codec
+from tandem.spec.data import check_data_spec
 from tandem.errors import UsageError
-from tandem.model_spec import check_model_spec
+from tandem.spec.model import check_model_spec
 from tandem.plan import Plan
 from tandem.runtime.config import (
     BACKENDS, DEFAULT_BASE_BATCH, OPTIMIZERS, SCHEDULES, Job, RunConfig, make_job,
@@ -22,7 +22,7 @@ from tandem.runtime.config import (
 from tandem.runtime.faults import check_fault
 from tandem.runtime.launcher_env import under_launcher, world_size
 from tandem.strategy import PLAN_FLAGS, STRATEGIES, plan_with_flags, strategy_of
-from tandem.sync_spec import GossipSync
+from tandem.spec.sync import GossipSync
 
 
 def add_train_arguments(parser: argparse.ArgumentParser, defaults: RunConfig) -> None:

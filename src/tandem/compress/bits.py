@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-from tandem.codec_spec import WIDTHS, width_for
+from tandem.spec.codec import WIDTHS, width_for
 
 __all__ = ["WIDTHS", "pack", "packed_size", "unpack", "width_for"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tandem.codec_spec import ring_bytes
+from tandem.spec.codec import ring_bytes
 
 __all__ = ["ByteMeter", "ring_bytes"]
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
-from tandem.codec_spec import PowerSGDOptions
+from tandem.spec.codec import PowerSGDOptions
 from tandem.compress.codec import Compression
 from tandem.compress.meter import ByteMeter
 

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from tandem.codec_spec import (
+from tandem.spec.codec import (
     QSGDOptions,
     RandomKOptions,
     SignOptions,
@@ -58,7 +58,7 @@ CODECS: dict[str, tuple[Callable[[Any], Compression], str]] = {
     "randk": (_randk, "shared random positions, error feedback, allreduce"),
     "powersgd": (PowerSGD, "PyTorch's rank-r PowerSGD hook, allreduce"),
 }
-"""Name -> (builder from its options (``tandem.codec_spec``), what it sends and how)."""
+"""Name -> (builder from its options (``tandem.spec.codec``), what it sends and how)."""
 
 
 def build_compression(spec: str, *, strategy: str = "dp") -> Compression:
@@ -72,7 +72,7 @@ def build_compression(spec: str, *, strategy: str = "dp") -> Compression:
 
 def check_compress(spec: str, *, strategy: str, sgd_momentum: float) -> Compression:
     """Build ``spec`` and check that ``strategy`` and the optimizer can use it (the checks are
-    :func:`tandem.codec_spec.check_codec`'s, which needs no torch)."""
+    :func:`tandem.spec.codec.check_codec`'s, which needs no torch)."""
     check_codec(spec, strategy=strategy, sgd_momentum=sgd_momentum)
     return build_compression(spec, strategy=strategy)
 

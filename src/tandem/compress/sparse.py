@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from tandem.codec_spec import num_selected
+from tandem.spec.codec import num_selected
 from tandem.compress.codec import Codec, Payload
 
 

@@ -19,7 +19,7 @@ from tandem.data.samples import Batch, DatasetSamples, Samples, TensorSamples, s
 from tandem.data.sampler import GlobalBatchSampler, RankBatchSampler, shard_sizes
 from tandem.data.shards import ShardDataset
 from tandem.data.synthetic import make_images, make_tokens
-from tandem.data_spec import DATASET_OPTIONS, read_dataset_spec
+from tandem.spec.data import DATASET_OPTIONS, read_dataset_spec
 
 __all__ = [
     "DATASETS", "Batch", "Data", "DataBundle", "DataInfo", "DatasetSamples", "GlobalBatchSampler",
@@ -33,7 +33,7 @@ MAKERS: dict[str, Callable[[Any], DataBundle]] = {
 
 DATASETS: dict[str, tuple[type, Callable[[Any], DataBundle]]] = {
     name: (options, MAKERS[name]) for name, options in DATASET_OPTIONS.items()}
-"""Name -> (options dataclass, maker): the names and options of :mod:`tandem.data_spec` (which
+"""Name -> (options dataclass, maker): the names and options of :mod:`tandem.spec.data` (which
 reads a spec without torch)."""
 
 

@@ -7,7 +7,7 @@ import dataclasses
 import torch
 
 from tandem.data.info import DataInfo
-from tandem.data_spec import held_out_count
+from tandem.spec.data import held_out_count
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

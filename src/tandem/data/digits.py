@@ -11,7 +11,7 @@ import torch
 
 from tandem.data.bundle import DataBundle, split_held_out
 from tandem.data.info import DataInfo
-from tandem.data_spec import DigitsOptions
+from tandem.spec.data import DigitsOptions
 
 
 def load_digits(options: DigitsOptions) -> DataBundle:

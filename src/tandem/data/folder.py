@@ -20,7 +20,7 @@ import torch
 
 from tandem.data.bundle import DataBundle, Split, split_held_out
 from tandem.data.info import DataInfo
-from tandem.data_spec import FolderOptions, check_split, read_folder_spec
+from tandem.spec.data import FolderOptions, check_split, read_folder_spec
 from tandem.errors import UsageError
 
 EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".gif", ".ppm", ".pgm", ".tif",

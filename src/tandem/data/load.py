@@ -23,9 +23,9 @@ import torch
 from tandem.data.bundle import DataBundle
 from tandem.data.info import DataInfo
 from tandem.data.samples import DatasetSamples, Samples, TensorSamples, samples_of
-from tandem.data_spec import is_user_data
+from tandem.spec.data import is_user_data
 from tandem.errors import UsageError
-from tandem.options import user_function
+from tandem.spec.options import user_function
 
 MAX_SCANNED_TARGETS = 1_000_000
 """Most targets read to count a user dataset's classes (the rest are assumed to repeat them)."""

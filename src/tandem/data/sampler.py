@@ -31,7 +31,7 @@ class GlobalBatchSampler:
     """Global batches of a shuffled epoch, addressed by optimizer step.
 
     With a batch-size ``schedule`` (``(first_step, batch_size)`` pairs, the first at step 0, see
-    :mod:`tandem.batch_schedule`) the batch of a step is the schedule's at that step. A batch
+    :mod:`tandem.spec.batch_schedule`) the batch of a step is the schedule's at that step. A batch
     never straddles an epoch boundary: each epoch is read from its start in batches of the
     current size, and the last batch of an epoch holds what is left of it (fewer samples than
     the schedule's batch, as with a fixed batch that does not divide the epoch); the next step

@@ -53,7 +53,7 @@ from tandem.data.sampler import GlobalBatchSampler, shard_sizes
 from tandem.data.samples import Batch, Samples
 from tandem.data.storage import CachedStorage, EmulatedStorage, Storage
 from tandem.errors import UsageError
-from tandem.options import path_spec
+from tandem.spec.options import path_spec
 
 INDEX_NAME = "index.json"
 INDEX_FORMAT = "tandem-shards/1"

@@ -7,7 +7,7 @@ import torch
 
 from tandem.data.bundle import DataBundle, split_held_out
 from tandem.data.info import DataInfo
-from tandem.data_spec import ImagesOptions, TokensOptions
+from tandem.spec.data import ImagesOptions, TokensOptions
 
 
 def make_images(options: ImagesOptions) -> DataBundle:

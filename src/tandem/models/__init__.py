@@ -23,14 +23,14 @@ from torch import nn
 
 from tandem.data.info import DataInfo
 from tandem.errors import UsageError
-from tandem.model_spec import MODEL_OPTIONS, is_builtin, read_model_spec
+from tandem.spec.model import MODEL_OPTIONS, is_builtin, read_model_spec
 from tandem.models.emulated import build_emulated
 from tandem.models.gpt import build_gpt
 from tandem.models.init import initialize
 from tandem.models.mlp import build_mlp
 from tandem.models.resnet import build_resnet
 from tandem.models.vgg import build_vgg
-from tandem.options import user_function
+from tandem.spec.options import user_function
 
 __all__ = ["MODELS", "build_model", "initialize", "is_builtin"]
 
@@ -42,7 +42,7 @@ BUILDERS: dict[str, Builder] = {"mlp": build_mlp, "resnet": build_resnet, "vgg":
 MODELS: dict[str, tuple[type, Builder, str]] = {
     name: (options, BUILDERS[name], task) for name, (options, task) in MODEL_OPTIONS.items()}
 """Name -> (options dataclass, builder, the task it trains on; ``any`` for every task): the
-names and options of :mod:`tandem.model_spec` (which reads a spec without torch)."""
+names and options of :mod:`tandem.spec.model` (which reads a spec without torch)."""
 
 
 def build_model(spec: str, info: DataInfo | Callable[[], DataInfo], *, seed: int | None = None,

@@ -65,7 +65,7 @@ import torch
 from torch import nn
 
 from tandem.data.info import DataInfo
-from tandem.model_spec import EmulatedOptions
+from tandem.spec.model import EmulatedOptions
 from tandem.profile import LayerProfile, load_profile, scale_call
 
 CHAIN_GAP_S = 1e-3

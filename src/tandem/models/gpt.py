@@ -8,7 +8,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from tandem.data.info import DataInfo
-from tandem.model_spec import GPTOptions
+from tandem.spec.model import GPTOptions
 
 
 class Embedding(nn.Module):

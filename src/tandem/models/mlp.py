@@ -7,7 +7,7 @@ import math
 from torch import nn
 
 from tandem.data.info import DataInfo
-from tandem.model_spec import MLPOptions
+from tandem.spec.model import MLPOptions
 
 
 def build_mlp(options: MLPOptions, info: DataInfo) -> nn.Sequential:

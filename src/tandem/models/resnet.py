@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from tandem.data.info import DataInfo
-from tandem.model_spec import IMAGENET_LAYOUTS, ResNetOptions
+from tandem.spec.model import IMAGENET_LAYOUTS, ResNetOptions
 
 
 class BasicBlock(nn.Module):

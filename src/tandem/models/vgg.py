@@ -6,7 +6,7 @@ from __future__ import annotations
 from torch import nn
 
 from tandem.data.info import DataInfo
-from tandem.model_spec import VGGOptions
+from tandem.spec.model import VGGOptions
 
 VGG16_LAYOUT: tuple[int | str, ...] = (
     64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M",

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from tandem import strict_json
-from tandem.batch_schedule import AUTO, auto_next_batch, format_schedule, parse_batch_schedule
+from tandem.spec.batch_schedule import AUTO, auto_next_batch, format_schedule, parse_batch_schedule
 from tandem.data import Batch, Data, GlobalBatchSampler, Samples
 from tandem.data.loader import PlannedLoader
 from tandem.data.shards import ShardSamples
@@ -42,7 +42,7 @@ from tandem.runtime.reporting import Reporter
 from tandem.runtime.task import Task
 from tandem.runtime.watchdog import Heartbeat
 from tandem.strategy import strategy_of
-from tandem.sync_spec import ElasticAveragingSync
+from tandem.spec.sync import ElasticAveragingSync
 from tandem.timeline import Event, Timeline, plot_gantt
 
 MAX_TRACED_STEPS = 1000
@@ -292,7 +292,7 @@ class BaseTrainer(Worker):
 
     def grow_batch(self, done: int) -> None:
         """``--batch-schedule auto``, after ``done`` steps at a log step: the batch of the steps
-        from ``done`` on, by :func:`tandem.batch_schedule.auto_next_batch` (every worker decides
+        from ``done`` on, by :func:`tandem.spec.batch_schedule.auto_next_batch` (every worker decides
         the same: the largest decision wins)."""
         if self.config.batch_schedule != AUTO or done >= self.config.steps:
             return

@@ -8,12 +8,12 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from tandem.batch_schedule import AUTO, BatchSchedule, parse_batch_schedule
-from tandem.codec_spec import BUCKET_CODECS
+from tandem.spec.batch_schedule import AUTO, BatchSchedule, parse_batch_schedule
+from tandem.spec.codec import BUCKET_CODECS
 from tandem.errors import UsageError
-from tandem.options import MAX_SEED
+from tandem.spec.options import MAX_SEED
 from tandem.plan import Plan
-from tandem.sync_spec import ElasticAveragingSync
+from tandem.spec.sync import ElasticAveragingSync
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "lars", "lamb")
 LR_SCALINGS = ("linear", "sqrt")
@@ -67,7 +67,7 @@ class RunConfig:
     batch_schedule: str | None = None
     """``BATCH@STEP,...`` (``64@0,128@200``): the global batch from each step on, instead of
     (or besides) decaying the learning rate; or ``auto`` (data parallelism: grow the batch toward
-    the measured gradient noise scale). See :mod:`tandem.batch_schedule`."""
+    the measured gradient noise scale). See :mod:`tandem.spec.batch_schedule`."""
     optimizer: str = "sgd"
     lr: float = 0.05
     momentum: float = 0.9
@@ -302,7 +302,7 @@ class Job:
         (fp16's loss scaler would skip a step on one worker's share only), with an elementwise
         optimizer and without checkpoints, for now: one line for each setting it would not
         honour."""
-        from tandem.sync_spec import AllReduceSync
+        from tandem.spec.sync import AllReduceSync
 
         plan, run = self.plan, self.run
         degree = plan.tensor_degree
@@ -368,7 +368,7 @@ class Job:
         """Asynchronous parameter servers: ``--staleness-lr`` is a compensation of its own, and
         a compressed worker's codec state has no point in time that matches the servers'
         checkpoint (they apply its pushes among the others')."""
-        from tandem.sync_spec import ParameterServerSync
+        from tandem.spec.sync import ParameterServerSync
 
         sync, run = self.plan.sync, self.run
         if not (isinstance(sync, ParameterServerSync) and sync.mode != "sync"):
@@ -388,7 +388,7 @@ class Job:
     def _check_auto_batch(self) -> None:
         """``--batch-schedule auto`` reads the gradient noise scale that data parallelism's
         allreduce measures; other strategies have no such estimate."""
-        from tandem.sync_spec import AllReduceSync
+        from tandem.spec.sync import AllReduceSync
         from tandem.strategy import strategy_of
 
         if self.run.batch_schedule != AUTO:
@@ -539,7 +539,7 @@ def _stale(plan: Plan) -> bool:
     :mod:`tandem.runtime.asynchrony`)."""
     if plan.pipelined:
         return plan.schedule == "pipedream"
-    from tandem.sync_spec import ParameterServerSync
+    from tandem.spec.sync import ParameterServerSync
 
     return isinstance(plan.sync, ParameterServerSync) and plan.sync.mode != "sync"
 

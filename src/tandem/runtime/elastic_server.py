@@ -45,7 +45,7 @@ from tandem.runtime.ps_server import ParameterServer
 from tandem.runtime.watchdog import Heartbeat
 from tandem.sync import ps_protocol as protocol
 from tandem.sync.flat import flatten, unflatten_into
-from tandem.sync_spec import ElasticAveragingSync
+from tandem.spec.sync import ElasticAveragingSync
 from tandem.timeline import Event
 
 

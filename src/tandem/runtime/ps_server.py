@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tandem.batch_schedule import batch_at
+from tandem.spec.batch_schedule import batch_at
 from tandem.errors import WorkerFailure
 from tandem.loss import evaluation
 from tandem.runtime.task import Task
@@ -60,7 +60,7 @@ from tandem.runtime.reporting import Reporter
 from tandem.runtime.watchdog import Heartbeat
 from tandem.strategy import strategy_of
 from tandem.sync import ps_protocol as protocol
-from tandem.sync_spec import ParameterServerSync
+from tandem.spec.sync import ParameterServerSync
 from tandem.timeline import Event, plot_gantt
 from tandem.sync.flat import flatten, state_buffers, unflatten_into
 from tandem.sync.side_group import cpu_group, source_rank

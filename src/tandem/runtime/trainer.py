@@ -45,7 +45,7 @@ from tandem.runtime.watchdog import (
 )
 from tandem.sync import ElasticClient, ParameterServerClient, SyncStrategy, build_strategy
 from tandem.sync.allreduce import AllReduce
-from tandem.sync_spec import (
+from tandem.spec.sync import (
     AllReduceSync,
     ElasticAveragingSync,
     GossipSync,

@@ -17,7 +17,7 @@ from tandem.sync.base import SyncStrategy
 from tandem.sync.elastic_async import ElasticClient
 from tandem.sync.gossip import AsyncGossip, ChocoGossip, Gossip, GossipMixer
 from tandem.sync.parameter_server import ParameterServerClient
-from tandem.sync_spec import (
+from tandem.spec.sync import (
     AllReduceSync,
     ElasticAveragingSync,
     GossipSync,

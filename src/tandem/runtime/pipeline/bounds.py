@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from tandem.plan import Plan, Stage
-from tandem.planning.balance import pipeline_bounds
+from tandem.planning.search.balance import pipeline_bounds
 from tandem.runtime.profiler import profile_model
 
 PROFILE_WARMUP = 1

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tandem.planning.antichain import States
-from tandem.planning.memory import stage_memory_bytes
+from tandem.planning.partition.antichain import States
+from tandem.planning.partition.memory import stage_memory_bytes
 
 Piece = tuple[int, int, int, float, float, float]
 """A stage of one level: (before, state, replicas, time_s, allreduce_s, transfer_s)."""
@@ -52,7 +52,7 @@ class LevelProblem:
     all_rows: bool
     """Solve every segment start (needed by the level above), not only row 0."""
     schedule: str = "pipedream"
-    """The schedule whose memory is budgeted (:mod:`tandem.planning.memory`)."""
+    """The schedule whose memory is budgeted (:mod:`tandem.planning.partition.memory`)."""
     optimizer_state_factor: float = 1.0
     """Optimizer state bytes per parameter byte."""
     transfer_bytes: np.ndarray = field(init=False)
@@ -106,12 +106,12 @@ class LevelProblem:
     def fits(self, row: np.ndarray | int, state: np.ndarray | int,
              replicas: np.ndarray, used: np.ndarray) -> np.ndarray:  # fmt: skip
         """Whether a device of the stage holds its weights, gradients, optimizer state, stashed
-        versions and in-flight activations (:mod:`tandem.planning.memory`) within the limit.
+        versions and in-flight activations (:mod:`tandem.planning.partition.memory`) within the limit.
 
         ``used`` counts the units up to and including this stage, so ``num_units - used`` follow
         it. At an outer level a unit's ``D`` devices share the segment's bytes evenly, an
         estimate: the level below has checked each of its own stages, and the planner checks the
-        whole plan's devices again (:func:`tandem.planning.planner.make_plan`).
+        whole plan's devices again (:func:`tandem.planning.search.planner.make_plan`).
         """
         if self.memory_bytes is None:
             return np.ones(np.broadcast(replicas, used).shape, dtype=bool)

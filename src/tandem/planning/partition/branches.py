@@ -40,8 +40,8 @@ from dataclasses import dataclass
 
 from tandem.errors import UsageError
 from tandem.plan import Plan
-from tandem.planning.antichain import MAX_STATES, count_states
-from tandem.planning.downsets import (
+from tandem.planning.partition.antichain import MAX_STATES, count_states
+from tandem.planning.partition.downsets import (
     TOO_MANY, Dag, bits, count_down_sets, count_grown, dag_of_edges, dag_of_profile,
 )
 from tandem.profile import LayerProfile, ModelProfile

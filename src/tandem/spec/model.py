@@ -14,7 +14,7 @@ import math
 from typing import Any
 
 from tandem.errors import UsageError
-from tandem.options import fill_options, positive, split_spec
+from tandem.spec.options import fill_options, positive, split_spec
 
 IMAGENET_LAYOUTS: dict[int, tuple[str, tuple[int, ...]]] = {
     18: ("basic", (2, 2, 2, 2)),

@@ -14,7 +14,7 @@ import math
 from typing import Any
 
 from tandem.errors import UsageError
-from tandem.options import check_seed, fill_options, path_spec, positive, split_spec
+from tandem.spec.options import check_seed, fill_options, path_spec, positive, split_spec
 
 DIGITS_SAMPLES = 1797
 """Samples of the real digits (:mod:`tandem.data.digits`)."""

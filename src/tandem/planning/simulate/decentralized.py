@@ -39,11 +39,11 @@ from typing import Any
 from tandem.cluster import Cluster
 from tandem.errors import UsageError
 from tandem.plan import Plan
-from tandem.planning.collectives import allreduce_s, link_level, port
-from tandem.planning.families import STEPS, Clock, Costs, Network, Records, family_costs, family_result
+from tandem.planning.simulate.collectives import allreduce_s, link_level, port
+from tandem.planning.simulate.families import STEPS, Clock, Costs, Network, Records, family_costs, family_result
 from tandem.profile import ModelProfile
 from tandem.schedule import Kind
-from tandem.sync_spec import ElasticAveragingSync, GossipSync, LocalSGDSync
+from tandem.spec.sync import ElasticAveragingSync, GossipSync, LocalSGDSync
 from tandem.topology import Graph, build_topology, two_colouring
 
 

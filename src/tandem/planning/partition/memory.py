@@ -22,7 +22,7 @@ How much is in flight depends on the schedule (:func:`in_flight`):
   activations at once (exactly that for GPipe; 1F1B's stages hold fewer, at most one per stage
   after them).
 
-Tensor parallelism (degree ``T``, :mod:`tandem.planning.tensor`) divides the parameter bytes of
+Tensor parallelism (degree ``T``, :mod:`tandem.planning.simulate.tensor`) divides the parameter bytes of
 the split layers (those with parameters) by ``T`` — so their gradients and optimizer state too
 — and leaves activations whole: ``P = P_split / T + P_whole`` per device.
 
@@ -35,7 +35,7 @@ The partitioner budgets these closed forms before it knows ``M`` (``1 / r`` of a
 flush schedules, what ``M`` a multiple of ``r`` gives); the simulator reports the same parts
 from its replay's peaks (:func:`device_memory_bytes` adds them up in both), and the planner
 keeps only plans whose simulated peak fits. What it does not model is
-listed in :mod:`tandem.planning.simulate` (workspace, buffers, fragmentation).
+listed in :mod:`tandem.planning.simulate.simulator` (workspace, buffers, fragmentation).
 """
 
 from __future__ import annotations

@@ -7,16 +7,16 @@ Usage::
     result.timeline.write("predicted.json")          # the runtime's trace format
 
 The plan's schedule is generated exactly as the runtime generates it (``tandem.schedule``) and
-replayed action by action (:mod:`tandem.planning.replay`): forwards and backwards take the
+replayed action by action (:mod:`tandem.planning.simulate.replay`): forwards and backwards take the
 profiled time of the stage's layers, scaled to the micro-batch (their fixed cost per call once,
 the rest times the micro-batch's share: :func:`call_s`) and divided by the device speed;
 activations and gradients cross the link between the two workers' devices, with its latency and
 bandwidth, and wait for its ports; a replicated stage allreduces its gradients with the
-cluster's collective costs (:mod:`tandem.planning.collectives`) — after its last backward and
+cluster's collective costs (:mod:`tandem.planning.simulate.collectives`) — after its last backward and
 blocking (pipelines, as the engine does), or in DDP's buckets overlapping the backward (a
 one-stage 1F1B plan: data parallelism, as ``tandem train --strategy dp`` runs it). With a gradient
-codec (``SimOptions.compress``, :mod:`tandem.planning.codecs`) replicas exchange its payloads by
-allreduce or allgather and encode and decode them on the device (:mod:`tandem.planning.replay`
+codec (``SimOptions.compress``, :mod:`tandem.planning.simulate.codecs`) replicas exchange its payloads by
+allreduce or allgather and encode and decode them on the device (:mod:`tandem.planning.simulate.replay`
 says when). Flush schedules (GPipe, 1F1B, data parallelism) run ``num_steps`` steps back to
 back and the step time is the last one's on worker 0, as the runtime measures it; PipeDream's
 asynchronous schedule runs long enough to reach its steady state and the step time is the time
@@ -27,20 +27,20 @@ With a tensor degree ``T`` (``plan.tensor_degree``) every worker of the schedule
 without a record the layers with parameters, are split (compute beyond the fixed cost and
 parameters divided by ``T``, their recorded allreduces of their output among the group in the
 forward and in the backward, one each way without a record, plus ``tensor_overhead_s`` of
-compute per allreduce; :mod:`tandem.planning.tensor`), the others run whole on each device. With
+compute per allreduce; :mod:`tandem.planning.simulate.tensor`), the others run whole on each device. With
 ``plan.recompute`` a backward runs the stage's forward again first, and a stage stashes only its
 input per micro-batch (plus one micro-batch's activations while it recomputes).
 
 One-stage plans that synchronize otherwise (``plan.sync`` a parameter server, gossip, local SGD
-or EASGD spec) are simulated by :mod:`tandem.planning.servers` and
-:mod:`tandem.planning.decentralized`, chosen by ``type(plan.sync)``; their results say what
+or EASGD spec) are simulated by :mod:`tandem.planning.simulate.servers` and
+:mod:`tandem.planning.simulate.decentralized`, chosen by ``type(plan.sync)``; their results say what
 their step time means (``SimResult.step_meaning``: a global step, a period's mean, or a
 worker's time between updates for asynchronous methods) and count ``updates_per_s``.
 
 Memory per device: parameters, their gradients, optimizer state (``optimizer_state_factor`` ×
 parameters), weight versions stashed by PipeDream's schedule, and the activations of the
 micro-batches in flight (the outputs of the stage's layers, from a forward to its backward),
-added up by :func:`tandem.planning.memory.device_memory_bytes`, the model the partitioner
+added up by :func:`tandem.planning.partition.memory.device_memory_bytes`, the model the partitioner
 budgets in closed form.
 
 What it does not model:
@@ -87,22 +87,22 @@ from typing import Any
 from tandem.cluster import Cluster
 from tandem.errors import UsageError
 from tandem.plan import Plan, Stage
-from tandem.planning.codecs import GRADIENT_ELEMENT_BYTES, CodecModel, CodecSpeed, parse_codec
-from tandem.planning.collectives import ALGORITHMS, allreduce_s, collective_s
-from tandem.planning.costs import (
+from tandem.planning.simulate.codecs import GRADIENT_ELEMENT_BYTES, CodecModel, CodecSpeed, parse_codec
+from tandem.planning.simulate.collectives import ALGORITHMS, allreduce_s, collective_s
+from tandem.planning.simulate.costs import (
     DDP_BUCKET_BYTES,
     DDP_FIRST_BUCKET_BYTES,
     StageCost,
     check_plan,
     stage_costs,
 )
-from tandem.planning.memory import device_memory_bytes
-from tandem.planning.replay import Replay, Workload, replay
-from tandem.planning.tensor import (port_sharing, split_profile, tensor_allreduce_count,
+from tandem.planning.partition.memory import device_memory_bytes
+from tandem.planning.simulate.replay import Replay, Workload, replay
+from tandem.planning.simulate.tensor import (port_sharing, split_profile, tensor_allreduce_count,
                                     tensor_allreduce_s, tensor_group)
 from tandem.profile import ModelProfile, scale_call, topological_order
 from tandem.schedule import Schedule
-from tandem.sync_spec import (
+from tandem.spec.sync import (
     AllReduceSync,
     ElasticAveragingSync,
     GossipSync,
@@ -162,7 +162,7 @@ class SimOptions:
     compress: str | None = None
     """Gradient codec, ``CODEC[:k=v,...]`` as for ``tandem train --compress`` (e.g.
     ``topk:ratio=0.01``): replicas exchange its payloads by its collective and pay its encode
-    and decode time (:mod:`tandem.planning.codecs`); it replaces a stage's ``compression`` for
+    and decode time (:mod:`tandem.planning.simulate.codecs`); it replaces a stage's ``compression`` for
     gradients (not for activations). None: gradients go by allreduce, divided by the ratios."""
     codec_speedup: float = 1.0
     """Encode and decode this many times faster than ``codec_speed`` (on top of the cluster's
@@ -321,8 +321,8 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
 def simulate_family(plan: Plan, profile: ModelProfile, cluster: Cluster,
                     options: SimOptions) -> SimResult:
     """A one-stage plan whose sync is not allreduce, by the model of ``type(plan.sync)``."""
-    from tandem.planning.decentralized import simulate_averaging, simulate_gossip
-    from tandem.planning.servers import simulate_ps
+    from tandem.planning.simulate.decentralized import simulate_averaging, simulate_gossip
+    from tandem.planning.simulate.servers import simulate_ps
 
     models = {ParameterServerSync: simulate_ps, GossipSync: simulate_gossip,
               LocalSGDSync: simulate_averaging, ElasticAveragingSync: simulate_averaging}

@@ -30,9 +30,9 @@ from collections.abc import Callable
 from tandem.cluster import Cluster
 from tandem.errors import UsageError
 from tandem.plan import Plan, Stage
-from tandem.planning.balance import balanced_bounds, layer_order
-from tandem.planning.simulate import SimOptions, SimResult, data_parallel_plan, simulate
-from tandem.planning.tensor import DEFAULT_MAX_TENSOR_DEGREE, tensor_degrees
+from tandem.planning.search.balance import balanced_bounds, layer_order
+from tandem.planning.simulate.simulator import SimOptions, SimResult, data_parallel_plan, simulate
+from tandem.planning.simulate.tensor import DEFAULT_MAX_TENSOR_DEGREE, tensor_degrees
 from tandem.profile import ModelProfile
 from tandem.schedule import SCHEDULE_KINDS
 
@@ -58,7 +58,7 @@ class SearchOptions:
     """Global minibatch in samples, when known: micro-batch counts must divide it."""
     max_tensor_degree: int = DEFAULT_MAX_TENSOR_DEGREE
     """Largest tensor degree to try; degrees are the divisors of the device count up to it that
-    divide a server (:func:`tandem.planning.tensor.tensor_degrees`); 1: no tensor parallelism."""
+    divide a server (:func:`tandem.planning.simulate.tensor.tensor_degrees`); 1: no tensor parallelism."""
     recompute: bool = True
     """Try activation recomputation as well (False: never)."""
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.plan import Plan
-from tandem.planning.simulate import SimResult
+from tandem.planning.simulate.simulator import SimResult
 from tandem.timeline import Timeline, draw_gantt
 
 WARMUP_STEPS = 2

@@ -28,11 +28,11 @@ and these strategies are simulated:
 - ``dp``: data parallelism on ``N`` devices (DDP's overlapped buckets);
 - ``dp+Rx``: the same with gradients compressed ``R`` times (fp16 is 2, 1-bit 32);
 - ``dp+CODEC``: the same with a gradient codec (``sign``, ``topk:ratio=0.01``, ...), its
-  collective and its encode/decode time modelled (:mod:`tandem.planning.codecs`);
+  collective and its encode/decode time modelled (:mod:`tandem.planning.simulate.codecs`);
 - ``pipeline``: a straight pipeline of ``min(N, layers)`` compute-balanced stages;
 - ``hybrid``: PipeDream's partitioner's plan for the ``N`` devices (replicated stages);
 - ``3d``: tensor + pipeline + data parallelism: for every tensor degree ``T`` of
-  :func:`tandem.planning.tensor.tensor_degrees` (up to ``max_tensor_degree``), the partitioner's
+  :func:`tandem.planning.simulate.tensor.tensor_degrees` (up to ``max_tensor_degree``), the partitioner's
   plan for ``N / T`` groups of ``T`` adjacent devices on the profile as one device of a group
   computes it, each replica then split ``T`` ways; the fastest that fits in memory (``T = 1`` is
   ``hybrid``'s plan, so where that fits, ``3d`` is never below ``hybrid``);
@@ -43,7 +43,7 @@ and these strategies are simulated:
 
 ``families`` picks which of the last three are drawn. Their step times are times, not
 convergence: gossip and local SGD workers disagree between averagings, so they usually need
-more steps than a synchronous method (see :mod:`tandem.planning.decentralized`).
+more steps than a synchronous method (see :mod:`tandem.planning.simulate.decentralized`).
 
 Pipelines run 1F1B (synchronous, like data parallelism) with ``microbatches_per_stage``
 micro-batches per stage, or per replica of the widest stage if that is more, cut from the step's
@@ -69,12 +69,12 @@ from collections.abc import Callable
 from tandem.cluster import Cluster, Level
 from tandem.errors import UsageError
 from tandem.plan import Plan
-from tandem.planning.balance import balanced_plan
-from tandem.planning.codecs import parse_codec
-from tandem.planning.partition import PartitionOptions
-from tandem.planning.planner import make_plan
-from tandem.planning.simulate import SimOptions, SimResult, data_parallel_plan, simulate
-from tandem.planning.tensor import (
+from tandem.planning.search.balance import balanced_plan
+from tandem.planning.simulate.codecs import parse_codec
+from tandem.planning.partition.pipedream import PartitionOptions
+from tandem.planning.search.planner import make_plan
+from tandem.planning.simulate.simulator import SimOptions, SimResult, data_parallel_plan, simulate
+from tandem.planning.simulate.tensor import (
     DEFAULT_MAX_TENSOR_DEGREE,
     grouped_cluster,
     layout_text,
@@ -82,7 +82,7 @@ from tandem.planning.tensor import (
     tensor_degrees,
 )
 from tandem.profile import ModelProfile
-from tandem.sync_spec import GossipSync, LocalSGDSync, ParameterServerSync
+from tandem.spec.sync import GossipSync, LocalSGDSync, ParameterServerSync
 
 FAMILIES = ("ps", "gossip", "localsgd")
 """Synchronization families the analysis can draw."""

@@ -18,7 +18,7 @@ first one of its pipeline, at least ``2 a_k / (B r) / R`` to receive its input a
 ``C`` is the best time of the segment on one unit of the level below. The plan minimizes the
 slowest stage (the pipeline's steady-state time per minibatch) with exactly as many units as the
 level has, unless idle units are allowed. With a memory limit, every stage's devices must hold
-what :mod:`tandem.planning.memory` says they hold under ``options.schedule`` (PipeDream's: a
+what :mod:`tandem.planning.partition.memory` says they hold under ``options.schedule`` (PipeDream's: a
 stage on ``r`` units with ``d`` units after it keeps ``1 + ceil(d / r)`` minibatches in flight
 and as many weight versions less one; flush schedules: its share of one minibatch), plus
 gradients and optimizer state.
@@ -37,11 +37,11 @@ import numpy as np
 
 from tandem.cluster import Cluster
 from tandem.errors import UsageError
-from tandem.planning.antichain import States, build_states
-from tandem.planning.bounded import solve_row0
-from tandem.planning.levels import LevelProblem, LevelTable, solve_level
-from tandem.planning.memory import FLUSH_SCHEDULES
-from tandem.planning.parametric import solve_level_fast
+from tandem.planning.partition.antichain import States, build_states
+from tandem.planning.partition.bounded import solve_row0
+from tandem.planning.partition.levels import LevelProblem, LevelTable, solve_level
+from tandem.planning.partition.memory import FLUSH_SCHEDULES
+from tandem.planning.partition.parametric import solve_level_fast
 from tandem.profile import ModelProfile
 
 
@@ -66,7 +66,7 @@ class PartitionOptions:
     memory_bytes: float | None = None
     """Per-device memory limit in bytes; None for no limit."""
     schedule: str = "pipedream"
-    """The schedule whose memory a limit budgets (:mod:`tandem.planning.memory`): PipeDream's
+    """The schedule whose memory a limit budgets (:mod:`tandem.planning.partition.memory`): PipeDream's
     in-flight minibatches and stashed weights, or a flush schedule's (``gpipe``, ``1f1b``)."""
     optimizer_state_factor: float = 1.0
     """Optimizer state bytes per parameter byte (SGD with momentum 1, Adam 2)."""

@@ -7,7 +7,7 @@ Usage::
         optimizer_Bps=50e9))
     found.crossover_Bps, found.points
 
-    .venv/bin/python -m tandem.planning.crossover PROFILE WORKERS LATENCY_S OPTIMIZER_Bps
+    .venv/bin/python -m tandem.planning.search.crossover PROFILE WORKERS LATENCY_S OPTIMIZER_Bps
 
 Both run ``num_workers`` workers of one stage on a flat cluster of that bandwidth and latency:
 D-PSGD on a ring, and a synchronous parameter server on one more device. Per step a ring
@@ -27,9 +27,9 @@ import sys
 
 from tandem.cluster import Cluster, Level
 from tandem.plan import Plan
-from tandem.planning.simulate import SimOptions, data_parallel_plan, simulate
+from tandem.planning.simulate.simulator import SimOptions, data_parallel_plan, simulate
 from tandem.profile import ModelProfile, load_profile
-from tandem.sync_spec import GossipSync, ParameterServerSync
+from tandem.spec.sync import GossipSync, ParameterServerSync
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

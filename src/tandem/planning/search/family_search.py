@@ -29,10 +29,10 @@ from collections.abc import Iterator
 from tandem.cluster import Cluster
 from tandem.errors import UsageError
 from tandem.plan import Plan
-from tandem.planning.search import Candidate
-from tandem.planning.simulate import SimOptions, data_parallel_plan, simulate
+from tandem.planning.search.flexflow import Candidate
+from tandem.planning.simulate.simulator import SimOptions, data_parallel_plan, simulate
 from tandem.profile import ModelProfile
-from tandem.sync_spec import (
+from tandem.spec.sync import (
     ElasticAveragingSync,
     GossipSync,
     LocalSGDSync,

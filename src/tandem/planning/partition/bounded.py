@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tandem.planning.levels import LevelProblem, LevelTable
+from tandem.planning.partition.levels import LevelProblem, LevelTable
 
 
 @dataclass(kw_only=True, slots=True)

@@ -40,10 +40,10 @@ from typing import Any
 
 from tandem.cluster import Cluster
 from tandem.plan import Plan
-from tandem.planning.families import STEPS, Clock, Costs, Network, Records, family_costs, family_result
+from tandem.planning.simulate.families import STEPS, Clock, Costs, Network, Records, family_costs, family_result
 from tandem.profile import ModelProfile
 from tandem.schedule import Kind
-from tandem.sync_spec import ParameterServerSync
+from tandem.spec.sync import ParameterServerSync
 
 
 def shard_tensors(sizes: list[float], num_shards: int) -> list[list[float]]:
@@ -171,7 +171,7 @@ class _Run:
             self._serve(server, now)
 
     def _bandwidth(self, server: int, worker: int) -> float:
-        from tandem.planning.collectives import link_level
+        from tandem.planning.simulate.collectives import link_level
 
         level = link_level(self.network.cluster, self.costs.servers[server],
                            self.costs.workers[worker], self.network.sizes)

@@ -25,8 +25,8 @@ parallelism.
 The ``T`` devices of one stage replica are adjacent (``lead .. lead + T - 1``), so they share
 the innermost unit when ``T`` divides it and their allreduces run over its links.
 
-Recomputation (``Plan.recompute``) is costed in :mod:`tandem.planning.simulate` and
-:mod:`tandem.planning.memory`: a backward runs the stage's forward again first, and a stage
+Recomputation (``Plan.recompute``) is costed in :mod:`tandem.planning.simulate.simulator` and
+:mod:`tandem.planning.partition.memory`: a backward runs the stage's forward again first, and a stage
 holds only its input per micro-batch in flight, plus one micro-batch's full activations while
 it recomputes.
 """
@@ -39,7 +39,7 @@ from collections.abc import Iterable, Sequence
 from tandem.cluster import Cluster, Level
 from tandem.errors import UsageError
 from tandem.plan import Plan
-from tandem.planning.collectives import allreduce_s, branching, unit_sizes
+from tandem.planning.simulate.collectives import allreduce_s, branching, unit_sizes
 from tandem.profile import LayerProfile, ModelProfile
 
 DEFAULT_MAX_TENSOR_DEGREE = 8

@@ -4,9 +4,9 @@ Usage::
 
     result = simulate_family(plan, profile, cluster, options)   # plan.sync: ps, gossip, ...
 
-:func:`tandem.planning.simulate.simulate` dispatches here on ``type(plan.sync)``; the methods
-themselves are modelled in :mod:`tandem.planning.servers` (parameter servers) and
-:mod:`tandem.planning.decentralized` (gossip, local SGD, EASGD). This module gives them the
+:func:`tandem.planning.simulate.simulator.simulate` dispatches here on ``type(plan.sync)``; the methods
+themselves are modelled in :mod:`tandem.planning.simulate.servers` (parameter servers) and
+:mod:`tandem.planning.simulate.decentralized` (gossip, local SGD, EASGD). This module gives them the
 costs of one worker's step (:class:`Costs`), point-to-point transfers over the cluster's ports
 (:class:`Network`), per-step records (:class:`Records`) and the :class:`SimResult` they return.
 """
@@ -23,8 +23,8 @@ from typing import Any
 from tandem.cluster import Cluster
 from tandem.errors import UsageError
 from tandem.plan import Plan
-from tandem.planning.codecs import GRADIENT_ELEMENT_BYTES, CodecModel, parse_codec
-from tandem.planning.collectives import link_level, port, unit_sizes
+from tandem.planning.simulate.codecs import GRADIENT_ELEMENT_BYTES, CodecModel, parse_codec
+from tandem.planning.simulate.collectives import link_level, port, unit_sizes
 from tandem.profile import ModelProfile, scale_call
 from tandem.schedule import Action, Kind
 from tandem.timeline import Event, Timeline
@@ -253,7 +253,7 @@ def family_result(plan: Plan, profile: ModelProfile, cluster: Cluster, costs: Co
                   records: Records, *, step_s: float, meaning: str, updates_per_s: float,
                   extra_weights: float = 0.0, server_steps: range | None = None,
                   batch_scale: float = 1.0, per_worker: bool = False) -> Any:
-    """The :class:`~tandem.planning.simulate.SimResult` of a family's run.
+    """The :class:`~tandem.planning.simulate.simulator.SimResult` of a family's run.
 
     Processes are numbered as the runtime's ranks: servers ``0..S-1``, then the workers.
     ``extra_weights``: parameter bytes a worker keeps besides its model (neighbours' copies,
@@ -263,7 +263,7 @@ def family_result(plan: Plan, profile: ModelProfile, cluster: Cluster, costs: Co
     model: global steps, or with ``per_worker`` each worker's own (one worker's share of the
     batch each: asynchronous methods).
     """
-    from tandem.planning.simulate import SimResult, WorkerResult
+    from tandem.planning.simulate.simulator import SimResult, WorkerResult
 
     num_workers, num_servers = len(costs.workers), len(costs.servers)
     rows = []

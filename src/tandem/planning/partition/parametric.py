@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tandem.planning.levels import LevelProblem, LevelTable, Piece
+from tandem.planning.partition.levels import LevelProblem, LevelTable, Piece
 
 
 def solve_level_fast(problem: LevelProblem) -> LevelTable | None:

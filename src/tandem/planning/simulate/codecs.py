@@ -9,7 +9,7 @@ Usage::
     codec.encode_s([2_359_808, 512]), codec.decode_s([2_359_808, 512], num_workers=16)
 
 A spec is written as for ``tandem train --compress`` and read by the same code
-(:mod:`tandem.codec_spec`, which imports no torch); a test checks the payload sizes against the
+(:mod:`tandem.spec.codec`, which imports no torch); a test checks the payload sizes against the
 real codecs'.
 
 Payloads are those of float32 gradients, per tensor of ``n`` elements (``k = ceil(ratio n)``):
@@ -55,7 +55,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tandem.codec_spec import (
+from tandem.spec.codec import (
     PowerSGDOptions,
     QSGDOptions,
     SignOptions,

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from tandem.cluster import flat_cluster
 from tandem.errors import UsageError
 from tandem.plan import Plan, Stage
-from tandem.planning.partition import PartitionOptions
-from tandem.planning.planner import partition_plan
+from tandem.planning.partition.pipedream import PartitionOptions
+from tandem.planning.search.planner import partition_plan
 from tandem.profile import ModelProfile, topological_order
 
 

@@ -37,7 +37,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from tandem.cluster import Cluster
-from tandem.planning.collectives import link_level, port, unit_sizes
+from tandem.planning.simulate.collectives import link_level, port, unit_sizes
 from tandem.schedule import Kind, Schedule
 from tandem.timeline import Event
 
@@ -86,7 +86,7 @@ class Workload:
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class Replay:
-    """Raw results of a replay; :mod:`tandem.planning.simulate` turns them into metrics."""
+    """Raw results of a replay; :mod:`tandem.planning.simulate.simulator` turns them into metrics."""
 
     step_ends: list[list[float]]
     """Per worker, the time each of its steps ended (after its sends arrived)."""

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tandem.errors import UsageError
-from tandem.options import fill_options, split_spec
+from tandem.spec.options import fill_options, split_spec
 
 MAX_LEVELS = 127
 """Most QSGD levels per sign: ``2 s + 1`` codes must fit in a byte."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tandem.errors import UsageError
-from tandem.planning.downsets import bits
+from tandem.planning.partition.downsets import bits
 from tandem.profile import ModelProfile
 
 MAX_STATES = 200_000
@@ -70,7 +70,7 @@ def count_states(profile: ModelProfile, cap: int) -> int:
     """
     if profile.is_chain:
         return min(profile.num_layers, cap)
-    from tandem.planning.downsets import count_grown, dag_of_profile
+    from tandem.planning.partition.downsets import count_grown, dag_of_profile
 
     dag = dag_of_profile(profile)
     first = min(i for i in range(profile.num_layers) if not dag.producers[i])
@@ -177,7 +177,7 @@ def _reachable(start: int, first: int, down: list[int], feeds: list[int],
                 raise UsageError(
                     f"the profile's DAG has more than {MAX_STATES} cut states (too many "
                     "parallel branches): plan with make_plan, which merges branches "
-                    "(tandem.planning.branches), or merge them into blocks in the profile"
+                    "(tandem.planning.partition.branches), or merge them into blocks in the profile"
                 )
             kept = [a for a in bits(maximal[state]) if not consumers[a] & down[layer]]
             maximal[grown] = sum(1 << a for a in kept) | (1 << layer)

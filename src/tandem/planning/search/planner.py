@@ -9,7 +9,7 @@ Usage::
 :func:`partition_plan` is PipeDream's partitioner alone, its times its cost model's. The planner
 (:func:`make_plan`) asks it for a plan on the cluster as it is and, for a hierarchical cluster,
 on a flat cluster of as many devices at the slowest link; it adds data parallelism on every
-device and one device, simulates each (:mod:`tandem.planning.simulate`) with the schedule the
+device and one device, simulates each (:mod:`tandem.planning.simulate.simulator`) with the schedule the
 plan will run, and returns the fastest that fits the devices' memory, its time the simulator's
 (``bottleneck_s``) beside the partitioner's estimate (``estimate_s``). Every candidate, with
 both figures and its memory, is listed in ``plan.candidates``. A memory limit that no candidate
@@ -27,10 +27,10 @@ from typing import Any
 from tandem.cluster import Cluster, Level
 from tandem.errors import UsageError
 from tandem.plan import Plan, Stage, default_microbatches
-from tandem.planning.branches import compress_for_planning
-from tandem.planning.memory import FLUSH_SCHEDULES, stage_memory_bytes
-from tandem.planning.partition import NoPlanFits, Partition, PartitionOptions, partition
-from tandem.planning.simulate import SimOptions, SimResult, data_parallel_plan, simulate
+from tandem.planning.partition.branches import compress_for_planning
+from tandem.planning.partition.memory import FLUSH_SCHEDULES, stage_memory_bytes
+from tandem.planning.partition.pipedream import NoPlanFits, Partition, PartitionOptions, partition
+from tandem.planning.simulate.simulator import SimOptions, SimResult, data_parallel_plan, simulate
 from tandem.profile import ModelProfile, topological_order
 
 PIPELINE_CANDIDATES = ("partition", "flat")
@@ -55,7 +55,7 @@ def partition_plan(
     """PipeDream's partitioning as a plan: its times the partitioner's cost model (PipeDream's
     steady state, ``predicted_schedule`` ``pipedream``), its stages' memory the shared model's
     for ``options.schedule``. A DAG whose cut states explode is partitioned with its branches
-    merged (:mod:`tandem.planning.branches`, reported in ``options["branch_compression"]``)
+    merged (:mod:`tandem.planning.partition.branches`, reported in ``options["branch_compression"]``)
     and the plan mapped back onto its own layers."""
     options = options or PartitionOptions()
     started = time.perf_counter()

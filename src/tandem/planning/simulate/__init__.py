@@ -1,0 +1,2 @@
+"""The simulator: cost models of compute, links, collectives and codecs, and the replay of a
+plan's schedule on them."""
