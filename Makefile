@@ -10,9 +10,11 @@ STAMP := $(VENV)/.tandem-installed
 demo: $(STAMP)
 	$(VENV)/bin/tandem demo
 
-# the whole suite on two processes (pytest-xdist; a test file stays on one, so its shared runs
-# are made once), then its 25 slowest tests; one tier alone: `$(PY) -m pytest -m pure` (README)
+# mypy (strict for tandem; its few exceptions are listed in pyproject.toml), then the whole suite
+# on two processes (pytest-xdist; a test file stays on one, so its shared runs are made once),
+# then its 25 slowest tests; one tier alone: `$(PY) -m pytest -m pure` (README)
 test: $(STAMP)
+	$(VENV)/bin/mypy
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25
 
 install: $(STAMP)
