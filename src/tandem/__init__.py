@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str) -> object:
     """``tandem.fit`` and ``tandem.FitResult`` (imported on first use: they need torch)."""
     if name in ("fit", "FitResult"):
-        from tandem import api
+        from tandem import api  # delays torch
 
         return getattr(api, name)
     raise AttributeError(f"module 'tandem' has no attribute {name!r}")

@@ -15,11 +15,13 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 
+from tandem.compress.hooks import CodecHookState, codec_hook
+from tandem.compress.payload import Payload, payload_bytes
+
 if TYPE_CHECKING:
     from tandem.compress.meter import ByteMeter
 
-Payload = list[torch.Tensor]
-"""What a codec sends for one tensor: a few tensors whose sizes depend only on its shape."""
+__all__ = ["Codec", "Compression", "Payload", "payload_bytes"]
 
 
 class Compression(abc.ABC):
@@ -78,12 +80,6 @@ class Codec(Compression):
         return total / len(payloads)
 
     def ddp_hook(self, model: nn.Module, meter: ByteMeter) -> tuple[Any, Callable[..., Any]]:
-        from tandem.compress.hooks import CodecHookState, codec_hook
-
         names = {id(p): name for name, p in model.named_parameters()}
         return CodecHookState(self, meter, names), codec_hook
 
-
-def payload_bytes(payload: Sequence[torch.Tensor]) -> int:
-    """Bytes of a payload on the wire."""
-    return sum(t.numel() * t.element_size() for t in payload)

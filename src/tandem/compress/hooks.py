@@ -17,19 +17,22 @@ same messages in the same order, so the replicas stay identical.
 """
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from tandem.compress.codec import Codec, Payload, payload_bytes
 from tandem.compress.meter import ByteMeter
+from tandem.compress.payload import Payload, payload_bytes
+
+if TYPE_CHECKING:  # codec.py builds these hooks
+    from tandem.compress.codec import Codec
 
 
 class CodecHookState:
     """The codec, the meter, and the parameter names the hook keys its state by."""
 
-    def __init__(self, codec: Codec, meter: ByteMeter, names: dict[int, str],
+    def __init__(self, codec: "Codec", meter: ByteMeter, names: dict[int, str],
                  group: Any = None) -> None:
         self.codec = codec
         self.meter = meter
