@@ -25,6 +25,7 @@ from tandem.errors import UsageError
 from tandem.plan import Plan
 from tandem.planning.simulate.codecs import GRADIENT_ELEMENT_BYTES, CodecModel, parse_codec
 from tandem.planning.simulate.collectives import link_level, port, unit_sizes
+from tandem.planning.simulate.result import SimResult, WorkerResult
 from tandem.profile import ModelProfile, scale_call
 from tandem.schedule import Action, Kind
 from tandem.timeline import Event, Timeline
@@ -263,8 +264,6 @@ def family_result(plan: Plan, profile: ModelProfile, cluster: Cluster, costs: Co
     model: global steps, or with ``per_worker`` each worker's own (one worker's share of the
     batch each: asynchronous methods).
     """
-    from tandem.planning.simulate.simulator import SimResult, WorkerResult
-
     num_workers, num_servers = len(costs.workers), len(costs.servers)
     rows = []
     ps = bool(costs.servers)
