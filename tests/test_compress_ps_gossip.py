@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from tandem.runtime.config import make_job
 from tandem.runtime.dist import WorkerEnv
-from tandem.runtime.trainer import make_worker
+from tandem.runtime.worker import make_worker
 from tandem.runtime.watchdog import Heartbeat
 from tandem.sync import ps_protocol as protocol
 from tandem.sync.flat import flatten

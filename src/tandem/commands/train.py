@@ -309,7 +309,7 @@ def run_training(job: Job) -> dict[str, Any] | None:
     rank 0's summary (None on the other ranks of a torchrun job)."""
     from tandem.runtime.launch import launch
     from tandem.runtime.out_dir import claim_out
-    from tandem.runtime.trainer import train_worker
+    from tandem.runtime.worker import train_worker
 
     check_job(job)
     with claim_out(job.run):

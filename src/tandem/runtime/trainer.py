@@ -1,191 +1,42 @@
 """Data-parallel training: every worker holds the whole model; a sync strategy keeps them equal.
 
-Every worker runs :func:`train_worker` with the same :class:`~tandem.runtime.config.Job`; the
-registry :data:`WORKERS` picks its implementation from the type of the plan's sync spec (a
-pipelined plan runs the pipeline trainer). Rank 0 returns the run's summary and writes the
-outputs. The loss of each step is the mean over the *global* batch, so
-any number of workers computes the same update as one process on the same data.
+The classes here are the data-parallel workers that :mod:`tandem.runtime.worker` starts. The
+loss of each step is the mean over the *global* batch, so any number of workers computes the
+same update as one process on the same data.
 """
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing
-import os
 import sys
-import time
-from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from tandem.data import shard_sizes
-from tandem.errors import Diverged, UsageError, WorkerFailure
+from tandem.errors import UsageError
 from tandem.loss import evaluation
-from tandem.structures import call_model
 from tandem.runtime.asynchrony import restore_momentum
-from tandem.runtime.base import BaseTrainer, Worker, save_worker_trace
+from tandem.runtime.base import BaseTrainer, save_worker_trace
 from tandem.runtime.checkpoint import (
     CHECKPOINT_VERSION, load_checkpoint, load_schedule, resume_path, save_atomic,
 )
 from tandem.runtime.config import Job
-from tandem.runtime.dist import WorkerEnv, init_worker
-from tandem.runtime.faults import announce_resume, attempt, maybe_fail
-from tandem.runtime.launch import die_with_parent, end_diverged, prepare_worker
+from tandem.runtime.data_step import DataParallelStep
+from tandem.runtime.dist import WorkerEnv
+from tandem.runtime.executor import Executor, Handler, Program, compile_program
+from tandem.runtime.faults import announce_resume, maybe_fail
 from tandem.runtime.noise_scale import NoiseScale, two_batch_estimates
 from tandem.runtime.precision import Precision
-from tandem.runtime.zygote import child_context
-from tandem.runtime.watchdog import (
-    FENCED_EXIT,
-    PERIOD_S,
-    SILENT_AFTER_S,
-    Heartbeat,
-    is_communication_error,
-)
+from tandem.runtime.watchdog import Heartbeat
+from tandem.schedule import Action, Kind
 from tandem.sync import ElasticClient, ParameterServerClient, SyncStrategy, build_strategy
 from tandem.sync.allreduce import AllReduce
-from tandem.spec.sync import (
-    AllReduceSync,
-    ElasticAveragingSync,
-    GossipSync,
-    LocalSGDSync,
-    ParameterServerSync,
-)
+from tandem.spec.sync import ParameterServerSync
 
 EVAL_CHUNK = 1024
-
-
-SUPERVISED = "TANDEM_SUPERVISED"
-
-
-def train_worker(job: Job, *, mirror: Any = None) -> dict[str, Any] | None:
-    """Run the whole training job as this worker; rank 0 returns the summary.
-
-    ``mirror`` is set in a supervised worker (see :func:`_supervise`): a shared value its
-    heartbeat writes, for the supervisor to see it freeze.
-    """
-    prepare_worker()
-    if _fault_tolerant_worker(job):
-        return _supervise(job)
-    config = job.run
-    start = time.perf_counter()
-    env = init_worker(backend=config.backend, timeout_s=config.timeout_s, threads=config.threads)
-    store = dist.distributed_c10d._get_default_store()
-    diverged = False
-    try:
-        job.check_world(env.world_size)
-        with Heartbeat(store, env.rank, env.world_size, fenceable=SUPERVISED in os.environ,
-                       mirror=mirror) as beat:
-            try:
-                summary = make_worker(job, env, beat).run()
-            except RuntimeError as exc:
-                if not isinstance(exc, WorkerFailure) and is_communication_error(exc):
-                    raise beat.diagnose(exc) from exc
-                raise
-        if summary is not None:
-            summary["wall_s"] = round(time.perf_counter() - start, 3)
-            summary["restarts"] = attempt()
-        return summary
-    except Diverged as exc:
-        # a diverged worker ends with the process group in place: a background receive (a
-        # parameter server's mailbox) may be waiting in it, and tearing it down under that
-        # receive aborts the process with a C++ error on stderr; the launcher stops the rest
-        diverged = True
-        if SUPERVISED not in os.environ:  # a supervised one tells its supervisor first
-            end_diverged(exc)
-        raise
-    finally:
-        if not diverged:
-            dist.destroy_process_group()
-
-
-def _fault_tolerant_worker(job: Job) -> bool:
-    """Workers of asynchronous parameter-server training (``ps`` and EASGD) may die without
-    stopping the job."""
-    sync = job.plan.sync
-    return (isinstance(sync, (ParameterServerSync, ElasticAveragingSync)) and sync.mode != "sync"
-            and SUPERVISED not in os.environ and int(os.environ.get("RANK", "0")) >= job.plan.num_servers)
-
-
-def _supervise(job: Job) -> None:
-    """Run this worker in a child process; if it dies, say so and let the job go on.
-
-    The child never outlives this process (it dies with it), and ends when the servers give
-    up on it: a stuck one ends itself once fenced (exit ``FENCED_EXIT``), and a frozen one, whose
-    heartbeat stops, is killed here after ``SILENT_AFTER_S`` (the servers report both). A
-    mistake of the user's that the child finds (``UsageError``) and its divergence
-    (``Diverged``) stop the job, as elsewhere.
-    """
-    os.environ[SUPERVISED] = "1"
-    context = child_context()  # forked before this process starts threads
-    mirror = context.Value("d", 0.0, lock=False)
-    mistakes, mistake = context.Pipe(duplex=False)  # no semaphores to leak, unlike a queue
-    child = context.Process(target=_supervised_worker, args=(job, mirror, mistake), daemon=True)
-    child.start()
-    while child.exitcode is None:
-        child.join(PERIOD_S)
-        if mirror.value and time.time() - mirror.value > SILENT_AFTER_S + 4 * PERIOD_S:
-            child.kill()
-            child.join()
-            return
-    if mistakes.poll():  # the user's mistake (every worker makes it), or divergence: stop the job
-        kind, message = mistakes.recv()
-        raise (Diverged if kind == "diverged" else UsageError)(message)
-    if child.exitcode not in (0, FENCED_EXIT):
-        code = child.exitcode or 0
-        how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-        print(f"tandem: worker rank {os.environ.get('RANK')} died ({how}); asynchronous training "
-              f"goes on without it", file=sys.stderr, flush=True)
-
-
-def _supervised_worker(job: Job, mirror: Any, mistake: Any) -> None:
-    die_with_parent()
-    # started as a daemon so that it never outlives the supervisor; it may start processes of
-    # its own (the data loader's, which end with it), which daemons may not
-    multiprocessing.current_process().daemon = False
-    try:
-        train_worker(job, mirror=mirror)
-    except UsageError as exc:
-        mistake.send(("usage", str(exc)))
-        sys.exit(2)
-    except Diverged as exc:
-        mistake.send(("diverged", str(exc)))
-        sys.exit(1)
-
-
-def make_worker(job: Job, env: WorkerEnv, beat: Heartbeat) -> Worker:
-    """This rank's implementation of ``job``: a pipeline stage (or its share, with a tensor
-    degree above 1) for a pipelined plan, a share of every split layer for a one-stage plan of
-    tensor degree above 1, else the registered worker of the plan's sync spec."""
-    if job.plan.pipelined:
-        from tandem.runtime.pipeline.trainer import PipelineTrainer
-
-        return PipelineTrainer(job, env, beat)
-    if job.plan.tensor_degree > 1:
-        from tandem.runtime.tensor_trainer import TensorParallelTrainer
-
-        return TensorParallelTrainer(job, env, beat)
-    return WORKERS[type(job.plan.sync)](job, env, beat)
-
-
-def _parameter_server_role(job: Job, env: WorkerEnv, beat: Heartbeat) -> Worker:
-    """Ranks below the plan's server count serve; the others compute gradients."""
-    if env.rank < job.plan.num_servers:
-        from tandem.runtime.ps_server import ParameterServer
-
-        return ParameterServer(job, env, beat)
-    return ParameterServerWorker(job, env, beat)
-
-
-def _elastic_role(job: Job, env: WorkerEnv, beat: Heartbeat) -> Worker:
-    """Synchronous EASGD: every rank a worker. Asynchronous: ranks below the plan's server count
-    hold the center, the others train."""
-    if env.rank >= job.plan.num_servers:
-        return ElasticWorker(job, env, beat) if job.plan.num_servers else Trainer(job, env, beat)
-    from tandem.runtime.elastic_server import ElasticServer
-
-    return ElasticServer(job, env, beat)
+SYNC_KINDS = (Kind.ALLREDUCE, Kind.STEP, Kind.PUSH, Kind.PULL, Kind.EXCHANGE)
+"""The actions a sync strategy's own loop reports (:meth:`SyncStrategy.action`)."""
 
 
 class Trainer(BaseTrainer):
@@ -217,8 +68,9 @@ class Trainer(BaseTrainer):
             model.load_state_dict(checkpoint["model"])
         self.module = self.strategy.wrap(model, env.device)
         self.current_step = 0
-        self.strategy.recorder = lambda code, start, end: self.trace(
-            f"0{code}", start, end, self.current_step)
+        self.sync_names = {kind.value: str(Action(0, kind)) for kind in SYNC_KINDS}
+        """The trace name of each action a strategy's own loop reports (``0PU``, ``0GX``)."""
+        self.strategy.recorder = self._record_sync
         self.module.train()
         self.model = self.strategy.unwrap(self.module)
         self.setup_optimizer(self.module.parameters())
@@ -229,6 +81,37 @@ class Trainer(BaseTrainer):
         self._start_noise_scale()
         if checkpoint is not None:
             self._restore(checkpoint)
+        self.work = DataParallelStep(self.module, self.strategy, self.precision, self.task.loss,
+                                     beat, data_world=self.data_world, slowdown=self.slowdown)
+        self.executor = Executor(self.trace)
+        self.program = self._program()
+
+    def _program(self) -> Program:
+        """This worker's actions of the plan's one-stage schedule, bound once to their handlers.
+
+        DDP's allreduce runs all of it (``F``, ``B``, ``AR``, ``ST``); other strategies run the
+        forwards and backwards, then their own loop (:meth:`_update`), which reports its actions
+        (``PU``/``PL``, ``GX``, ``AR``, ``ST``) as it takes them.
+        """
+        actions = self.plan.build_schedule().workers[self.data_rank]
+        handlers: dict[Kind, Handler] = {Kind.FORWARD: self.work.forward,
+                                         Kind.BACKWARD: self.work.backward}
+        if self.interprets_update:
+            self.strategy.recorder = None  # the interpreter traces AR and ST
+            handlers[Kind.ALLREDUCE] = self.work.allreduce
+            handlers[Kind.STEP] = lambda action, span: self._update(self.current_step)
+        else:
+            actions = tuple(action for action in actions if action.kind.is_compute)
+        return compile_program(actions, handlers)
+
+    @property
+    def interprets_update(self) -> bool:
+        """Whether the schedule's ``AR`` and ``ST`` are this strategy's update (DDP's)."""
+        return self.strategy.overlapped_allreduce
+
+    def _record_sync(self, code: str, start: float, end: float) -> None:
+        """Trace an action of the strategy's own loop."""
+        self.trace(self.sync_names[code], start, end, self.current_step)
 
     def _start_noise_scale(self) -> None:
         """Measure the gradient noise scale where the strategy is DDP's allreduce among two or
@@ -369,44 +252,36 @@ class Trainer(BaseTrainer):
         :meth:`batch_share` for asynchronous parameter servers); returns its loss
         summed over its samples (each micro-batch's mean loss times its samples).
 
-        Its trace follows the plan's one-stage schedule: ``0F{m}``/``0B{m}`` for each micro-batch
-        ``m = data_rank + data_world * k`` (the workers share the global batch's micro-batches
-        round-robin), then the strategy's actions (``0AR``, ``0PU``/``0PL``, ``0GX``, ``0ST``);
-        DDP's ``0AR`` spans the last backward, during which its buckets are reduced.
+        The interpreter runs this worker's actions of the plan's one-stage schedule:
+        ``0F{m}``/``0B{m}`` for each micro-batch ``m = data_rank + data_world * k`` (the workers
+        share the global batch's micro-batches round-robin), then ``0AR`` (DDP's, spanning the
+        last backward, during which its buckets are reduced) and ``0ST``; another strategy's
+        own actions (``0PU``/``0PL``, ``0GX``, ``0AR``, ``0ST``) follow the backwards.
         """
         self.current_step = step
         batch_step, share = self.batch_share(step)
-        global_count = len(self.sampler.global_indices(batch_step))
+        self.batch_step = batch_step
+        self.global_count = len(self.sampler.global_indices(batch_step))
         indices = self.sampler.local_indices(batch_step, rank=share, world_size=self.data_world)
-        scale = self.data_world / global_count
-        micros = self.take_batch(indices).split(self.plan.accumulate)
-        loss_total = torch.zeros((), device=self.env.device)
-        for micro_index, micro in enumerate(micros):
-            last = micro_index == len(micros) - 1
-            t0 = time.perf_counter()
-            self.beat.step, self.beat.phase = step, "forward"
-            with contextlib.nullcontext() if last else self.strategy.accumulating(self.module):
-                with self.precision.autocast():
-                    output = call_model(self.module, micro.inputs)
-                    loss = self.task.loss(output, micro.targets) * micro.size
-                t1 = time.perf_counter()
-                self.beat.phase = "backward"
-                self.precision.backward(loss * scale)
-            loss_total += loss.detach()
-            t_end = time.perf_counter()
-            m = self.data_rank + self.data_world * micro_index
-            self.trace(f"0F{m}", t0, t1, step)
-            self.trace(f"0B{m}", t1, t_end, step)
-            if last and self.strategy.overlapped_allreduce:
-                self.trace("0AR", t1, t_end, step)
-            if self.slowdown > 1.0:
-                time.sleep((self.slowdown - 1.0) * (time.perf_counter() - t0))
+        self.local_count = len(indices)
+        work = self.work
+        work.begin(self.take_batch(indices).split(self.plan.accumulate),
+                   self.data_world / self.global_count, step, self.env.device)
+        self.executor.run(self.program, step)
+        if not self.interprets_update:
+            self._update(step)
+        return work.loss_total
+
+    def _update(self, step: int) -> None:
+        """After the backwards: judge the loss, measure the noise scale, then synchronize and
+        apply the update (the schedule's ``ST``, or the strategy's own loop)."""
         self.beat.phase = "step"
-        self.divergence.observe(batch_step, loss_total, len(indices))
+        loss_total, local_count = self.work.loss_total, self.local_count
+        self.divergence.observe(self.batch_step, loss_total, local_count)
         self.divergence.poll_if_cheap()  # on CPU: before a diverged gradient leaves this worker
-        self._measure_noise(global_count, len(indices))
-        self.local_predictions += len(indices)
-        self.strategy.record_loss(loss_total, len(indices))
+        self._measure_noise(self.global_count, local_count)
+        self.local_predictions += local_count
+        self.strategy.record_loss(loss_total, local_count)
         self.strategy.check_gradients(self.module, step)
         finite = self.precision.unscale_and_clip(self.optimizer, self.module.parameters())
         if not finite and not self.strategy.local_optimizer:
@@ -419,7 +294,6 @@ class Trainer(BaseTrainer):
             self.precision.finish_step()
         if self.strategy.local_optimizer:
             self.scheduler.step()
-        return loss_total
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float | None]:
@@ -586,11 +460,3 @@ class ElasticWorker(ParameterServerWorker):
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(
                 self.optimizer, self.lr_multiplier, last_epoch=client.next_step - 1)
         return super().run()
-
-
-WORKERS: dict[type, Callable[[Job, WorkerEnv, Heartbeat], Worker]] = {
-    AllReduceSync: Trainer, GossipSync: Trainer, ElasticAveragingSync: _elastic_role,
-    LocalSGDSync: Trainer, ParameterServerSync: _parameter_server_role,
-}
-"""Sync-spec type -> the worker that runs a data-parallel plan with it (the strategy inside a
-:class:`Trainer` comes from :data:`tandem.sync.SYNC_STRATEGIES`)."""

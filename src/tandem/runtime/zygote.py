@@ -30,7 +30,7 @@ from typing import Any, Callable
 START_METHOD = "forkserver"
 """How tandem's launcher starts local workers (elastic agent's ``start_method``)."""
 PRELOAD = ["tandem.runtime.zygote_boot", "torch", "torch.distributed", "torch._dynamo",
-           "torch.nn.parallel", "tandem.runtime.trainer",
+           "torch.nn.parallel", "tandem.runtime.worker",
            "tandem.runtime.pipeline.trainer"]
 """Imported once by the forkserver, in this order (the first keeps stop signals away from the
 rest); a worker forked from it finds them imported."""
