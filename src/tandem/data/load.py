@@ -22,59 +22,25 @@ import torch
 
 from tandem.data.bundle import DataBundle
 from tandem.data.info import DataInfo
-from tandem.data.samples import DatasetSamples, Samples, TensorSamples, samples_of
+from tandem.data.builtin import build_dataset
+from tandem.data.folder import load_folder
+from tandem.data.run_data import Data
+from tandem.data.samples import samples_of
+from tandem.data.shards import load_shards
 from tandem.spec.data import is_user_data
 from tandem.errors import UsageError
 from tandem.spec.options import user_function
 
-MAX_SCANNED_TARGETS = 1_000_000
-"""Most targets read to count a user dataset's classes (the rest are assumed to repeat them)."""
-
-
-class Data:
-    """Train and test samples of one run, with their ``DataInfo`` (given or inferred)."""
-
-    def __init__(self, name: str, train: Samples, test: Samples,
-                 info: DataInfo | None = None) -> None:
-        self.name, self.train, self.test = name, train, test
-        self._info = info
-
-    @classmethod
-    def of_bundle(cls, bundle: DataBundle) -> Data:
-        """A built-in (in-memory) dataset."""
-        return cls(bundle.name, TensorSamples.of(bundle.train), TensorSamples.of(bundle.test),
-                   bundle.info)
-
-    @property
-    def info(self) -> DataInfo:
-        """Task, input shape and classes: given by the dataset, else inferred from its samples
-        (integer targets, one per sample: ``classify``; one per input token: ``lm``)."""
-        if self._info is None:
-            self._info = infer_info(self.train, self.name)
-        return self._info
-
-    @property
-    def has_info(self) -> bool:
-        """Whether the info was given (not inferred)."""
-        return self._info is not None
-
-
 def load_data(spec: str, *, cache_dir: str | None = None) -> Data:
     """The data named by ``spec`` (see the module docstring); ``cache_dir`` keeps local copies
     of the shards of ``shards:DIR`` (the only data read from storage as training goes)."""
-    from tandem.data import build_dataset
-
     head = spec.partition(":")[0]
     if head == "shards":
-        from tandem.data.shards import load_shards
-
         return load_shards(spec, cache_dir=cache_dir)
     if cache_dir:
         raise UsageError(f"--cache-dir keeps local copies of shards, and --data {spec} is not "
                          f"read from shards; drop --cache-dir or pack the data (tandem pack)")
     if head == "folder":
-        from tandem.data.folder import load_folder
-
         return Data.of_bundle(load_folder(spec))
     if is_user_data(spec):
         return _call_user_data(spec)
@@ -123,35 +89,3 @@ def _interpret(result: Any, spec: str) -> Data:
         return data_of(result[0], result[1], name=spec, info=info)
     raise UsageError(f"--data {spec} returned {type(result).__name__}; return (train, test) "
                      f"datasets (or (train, test, info), or a tandem.data.DataBundle)")
-
-
-def infer_info(samples: Samples, name: str) -> DataInfo:
-    """The ``DataInfo`` of user data from its samples; raises ``UsageError`` for targets that
-    are not class indices (a built-in model needs them; a user's model does not ask)."""
-    first = samples.rows(0, 1)
-    inputs, targets = first.inputs, first.targets
-    if not isinstance(inputs, torch.Tensor) or not isinstance(targets, torch.Tensor):
-        raise UsageError(f"the built-in models need tensor inputs and targets, but --data "
-                         f"{name} gives structures; use your own model (package.module:function)"
-                         f" or return (train, test, tandem.data.DataInfo(...))")
-    if targets.is_floating_point():
-        raise UsageError(f"--data {name} has float targets, and the built-in models predict "
-                         f"class indices; use your own model and --loss, or integer labels")
-    most = int(_all_targets(samples).max())
-    input_shape = tuple(inputs.shape[1:])
-    if targets.dim() == 1:
-        return DataInfo(task="classify", input_shape=input_shape, num_classes=most + 1)
-    if tuple(targets.shape) == tuple(inputs.shape) and not inputs.is_floating_point():
-        return DataInfo(task="lm", input_shape=input_shape, num_classes=most + 1)
-    raise UsageError(f"cannot tell the task of --data {name} (targets of shape "
-                     f"{tuple(targets.shape[1:])} per sample); return (train, test, "
-                     f"tandem.data.DataInfo(...)) from the data function")
-
-
-def _all_targets(samples: Samples) -> torch.Tensor:
-    if isinstance(samples, TensorSamples):
-        return samples.targets
-    count = min(len(samples), MAX_SCANNED_TARGETS)
-    if isinstance(samples, DatasetSamples):
-        return torch.stack([torch.as_tensor(samples.dataset[i][1]) for i in range(count)])
-    return samples.rows(0, count).targets

@@ -49,6 +49,7 @@ import torch
 from torch.utils.data import default_collate
 
 from tandem.data.info import DataInfo
+from tandem.data.run_data import Data
 from tandem.data.sampler import GlobalBatchSampler, shard_sizes
 from tandem.data.samples import Batch, Samples
 from tandem.data.storage import CachedStorage, EmulatedStorage, Storage
@@ -189,10 +190,8 @@ def read_index(root: Path, *, spec: str, storage: Storage | None = None) -> Shar
                       decode=decode, fingerprint=hashlib.sha1(raw).hexdigest()[:16])
 
 
-def load_shards(spec: str, *, cache_dir: str | None = None) -> Any:
+def load_shards(spec: str, *, cache_dir: str | None = None) -> Data:
     """The train and test samples of ``shards:DIR`` as a :class:`tandem.data.Data`."""
-    from tandem.data.load import Data
-
     root, options = parse_shards_spec(spec)
     storage = options.storage()
     if cache_dir:
