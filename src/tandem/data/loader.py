@@ -27,7 +27,6 @@ from torch.utils.data import DataLoader, Dataset
 from tandem import structures
 from tandem.data.pack import NUMPY_DTYPES
 from tandem.data.samples import Batch, Samples
-from tandem.runtime.zygote import child_context
 
 PIPE_BYTES = 1 << 20
 """Batches smaller than this travel from a loader process through its pipe as arrays (a third
@@ -96,17 +95,19 @@ def _same(planned: torch.Tensor, wanted: torch.Tensor) -> bool:
 
 class PlannedLoader:
     """The batches ``plan`` of ``samples`` (on the CPU), read ahead by ``workers`` processes and
-    handed over on ``device``."""
+    handed over on ``device``; ``context`` is the ``multiprocessing`` context the processes
+    start in (None: the platform's default; a training worker passes the one that forks it)."""
 
     def __init__(self, samples: Samples, plan: Sequence[torch.Tensor], *, workers: int,
-                 device: torch.device | None = None, prefetch: int = DEFAULT_PREFETCH) -> None:
+                 device: torch.device | None = None, prefetch: int = DEFAULT_PREFETCH,
+                 context: Any = None) -> None:
         if workers < 1:
             raise ValueError(f"a loader needs at least one worker process (got {workers})")
         self.plan, self.device, self.position = list(plan), device, 0
         self.loader = DataLoader(_PlannedBatches(samples, self.plan), batch_size=None,
                                  shuffle=False, num_workers=workers, prefetch_factor=prefetch,
                                  collate_fn=_as_is, worker_init_fn=_one_thread,
-                                 multiprocessing_context=child_context())
+                                 multiprocessing_context=context)
         self.batches: Iterator[tuple[Any, Any, int]] | None = (
             iter(self.loader) if self.plan else None)
 

@@ -37,6 +37,7 @@ from tandem.plan import Plan
 from tandem.runtime.config import DEFAULT_BASE_BATCH, Job, RunConfig, step_decay
 from tandem.runtime.dist import WorkerEnv
 from tandem.runtime.divergence import LossWatch
+from tandem.runtime.zygote import child_context
 from tandem.runtime.precision import Precision, StagePrecision
 from tandem.runtime.reporting import Reporter
 from tandem.runtime.task import Task
@@ -331,7 +332,7 @@ class BaseTrainer(Worker):
         plan = self.planned_batches(first, last) if workers else []
         if plan:
             self.loader = PlannedLoader(self.data.train, plan, workers=workers,
-                                        device=self.env.device)
+                                        device=self.env.device, context=child_context())
 
     def stop_loading(self) -> None:
         """Stop the background loader (its processes end)."""
