@@ -89,7 +89,7 @@ def fit(model: nn.Module | Callable[..., nn.Module] | str,
     """
     from tandem.commands.train import run_training
     from tandem.runtime.config import Job, RunConfig, make_job
-    from tandem.runtime.dist import under_launcher, world_size
+    from tandem.runtime.launcher_env import under_launcher, world_size
     from tandem.runtime.task import UserObjects
     from tandem.strategy import PLAN_FLAGS, plan_with_flags
 
@@ -140,7 +140,8 @@ def fit(model: nn.Module | Callable[..., nn.Module] | str,
 def _split_options(options: dict[str, Any], plan_flags: tuple[str, ...],
                    run_config: type) -> tuple[dict[str, Any], dict[str, Any]]:
     """``fit``'s keyword options: the run's settings and the plan's flags (``--servers``)."""
-    fields = set(run_config.__dataclass_fields__) - {"model", "data", "loss", "out", "nproc"}
+    fields = {field.name for field in dataclasses.fields(run_config)}
+    fields -= {"model", "data", "loss", "out", "nproc"}
     aliases = {"timeout": "timeout_s"}
     flag_names = {flag.lstrip("-").replace("-", "_"): flag for flag in plan_flags}
     settings: dict[str, Any] = {}

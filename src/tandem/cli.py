@@ -15,7 +15,7 @@ import signal
 import sys
 import threading
 from types import FrameType
-from typing import NoReturn, Sequence
+from typing import Any, Callable, NoReturn, Optional, Sequence
 
 from tandem.errors import Interrupted, UsageError, WorkerFailure
 
@@ -28,7 +28,7 @@ CONFIG_COMMANDS = ("train", "profile", "plan", "simulate", "search", "scale")
 class ArgumentParser(argparse.ArgumentParser):
     """An argument parser that reports a mistake in one line and exits with status 2."""
 
-    commands: dict[str, argparse.ArgumentParser]
+    commands: dict[str, ArgumentParser]
     """The top-level parser's subcommand parsers, by name (set by ``build_parser``)."""
 
     def error(self, message: str) -> NoReturn:
@@ -115,7 +115,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             signal.signal(signum, handler)
 
 
-def _catch_stop_signals() -> dict[int, object]:
+SignalHandler = Callable[[int, Optional[FrameType]], Any] | int | None
+"""What ``signal.getsignal`` returns: a function, ``SIG_DFL``/``SIG_IGN``, or None (not set
+from Python)."""
+
+
+def _catch_stop_signals() -> dict[signal.Signals, SignalHandler]:
     """Turn the stop signals into :class:`Interrupted`; returns the handlers they replaced
     (none off the main thread, where Python lets no handler be set)."""
     if threading.current_thread() is not threading.main_thread():

@@ -38,7 +38,7 @@ PIPELINE = "pipeline"
 class StrategyKind:
     """What a ``--strategy`` name stands for."""
 
-    sync: type
+    sync: type[SyncSpec]
     """The sync-spec class its plans carry."""
     pipelined: bool = False
     """Whether its plans are pipelines (stages across workers)."""

@@ -10,7 +10,7 @@ from tandem.commands.train import print_summary, run_training, start_forkserver
 from tandem.runtime.config import make_job
 from tandem.strategy import strategy_of
 
-DEMO = {"model": "mlp:hidden=128,layers=4", "data": "digits", "nproc": 2, "steps": 600,
+DEMO: dict[str, Any] = {"model": "mlp:hidden=128,layers=4", "data": "digits", "nproc": 2, "steps": 600,
         "batch_size": 64, "lr": 0.05, "momentum": 0.9, "eval_every": 200}
 """The demo's run settings; its strategy is ``dp``."""
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from typing import Any
 
 from tandem import strict_json
 from tandem.cluster import Cluster, format_bandwidth, parse_duration, parse_size
@@ -18,7 +19,7 @@ from tandem.profile import ModelProfile
 from tandem.schedule import SCHEDULE_KINDS
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``tandem plan``."""
     p = subparsers.add_parser(
         "plan",
@@ -112,7 +113,7 @@ def _ratio(reference: float, value: float) -> str:
     return f"{reference / value:.2f}x" if reference > 0 and value > 0 else "n/a"
 
 
-def _candidate_line(row: dict) -> str:
+def _candidate_line(row: dict[str, Any]) -> str:
     if row["config"] is None:
         return f"{row['name']:>10} {'-':>16}  {row['note']}"
     def ms(value: float | None) -> str:

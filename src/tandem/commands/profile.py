@@ -13,7 +13,7 @@ from tandem.spec.model import check_model_spec
 from tandem.profile import ModelProfile
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``tandem profile``."""
     p = subparsers.add_parser(
         "profile",

@@ -21,7 +21,7 @@ DEFAULT_MINIBATCHES = 8
 """Without ``--batch-size``, the global minibatch is this many of the profile's minibatches."""
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``tandem scale``."""
     p = subparsers.add_parser(
         "scale",

@@ -28,7 +28,7 @@ _DURATION = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|min|h)?\s*")
 _SECONDS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, None: 1.0}
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``tandem search``."""
     p = subparsers.add_parser(
         "search",
@@ -89,7 +89,7 @@ def _partitioner(profile: ModelProfile, cluster: Cluster) -> tuple[Plan | None, 
 
 def _batch_samples(args: argparse.Namespace, profile: ModelProfile) -> int | None:
     if args.batch_size is not None:
-        return args.batch_size
+        return int(args.batch_size)
     return args.profile_batch or profile.batch_size
 
 

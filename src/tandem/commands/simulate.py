@@ -30,6 +30,7 @@ from tandem.spec.sync import (
     GossipSync,
     LocalSGDSync,
     ParameterServerSync,
+    SyncSpec,
 )
 from tandem.timeline import plot_gantt
 
@@ -37,7 +38,7 @@ MAX_WORKER_ROWS = 32
 """Above this many workers the table shows one row per stage."""
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``tandem simulate``."""
     p = subparsers.add_parser(
         "simulate",
@@ -69,9 +70,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-SYNC_SHORTCUTS: dict[str, type] = {"dp": AllReduceSync, "ps": ParameterServerSync,
-                                   "gossip": GossipSync, "localsgd": LocalSGDSync,
-                                   "easgd": ElasticAveragingSync}
+SYNC_SHORTCUTS: dict[str, type[SyncSpec]] = {"dp": AllReduceSync, "ps": ParameterServerSync,
+                                             "gossip": GossipSync, "localsgd": LocalSGDSync,
+                                             "easgd": ElasticAveragingSync}
 """``--plan NAME`` -> the sync spec of a one-stage plan on every device."""
 
 
@@ -95,11 +96,12 @@ def add_sync_args(p: argparse.ArgumentParser) -> None:
                        help="easgd: EAMSGD's Nesterov momentum (no effect on time)")
 
 
-def sync_from_args(method: str, args: argparse.Namespace) -> Any:
+def sync_from_args(method: str, args: argparse.Namespace) -> SyncSpec:
     """The sync spec of ``--plan METHOD`` and the flags given; a flag of another method is an
     error naming it."""
     cls = SYNC_SHORTCUTS[method]
-    given = {flag: getattr(args, flag[2:].replace("-", "_"), None) for flag in ALL_SYNC_FLAGS}
+    given: dict[str, Any] = {flag: getattr(args, flag[2:].replace("-", "_"), None)
+                             for flag in ALL_SYNC_FLAGS}
     given = {flag: value for flag, value in given.items() if value is not None}
     foreign = [flag for flag in given if flag not in cls.FLAGS]
     if foreign:
@@ -107,7 +109,7 @@ def sync_from_args(method: str, args: argparse.Namespace) -> Any:
         raise UsageError(f"{foreign[0]} applies to --plan {' or '.join(owners)}, not --plan "
                          f"{method}; drop it or change --plan")
     spec = cls(**{cls.FLAGS[flag]: value for flag, value in given.items()})
-    if hasattr(spec, "check_given"):
+    if isinstance(spec, ParameterServerSync):
         spec.check_given(given)
     return spec
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import GradBucket  # dist.GradBucket, which torch's stubs hide
 
 from tandem.compress.meter import ByteMeter
 from tandem.compress.payload import Payload, payload_bytes
@@ -42,7 +43,7 @@ class CodecHookState:
         """The process group the payloads travel in (None: the default group)."""
         self.started = False
 
-    def keys(self, bucket: dist.GradBucket) -> list[str]:
+    def keys(self, bucket: GradBucket) -> list[str]:
         """The names of the bucket's parameters."""
         keys = [self.names.get(id(p)) for p in bucket.parameters()]
         assert None not in keys, "a bucket holds a parameter of another module"
@@ -50,7 +51,7 @@ class CodecHookState:
 
 
 def codec_hook(state: CodecHookState,
-               bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+               bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Encode, exchange and decode one bucket; the future holds the averaged gradients."""
     return _exchange(state, bucket.buffer(), bucket.gradients(), state.keys(bucket))
 
@@ -98,14 +99,15 @@ def _allreduce(state: CodecHookState, buffer: torch.Tensor, grads: list[torch.Te
         summed = fut.value()[0]
         result = torch.empty_like(buffer)
         offset = 0
-        for grad, key, chunk, shape in zip(grads, keys, summed.split(sizes), shapes):
+        for grad, key, chunk, shape in zip(grads, keys, torch.split(summed, sizes), shapes):
             mean = codec.decode([chunk.view(shape)], grad, key)
             result[offset : offset + grad.numel()].copy_(mean.reshape(-1))
             offset += grad.numel()
         return result
 
     work = dist.all_reduce(flat, group=state.group, async_op=True)
-    return work.get_future().then(decode)
+    future: torch.futures.Future[torch.Tensor] = work.get_future().then(decode)  # work: Any
+    return future
 
 
 def _allgather(state: CodecHookState, buffer: torch.Tensor, grads: list[torch.Tensor],
@@ -130,7 +132,8 @@ def _allgather(state: CodecHookState, buffer: torch.Tensor, grads: list[torch.Te
         return result
 
     work = dist.all_gather(gathered, packed, group=state.group, async_op=True)
-    return work.get_future().then(decode)
+    future: torch.futures.Future[torch.Tensor] = work.get_future().then(decode)  # work: Any
+    return future
 
 
 def to_bytes(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import GradBucket  # dist.GradBucket, which torch's stubs hide
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
@@ -48,7 +49,7 @@ class CountingState:
 
 
 def counting_powersgd_hook(state: CountingState,
-                           bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+                           bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
     """``powerSGD_hook``; its payload is what its own statistics say it allreduced."""
     inner = state.state
     buffer = bucket.buffer()

@@ -195,7 +195,8 @@ def read_codec_for(spec: str, *, strategy: str = "dp") -> tuple[str, Any]:
             usable = sorted(set(CODEC_OPTIONS) - set(UNSUPPORTED[strategy]))
             raise UsageError(f"--compress {name} cannot be used with --strategy {strategy} "
                              f"({why}); use one of: {', '.join(usable)}")
-        if strategy in STATELESS_STRATEGIES and "ef" in CODEC_OPTIONS[name].__dataclass_fields__:
+        has_ef = "ef" in {field.name for field in dataclasses.fields(CODEC_OPTIONS[name])}
+        if strategy in STATELESS_STRATEGIES and has_ef:
             if raw.get("ef", "false").lower() not in ("false", "0", "no", "off"):
                 raise UsageError(f"--compress {spec}: with --strategy {strategy} codecs run "
                                  f"without error feedback ({STATELESS_STRATEGIES[strategy]}); "

@@ -102,7 +102,7 @@ def check_seed(name: str, value: int) -> None:
                          f"e.g. {name}=0")
 
 
-def positive(name: str, value: float, example: float | None = None) -> None:
+def positive(name: str, value: float, example: object = None) -> None:
     """Raise ``ValueError`` unless ``value`` is a finite number above zero (not nan or inf);
     the message suggests ``name=example`` when given."""
     if not (value > 0 and math.isfinite(value)):

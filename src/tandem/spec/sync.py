@@ -183,7 +183,7 @@ def _check_period(period: int) -> None:
 SyncSpec = Union[AllReduceSync, ParameterServerSync, GossipSync, ElasticAveragingSync, LocalSGDSync]
 """Any synchronization method."""
 
-SYNC_METHODS: dict[str, type] = {cls.method: cls for cls in (
+SYNC_METHODS: dict[str, type[SyncSpec]] = {cls.method: cls for cls in (
     AllReduceSync, ParameterServerSync, GossipSync, ElasticAveragingSync, LocalSGDSync)}
 """Method name (the ``method`` key of a plan's ``sync``) -> its spec class."""
 
