@@ -175,7 +175,7 @@ def test_lr_scaling_values() -> None:
 def test_easgd_moves_at_the_scaled_lr() -> None:
     """EASGD's moving rate is lr * rho at the run's (scaled) learning rate."""
     from tandem.runtime.config import make_job
-    from tandem.sync import build_strategy
+    from tandem.runtime.strategies import build_strategy
 
     job = make_job("easgd", {"--rho": 0.5}, nproc=2, batch_size=128, lr=0.05,
                    lr_scaling="linear", base_batch=32)

@@ -1,83 +1,15 @@
-"""Synchronization strategies of data-parallel training, by the type of the plan's sync spec.
+"""Synchronization strategies of data-parallel training: allreduce, gossip and model averaging
+(the parameter server's clients live with its servers, in :mod:`tandem.runtime.ps`).
 
-Usage::
-
-    strategy = build_strategy(job, rank=0, world_size=4)
-    module = strategy.wrap(model, device)
+A worker of a job builds its strategy with :func:`tandem.runtime.strategies.build_strategy`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING
-
 from tandem.sync.allreduce import AllReduce
 from tandem.sync.averaging import ElasticAveraging, LocalSGD
 from tandem.sync.base import SyncStrategy
-from tandem.sync.elastic_async import ElasticClient
 from tandem.sync.gossip import AsyncGossip, ChocoGossip, Gossip, GossipMixer
-from tandem.sync.parameter_server import ParameterServerClient
-from tandem.spec.sync import (
-    AllReduceSync,
-    ElasticAveragingSync,
-    GossipSync,
-    LocalSGDSync,
-    ParameterServerSync,
-)
 
-if TYPE_CHECKING:
-    from tandem.runtime.config import Job
-
-__all__ = ["SYNC_STRATEGIES", "AllReduce", "AsyncGossip", "ChocoGossip", "ElasticAveraging",
-           "ElasticClient", "Gossip", "LocalSGD", "ParameterServerClient", "SyncStrategy", "build_strategy"]
-
-def _gossip(job: Job, rank: int, world_size: int) -> SyncStrategy:
-    from tandem.topology import build_topology, mixing_matrix
-
-    sync = job.plan.sync
-    if not isinstance(sync, GossipSync):
-        raise TypeError(f"gossip needs a gossip sync spec, not {sync!r}")
-    graph = build_topology(sync.topology, world_size)
-    if sync.asynchronous:
-        return AsyncGossip(graph, rank, job.run.seed, job.run.timeout_s)
-    matrix = mixing_matrix(graph, sync.weights)
-    if job.plan.compress is not None:
-        return ChocoGossip(graph, matrix, rank, job.plan.compress.text, sync.step)
-    return Gossip(GossipMixer(graph, matrix, rank))
-
-
-def _elastic(job: Job, rank: int, world_size: int) -> SyncStrategy:
-    """Synchronous EASGD (an allreduce among the workers), or asynchronous (with servers); the
-    moving rate is ``lr * rho`` at the run's lr (scaled by ``--lr-scaling``)."""
-    from tandem.runtime.base import scaled_lr
-
-    sync = job.plan.sync
-    if not isinstance(sync, ElasticAveragingSync):
-        raise TypeError(f"easgd needs an elastic-averaging sync spec, not {sync!r}")
-    if sync.mode == "async":
-        return ElasticClient(job.plan.num_servers, sync.period, rank=rank,
-                             num_workers=world_size, timeout_s=job.run.timeout_s)
-    return ElasticAveraging(sync.period, sync.rho, scaled_lr(job.run))
-
-
-def _codec(job: Job) -> str | None:
-    return job.plan.compress.text if job.plan.compress else None
-
-
-SYNC_STRATEGIES: dict[type, Callable[[Job, int, int], SyncStrategy]] = {
-    AllReduceSync: lambda job, rank, world: AllReduce(_codec(job)),
-    ParameterServerSync: lambda job, rank, world: ParameterServerClient(
-        job.plan.num_servers, _codec(job), rank=rank, num_workers=world,
-        timeout_s=job.run.timeout_s),
-    GossipSync: _gossip,
-    ElasticAveragingSync: _elastic,
-    LocalSGDSync: lambda job, rank, world: LocalSGD(job.plan.sync.period),  # type: ignore[union-attr]
-}
-"""Sync-spec type -> the strategy a data-parallel worker runs for it."""
-
-
-def build_strategy(job: Job, rank: int, world_size: int) -> SyncStrategy:
-    """The synchronization strategy of ``job``'s plan for worker ``rank`` of ``world_size``."""
-    strategy = SYNC_STRATEGIES[type(job.plan.sync)](job, rank, world_size)
-    strategy.find_unused_parameters = job.run.find_unused_parameters
-    return strategy
+__all__ = ["AllReduce", "AsyncGossip", "ChocoGossip", "ElasticAveraging", "Gossip",
+           "GossipMixer", "LocalSGD", "SyncStrategy"]
