@@ -70,8 +70,9 @@ def logits_of(output: Any) -> torch.Tensor | None:
     found = getattr(output, "logits", None)
     if isinstance(found, torch.Tensor):
         return found
-    if isinstance(output, dict) and isinstance(output.get("logits"), torch.Tensor):
-        return output["logits"]
+    found = output.get("logits") if isinstance(output, dict) else None
+    if isinstance(found, torch.Tensor):
+        return found
     if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
         return output[0]
     return None

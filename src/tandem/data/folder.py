@@ -112,9 +112,9 @@ def _read_all(groups: list[list[tuple[Path, int]]], options: FolderOptions,
         opened = []
         for path, _ in group:
             try:
-                with Image.open(path) as image:
-                    image.load()
-                    opened.append(image.copy())
+                with Image.open(path) as source:
+                    source.load()
+                    opened.append(source.copy())
             except (OSError, UnidentifiedImageError) as exc:
                 raise UsageError(f"--data {spec}: cannot read image {path} ({exc}); remove or "
                                  f"replace it") from None
@@ -128,9 +128,9 @@ def _read_all(groups: list[list[tuple[Path, int]]], options: FolderOptions,
         raise UsageError(f"--data {spec}: the images have different sizes ({shown}); resize "
                          f"them all with folder:PATH:size=S, e.g. size=32")
     tensors = []
-    for group in images:
+    for group_images in images:
         arrays = []
-        for image in group:
+        for image in group_images:
             image = image.convert(mode)
             if options.size:
                 image = image.resize((options.size, options.size))

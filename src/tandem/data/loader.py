@@ -38,7 +38,7 @@ SKIP_AHEAD = 16
 handed the next one read ahead."""
 
 
-class _PlannedBatches(Dataset):
+class _PlannedBatches(Dataset[tuple[Any, Any, int]]):
     """Item ``i``: the ``i``-th planned batch, as ``(inputs, targets, size)``."""
 
     def __init__(self, samples: Samples, plan: Sequence[torch.Tensor]) -> None:

@@ -66,6 +66,7 @@ def pack(source: str, out: Path, *, shard_size: int = DEFAULT_SHARD_SIZE,
         raise UsageError(f"--shard-size must be positive (got {shard_size} bytes); e.g. 64MB")
     _check_out(out)
     spec = f"folder:{source}" if Path(source).is_dir() and ":" not in source else source
+    info: DataInfo | None
     if spec.partition(":")[0] == "folder":
         files, info, decode = _image_folder(spec)
         samples = {split: _image_samples(files[split]) for split in SPLITS}
@@ -77,7 +78,7 @@ def pack(source: str, out: Path, *, shard_size: int = DEFAULT_SHARD_SIZE,
         data = load_data(spec)
         decode, name = {"kind": "tensor"}, data.name
         try:
-            info: DataInfo | None = data.info
+            info = data.info
         except UsageError:  # structures, float targets: only the user's own model can tell
             info = None
         samples = {"train": _tensor_samples(data.train), "test": _tensor_samples(data.test)}

@@ -155,8 +155,9 @@ def samples_of(dataset: Any, *, what: str) -> Samples:
     ``IterableDataset`` (or any other iterable) read into memory first."""
     if isinstance(dataset, Samples):
         return dataset
-    if isinstance(getattr(dataset, "tandem_samples", None), Samples):  # ShardDataset: streamed
-        return dataset.tandem_samples
+    streamed = getattr(dataset, "tandem_samples", None)
+    if isinstance(streamed, Samples):  # a ShardDataset
+        return streamed
     if isinstance(dataset, Split):
         return TensorSamples.of(dataset)
     if isinstance(dataset, TensorDataset) and len(dataset.tensors) == 2:

@@ -24,7 +24,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
 COPY_CHUNK = 1 << 20
 """Bytes per read when a file is copied into a cache."""
@@ -62,7 +62,9 @@ class EmulatedStorage(Storage):
         if self.open_latency_s:
             time.sleep(self.open_latency_s)
         handle = open(path, "rb")
-        return _Throttled(handle, self.bandwidth_Bps) if self.bandwidth_Bps else handle
+        if not self.bandwidth_Bps:
+            return handle
+        return cast(BinaryIO, _Throttled(handle, self.bandwidth_Bps))  # read, seek, tell, close
 
     def describe(self) -> str:
         cap = f"{self.bandwidth_Bps / 1e6:g} MB/s" if self.bandwidth_Bps else "no bandwidth cap"

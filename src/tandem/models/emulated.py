@@ -140,7 +140,7 @@ class _Emulate(torch.autograd.Function):
     """``out[i] = shift + gain * mean(x[i])`` broadcast to the output shape, after a wait."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor,  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor,
                 timing: BlockTiming) -> torch.Tensor:
         start = time.perf_counter()
         n, width = x.shape[0], timing.width
@@ -157,7 +157,7 @@ class _Emulate(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         start = time.perf_counter()
         timing: BlockTiming = ctx.timing
         means, head, _ = ctx.saved_tensors
@@ -193,7 +193,9 @@ class EmulatedBlock(nn.Module):
             self.weight[width : 2 * width] = 1.0  # gain 1, shift 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Emulate.apply(x, self.weight, self.timing)
+        # torch's Function.apply is unannotated
+        out: torch.Tensor = _Emulate.apply(x, self.weight, self.timing)  # type: ignore[no-untyped-call]
+        return out
 
     def extra_repr(self) -> str:
         t = self.timing

@@ -22,7 +22,8 @@ class Embedding(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.shape[-1], device=tokens.device)
-        return self.dropout(self.tokens(tokens) + self.positions(positions))
+        embedded: torch.Tensor = self.dropout(self.tokens(tokens) + self.positions(positions))
+        return embedded
 
 
 class CausalSelfAttention(nn.Module):
@@ -46,7 +47,8 @@ class CausalSelfAttention(nn.Module):
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
             dropout_p=self.dropout if self.training else 0.0,
         )
-        return self.proj(out.transpose(1, 2).reshape(batch, length, -1))
+        projected: torch.Tensor = self.proj(out.transpose(1, 2).reshape(batch, length, -1))
+        return projected
 
 
 class Block(nn.Module):
@@ -64,7 +66,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
+        out: torch.Tensor = x + self.mlp(self.norm2(x))
+        return out
 
 
 def build_gpt(options: GPTOptions, info: DataInfo) -> nn.Sequential:

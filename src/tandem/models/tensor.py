@@ -103,15 +103,15 @@ SPLIT_TYPES: dict[str, type[nn.Module]] = {
 """The module type each style splits."""
 
 
-def split_size(style: str, module: nn.Module) -> tuple[int, str]:
+def split_size(style: str, module: nn.Linear | nn.Conv2d) -> tuple[int, str]:
     """The size a style divides among the workers, and what it is."""
-    if style == "colwise":
-        return module.out_features, "output features"
+    if isinstance(module, nn.Conv2d):
+        return module.out_channels, "output channels"
     if style == "rowwise":
         return module.in_features, "input features"
     if style == "heads":
         return module.out_features // 3, "query (key, value) features"
-    return module.out_channels, "output channels"
+    return module.out_features, "output features"
 
 
 def _check_style(name: str, style: str, module: nn.Module, degree: int) -> None:
@@ -122,7 +122,8 @@ def _check_style(name: str, style: str, module: nn.Module, degree: int) -> None:
                else "name an nn.Linear or nn.Conv2d inside it instead")
         raise UsageError(f"tensor layer {name!r} is a {type(module).__name__}, but style "
                          f"{style} splits an nn.{wanted.__name__}; {fix}")
-    if style == "heads" and module.out_features % 3:
+    assert isinstance(module, (nn.Linear, nn.Conv2d))  # SPLIT_TYPES holds only these
+    if style == "heads" and isinstance(module, nn.Linear) and module.out_features % 3:
         raise UsageError(f"tensor layer {name!r} (heads) has {module.out_features} outputs, not "
                          f"queries, keys and values of one size (3 x dim); use colwise")
     size, what = split_size(style, module)
@@ -201,6 +202,7 @@ def gpt_plan(model: nn.Module, degree: int) -> TensorPlan:
             first, second = [index for index, layer in enumerate(mlp)
                              if isinstance(layer, nn.Linear)]
             width = mlp[first].out_features
+            assert isinstance(width, int)  # mlp[first] is an nn.Linear
             _divides(degree, width, f"the hidden size of gpt's MLP ({width} = mlp_ratio x dim)",
                      "gpt:mlp_ratio=")
             plan[f"{name}.mlp.{first}"], plan[f"{name}.mlp.{second}"] = "colwise", "rowwise"

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import linecache
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -82,6 +82,7 @@ def _size(node: fx.Node, graph: fx.Graph, env: dict[fx.Node, Any], piece: Piece,
     if node.target != torch.ops.aten.sym_size.int:
         return graph.node_copy(node, lookup)
     tensor, dim = node.args
+    assert isinstance(tensor, fx.Node)  # sym_size.int(tensor, dim)
     if tensor not in env:
         wanted = symbolic_dim(value, piece.info.batch)
         tensor, dim = next((v, d) for v in piece.inputs for d, size in
@@ -141,7 +142,7 @@ class Block(nn.Module):
         """The tensors live at the block's end (the model's output for the last block)."""
         code = self._code
         if code.in_spec is not None:
-            flat = fx_pytree.tree_flatten_spec(call_args(inputs), code.in_spec)
+            flat: Sequence[Any] = fx_pytree.tree_flatten_spec(call_args(inputs), code.in_spec)
         else:
             flat = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
         result = code.functions[self.training](self, *flat)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, TypeAlias
 
 import sympy
 import torch
@@ -19,7 +19,7 @@ import torch
 BATCH = sympy.Symbol("batch", integer=True, positive=True)
 """The number of samples of a call, in the shapes of :class:`TensorSpec`."""
 
-Dim = int | sympy.Expr
+Dim: TypeAlias = "int | sympy.Expr"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

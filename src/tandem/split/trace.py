@@ -85,7 +85,7 @@ def trace(model: nn.Module, inputs: Any, *, what: str) -> Traced:
 def without_cache(model: nn.Module) -> Iterator[None]:
     """``model.config.use_cache`` set to False while tracing, then restored (a Hugging Face
     model returns its key-value cache by default; the trace keeps only tensors)."""
-    config = getattr(model, "config", None)
+    config: Any = getattr(model, "config", None)
     if getattr(config, "use_cache", None) is not True:
         yield
         return
@@ -111,15 +111,16 @@ def batch_symbol(graph: fx.Graph) -> sympy.Symbol | None:
 def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
             what: str) -> torch.export.ExportedProgram:
     batch = torch.export.Dim("batch")
-    shapes = torch.export.ShapesCollection()
+    shapes = torch.export.ShapesCollection()  # type: ignore[no-untyped-call]  # torch's
     for leaf in pytree.tree_leaves((args, kwargs)):
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
             shapes[leaf] = {0: batch}
     with quiet(), torch.random.fork_rng(devices=[]):
         try:
             return torch.export.export(
-                model, args, kwargs, dynamic_shapes=shapes.dynamic_shapes(model, args, kwargs),
-                strict=False)
+                model, args, kwargs, strict=False,
+                dynamic_shapes=shapes.dynamic_shapes(  # type: ignore[no-untyped-call]
+                    model, args, kwargs))
         except Exception as exc:  # noqa: BLE001 - any failure of the trace is the user's model
             raise UsageError(failure_message(exc, what)) from None
 
