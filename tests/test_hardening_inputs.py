@@ -164,7 +164,7 @@ def test_sharing_warning(monkeypatch: pytest.MonkeyPatch, nproc: int, threads: i
 @pytest.mark.pure
 def test_check_job_warns_once_after_every_check(monkeypatch: pytest.MonkeyPatch,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
-    from tandem.commands.train import check_job
+    from tandem.runtime.run import check_job
 
     monkeypatch.setattr(preflight, "usable_cores", lambda: 1)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

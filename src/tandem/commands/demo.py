@@ -6,7 +6,8 @@ import argparse
 import sys
 from typing import Any
 
-from tandem.commands.train import print_summary, run_training, start_forkserver
+from tandem.commands.train import print_summary
+from tandem.runtime.run import run_training, start_forkserver
 from tandem.runtime.config import make_job
 from tandem.strategy import strategy_of
 

@@ -1,0 +1,127 @@
+"""Check a job, claim its output directory and launch its workers: what ``tandem train`` and
+:func:`tandem.fit` share.
+
+The checks that need neither torch nor the model (:func:`check_flags`) come first, so that the
+command line answers a usage error before it imports torch; the modules that need torch are
+imported inside the functions that use them (each import marked)."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from tandem.errors import UsageError
+from tandem.runtime.config import Job
+from tandem.runtime.faults import check_fault
+from tandem.runtime.launcher_env import under_launcher, world_size
+from tandem.spec.codec import check_codec
+from tandem.spec.data import check_data_spec
+from tandem.spec.model import check_model_spec
+from tandem.spec.sync import GossipSync
+from tandem.strategy import strategy_of
+
+
+def start_forkserver() -> None:
+    """Start the forkserver that local workers fork from (:mod:`tandem.runtime.zygote`) once the
+    flags are checked, so that its imports of torch and tandem's runtime overlap this process's
+    own from here on; not under torchrun, which starts the workers itself."""
+    if not under_launcher():
+        from tandem.runtime import zygote  # delays torch (and multiprocessing: not for --help)
+
+        zygote.start()
+
+
+def check_flags(job: Job, *, batches: bool = True) -> None:
+    """The checks of :func:`check_job` that need neither torch nor the model, which ``tandem
+    train`` runs before it imports torch: on the job read with ``--plan``, or on the one its
+    flags sketch before the model decides the stages (:func:`~tandem.runtime.config.sketch_job`).
+    Without ``batches``, the job's size and batch are left to the real job's check."""
+    run, plan = job.run, job.plan
+    if run.max_restarts and under_launcher():
+        raise UsageError(f"--max-restarts {run.max_restarts} restarts tandem's own workers; under "
+                         f"torchrun give it to torchrun (torchrun --max-restarts "
+                         f"{run.max_restarts} ... -m tandem train ... --resume auto)")
+    check_fault(world_size() if under_launcher() else run.nproc, run.steps)
+    if run.split_points is not None and not plan.pipelined:
+        raise UsageError(f"--split-points cuts a model into pipeline blocks; it needs --strategy "
+                         f"pipeline (this run is {strategy_of(plan)})")
+    if job.objects is None or job.objects.train is None:
+        check_data_spec(run.data)
+    if job.objects is None or job.objects.model is None:
+        check_model_spec(run.model)
+    if plan.compress is not None:
+        check_codec(plan.compress.text, strategy=strategy_of(plan),
+                    sgd_momentum=run.momentum if run.optimizer in ("sgd", "lars") else 0.0)
+    if not under_launcher():
+        if batches:
+            job.check_world(run.nproc)
+        if isinstance(plan.sync, GossipSync):
+            from tandem.topology import build_topology, mixing_matrix, two_colouring
+
+            graph = build_topology(plan.sync.topology, run.nproc)
+            mixing_matrix(graph, plan.sync.weights)
+            if plan.sync.asynchronous:
+                two_colouring(graph)
+
+
+def check_job(job: Job) -> None:
+    """Catch the user's mistakes before any worker starts (one :class:`UsageError`); warn once
+    if the local workers will share this machine's cores (:mod:`tandem.runtime.preflight`)."""
+    from tandem.runtime import preflight  # delays torch
+
+    run, plan = job.run, job.plan
+    check_flags(job)
+    data, model = preflight.build_checked(run, job.objects)
+    if plan.tensor_degree > 1:
+        from tandem.models.tensor import tensor_plan  # delays torch
+
+        tensor_plan(run.model if job.objects is None or job.objects.model is None else None,
+                    model, plan.tensor_degree, plan.tensor_layers)
+    preflight.check_batch(run, data)
+    preflight.check_output(model, data, run, job.objects)
+    note = None
+    if not under_launcher():
+        if plan.pipelined:
+            from tandem.runtime.pipeline.setup import (  # delays torch
+                example_inputs, pipeline_blocks, pipeline_setup,
+            )
+
+            pipeline_setup(job, pipeline_blocks(model, example_inputs(data.train),
+                                                what=f"model {run.model!r}",
+                                                split_points=run.split_points))
+        note = preflight.check_machine(run, model)
+    if run.out is not None:
+        _check_writable(Path(run.out))
+    if note is not None:
+        preflight.warn(note)
+    placed = [device for stage in plan.stages for device in (stage.devices or [])]
+    if placed and under_launcher() and placed != list(range(len(placed))):
+        preflight.warn(f"the plan's time assumes its workers on devices {placed} (each "
+                       f"server's stages inside it), but tandem runs worker w as rank w: under "
+                       f"torchrun's consecutive ranks per node some activations cross servers, "
+                       f"and the run may be slower than planned")
+
+
+def _check_writable(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out):
+            pass
+    except OSError as exc:
+        raise UsageError(
+            f"--out {out} is not a writable directory ({exc.strerror}); choose one you can write"
+        ) from None
+
+
+def run_training(job: Job) -> dict[str, Any] | None:
+    """Check, claim ``--out`` (:func:`~tandem.runtime.out_dir.claim_out`), launch and return
+    rank 0's summary (None on the other ranks of a torchrun job)."""
+    from tandem.runtime.launch import launch  # delays torch
+    from tandem.runtime.out_dir import claim_out  # delays torch
+    from tandem.runtime.worker import train_worker  # delays torch
+
+    check_job(job)
+    with claim_out(job.run):
+        return launch(train_worker, job, nproc=job.run.nproc, threads=job.run.threads,
+                      max_restarts=job.run.max_restarts)
