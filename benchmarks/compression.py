@@ -52,7 +52,7 @@ def worker(args: argparse.Namespace) -> None:
     """Run under torchrun: every codec's trainer, in interleaved blocks, for each seed."""
     import torch.distributed as dist
 
-    from tandem.runtime.config import make_job
+    from tandem.runtime.run import make_job
     from tandem.runtime.dist import init_worker
     from tandem.runtime.trainer import Trainer
     from tandem.runtime.watchdog import Heartbeat

@@ -46,7 +46,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     from tandem.models import build_model
-    from tandem.runtime.config import make_job
+    from tandem.runtime.run import make_job
     from tandem.runtime.dist import init_worker
     from tandem.runtime.trainer import Trainer
     from tandem.runtime.watchdog import Heartbeat

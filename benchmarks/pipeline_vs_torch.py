@@ -92,7 +92,7 @@ def worker(args: argparse.Namespace) -> None:
     """Run under torchrun: for each schedule, alternate blocks of tandem and torch steps."""
     import torch.distributed as dist
 
-    from tandem.runtime.config import make_job
+    from tandem.runtime.run import make_job
     from tandem.runtime.dist import init_worker
     from tandem.runtime.pipeline.trainer import PipelineTrainer
     from tandem.runtime.watchdog import Heartbeat

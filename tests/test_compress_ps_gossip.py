@@ -15,11 +15,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tandem.runtime.config import make_job
+from tandem.runtime.run import make_job
 from tandem.runtime.dist import WorkerEnv
 from tandem.runtime.worker import make_worker
 from tandem.runtime.watchdog import Heartbeat
-from tandem.sync import ps_protocol as protocol
+from tandem.runtime.ps import protocol
 from tandem.sync.flat import flatten
 from tandem.sync.gossip import ChocoGossip, tracking_scale
 from tests.conftest import max_abs_diff, run_cli

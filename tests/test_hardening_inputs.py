@@ -15,7 +15,8 @@ import torch
 from tandem.data import build_dataset, load_data
 from tandem.errors import UsageError
 from tandem.runtime import preflight
-from tandem.runtime.config import RunConfig, make_job
+from tandem.runtime.config import RunConfig
+from tandem.runtime.run import make_job
 from tests.conftest import ROOT, VGG, run_cli
 
 ODD = "tests.odd_models"

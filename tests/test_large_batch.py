@@ -174,7 +174,7 @@ def test_lr_scaling_values() -> None:
 @pytest.mark.pure
 def test_easgd_moves_at_the_scaled_lr() -> None:
     """EASGD's moving rate is lr * rho at the run's (scaled) learning rate."""
-    from tandem.runtime.config import make_job
+    from tandem.runtime.run import make_job
     from tandem.runtime.strategies import build_strategy
 
     job = make_job("easgd", {"--rho": 0.5}, nproc=2, batch_size=128, lr=0.05,

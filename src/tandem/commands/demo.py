@@ -7,8 +7,7 @@ import sys
 from typing import Any
 
 from tandem.commands.train import print_summary
-from tandem.runtime.run import run_training, start_forkserver
-from tandem.runtime.config import make_job
+from tandem.runtime.run import make_job, run_training, start_forkserver
 from tandem.strategy import strategy_of
 
 DEMO: dict[str, Any] = {"model": "mlp:hidden=128,layers=4", "data": "digits", "nproc": 2, "steps": 600,

@@ -487,47 +487,12 @@ class Job:
                 "compress": self.plan.compress.text if self.plan.compress else None}
 
 
-def make_job(strategy: str = "dp", flags: Mapping[str, Any] | None = None, *,
-             objects: Any = None, **settings: Any) -> Job:
-    """The job ``tandem train --strategy STRATEGY FLAGS... SETTINGS...`` runs, for library use:
-    ``flags`` are the plan's command-line flags (``{"--servers": 2, "--mode": "async"}``),
-    ``settings`` the fields of :class:`RunConfig` (``nproc`` is the number of processes) and
-    ``objects`` the user's own model, data and loss (:class:`tandem.runtime.task.UserObjects`).
-    The flags are checked (:func:`sketch_job`) before torch is imported and the model built."""
-    run = RunConfig(**resolve_batch_size(settings))
-    sketch_job(strategy, flags or {}, run, objects)
-    from torch import nn
-
-    from tandem.runtime.preflight import build_checked
-    from tandem.strategy import STRATEGIES, plan_from_flags
-
-    data, model = build_checked(run, objects)
-    if isinstance(model, nn.Sequential) or not (strategy in STRATEGIES
-                                                and STRATEGIES[strategy].pipelined):
-        blocks = len(model) if isinstance(model, nn.Sequential) else None
-        plan = plan_from_flags(strategy, flags or {}, num_processes=run.nproc, num_blocks=blocks)
-        return Job(run=run, plan=plan, objects=objects)
-    from tandem.runtime.launcher_env import under_launcher
-    from tandem.runtime.pipeline.bounds import profiled_plan
-    from tandem.runtime.pipeline.setup import example_inputs, pipeline_blocks
-
-    split = pipeline_blocks(model, example_inputs(data.train), what=f"model {run.model!r}",
-                            split_points=run.split_points)
-    plan = plan_from_flags(strategy, flags or {}, num_processes=run.nproc, num_blocks=len(split))
-    # the user's split points are their stages' blocks; under torchrun every process would
-    # measure its own profile and could cut elsewhere, so the stages stay even there
-    if run.split_points is None and not under_launcher():
-        plan = profiled_plan(plan, split, data.train, batch_size=run.batch_size,
-                             threads=run.threads)
-    return Job(run=run, plan=plan, objects=objects)
-
-
 def sketch_job(strategy: str, flags: Mapping[str, Any], run: RunConfig,
                objects: Any = None) -> Job:
     """The job of ``tandem train --strategy STRATEGY FLAGS...`` as far as its flags tell, without
     torch: every check of the plan and of the job runs on it. Its plan cuts as many blocks as
     the job has processes (enough for every stage count the flags can give); in the job that
-    :func:`make_job` builds only the stages' blocks differ, as the model decides them."""
+    :func:`tandem.runtime.run.make_job` builds only the stages' blocks differ, as the model decides them."""
     from tandem.strategy import plan_from_flags
 
     plan = plan_from_flags(strategy, flags, num_processes=run.nproc, num_blocks=max(1, run.nproc))

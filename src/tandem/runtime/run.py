@@ -9,17 +9,18 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 from tandem.errors import UsageError
-from tandem.runtime.config import Job
+from tandem.runtime.config import Job, RunConfig, resolve_batch_size, sketch_job
 from tandem.runtime.faults import check_fault
 from tandem.runtime.launcher_env import under_launcher, world_size
 from tandem.spec.codec import check_codec
 from tandem.spec.data import check_data_spec
 from tandem.spec.model import check_model_spec
 from tandem.spec.sync import GossipSync
-from tandem.strategy import strategy_of
+from tandem.strategy import STRATEGIES, plan_from_flags, strategy_of
 
 
 def start_forkserver() -> None:
@@ -125,3 +126,36 @@ def run_training(job: Job) -> dict[str, Any] | None:
     with claim_out(job.run):
         return launch(train_worker, job, nproc=job.run.nproc, threads=job.run.threads,
                       max_restarts=job.run.max_restarts)
+
+
+def make_job(strategy: str = "dp", flags: Mapping[str, Any] | None = None, *,
+             objects: Any = None, **settings: Any) -> Job:
+    """The job ``tandem train --strategy STRATEGY FLAGS... SETTINGS...`` runs, for library use:
+    ``flags`` are the plan's command-line flags (``{"--servers": 2, "--mode": "async"}``),
+    ``settings`` the fields of :class:`RunConfig` (``nproc`` is the number of processes) and
+    ``objects`` the user's own model, data and loss (:class:`tandem.runtime.task.UserObjects`).
+    The flags are checked (:func:`sketch_job`) before torch is imported and the model built."""
+    run = RunConfig(**resolve_batch_size(settings))
+    sketch_job(strategy, flags or {}, run, objects)
+    from torch import nn  # delays torch
+
+    from tandem.runtime.preflight import build_checked  # delays torch
+
+    data, model = build_checked(run, objects)
+    if isinstance(model, nn.Sequential) or not (strategy in STRATEGIES
+                                                and STRATEGIES[strategy].pipelined):
+        blocks = len(model) if isinstance(model, nn.Sequential) else None
+        plan = plan_from_flags(strategy, flags or {}, num_processes=run.nproc, num_blocks=blocks)
+        return Job(run=run, plan=plan, objects=objects)
+    from tandem.runtime.pipeline.bounds import profiled_plan  # delays torch
+    from tandem.runtime.pipeline.setup import example_inputs, pipeline_blocks  # delays torch
+
+    split = pipeline_blocks(model, example_inputs(data.train), what=f"model {run.model!r}",
+                            split_points=run.split_points)
+    plan = plan_from_flags(strategy, flags or {}, num_processes=run.nproc, num_blocks=len(split))
+    # the user's split points are their stages' blocks; under torchrun every process would
+    # measure its own profile and could cut elsewhere, so the stages stay even there
+    if run.split_points is None and not under_launcher():
+        plan = profiled_plan(plan, split, data.train, batch_size=run.batch_size,
+                             threads=run.threads)
+    return Job(run=run, plan=plan, objects=objects)
