@@ -17,6 +17,7 @@ from tandem.planning.search.planner import make_plan
 from tandem.planning.search.scaling import ScaleOptions, ScaleResult, device_counts, resized, scale
 from tandem.planning.simulate.simulator import SimOptions, data_parallel_plan, simulate
 from tandem.profile import ModelProfile, load_profile
+from tandem.spec.kinds import ScheduleKind
 from tests.conftest import PROFILES, VGG, run_cli
 
 pytestmark = pytest.mark.pure
@@ -187,7 +188,7 @@ def hybrid_speedups(path: str, spec: str, max_devices: int) -> dict[int, tuple[f
     for m in device_counts(max_devices):
         sized = resized(parse_cluster(spec), m)
         plan = make_plan(profile, sized, PartitionOptions(), sim=sim)
-        plan.schedule, plan.num_microbatches = "1f1b", 4 * max(len(plan.stages), *plan.replicas)
+        plan.schedule, plan.num_microbatches = ScheduleKind.ONE_F_ONE_B, 4 * max(len(plan.stages), *plan.replicas)
         found[m] = (single_s / simulate(plan, profile, sized, sim).step_time_s, plan.num_workers)
     return found
 

@@ -30,6 +30,7 @@ from tandem.errors import UsageError
 from tandem.output_files import write_text
 from tandem.schedule.generators import generate
 from tandem.schedule.schedule import SCHEDULE_KINDS, Schedule
+from tandem.spec.kinds import ScheduleKind
 from tandem.spec.sync import AllReduceSync, SyncSpec, sync_from_dict, sync_to_dict
 
 SCHEMA_VERSION = 2
@@ -99,8 +100,9 @@ class Plan:
     """Layer indices in stage order; None means 0..num_layers-1 (an ``nn.Sequential``)."""
     level_configs: list[str] = field(default_factory=list)
     """PipeDream's text form per cluster level, innermost first (for hierarchical clusters)."""
-    schedule: str = "1f1b"
-    """Schedule kind the runtime runs: ``1f1b``, ``gpipe`` or ``pipedream``."""
+    schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B
+    """Schedule kind the runtime runs: ``1f1b``, ``gpipe`` or ``pipedream`` (a name given is
+    read into its :class:`ScheduleKind`)."""
     num_microbatches: int | None = None
     """Micro-batches per step; None: :func:`default_microbatches` (decided there only). Always
     1 for ``pipedream`` (each minibatch is a whole global batch)."""
@@ -124,7 +126,7 @@ class Plan:
     """How the replicas of a stage synchronize (pipelines: allreduce only)."""
     compress: CodecSpec | None = None
     """Codec of what the workers exchange (gradients, pushes, parameters or activations)."""
-    predicted_schedule: str | None = None
+    predicted_schedule: ScheduleKind | None = None
     """The schedule ``bottleneck_s`` assumes (the plan's own once ``tandem plan`` or ``tandem
     search`` simulated it; ``pipedream``, its steady state, for a bare partition); None when
     the plan predicts nothing."""
@@ -146,8 +148,9 @@ class Plan:
         if self.num_workers > self.num_devices:
             raise UsageError(f"plan {self.config} needs {self.num_workers} workers but has "
                              f"{self.num_devices} devices")
-        if self.schedule not in SCHEDULE_KINDS:
-            raise UsageError(f"schedule {self.schedule!r} is not one of: {', '.join(SCHEDULE_KINDS)}")
+        self.schedule = _schedule_kind(self.schedule)
+        if self.predicted_schedule is not None:
+            self.predicted_schedule = _schedule_kind(self.predicted_schedule)
         if isinstance(self.tensor_degree, bool) or not isinstance(self.tensor_degree, int) \
                 or self.tensor_degree < 1:
             raise UsageError(f"tensor degree must be a whole number of at least 1 (got "
@@ -184,10 +187,10 @@ class Plan:
         count = self.num_microbatches
         if count is None or count < 1:
             raise UsageError(f"--microbatches must be at least 1 (got {count})")
-        if self.schedule == "pipedream" and count != 1:
+        if self.schedule.whole_minibatches and count != 1:
             raise UsageError(f"the pipedream schedule runs whole minibatches: --microbatches "
                              f"{count} does not apply; drop it or use --schedule 1f1b or gpipe")
-        if self.vertical_sync and self.schedule != "pipedream":
+        if self.vertical_sync and not self.schedule.asynchronous:
             raise UsageError(f"--vertical-sync applies to --schedule pipedream only (the plan runs "
                              f"{self.schedule}); drop it or use --schedule pipedream")
         if not self.pipelined and count % self.stages[0].replicas:
@@ -203,7 +206,7 @@ class Plan:
     @property
     def pipelined(self) -> bool:
         """More than one stage, or GPipe's or PipeDream's schedule (see the module docstring)."""
-        return len(self.stages) > 1 or self.schedule != "1f1b"
+        return len(self.stages) > 1 or not self.schedule.accumulates
 
     @property
     def num_servers(self) -> int:
@@ -230,7 +233,7 @@ class Plan:
         micro-batches; PipeDream's asynchronous schedule spans ``num_minibatches`` minibatches
         (the whole run). :class:`UsageError` for a hand-written one of another layout."""
         if self.schedule_text is None:
-            count = num_minibatches if self.schedule == "pipedream" else self.num_microbatches
+            count = num_minibatches if self.schedule.whole_minibatches else self.num_microbatches
             return generate(self.schedule, self.replicas, int(count or 1))
         try:
             schedule = Schedule.parse(self.schedule_text)
@@ -250,7 +253,7 @@ class Plan:
                              f"{schedule.num_microbatches}")
         return schedule
 
-    def rescheduled(self, schedule: str | None = None,
+    def rescheduled(self, schedule: ScheduleKind | str | None = None,
                     num_microbatches: int | None = None) -> Plan:
         """This plan with another schedule and/or micro-batch count (defaults re-decided)."""
         changes: dict[str, Any] = {}
@@ -328,7 +331,8 @@ class Plan:
             stages = [Stage(**{k: v for k, v in s.items() if k in _STAGE_KEYS}) for s in data["stages"]]
             keys = {k: data[k] for k in _PLAN_KEYS if k in data}
             if version == 1:  # its predicted times were PipeDream's steady state
-                keys["predicted_schedule"] = "pipedream" if keys.get("bottleneck_s") else None
+                keys["predicted_schedule"] = (ScheduleKind.PIPEDREAM if keys.get("bottleneck_s")
+                                              else None)
             if "sync" in data:
                 keys["sync"] = sync_from_dict(data["sync"])
             if data.get("compress") is not None:
@@ -367,18 +371,26 @@ _DATA_PARALLEL_ONLY = ("PU", "PL", "GX")
 """Action codes of parameter servers and gossip, which no pipeline schedule may contain."""
 
 
-def default_microbatches(replicas: list[int], schedule: str) -> int:
+def default_microbatches(replicas: list[int], schedule: ScheduleKind) -> int:
     """The number of micro-batches per step when none is given — decided here only.
 
     ``pipedream``: 1 (a minibatch is a whole global batch). One stage under 1F1B (data
     parallelism): one per worker. A pipeline: enough that every stage has one in flight and
     every replica of every stage gets one, ``max(stages, most replicas)``.
     """
-    if schedule == "pipedream":
+    if schedule.whole_minibatches:
         return 1
-    if len(replicas) == 1 and schedule == "1f1b":
+    if len(replicas) == 1 and schedule.accumulates:
         return replicas[0]
     return max(len(replicas), max(replicas))
+
+
+def _schedule_kind(name: ScheduleKind | str) -> ScheduleKind:
+    """The kind ``name`` names; :class:`UsageError` naming the known ones otherwise."""
+    kind = ScheduleKind.parse(name)
+    if kind is None:
+        raise UsageError(f"schedule {name!r} is not one of: {', '.join(SCHEDULE_KINDS)}")
+    return kind
 
 
 def _stage_dict(stage: Stage) -> dict[str, Any]:

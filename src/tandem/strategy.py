@@ -21,7 +21,8 @@ from typing import Any
 from tandem.spec.codec import CodecSpec
 from tandem.errors import UsageError
 from tandem.plan import Plan, Stage
-from tandem.schedule.schedule import SCHEDULE_KINDS, Schedule
+from tandem.schedule.schedule import Schedule
+from tandem.spec.kinds import ScheduleKind
 from tandem.spec.sync import (
     AllReduceSync,
     ElasticAveragingSync,
@@ -175,7 +176,7 @@ def plan_from_flags(strategy: str, given: Mapping[str, Any], *, num_processes: i
         raise UsageError(f"--accumulate must be at least 1 (got {accumulate})")
     layers, replicas = num_blocks or 1, workers // degree
     return Plan(stages=[Stage(start=0, end=layers, replicas=replicas)], num_layers=layers,
-                num_devices=num_processes, schedule="1f1b",
+                num_devices=num_processes, schedule=ScheduleKind.ONE_F_ONE_B,
                 num_microbatches=replicas * accumulate, tensor_degree=degree,
                 tensor_layers=parse_tensor_layers(given.get(TENSOR_LAYERS_FLAG)), sync=sync,
                 compress=compress)
@@ -251,14 +252,15 @@ def _pipeline_plan(given: Mapping[str, Any], num_processes: int, num_blocks: int
             f"the stages' replicas ({'-'.join(map(str, chosen))}) add up to {sum(chosen)} "
             f"workers but the job has {workers} (--nproc {num_processes}{per}); use --nproc "
             f"{sum(chosen) * degree} or change --replicas")
-    schedule, count, text = given.get("--schedule") or "1f1b", given.get("--microbatches"), None
-    if schedule not in SCHEDULE_KINDS:
-        written = read_schedule_file(schedule)
-        if written.kind == "pipedream":
-            raise UsageError(f"--schedule {schedule}: a hand-written schedule must be a flush "
+    name, count, text = given.get("--schedule"), given.get("--microbatches"), None
+    schedule = ScheduleKind.parse(name) if name else ScheduleKind.ONE_F_ONE_B
+    if schedule is None:
+        written = read_schedule_file(name)
+        if written.kind.asynchronous:
+            raise UsageError(f"--schedule {name}: a hand-written schedule must be a flush "
                              f"schedule (gpipe or 1f1b); use --schedule pipedream for PipeDream's")
         if count is not None:
-            raise UsageError(f"--microbatches conflicts with --schedule {schedule}, which has "
+            raise UsageError(f"--microbatches conflicts with --schedule {name}, which has "
                              f"{written.num_microbatches}; drop --microbatches")
         schedule, count, text = written.kind, written.num_microbatches, written.text()
     plan = Plan(stages=[Stage(start=start, end=end, replicas=count) for (start, end), count

@@ -203,7 +203,7 @@ def _calibration_text(measured: dict[str, Any]) -> str:
 
 def draw(run: RecordedRun, result: SimResult, skip_steps: int, path: str) -> None:
     """The predicted and the measured Gantt charts of a few steady steps, one above the other."""
-    count = 2 * len(result.workers) if result.schedule == "pipedream" else GANTT_STEPS
+    count = 2 * len(result.workers) if result.schedule.asynchronous else GANTT_STEPS
     measured_steps = gantt_window(run.timeline, skip_steps=skip_steps, count=count)
     predicted_steps = gantt_window(result.timeline, skip_steps=simulated_skip(result), count=count)
     title = f"{strategy_of(run.plan)} {run.plan.config}, {run.plan.schedule}"

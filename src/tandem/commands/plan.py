@@ -17,6 +17,7 @@ from tandem.planning import PartitionOptions, make_plan
 from tandem.planning.simulate.simulator import SimOptions
 from tandem.profile import ModelProfile
 from tandem.schedule import SCHEDULE_KINDS
+from tandem.spec.kinds import ScheduleKind
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -141,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     asked = [flag for flag, given in (("--schedule", args.schedule is not None),
                                       ("--microbatches", args.microbatches is not None),
                                       ("--straight", args.straight)) if given]
-    plan = make_plan(profile, cluster, options, schedule=args.schedule or "1f1b",
+    plan = make_plan(profile, cluster, options, schedule=args.schedule or ScheduleKind.ONE_F_ONE_B,
                      num_microbatches=args.microbatches, sim=sim,
                      pipeline_only=bool(asked))
     human = sys.stderr if args.json else sys.stdout

@@ -96,7 +96,8 @@ def _batch_samples(args: argparse.Namespace, profile: ModelProfile) -> int | Non
 def describe(candidate: Candidate) -> str:
     """``15-1, 1f1b, 8 micro-batches`` (``2-2 x tensor 2, recompute, ...`` with either)."""
     plan = candidate.plan
-    micro = "" if plan.schedule == "pipedream" else f", {candidate.result.num_microbatches} micro-batches"
+    micro = ("" if plan.schedule.whole_minibatches
+             else f", {candidate.result.num_microbatches} micro-batches")
     return f"{layout_text(plan)}, {plan.schedule}{micro}"
 
 
@@ -174,7 +175,7 @@ def result_dict(found: SearchResult) -> dict[str, Any]:
     data: dict[str, Any] = {
         "config": found.best.plan.config, "schedule": found.best.plan.schedule,
         "tensor_degree": found.best.plan.tensor_degree, "recompute": found.best.plan.recompute,
-        "num_microbatches": (None if found.best.plan.schedule == "pipedream"
+        "num_microbatches": (None if found.best.plan.schedule.whole_minibatches
                              else found.best.result.num_microbatches),
         "step_time_s": step,
         "best": _candidate_dict(found.best),

@@ -284,7 +284,7 @@ def _plan_line(result: SimResult) -> str:
         return (f"plan {result.config}, synchronized by {result.method}"
                 + (f" with {servers} server(s)" if servers else "")
                 + f", {result.num_microbatches} micro-batches per step")
-    unit = 'minibatches simulated' if result.schedule == 'pipedream' else 'micro-batches per step'
+    unit = 'minibatches simulated' if result.schedule.whole_minibatches else 'micro-batches per step'
     layout = (f" x tensor {result.tensor_degree} (each row: the first of its {result.tensor_degree}"
               f" devices)" if result.tensor_degree > 1 else "")
     layout += ", recompute" if result.recompute else ""
@@ -294,7 +294,7 @@ def _plan_line(result: SimResult) -> str:
 def gantt_steps(result: SimResult) -> set[int] | None:
     """The steps worth drawing: all of a flush schedule's, a few steady-state minibatches of
     PipeDream's long run."""
-    if result.schedule != "pipedream":
+    if result.schedule.flushes:
         return None
     middle = result.num_microbatches // 2
     return set(range(middle, middle + max(4, 2 * len(result.workers))))

@@ -367,7 +367,7 @@ def _stopped(schedule: Schedule, run: _Run, worker: int) -> str:
 # -- report ------------------------------------------------------------------------------------
 
 def _report(schedule: Schedule, problems: list[_Problem], run: _Run) -> str:
-    unit = "minibatch" if schedule.kind == "pipedream" else "micro-batch"
+    unit = schedule.kind.unit
     count = f"{schedule.num_microbatches} {unit}{'es' if schedule.num_microbatches > 1 else ''}"
     head = (f"invalid {schedule.kind} schedule (replicas "
             f"{'-'.join(map(str, schedule.replicas))}, {count}): "

@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from tandem.errors import UsageError
 from tandem.schedule.action import Action, Kind
 from tandem.schedule.schedule import SCHEDULE_KINDS, Schedule, make_schedule, worker_for
+from tandem.spec.kinds import ScheduleKind
 
 Ops = list[Action]
 
@@ -37,8 +38,8 @@ Ops = list[Action]
 def gpipe(replicas: Sequence[int], num_microbatches: int) -> Schedule:
     """GPipe: every worker runs all its forwards, then all its backwards (fill, then drain),
     then allreduces its gradients with its stage's other replicas (if any) and steps."""
-    replicas = _validate("gpipe", replicas, num_microbatches)
-    return _build("gpipe", replicas, num_microbatches, _fill_drain)
+    replicas = _validate(ScheduleKind.GPIPE, replicas, num_microbatches)
+    return _build(ScheduleKind.GPIPE, replicas, num_microbatches, _fill_drain)
 
 
 def one_f_one_b(replicas: Sequence[int], num_microbatches: int) -> Schedule:
@@ -57,8 +58,8 @@ def one_f_one_b(replicas: Sequence[int], num_microbatches: int) -> Schedule:
     Fewer would leave later stages idle; more would only cost activation memory. For a
     straight pipeline this is ``S - s``.
     """
-    replicas = _validate("1f1b", replicas, num_microbatches)
-    return _build("1f1b", replicas, num_microbatches, _interleaved)
+    replicas = _validate(ScheduleKind.ONE_F_ONE_B, replicas, num_microbatches)
+    return _build(ScheduleKind.ONE_F_ONE_B, replicas, num_microbatches, _interleaved)
 
 
 def pipedream(replicas: Sequence[int], num_minibatches: int) -> Schedule:
@@ -75,20 +76,23 @@ def pipedream(replicas: Sequence[int], num_minibatches: int) -> Schedule:
     The replicas of a stage allreduce once per round of the round-robin (their ``k``-th ``AR``
     actions pair up), so ``num_minibatches`` must be a multiple of every replica count.
     """
-    replicas = _validate("pipedream", replicas, num_minibatches)
-    return _build("pipedream", replicas, num_minibatches, _interleaved)
+    replicas = _validate(ScheduleKind.PIPEDREAM, replicas, num_minibatches)
+    return _build(ScheduleKind.PIPEDREAM, replicas, num_minibatches, _interleaved)
 
 
-GENERATORS: dict[str, Callable[[Sequence[int], int], Schedule]] = {
-    "gpipe": gpipe, "1f1b": one_f_one_b, "pipedream": pipedream,
+GENERATORS: dict[ScheduleKind, Callable[[Sequence[int], int], Schedule]] = {
+    ScheduleKind.GPIPE: gpipe, ScheduleKind.ONE_F_ONE_B: one_f_one_b,
+    ScheduleKind.PIPEDREAM: pipedream,
 }
+"""Each schedule kind's generator."""
 
 
-def generate(kind: str, replicas: Sequence[int], num_microbatches: int) -> Schedule:
-    """The schedule of ``kind`` (``gpipe``, ``1f1b`` or ``pipedream``)."""
-    if kind not in GENERATORS:
+def generate(kind: ScheduleKind | str, replicas: Sequence[int], num_microbatches: int) -> Schedule:
+    """The schedule of ``kind`` (``gpipe``, ``1f1b`` or ``pipedream``, or its name)."""
+    known = ScheduleKind.parse(kind)
+    if known is None:
         raise UsageError(f"unknown schedule kind {kind!r} (known: {', '.join(SCHEDULE_KINDS)})")
-    return GENERATORS[kind](replicas, num_microbatches)
+    return GENERATORS[known](replicas, num_microbatches)
 
 
 def num_in_flight(replicas: Sequence[int], stage: int) -> int:
@@ -125,7 +129,7 @@ def _backward(stage: int, microbatch: int) -> Action:
 
 # -- communication and synchronization ---------------------------------------------------------
 
-def _build(kind: str, replicas: tuple[int, ...], count: int, order: ComputeOrder) -> Schedule:
+def _build(kind: ScheduleKind, replicas: tuple[int, ...], count: int, order: ComputeOrder) -> Schedule:
     workers = []
     for stage, num_replicas in enumerate(replicas):
         for replica in range(num_replicas):
@@ -134,7 +138,7 @@ def _build(kind: str, replicas: tuple[int, ...], count: int, order: ComputeOrder
     return make_schedule(kind, replicas, count, workers)
 
 
-def _worker(kind: str, replicas: tuple[int, ...], stage: int, computes: Ops) -> Ops:
+def _worker(kind: ScheduleKind, replicas: tuple[int, ...], stage: int, computes: Ops) -> Ops:
     """Receives one computation ahead of their consumer, sends right after their producer,
     then allreduce and step (after every backward in ``pipedream``, at the end otherwise)."""
     replicated = replicas[stage] > 1
@@ -143,9 +147,9 @@ def _worker(kind: str, replicas: tuple[int, ...], stage: int, computes: Ops) -> 
         if index + 1 < len(computes):
             actions += _receive(replicas, computes[index + 1])
         actions += [op, *_send(replicas, op)]
-        if kind == "pipedream" and op.kind is Kind.BACKWARD:
+        if kind.asynchronous and op.kind is Kind.BACKWARD:
             actions += _update(stage, op.microbatch, replicated)
-    if kind != "pipedream":
+    if kind.flushes:
         actions += _update(stage, None, replicated)
     return actions
 
@@ -181,7 +185,7 @@ def _send(replicas: Sequence[int], op: Action) -> Ops:
 
 # -- validation --------------------------------------------------------------------------------
 
-def _validate(kind: str, replicas: Sequence[int], count: int) -> tuple[int, ...]:
+def _validate(kind: ScheduleKind, replicas: Sequence[int], count: int) -> tuple[int, ...]:
     """The replica counts as a tuple, or a UsageError naming the bad value and the fix."""
     replicas = tuple(replicas)
     text = "-".join(map(str, replicas))
@@ -191,14 +195,14 @@ def _validate(kind: str, replicas: Sequence[int], count: int) -> tuple[int, ...]
     if any(not isinstance(r, int) or r < 1 for r in replicas):
         raise UsageError(f"every stage needs at least one replica (replicas: {text}); "
                          "give a whole number of 1 or more per stage")
-    unit = "minibatch" if kind == "pipedream" else "micro-batch"
+    unit = kind.unit
     if not isinstance(count, int) or count < 1:
         raise UsageError(f"{kind} needs at least one {unit} ({unit}es: {count}); use 1 or more")
-    if kind == "1f1b" and count < len(replicas):
+    if kind is ScheduleKind.ONE_F_ONE_B and count < len(replicas):
         raise UsageError(f"1f1b needs at least as many micro-batches as stages (micro-batches: "
                          f"{count}, stages: {len(replicas)}); use {len(replicas)} or more, "
                          f"or gpipe")
-    if kind == "pipedream":
+    if kind.asynchronous:
         rounds = math.lcm(*replicas)
         if count % rounds:
             raise UsageError(f"pipedream with replicas {text} needs a number of minibatches "

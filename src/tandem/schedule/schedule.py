@@ -12,8 +12,10 @@ import re
 from collections.abc import Sequence
 
 from tandem.schedule.action import Action, ScheduleParseError
+from tandem.spec.kinds import ScheduleKind
 
-SCHEDULE_KINDS = ("gpipe", "1f1b", "pipedream")
+SCHEDULE_KINDS = tuple(kind.value for kind in ScheduleKind)
+"""The schedule kinds' names, as ``--schedule`` takes them."""
 _HEADER = re.compile(r"(\S+)\s+replicas=(\d+(?:-\d+)*)\s+microbatches=(\d+)")
 _HEADER_EXAMPLE = "'1f1b replicas=2-1 microbatches=4'"
 _WORKER = re.compile(r"w(\d+)\s*:(.*)")
@@ -24,8 +26,9 @@ class Schedule:
     """Per-worker action lists of one training step (flush schedules) or one whole run
     (PipeDream's asynchronous schedule)."""
 
-    kind: str
-    """``gpipe``, ``1f1b`` (with a flush per minibatch) or ``pipedream`` (asynchronous)."""
+    kind: ScheduleKind
+    """``gpipe``, ``1f1b`` (with a flush per minibatch) or ``pipedream`` (asynchronous); a name
+    given is read into its :class:`ScheduleKind`."""
     replicas: tuple[int, ...]
     """Replica count of each stage; their sum is the number of workers."""
     num_microbatches: int
@@ -34,9 +37,11 @@ class Schedule:
     """Actions of each worker, in order."""
 
     def __post_init__(self) -> None:
-        if self.kind not in SCHEDULE_KINDS:
+        kind = ScheduleKind.parse(self.kind)
+        if kind is None:
             raise ScheduleParseError(f"unknown schedule kind {self.kind!r} (known: "
                                      f"{', '.join(SCHEDULE_KINDS)})")
+        object.__setattr__(self, "kind", kind)  # frozen: the name is read once, here
         replicas = "-".join(map(str, self.replicas))
         if not self.replicas or any(not isinstance(r, int) or r < 1 for r in self.replicas):
             raise ScheduleParseError(f"every stage needs at least one replica (replicas: "
@@ -121,7 +126,7 @@ def worker_for(replicas: Sequence[int], stage: int, microbatch: int) -> int:
     return worker_of(replicas, stage, microbatch % replicas[stage])
 
 
-def make_schedule(kind: str, replicas: Sequence[int], num_microbatches: int,
+def make_schedule(kind: ScheduleKind, replicas: Sequence[int], num_microbatches: int,
                   workers: Sequence[Sequence[Action]]) -> Schedule:
     """Freeze per-worker action lists into a ``Schedule``."""
     return Schedule(kind=kind, replicas=tuple(replicas), num_microbatches=num_microbatches,

@@ -28,7 +28,7 @@ def update_problems(schedule: Schedule, worker: int) -> Problems:
     actions = schedule.workers[worker]
     if not any(action.kind is Kind.PUSH for action in actions):
         stage, _ = schedule.stage_of(worker)
-        rules = _async_updates if schedule.kind == "pipedream" else _flush_updates
+        rules = _async_updates if schedule.kind.asynchronous else _flush_updates
         rules(schedule, worker, stage, problems)
     return problems
 

@@ -2,7 +2,7 @@
 
 Usage::
 
-    sync = ParameterServerSync(servers=2, mode="ssp", staleness=3)
+    sync = ParameterServerSync(servers=2, mode=PsMode.SSP, staleness=3)   # or mode="ssp"
     sync_to_dict(sync)        # {"method": "ps", "servers": 2, "mode": "ssp", ...}
     sync_from_dict({"method": "gossip", "topology": "torus"})
 
@@ -17,9 +17,10 @@ import math
 from typing import Any, ClassVar, Union
 
 from tandem.errors import UsageError
+from tandem.spec.kinds import ElasticMode, PsMode
 
-PS_MODES = ("sync", "async", "ssp")
-EASGD_MODES = ("sync", "async")
+PS_MODES = tuple(mode.value for mode in PsMode)
+EASGD_MODES = tuple(mode.value for mode in ElasticMode)
 GOSSIP_WEIGHTS = ("uniform", "metropolis")
 
 
@@ -44,9 +45,9 @@ class ParameterServerSync:
 
     servers: int = 1
     """Server processes, counted within the job's processes (ranks ``0..servers-1``)."""
-    mode: str = "sync"
+    mode: PsMode = PsMode.SYNC
     """``sync`` (every step waits for the pushes), ``async`` (each push applied on arrival) or
-    ``ssp`` (asynchronous, bounded staleness)."""
+    ``ssp`` (asynchronous, bounded staleness); its name is read into a :class:`PsMode`."""
     staleness: int = 2
     """``ssp``: how many updates a worker may be ahead of the slowest."""
     staleness_lr: bool = False
@@ -55,15 +56,17 @@ class ParameterServerSync:
     """``sync``: backup workers; each step applies the first (workers - backup) pushes."""
 
     def __post_init__(self) -> None:
-        if self.mode not in PS_MODES:
+        mode = PsMode.parse(self.mode)
+        if mode is None:
             raise UsageError(f"--mode {self.mode!r} is not one of: {', '.join(PS_MODES)}")
+        object.__setattr__(self, "mode", mode)  # frozen: the name is read once, here
         if self.servers < 1:
             raise UsageError(f"--servers must be at least 1 (got {self.servers})")
         if self.staleness < 0:
             raise UsageError(f"--staleness must be >= 0 (got {self.staleness})")
         if self.backup < 0:
             raise UsageError(f"--backup must be >= 0 (got {self.backup})")
-        if self.backup and self.mode != "sync":
+        if self.backup and self.mode.asynchronous:
             raise UsageError(f"--backup applies to --mode sync only (got --mode {self.mode}); "
                              f"drop --backup or use --mode sync")
 
@@ -71,21 +74,21 @@ class ParameterServerSync:
         """Server updates that make one optimizer step of ``--batch-size`` samples: one in
         ``sync`` mode (the workers' mean), one per worker in ``async`` and ``ssp`` (each push is
         an update of one worker's share), so ``--steps`` reads the same samples in every mode."""
-        return 1 if self.mode == "sync" else workers
+        return workers if self.mode.asynchronous else 1
 
     @property
     def server_clips(self) -> bool:
         """Whether ``--clip-grad-norm`` clips on the servers: in ``sync`` mode the applied
         gradient is the workers' mean, whose norm only the servers see (asynchronous modes
         apply each worker's own gradient, which the worker clips before pushing)."""
-        return self.mode == "sync"
+        return not self.mode.asynchronous
 
     def check_given(self, given: dict[str, Any]) -> None:
         """Mode-specific flags given with another mode are errors."""
-        if "--staleness" in given and self.mode != "ssp":
+        if "--staleness" in given and not self.mode.bounded:
             raise UsageError(f"--staleness applies to --mode ssp only (got --mode {self.mode}); "
                              f"drop --staleness or use --mode ssp")
-        if given.get("--staleness-lr") and self.mode == "sync":
+        if given.get("--staleness-lr") and not self.mode.asynchronous:
             raise UsageError("--staleness-lr applies to --mode async or ssp only (got --mode "
                              "sync, where no update is stale); drop it or change --mode")
 
@@ -134,7 +137,7 @@ class ElasticAveragingSync:
     """Elasticity; the moving rate is ``alpha = lr * rho``."""
     period: int = 4
     """Elastic update every this many local steps of a worker (tau)."""
-    mode: str = "sync"
+    mode: ElasticMode = ElasticMode.SYNC
     """``sync`` (every worker meets the others every period) or ``async`` (a server holds the
     center; no barrier between workers)."""
     servers: int | None = None
@@ -148,17 +151,19 @@ class ElasticAveragingSync:
         if not (self.rho > 0 and math.isfinite(self.rho)):
             raise UsageError(f"--rho must be a positive number (got {self.rho})")
         _check_period(self.period)
-        if self.mode not in EASGD_MODES:
+        mode = ElasticMode.parse(self.mode)
+        if mode is None:
             raise UsageError(f"--mode {self.mode!r} is not one of: {', '.join(EASGD_MODES)} for "
                              f"--strategy easgd (bounded staleness is --strategy ps --mode ssp)")
-        if self.mode == "sync" and self.servers:
+        object.__setattr__(self, "mode", mode)  # frozen: the name is read once, here
+        if not mode.asynchronous and self.servers:
             raise UsageError(f"--servers {self.servers} applies to --strategy easgd --mode async "
                              f"only (synchronous EASGD keeps the center on every worker); add "
                              f"--mode async or drop --servers")
-        if self.mode == "async" and self.servers is not None and self.servers < 1:
+        if mode.asynchronous and self.servers is not None and self.servers < 1:
             raise UsageError(f"--servers must be at least 1 (got {self.servers})")
         if self.servers is None:  # frozen: the default is settled once, here
-            object.__setattr__(self, "servers", 1 if self.mode == "async" else 0)
+            object.__setattr__(self, "servers", 1 if mode.asynchronous else 0)
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)

@@ -14,6 +14,7 @@ import numpy as np
 
 from tandem.planning.partition.antichain import States
 from tandem.planning.partition.memory import stage_memory_bytes
+from tandem.spec.kinds import ScheduleKind
 
 Piece = tuple[int, int, int, float, float, float]
 """A stage of one level: (before, state, replicas, time_s, allreduce_s, transfer_s)."""
@@ -51,7 +52,7 @@ class LevelProblem:
     """Plans may leave units unused."""
     all_rows: bool
     """Solve every segment start (needed by the level above), not only row 0."""
-    schedule: str = "pipedream"
+    schedule: ScheduleKind = ScheduleKind.PIPEDREAM
     """The schedule whose memory is budgeted (:mod:`tandem.planning.partition.memory`)."""
     optimizer_state_factor: float = 1.0
     """Optimizer state bytes per parameter byte."""
@@ -74,7 +75,8 @@ class LevelProblem:
         shrink = self.devices_per_unit * self.gradient_compression
         return comm if shrink == 1 else comm / shrink
 
-    def transfer_s(self, nbytes: np.ndarray | float, replicas: np.ndarray | float) -> np.ndarray:
+    def transfer_s(self, nbytes: np.ndarray | float,
+                   replicas: np.ndarray | float) -> np.ndarray | float:
         """Activation transfer time of a non-first stage on ``replicas`` units."""
         if self.activation_compression is None:
             return np.zeros(np.broadcast(np.asarray(nbytes), np.asarray(replicas)).shape)
@@ -97,10 +99,10 @@ class LevelProblem:
                      first: np.ndarray | bool) -> np.ndarray:  # fmt: skip
         """:meth:`stage_time` from a segment's values rather than its position."""
         comm = self.allreduce_s(parameter_bytes, replicas)
-        time_s = (compute_s + comm) / replicas
+        time_s: np.ndarray = (compute_s + comm) / replicas
         if first is True or self.activation_compression is None:
             return time_s
-        slowest = np.maximum(time_s, self.transfer_s(transfer_bytes, replicas))
+        slowest: np.ndarray = np.maximum(time_s, self.transfer_s(transfer_bytes, replicas))
         return slowest if first is False else np.where(first, time_s, slowest)
 
     def fits(self, row: np.ndarray | int, state: np.ndarray | int,
@@ -120,7 +122,7 @@ class LevelProblem:
             self.schedule, parameter_bytes=self.parameter_bytes[row, state] * share,
             activation_bytes=self.stash_bytes[row, state] * share, replicas=replicas,
             downstream=self.num_units - used, optimizer_state_factor=self.optimizer_state_factor)
-        return need <= self.memory_bytes
+        return np.asarray(need <= self.memory_bytes)
 
     def piece(self, before: int, state: int, replicas: int, *, first: bool) -> Piece:
         """The stage after ``before`` up to ``state`` as a :data:`Piece`."""
@@ -177,7 +179,7 @@ def solve_level(problem: LevelProblem) -> LevelTable:
     units = np.arange(1, N + 1)
     for j in range(n):
         below = np.flatnonzero(problem.states.below[:, j])
-        valid_rows = [0] + ([p + 1 for p in below] if problem.all_rows else [])
+        valid_rows = [0] + ([int(p) + 1 for p in below] if problem.all_rows else [])
         last = _last_stage_times(problem, below, j) if below.size else None
         for p in valid_rows:
             base = _base_times(problem, p, j, units)

@@ -2,7 +2,7 @@
 
 Usage::
 
-    held, versions = in_flight("pipedream", replicas=2, downstream=3)    # (3, 2)
+    held, versions = in_flight(ScheduleKind.PIPEDREAM, replicas=2, downstream=3)    # (3, 2)
     device_memory_bytes(parameter_bytes=P, activation_bytes=held * A,
                         stashed_versions=versions, optimizer_state_factor=1.0)
 
@@ -42,7 +42,9 @@ from __future__ import annotations
 
 import numpy as np
 
-FLUSH_SCHEDULES = ("gpipe", "1f1b")
+from tandem.spec.kinds import ScheduleKind
+
+FLUSH_SCHEDULES = tuple(kind for kind in ScheduleKind if kind.flushes)
 """Schedules that end every step with a flush: no weight versions, one minibatch at most."""
 
 
@@ -69,25 +71,23 @@ def held_activation_bytes(held: np.ndarray | float, activation_bytes: np.ndarray
     return held * recompute_input_bytes + microbatch_share * activation_bytes
 
 
-def in_flight(schedule: str, replicas: np.ndarray | float, downstream: np.ndarray | float,
+def in_flight(schedule: ScheduleKind | str, replicas: np.ndarray | float, downstream: np.ndarray | float,
               num_microbatches: int | None = None,
               ) -> tuple[np.ndarray | float, np.ndarray | float]:
     """``(minibatches of activations held, weight versions stashed)`` per device of a stage on
     ``replicas`` devices with ``downstream`` devices after it (vectorized; see the module
     docstring). Flush schedules: a replica's share of ``num_microbatches`` round-robin,
     ``ceil(M / r) / M``; None for ``1 / r`` (the partitioner, before the count is chosen)."""
-    if schedule in FLUSH_SCHEDULES:
+    if _kind(schedule).flushes:
         replicas = np.asarray(replicas, dtype=np.float64)
         if num_microbatches is None:
             return 1.0 / replicas, 0.0
         return np.ceil(num_microbatches / replicas) / num_microbatches, 0.0
-    if schedule != "pipedream":
-        raise ValueError(f"no memory model for schedule {schedule!r}")
     held = 1.0 + np.ceil(np.asarray(downstream, dtype=np.float64) / replicas)
     return held, held - 1.0
 
 
-def stage_memory_bytes(schedule: str, *, parameter_bytes: np.ndarray | float,
+def stage_memory_bytes(schedule: ScheduleKind | str, *, parameter_bytes: np.ndarray | float,
                        activation_bytes: np.ndarray | float, replicas: np.ndarray | float,
                        downstream: np.ndarray | float, optimizer_state_factor: float = 1.0,
                        num_microbatches: int | None = None,
@@ -99,7 +99,7 @@ def stage_memory_bytes(schedule: str, *, parameter_bytes: np.ndarray | float,
     (:func:`held_activation_bytes`; one micro-batch is ``1 / M`` of the minibatch, a whole one
     under PipeDream's schedule, and the replica's share ``1 / r`` while ``M`` is unknown)."""
     held, versions = in_flight(schedule, replicas, downstream, num_microbatches)
-    if schedule not in FLUSH_SCHEDULES:
+    if not _kind(schedule).flushes:
         share: np.ndarray | float = 1.0
     elif num_microbatches is None:
         share = 1.0 / np.asarray(replicas, dtype=np.float64)
@@ -112,3 +112,11 @@ def stage_memory_bytes(schedule: str, *, parameter_bytes: np.ndarray | float,
                                activation_bytes=activations,
                                stashed_versions=versions,
                                optimizer_state_factor=optimizer_state_factor)
+
+
+def _kind(schedule: ScheduleKind | str) -> ScheduleKind:
+    """The kind of ``schedule`` (a member, or its name); ``ValueError`` for an unknown one."""
+    kind = ScheduleKind.parse(schedule)
+    if kind is None:
+        raise ValueError(f"no memory model for schedule {schedule!r}")
+    return kind

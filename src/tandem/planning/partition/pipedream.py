@@ -43,6 +43,7 @@ from tandem.planning.partition.levels import LevelProblem, LevelTable, solve_lev
 from tandem.planning.partition.memory import FLUSH_SCHEDULES
 from tandem.planning.partition.parametric import solve_level_fast
 from tandem.profile import ModelProfile
+from tandem.spec.kinds import ScheduleKind
 
 
 class NoPlanFits(UsageError):
@@ -65,7 +66,7 @@ class PartitionOptions:
     """Allow plans that leave units idle when that is faster."""
     memory_bytes: float | None = None
     """Per-device memory limit in bytes; None for no limit."""
-    schedule: str = "pipedream"
+    schedule: ScheduleKind = ScheduleKind.PIPEDREAM
     """The schedule whose memory a limit budgets (:mod:`tandem.planning.partition.memory`): PipeDream's
     in-flight minibatches and stashed weights, or a flush schedule's (``gpipe``, ``1f1b``)."""
     optimizer_state_factor: float = 1.0
@@ -83,9 +84,11 @@ class PartitionOptions:
             raise UsageError(f"--gradient-compression must be a positive number (got {ratio})")
         if self.memory_bytes is not None and not self.memory_bytes > 0:
             raise UsageError(f"memory limit must be positive (got {self.memory_bytes} bytes)")
-        if self.schedule not in ("pipedream", *FLUSH_SCHEDULES):
+        kind = ScheduleKind.parse(self.schedule)
+        if kind is None:
             raise UsageError(f"unknown schedule {self.schedule!r}: use pipedream, "
                              f"{' or '.join(FLUSH_SCHEDULES)}")
+        object.__setattr__(self, "schedule", kind)  # frozen: the name is read once, here
         if not (self.optimizer_state_factor >= 0 and math.isfinite(self.optimizer_state_factor)):
             raise UsageError(f"--optimizer-state must be a number >= 0 (got "
                              f"{self.optimizer_state_factor})")

@@ -2,7 +2,7 @@
 
 Usage::
 
-    plan = balanced_plan(profile, [2, 1, 1], schedule="1f1b", num_microbatches=8)
+    plan = balanced_plan(profile, [2, 1, 1], schedule=ScheduleKind.ONE_F_ONE_B, num_microbatches=8)
 
 Stage ``s`` gets a contiguous run of layers whose compute divided by its replica count is as
 small as possible for the slowest stage (a bottleneck search over a greedy fill, which is exact
@@ -20,6 +20,7 @@ from tandem.plan import Plan, Stage
 from tandem.planning.partition.pipedream import PartitionOptions
 from tandem.planning.search.planner import partition_plan
 from tandem.profile import ModelProfile, topological_order
+from tandem.spec.kinds import ScheduleKind
 
 
 def layer_order(profile: ModelProfile) -> list[int]:
@@ -76,7 +77,7 @@ def _fill(times: Sequence[float], replicas: Sequence[int], limit: float) -> list
     return bounds if start == n else None
 
 
-def balanced_plan(profile: ModelProfile, replicas: Sequence[int], *, schedule: str,
+def balanced_plan(profile: ModelProfile, replicas: Sequence[int], *, schedule: ScheduleKind,
                   num_microbatches: int | None, order: list[int] | None = None) -> Plan:
     """A plan with ``replicas`` per stage and compute-balanced boundaries along ``order``."""
     order = order or layer_order(profile)

@@ -24,7 +24,7 @@ and reports them apart.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from tandem.cluster import Cluster
 from tandem.errors import UsageError
@@ -32,7 +32,9 @@ from tandem.plan import Plan
 from tandem.planning.search.flexflow import Candidate
 from tandem.planning.simulate.simulator import SimOptions, data_parallel_plan, simulate
 from tandem.profile import ModelProfile
+from tandem.spec.kinds import PsMode
 from tandem.spec.sync import (
+    SYNC_METHODS,
     ElasticAveragingSync,
     GossipSync,
     LocalSGDSync,
@@ -40,32 +42,51 @@ from tandem.spec.sync import (
     SyncSpec,
 )
 
-FAMILIES = ("ps", "gossip", "localsgd", "easgd")
-"""Families :func:`best_of_families` can try."""
-
 PERIOD = 4
 """Averaging period of local SGD and EASGD (``tandem train``'s default)."""
 
+Options = Iterator[tuple[SyncSpec, int]]
 
-def family_specs(method: str, num_devices: int) -> Iterator[tuple[SyncSpec, int]]:
+
+def _ps_options(num_devices: int) -> Options:
+    servers = 1
+    while servers <= num_devices // 2:
+        for mode in (PsMode.SYNC, PsMode.ASYNC):
+            yield ParameterServerSync(servers=servers, mode=mode), num_devices - servers
+        servers *= 2
+
+
+def _gossip_options(num_devices: int) -> Options:
+    for topology in ("ring", "torus", "exponential", "complete"):
+        yield GossipSync(topology=topology), num_devices
+    if num_devices % 2 == 0 and num_devices > 1:
+        yield GossipSync(topology="ring", asynchronous=True), num_devices
+
+
+def _localsgd_options(num_devices: int) -> Options:
+    yield LocalSGDSync(period=PERIOD), num_devices
+
+
+def _easgd_options(num_devices: int) -> Options:
+    yield ElasticAveragingSync(period=PERIOD), num_devices
+
+
+FAMILY_OPTIONS: dict[type[SyncSpec], Callable[[int], Options]] = {
+    ParameterServerSync: _ps_options, GossipSync: _gossip_options,
+    LocalSGDSync: _localsgd_options, ElasticAveragingSync: _easgd_options,
+}
+"""Sync-spec class -> the options of it tried on a number of devices."""
+
+FAMILIES = tuple(cls.method for cls in FAMILY_OPTIONS)
+"""Families :func:`best_of_families` can try, by their methods' names."""
+
+
+def family_specs(method: str, num_devices: int) -> Options:
     """``(sync spec, workers)`` of every option of ``method`` tried on ``num_devices``."""
-    if method == "ps":
-        servers = 1
-        while servers <= num_devices // 2:
-            for mode in ("sync", "async"):
-                yield ParameterServerSync(servers=servers, mode=mode), num_devices - servers
-            servers *= 2
-    elif method == "gossip":
-        for topology in ("ring", "torus", "exponential", "complete"):
-            yield GossipSync(topology=topology), num_devices
-        if num_devices % 2 == 0 and num_devices > 1:
-            yield GossipSync(topology="ring", asynchronous=True), num_devices
-    elif method == "localsgd":
-        yield LocalSGDSync(period=PERIOD), num_devices
-    elif method == "easgd":
-        yield ElasticAveragingSync(period=PERIOD), num_devices
-    else:
+    cls = SYNC_METHODS.get(method)
+    if cls not in FAMILY_OPTIONS:
         raise UsageError(f"unknown family {method!r}; choose among: {', '.join(FAMILIES)}")
+    yield from FAMILY_OPTIONS[cls](num_devices)
 
 
 def best_of_families(profile: ModelProfile, cluster: Cluster, sim: SimOptions | None = None,

@@ -35,6 +35,7 @@ from tandem.planning.simulate.simulator import SimOptions, SimResult, data_paral
 from tandem.planning.simulate.tensor import DEFAULT_MAX_TENSOR_DEGREE, tensor_degrees
 from tandem.profile import ModelProfile
 from tandem.schedule import SCHEDULE_KINDS
+from tandem.spec.kinds import ScheduleKind
 
 OVERFLOW_PENALTY = 10.0
 """A plan overflowing memory by a fraction ``x`` costs ``(1 + 10 x)`` times its step time."""
@@ -51,8 +52,8 @@ class SearchOptions:
     seed: int = 0
     temperature: float = 0.03
     """Relative slowdown accepted with probability 1/e."""
-    schedules: tuple[str, ...] = SCHEDULE_KINDS
-    """Schedules the search may choose."""
+    schedules: tuple[ScheduleKind, ...] = tuple(ScheduleKind)
+    """Schedules the search may choose (names given are read into kinds)."""
     max_microbatches: int = 64
     batch_samples: int | None = None
     """Global minibatch in samples, when known: micro-batch counts must divide it."""
@@ -76,6 +77,7 @@ class SearchOptions:
         unknown = set(self.schedules) - set(SCHEDULE_KINDS)
         if unknown or not self.schedules:
             raise UsageError(f"unknown schedule {sorted(unknown)} (known: {', '.join(SCHEDULE_KINDS)})")
+        object.__setattr__(self, "schedules", tuple(ScheduleKind(name) for name in self.schedules))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -87,7 +89,7 @@ class Strategy:
     ends: tuple[int, ...]
     """End position of each stage (exclusive); the last is the number of layers."""
     replicas: tuple[int, ...]
-    schedule: str
+    schedule: ScheduleKind
     microbatches: int
     tensor: int = 1
     """Tensor degree: devices per replica."""
@@ -98,14 +100,14 @@ class Strategy:
         count rounded up to a multiple of its replicas, which share them round-robin."""
         starts = (0, *self.ends[:-1])
         count = self.microbatches
-        if len(self.replicas) == 1 and self.schedule == "1f1b":
+        if len(self.replicas) == 1 and self.schedule.accumulates:
             count = -(-count // self.replicas[0]) * self.replicas[0]
         identity = self.order == tuple(range(len(self.order)))
         return Plan(stages=[Stage(start=s, end=e, replicas=r)
                             for s, e, r in zip(starts, self.ends, self.replicas)],
                     num_layers=len(self.order), num_devices=num_devices,
                     layer_order=None if identity else list(self.order), schedule=self.schedule,
-                    num_microbatches=None if self.schedule == "pipedream" else count,
+                    num_microbatches=None if self.schedule.whole_minibatches else count,
                     tensor_degree=self.tensor, recompute=self.recompute)
 
 
@@ -159,7 +161,7 @@ class _Search:
 
     def cost(self, strategy: Strategy) -> float:
         """Step time, raised for memory overflow; inf for a plan that cannot run."""
-        if strategy.schedule == "pipedream":  # runs whole minibatches: no micro-batch count
+        if strategy.schedule.whole_minibatches:  # no micro-batch count
             strategy = dataclasses.replace(strategy, microbatches=0)
         if strategy not in self.cache:
             self.cache[strategy] = self._evaluate(strategy)
@@ -195,23 +197,25 @@ class _Search:
             starts.insert(1, self._from_plan(partitioner_plan))
         if self.degrees[-1] > 1:  # the least memory per device
             starts.append(self._repair(self._retensored(dp, self.degrees[-1])))
-        chains = [[s, self.cost(s)] for s in starts if s is not None]
+        chains = [(s, self.cost(s)) for s in starts if s is not None]
         dp_candidate = self.cache[dp][1] if dp in self.cache else None
         part_candidate = self._as_is(partitioner_plan)
         accepted = 0
         limit = self.options.max_iterations
         deadline = started + self.options.budget_s
         while (limit is None or self.iteration < limit) and time.perf_counter() < deadline:
-            chain = chains[self.iteration % len(chains)]
+            index = self.iteration % len(chains)
+            current, current_cost = chains[index]
             self.iteration += 1
-            proposal = self.propose(chain[0])
+            proposal = self.propose(current)
             if proposal is None:
                 continue
             value = self.cost(proposal)
-            if self._accept(chain[1], value):
-                chain[0], chain[1] = proposal, value
+            if self._accept(current_cost, value):
+                chains[index] = (proposal, value)
                 accepted += 1
         if self.best is None:
+            assert self.cluster.memory_bytes is not None  # without a limit every plan fits
             raise UsageError(
                 f"no plan fits in {self.cluster.memory_bytes / 1e9:g} GB per device on "
                 f"{self.num_devices} devices: raise --memory, add devices or use a smaller batch")
@@ -260,7 +264,8 @@ class _Search:
         stages = min(self.num_devices, len(order))
         times = [self.profile.layers[layer].compute_s for layer in order]
         bounds = balanced_bounds(times, [1] * stages)
-        schedule = "1f1b" if "1f1b" in self.options.schedules else self.options.schedules[0]
+        flush = ScheduleKind.ONE_F_ONE_B
+        schedule = flush if flush in self.options.schedules else self.options.schedules[0]
         return self._repair(Strategy(order=order, ends=tuple(e for _, e in bounds),
                                      replicas=(1,) * stages, schedule=schedule,
                                      microbatches=2 * stages))
@@ -356,7 +361,7 @@ class _Search:
         return dataclasses.replace(s, schedule=self.random.choice(others)) if others else None
 
     def _microbatches(self, s: Strategy) -> Strategy | None:
-        if s.schedule == "pipedream":
+        if s.schedule.whole_minibatches:
             return None
         choices = self._counts()
         position = min(range(len(choices)), key=lambda i: abs(choices[i] - s.microbatches))
@@ -373,9 +378,10 @@ class _Search:
 
     def _repair(self, s: Strategy | None) -> Strategy | None:
         """Raise the micro-batches to what the schedule needs; None if impossible."""
-        if s is None or s.schedule == "pipedream":
+        if s is None or s.schedule.whole_minibatches:
             return s
-        needed = max(s.replicas) if s.schedule == "gpipe" else max(len(s.ends), max(s.replicas))
+        needed = (max(s.replicas) if s.schedule.forwards_first
+                  else max(len(s.ends), max(s.replicas)))
         if s.microbatches >= needed:
             return s
         fits = [m for m in self._counts() if m >= needed]

@@ -28,10 +28,11 @@ from tandem.cluster import Cluster, Level
 from tandem.errors import UsageError
 from tandem.plan import Plan, Stage, default_microbatches
 from tandem.planning.partition.branches import compress_for_planning
-from tandem.planning.partition.memory import FLUSH_SCHEDULES, stage_memory_bytes
+from tandem.planning.partition.memory import stage_memory_bytes
 from tandem.planning.partition.pipedream import NoPlanFits, Partition, PartitionOptions, partition
 from tandem.planning.simulate.simulator import SimOptions, SimResult, data_parallel_plan, simulate
 from tandem.profile import ModelProfile, topological_order
+from tandem.spec.kinds import ScheduleKind
 
 PIPELINE_CANDIDATES = ("partition", "flat")
 """The candidates that are the partitioner's pipelines (the others: ``dp`` and ``single``)."""
@@ -75,7 +76,7 @@ def partition_plan(
         estimate_s=solved.bottleneck_s,
         layer_order=None if order == list(range(profile.num_layers)) else order,
         level_configs=list(solved.level_configs),
-        predicted_schedule="pipedream",
+        predicted_schedule=ScheduleKind.PIPEDREAM,
         solve_s=solve_s,
         options=_recorded(dataclasses.replace(
             options, memory_bytes=options.memory_bytes or cluster.memory_bytes)),
@@ -125,7 +126,8 @@ class _Candidate:
 
 def make_plan(
     profile: ModelProfile, cluster: Cluster, options: PartitionOptions | None = None, *,
-    schedule: str = "1f1b", num_microbatches: int | None = None, sim: SimOptions | None = None,
+    schedule: ScheduleKind | str = ScheduleKind.ONE_F_ONE_B, num_microbatches: int | None = None,
+    sim: SimOptions | None = None,
     pipeline_only: bool = False,
 ) -> Plan:  # fmt: skip
     """The fastest plan, by the simulator, among the partitioner's on ``cluster``, the
@@ -137,7 +139,8 @@ def make_plan(
     for a pipeline's layout or schedule) still simulates data parallelism and one device, for
     reference, but returns one of the partitioner's plans."""
     options = options or PartitionOptions()
-    if schedule == "pipedream" and num_microbatches not in (None, 1):
+    kind = ScheduleKind.parse(schedule)
+    if kind is not None and kind.whole_minibatches and num_microbatches not in (None, 1):
         raise UsageError(f"the pipedream schedule runs whole minibatches: --microbatches "
                          f"{num_microbatches} does not apply; drop it or use --schedule 1f1b or "
                          f"gpipe")
@@ -147,7 +150,7 @@ def make_plan(
     options = dataclasses.replace(options, memory_bytes=memory, schedule=schedule,
                                   optimizer_state_factor=sim.optimizer_state_factor)
     started = time.perf_counter()
-    candidates = _candidates(profile, cluster, options, schedule, num_microbatches, sim)
+    candidates = _candidates(profile, cluster, options, options.schedule, num_microbatches, sim)
     eligible = candidates
     if pipeline_only or options.straight:
         eligible = [c for c in candidates if c.name in PIPELINE_CANDIDATES]
@@ -162,7 +165,7 @@ def make_plan(
 
 
 def _candidates(profile: ModelProfile, cluster: Cluster, options: PartitionOptions,
-                schedule: str, num_microbatches: int | None,
+                schedule: ScheduleKind, num_microbatches: int | None,
                 sim: SimOptions) -> list[_Candidate]:  # fmt: skip
     evaluate = _evaluator(profile, cluster, schedule, num_microbatches, sim)
     found = [_partitioned("partition", profile, cluster, options, evaluate)]
@@ -179,7 +182,7 @@ def _candidates(profile: ModelProfile, cluster: Cluster, options: PartitionOptio
 Evaluate = Callable[[str, Plan, "float | None"], _Candidate]
 
 
-def _evaluator(profile: ModelProfile, cluster: Cluster, schedule: str,
+def _evaluator(profile: ModelProfile, cluster: Cluster, schedule: ScheduleKind,
                num_microbatches: int | None, sim: SimOptions) -> Evaluate:
     """Simulate a candidate as it would run: pipelines with ``schedule`` and the best
     micro-batch count tried; one-stage plans as data parallelism."""
@@ -210,9 +213,9 @@ def _better(trial: _Candidate, best: _Candidate) -> bool:
     return trial.result.step_time_s < best.result.step_time_s  # type: ignore[union-attr]
 
 
-def _microbatch_counts(plan: Plan, schedule: str, given: int | None,
+def _microbatch_counts(plan: Plan, schedule: ScheduleKind, given: int | None,
                        batch: float | None) -> list[int | None]:
-    if schedule not in FLUSH_SCHEDULES:
+    if not schedule.flushes:
         return [None]
     if given is not None:
         return [given]
@@ -263,7 +266,7 @@ def _within_limit(name: str, profile: ModelProfile, cluster: Cluster, options: P
     it, loosest first (the last tried if none does)."""
     limit = options.memory_bytes
     assert limit is not None
-    scales = BUDGET_SCALES if options.schedule in FLUSH_SCHEDULES else (1.0,)
+    scales = BUDGET_SCALES if options.schedule.flushes else (1.0,)
     candidate = _Candidate(name=name, plan=None)
     for scale in sorted(scales, reverse=True):
         budget = dataclasses.replace(options, memory_bytes=limit * scale)
@@ -271,7 +274,8 @@ def _within_limit(name: str, profile: ModelProfile, cluster: Cluster, options: P
         for _ in range(MEMORY_RETRIES if scale == 1.0 else 0):
             if candidate.plan is None or candidate.fits:
                 break
-            shrink = limit / candidate.result.peak_memory_bytes  # type: ignore[union-attr]
+            assert candidate.result is not None and budget.memory_bytes is not None  # solved
+            shrink = limit / candidate.result.peak_memory_bytes
             budget = dataclasses.replace(budget, memory_bytes=budget.memory_bytes * shrink * 0.999)
             candidate = _solved(name, profile, cluster, budget, evaluate)
         if candidate.fits:
@@ -341,6 +345,7 @@ def _stage_peak(result: SimResult, stage: int) -> float:
 
 def _no_fit_message(profile: ModelProfile, cluster: Cluster, options: PartitionOptions,
                     sim: SimOptions, memory: float | None, eligible: list[_Candidate]) -> str:
+    assert memory is not None  # without a limit every plan fits
     peaks = [c.result.peak_memory_bytes for c in eligible if c.result is not None]
     need = min([smallest_memory_bytes(profile, cluster, options, sim), *peaks])
     words = {"partition": "straight pipelines" if options.straight else "pipelines",
@@ -363,7 +368,7 @@ def smallest_memory_bytes(profile: ModelProfile, cluster: Cluster, options: Part
     flat = _flat_at_slowest_link(cluster)
     relaxed = options
 
-    scales = BUDGET_SCALES if options.schedule in FLUSH_SCHEDULES else (1.0,)
+    scales = BUDGET_SCALES if options.schedule.flushes else (1.0,)
     unlimited = dataclasses.replace(flat, memory_bytes=None)
 
     def peak(limit: float) -> float | None:
@@ -402,7 +407,8 @@ def _layer_order(profile: ModelProfile, solved: Partition) -> list[int]:
             enumerate(topological_order(profile.num_layers, profile.edge_list()))}  # fmt: skip
     order: list[int] = []
     for choice in solved.stages:
-        order.extend(sorted(solved.states.layers_between(choice.before, choice.state), key=rank.get))
+        order.extend(sorted(solved.states.layers_between(choice.before, choice.state),
+                            key=rank.__getitem__))
     return order
 
 

@@ -65,6 +65,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from typing import Any
 
 from tandem.cluster import Cluster, Level
 from tandem.errors import UsageError
@@ -82,10 +83,15 @@ from tandem.planning.simulate.tensor import (
     tensor_degrees,
 )
 from tandem.profile import ModelProfile
-from tandem.spec.sync import GossipSync, LocalSGDSync, ParameterServerSync
+from tandem.spec.kinds import ScheduleKind
+from tandem.spec.sync import SYNC_METHODS, GossipSync, LocalSGDSync, ParameterServerSync, SyncSpec
 
-FAMILIES = ("ps", "gossip", "localsgd")
-"""Synchronization families the analysis can draw."""
+FAMILY_SPECS = (ParameterServerSync, GossipSync, LocalSGDSync)
+"""Synchronization families the analysis can draw (each with its defaults, see
+:func:`_family_sync`)."""
+
+FAMILIES = tuple(cls.method for cls in FAMILY_SPECS)
+"""Their methods' names, as ``--families`` takes them."""
 
 MAX_MICROBATCHES = 2048
 """Most micro-batches per step a pipeline is simulated with."""
@@ -104,7 +110,7 @@ class ScaleOptions:
     """Pipelines run this many micro-batches per stage and step (bubble ``(S-1)/(M+S-1)``)."""
     batch_samples: int | None = None
     """Global minibatch in samples, when known: no device or micro-batch gets less than one."""
-    families: tuple[str, ...] = ("ps", "gossip", "localsgd")
+    families: tuple[str, ...] = FAMILIES
     """Synchronization families drawn beside data parallelism and pipelines."""
     ps_servers: int = 1
     """Parameter servers of the ``ps`` curve."""
@@ -334,8 +340,9 @@ def _strategies(profile: ModelProfile, cluster: Cluster, n: int, options: ScaleO
         strategies.append((f"dp+{ratio:g}x", dp, dataclasses.replace(
             sim, gradient_compression=sim.gradient_compression * ratio)))
     stages = min(n, profile.num_layers)
-    strategies.append(("pipeline", _micro(balanced_plan(profile, [1] * stages, schedule="1f1b",
-                                                        num_microbatches=None), options), sim))
+    strategies.append(("pipeline", _micro(balanced_plan(
+        profile, [1] * stages, schedule=ScheduleKind.ONE_F_ONE_B, num_microbatches=None),
+        options), sim))
     try:
         hybrid: Plan | str = _micro(make_plan(profile, cluster, PartitionOptions(), sim=sim),
                                     options)
@@ -387,17 +394,24 @@ def _seconds_per_minibatch(pair: tuple[SimResult, Plan], batch: Callable[[int], 
 
 def _family(name: str, profile: ModelProfile, n: int, options: ScaleOptions) -> Plan | str:
     """A one-stage plan on ``n`` devices synchronized by ``name`` (or why it cannot run)."""
-    servers = options.ps_servers if name == "ps" else 0
+    sync = _family_sync(SYNC_METHODS[name], options)
+    servers = getattr(sync, "servers", 0)
     workers = n - servers
     if workers < 1:
         return f"{servers} server(s) leave no worker"
     samples = options.samples(workers)
     if samples is not None and samples < workers:
         return f"fewer samples ({samples}) than workers"
-    sync = {"ps": lambda: ParameterServerSync(servers=servers),
-            "gossip": lambda: GossipSync(topology="ring"),
-            "localsgd": lambda: LocalSGDSync(period=options.period)}[name]()
     return dataclasses.replace(data_parallel_plan(profile, workers), num_devices=n, sync=sync)
+
+
+def _family_sync(cls: type[SyncSpec], options: ScaleOptions) -> SyncSpec:
+    """The spec of family ``cls`` that the analysis draws: ``--ps-servers`` servers, local SGD
+    every ``--period`` steps, gossip on a ring (each spec takes the options its flags name)."""
+    given: dict[str, Any] = {"--servers": options.ps_servers, "--period": options.period}
+    spec: SyncSpec = cls(**{field: given[flag] for flag, field in cls.FLAGS.items()
+                            if flag in given})
+    return spec
 
 
 def _micro(plan: Plan, options: ScaleOptions) -> Plan | str:
@@ -410,5 +424,5 @@ def _micro(plan: Plan, options: ScaleOptions) -> Plan | str:
         if cap < max(widest, len(plan.stages)):
             return f"fewer samples ({cap}) than the plan's {max(widest, len(plan.stages))} micro-batches"
         count = max(cap // widest * widest, max(widest, len(plan.stages)))
-    plan.schedule, plan.num_microbatches = "1f1b", count
+    plan.schedule, plan.num_microbatches = ScheduleKind.ONE_F_ONE_B, count
     return plan

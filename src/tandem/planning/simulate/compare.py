@@ -103,7 +103,7 @@ def step_times(timeline: Timeline, *, worker: int | None = None,
 def warmup_steps(plan: Plan, num_steps: int) -> int:
     """Steps to leave out of a run of ``num_steps``: :data:`WARMUP_STEPS`, and for PipeDream's
     schedule its fill too (a third of the run, at least one minibatch per worker)."""
-    if plan.schedule == "pipedream":
+    if plan.schedule.asynchronous:
         return max(WARMUP_STEPS, plan.num_workers, num_steps // 3)
     return WARMUP_STEPS
 
@@ -111,7 +111,7 @@ def warmup_steps(plan: Plan, num_steps: int) -> int:
 def simulated_skip(result: SimResult) -> int:
     """Simulated steps before the steady state: the first (flush), the first third of the
     minibatches (PipeDream, as the simulator measures it)."""
-    return result.num_microbatches // 3 if result.schedule == "pipedream" else 1
+    return result.num_microbatches // 3 if result.schedule.asynchronous else 1
 
 
 def compare(result: SimResult, measured: Timeline, *, skip_steps: int) -> Comparison:

@@ -32,22 +32,24 @@ Mixing and averaging arithmetic take parameter bytes / ``optimizer_Bps`` per pas
 
 from __future__ import annotations
 
+import functools
 import random
 from collections import defaultdict
-from typing import Any
 
 from tandem.cluster import Cluster
 from tandem.errors import UsageError
 from tandem.plan import Plan
 from tandem.planning.simulate.collectives import allreduce_s, link_level, port
 from tandem.planning.simulate.families import STEPS, Clock, Costs, Network, Records, family_costs, family_result
+from tandem.planning.simulate.result import SimOptions, SimResult
 from tandem.profile import ModelProfile
 from tandem.schedule import Kind
 from tandem.spec.sync import ElasticAveragingSync, GossipSync, LocalSGDSync
 from tandem.topology import Graph, build_topology, two_colouring
 
 
-def simulate_gossip(plan: Plan, profile: ModelProfile, cluster: Cluster, options: Any) -> Any:
+def simulate_gossip(plan: Plan, profile: ModelProfile, cluster: Cluster,
+                    options: SimOptions) -> SimResult:
     """Simulate a gossip plan, D-PSGD or AD-PSGD (see the module docstring); a ``SimResult``."""
     sync = plan.sync
     assert isinstance(sync, GossipSync)
@@ -173,16 +175,17 @@ def _ad_psgd(graph: Graph, costs: Costs, cluster: Cluster, records: Records) -> 
             clock.at(now + work, lambda t: start(w, t))
 
     for w in range(len(graph)):
-        clock.at(0.0, lambda t, w=w: start(w, t))
+        clock.at(0.0, functools.partial(start, w))
     clock.run()
     return [w for w in range(len(graph)) if colours[w] == 0 and graph[w]]
 
 
-def simulate_averaging(plan: Plan, profile: ModelProfile, cluster: Cluster, options: Any) -> Any:
+def simulate_averaging(plan: Plan, profile: ModelProfile, cluster: Cluster,
+                       options: SimOptions) -> SimResult:
     """Simulate local SGD or EASGD over one period (see the module docstring); a ``SimResult``."""
     sync = plan.sync
     assert isinstance(sync, (LocalSGDSync, ElasticAveragingSync))
-    if isinstance(sync, ElasticAveragingSync) and sync.mode != "sync":
+    if isinstance(sync, ElasticAveragingSync) and sync.mode.asynchronous:
         raise UsageError(f"the simulator models synchronous EASGD only (this plan has --mode "
                          f"{sync.mode}, whose workers exchange with servers on their own "
                          f"clocks); simulate it with --mode sync, or --plan ps --mode async for "

@@ -35,6 +35,7 @@ import dataclasses
 import heapq
 from collections import defaultdict
 from collections.abc import Sequence
+from typing import Any
 
 from tandem.cluster import Cluster
 from tandem.planning.simulate.collectives import link_level, port, unit_sizes
@@ -45,6 +46,11 @@ _F, _B, _SA, _RA, _SG, _RG, _AR, _ST = range(8)
 _CODE = {Kind.FORWARD: _F, Kind.BACKWARD: _B, Kind.SEND_ACT: _SA, Kind.RECV_ACT: _RA,
          Kind.SEND_GRAD: _SG, Kind.RECV_GRAD: _RG, Kind.ALLREDUCE: _AR, Kind.STEP: _ST}
 _ACT, _GRAD = 0, 1
+
+_Transfer = tuple[int, int, int, int, int | None]
+"""A point-to-point message: (step, sender, receiver, ``_ACT`` or ``_GRAD``, micro-batch)."""
+_Message = list[Any]
+"""A transfer's ``[send posted, receive posted, arrival (None until booked), bytes]``."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -122,7 +128,7 @@ class _Replayer:
                  num_steps: int, record: bool) -> None:
         self.schedule, self.work, self.cluster = schedule, workload, cluster
         self.num_steps, self.record = num_steps, record
-        self.pipedream = schedule.kind == "pipedream"
+        self.pipedream = schedule.kind.asynchronous
         self.num_workers = schedule.num_workers
         self.stage_of = [schedule.stage_of(w)[0] for w in range(self.num_workers)]
         self.first_worker = [schedule.worker_of(s, 0) for s in range(schedule.num_stages)]
@@ -130,18 +136,18 @@ class _Replayer:
                         for actions in schedule.workers]
         self.names = [[str(a) for a in actions] for actions in schedule.workers]
         """Event names: each action's text, as the runtime's trace names them."""
-        self.receive_names: dict[tuple, str] = {}
+        self.receive_names: dict[_Transfer, str] = {}
         self.sizes = unit_sizes(cluster)
         self.heap: list[tuple[float, int, int]] = []
         self.counter = 0
         self.pc = [0] * self.num_workers
         self.step = [0] * self.num_workers
-        self.waiting: dict[tuple, int] = {}
-        self.messages: dict[tuple, list] = {}
+        self.waiting: dict[_Transfer, int] = {}
+        self.messages: dict[_Transfer, _Message] = {}
         self.unbooked = [0] * self.num_workers
         self.sends_arrive = [0.0] * self.num_workers
         self.parked_for_sends = [False] * self.num_workers
-        self.collectives: dict[tuple, list[tuple[int, float]]] = defaultdict(list)
+        self.collectives: dict[tuple[int, int, int], list[tuple[int, float]]] = defaultdict(list)
         self.num_ar = [0] * self.num_workers
         self.backward_start = [0.0] * self.num_workers
         self.port_free: dict[int, float] = defaultdict(float)
@@ -198,13 +204,16 @@ class _Replayer:
                 continue
             code, m, peer = actions[self.pc[w]]
             if code in (_F, _B):
+                assert m is not None  # a forward or backward names its micro-batch
                 self._compute(w, now, code, m)
                 return
             if code in (_RA, _RG):
-                key = (self.step[w], peer, w, _ACT if code == _RA else _GRAD, m)
+                assert peer is not None  # a send or receive names its peer
+                key: _Transfer = (self.step[w], peer, w, _ACT if code == _RA else _GRAD, m)
                 self.receive_names[key] = self.names[w][self.pc[w]]
                 self._post(w, now, key, receiving=True)
             elif code in (_SA, _SG):
+                assert peer is not None
                 key = (self.step[w], w, peer, _ACT if code == _SA else _GRAD, m)
                 end = now + self.work.send_overhead_s
                 message = self._post(w, now, key, receiving=False)
@@ -307,7 +316,7 @@ class _Replayer:
 
     # -- communication -------------------------------------------------------------------------------
 
-    def _post(self, w: int, now: float, key: tuple, *, receiving: bool) -> list:
+    def _post(self, w: int, now: float, key: _Transfer, *, receiving: bool) -> _Message:
         """Post one end of a transfer; ``[send posted, receive posted, arrival, bytes]``."""
         message = self.messages.get(key)
         if message is None:
@@ -320,7 +329,7 @@ class _Replayer:
             self._book(key, message, now)
         return message
 
-    def _book(self, key: tuple, message: list, now: float) -> None:
+    def _book(self, key: _Transfer, message: _Message, now: float) -> None:
         """Both ends posted: the transfer takes its ports when they are free."""
         step, src, dst, tensor, m = key
         a, b = self.work.devices[src], self.work.devices[dst]
@@ -333,7 +342,8 @@ class _Replayer:
         self.port_free[out_port] = self.port_free[in_port] = busy_until
         message[2] = arrival = busy_until + spec.latency_s
         for worker in (src, dst):
-            self.out.communication_s[worker][m if self.pipedream else step] += arrival - start
+            self.out.communication_s[worker][m if self.pipedream and m is not None else step] \
+                += arrival - start
         self.unbooked[src] -= 1
         self.sends_arrive[src] = max(self.sends_arrive[src], arrival)
         if self.parked_for_sends[src] and not self.unbooked[src]:

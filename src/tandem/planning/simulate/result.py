@@ -11,6 +11,7 @@ from tandem.errors import UsageError
 from tandem.planning.simulate.codecs import CodecSpeed, parse_codec
 from tandem.planning.simulate.collectives import ALGORITHMS
 from tandem.planning.simulate.costs import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES
+from tandem.spec.kinds import ScheduleKind
 from tandem.timeline import Timeline
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
@@ -132,7 +133,7 @@ class SimResult:
     """A plan's predicted speed, utilization and memory, and its timeline."""
 
     config: str
-    schedule: str
+    schedule: ScheduleKind
     num_microbatches: int
     """Micro-batches per step (flush) or minibatches simulated (``pipedream``)."""
     step_time_s: float

@@ -34,13 +34,14 @@ all workers' updates of the model).
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 from collections import Counter, deque
-from typing import Any
 
 from tandem.cluster import Cluster
 from tandem.plan import Plan
 from tandem.planning.simulate.families import STEPS, Clock, Costs, Network, Records, family_costs, family_result
+from tandem.planning.simulate.result import SimOptions, SimResult
 from tandem.profile import ModelProfile
 from tandem.schedule import Kind
 from tandem.spec.sync import ParameterServerSync
@@ -56,7 +57,8 @@ def shard_tensors(sizes: list[float], num_shards: int) -> list[list[float]]:
     return [sizes[a:b] for a, b in itertools.pairwise(bounds)]
 
 
-def simulate_ps(plan: Plan, profile: ModelProfile, cluster: Cluster, options: Any) -> Any:
+def simulate_ps(plan: Plan, profile: ModelProfile, cluster: Cluster,
+                options: SimOptions) -> SimResult:
     """Simulate a parameter-server plan (see the module docstring); a ``SimResult``."""
     assert isinstance(plan.sync, ParameterServerSync)
     costs = family_costs(plan, profile, cluster, options)
@@ -67,7 +69,7 @@ def simulate_ps(plan: Plan, profile: ModelProfile, cluster: Cluster, options: An
     first, last = max(1, len(times) // 3), max(2, 2 * len(times) // 3)
     last = min(last, len(times) - 1)
     per_update = (times[last] - times[first]) / max(1, last - first)
-    if plan.sync.mode == "sync":
+    if not plan.sync.mode.asynchronous:
         step = per_update
         meaning = (f"seconds between the servers' updates: every worker's step (compute, push, "
                    f"the update of {'the first ' + str(run.required) + ' pushes' if plan.sync.backup else 'all pushes'}, pull)")
@@ -78,7 +80,7 @@ def simulate_ps(plan: Plan, profile: ModelProfile, cluster: Cluster, options: An
     return family_result(plan, profile, cluster, costs, run.records, step_s=step, meaning=meaning,
                          updates_per_s=1.0 / per_update if per_update > 0 else 0.0,
                          server_steps=range(first, last), batch_scale=options.batch_scale,
-                         per_worker=plan.sync.mode != "sync")
+                         per_worker=plan.sync.mode.asynchronous)
 
 
 class _Run:
@@ -88,7 +90,7 @@ class _Run:
                  record: bool) -> None:
         self.costs, self.sync = costs, sync
         self.num_servers, self.num_workers = len(costs.servers), len(costs.workers)
-        self.required = self.num_workers - sync.backup if sync.mode == "sync" else 1
+        self.required = 1 if sync.mode.asynchronous else self.num_workers - sync.backup
         self.shards = shard_tensors(costs.tensor_bytes, self.num_servers)
         self.shard_bytes = [sum(shard) for shard in self.shards]
         self.message_bytes = [costs.payload_bytes(shard) for shard in self.shards]
@@ -101,9 +103,9 @@ class _Run:
         self.waiting: list[list[int]] = [[] for _ in range(self.num_servers)]
         self.pushes: list[Counter[int]] = [Counter() for _ in range(self.num_servers)]
         self.finished: set[int] = set()
-        self.done = Counter()
-        self.next_step = Counter()
-        self.pending = Counter()
+        self.done: Counter[int] = Counter()
+        self.next_step: Counter[int] = Counter()
+        self.pending: Counter[int] = Counter()
         self.pushed_at: dict[int, float] = {}
         if sync.backup >= self.num_workers:
             from tandem.errors import UsageError
@@ -111,7 +113,7 @@ class _Run:
             raise UsageError(f"--backup {sync.backup} leaves no push to apply among "
                              f"{self.num_workers} workers; use at most {self.num_workers - 1}")
         for worker in range(self.num_workers):
-            self.clock.at(0.0, lambda now, w=worker: self._start(w, now))
+            self.clock.at(0.0, functools.partial(self._start, worker))
 
     def _rank(self, worker: int) -> int:
         return self.num_servers + worker
@@ -134,7 +136,7 @@ class _Run:
                                                self.message_bytes[server])
             self.records.communication[rank][step] += arrival - start
             tag = self.next_step[worker]
-            self.clock.at(arrival, lambda t, s=server, g=tag: self._arrive(s, worker, g, t))
+            self.clock.at(arrival, functools.partial(self._arrive, server, worker, tag))
             arrivals.append(arrival)
         self.records.event(rank, Kind.PUSH, now, max(arrivals), step,
                            num_bytes=sum(self.message_bytes))
@@ -159,7 +161,7 @@ class _Run:
             return
         self.finished.add(worker)
         for server in range(self.num_servers):
-            self.clock.at(end, lambda t, s=server: self._release(s, t))
+            self.clock.at(end, functools.partial(self._release, server))
 
     # -- servers ---------------------------------------------------------------------------------
 
@@ -189,7 +191,7 @@ class _Run:
         self.clock.at(now + handle, lambda t: self._handled(server, worker, tag, t))
 
     def _handled(self, server: int, worker: int, tag: int, now: float) -> None:
-        if self.sync.mode == "sync":
+        if not self.sync.mode.asynchronous:
             if tag < self.version[server]:  # a backup worker's late push: dropped, answered
                 now = self._reply(server, worker, now)
             else:
@@ -219,14 +221,14 @@ class _Run:
     def _release(self, server: int, now: float, serving: bool = False) -> float:
         """Reply to waiting workers that bounded staleness lets go on (all of them in async);
         the time the server is done encoding those replies."""
-        if self.sync.mode == "sync" or (not serving and not self.idle[server]):
+        if not self.sync.mode.asynchronous or (not serving and not self.idle[server]):
             return now
         live = [w for w in range(self.num_workers) if w not in self.finished]
         slowest = min((self.pushes[server][w] for w in live), default=0)
         still = []
         for worker in self.waiting[server]:
             ahead = self.pushes[server][worker] - slowest
-            if self.sync.mode == "async" or ahead <= self.sync.staleness:
+            if not self.sync.mode.bounded or ahead <= self.sync.staleness:
                 now = self._reply(server, worker, now)
             else:
                 still.append(worker)

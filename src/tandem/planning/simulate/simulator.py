@@ -105,6 +105,7 @@ from tandem.planning.simulate.tensor import (port_sharing, split_profile, tensor
                                     tensor_allreduce_s, tensor_group)
 from tandem.profile import ModelProfile, scale_call, topological_order
 from tandem.schedule import Schedule
+from tandem.spec.kinds import ScheduleKind
 from tandem.spec.sync import (
     AllReduceSync,
     ElasticAveragingSync,
@@ -130,8 +131,8 @@ def data_parallel_plan(profile: ModelProfile, num_devices: int) -> Plan:
     in a topological order of the profile's)."""
     order = topological_order(profile.num_layers, profile.edge_list())
     return Plan(stages=[Stage(start=0, end=profile.num_layers, replicas=num_devices)],
-                num_layers=profile.num_layers, num_devices=num_devices, schedule="1f1b",
-                num_microbatches=num_devices,
+                num_layers=profile.num_layers, num_devices=num_devices,
+                schedule=ScheduleKind.ONE_F_ONE_B, num_microbatches=num_devices,
                 layer_order=None if order == list(range(profile.num_layers)) else order)
 
 
@@ -154,7 +155,7 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
                         first_bucket_bytes=min(DDP_FIRST_BUCKET_BYTES, options.bucket_bytes))
     schedule = plan_schedule(plan)
     workload = build_workload(plan, costs, cluster, schedule, options, profile=profile)
-    steps = 1 if schedule.kind == "pipedream" else options.num_steps
+    steps = 1 if schedule.kind.asynchronous else options.num_steps
     run = replay(schedule, workload, cluster, num_steps=steps, record=options.record)
     return _result(plan, profile, cluster, schedule, costs, run, workload, options)
 
@@ -170,7 +171,7 @@ def simulate_family(plan: Plan, profile: ModelProfile, cluster: Cluster,
 def plan_schedule(plan: Plan) -> Schedule:
     """The schedule the runtime runs for ``plan`` (its hand-written one if it has one; a long
     run for ``pipedream``), built by the plan as the runtime builds it."""
-    length = pipedream_length(plan.replicas) if plan.schedule == "pipedream" else 1
+    length = pipedream_length(plan.replicas) if plan.schedule.asynchronous else 1
     return plan.build_schedule(length)
 
 
@@ -228,7 +229,7 @@ def build_workload(plan: Plan, costs: list[StageCost], cluster: Cluster, schedul
     (:func:`tensor_allreduce_s` among the first replica's tensor group); recomputation runs the
     forward again, allreduces included, at the start of every backward, and stashes only the
     stage's input (the bytes the previous stage sends) per micro-batch."""
-    share = options.batch_scale if schedule.kind == "pipedream" else (
+    share = options.batch_scale if schedule.kind.whole_minibatches else (
         options.batch_scale / schedule.num_microbatches)
     devices = worker_devices(plan)
     groups, first = [], 0
@@ -357,7 +358,7 @@ def with_codec(workload: Workload, codec: CodecModel, costs: list[StageCost],
 
 def _step_window(schedule: Schedule, run: Replay, options: SimOptions) -> tuple[float, list[int]]:
     """The reported step time, and the keys (steps or minibatches) it averages over."""
-    if schedule.kind == "pipedream":
+    if schedule.kind.asynchronous:
         rounds = math.lcm(*schedule.replicas)
         total = schedule.num_microbatches
         first = max(rounds, total // 3 // rounds * rounds)
