@@ -18,7 +18,6 @@ from tandem.planning.simulate.collectives import allreduce_s, branching, link_le
 from tandem.planning.simulate.costs import boundary_bytes, stage_costs
 from tandem.planning.simulate.simulator import SimOptions, SimResult, data_parallel_plan, simulate
 from tandem.profile import LayerProfile, ModelProfile
-from tests.test_import_rule import assert_imports_without
 
 
 def profile(*layers: tuple[float, float, float, float], edges=None) -> ModelProfile:
@@ -261,14 +260,6 @@ def test_dag_boundary_carries_every_crossing_output() -> None:
     prof = profile((1, 1, 10, 0), (1, 1, 20, 0), (1, 1, 40, 0), edges=[(0, 1), (1, 2), (0, 2)])
     plan = pipeline([(0, 1, 1), (1, 2, 1), (2, 3, 1)], "gpipe", 3, 3)
     assert boundary_bytes(plan, prof) == [10, 30, 0]
-
-
-@pytest.mark.cli
-def test_planning_side_imports_no_torch() -> None:
-    assert_imports_without(["tandem.planning.simulate.simulator", "tandem.planning.simulate.replay",
-                            "tandem.planning.simulate.collectives", "tandem.planning.simulate.costs",
-                            "tandem.planning.search.balance", "tandem.planning.search.flexflow",
-                            "tandem.planning.search.scaling"], "torch")
 
 
 @pytest.mark.pure

@@ -17,7 +17,6 @@ from tandem.planning.simulate.collectives import allgather_s, collective_s, ring
 from tandem.planning.simulate.replay import overlapped_sync_s
 from tandem.planning.simulate.simulator import SimOptions, data_parallel_plan, simulate
 from tests.conftest import VGG, run_cli
-from tests.test_import_rule import assert_imports_without
 from tests.test_simulate import drawn, flat, normalized, profile, table, two_level
 
 SIZES = [1, 7, 100, 513, 4097, 100_003]
@@ -181,11 +180,6 @@ def test_codec_and_ratio_are_exclusive() -> None:
         SimOptions(compress="sign", gradient_compression=2)
     with pytest.raises(UsageError, match="speed-up"):
         SimOptions(compress="sign", codec_speedup=0)
-
-
-@pytest.mark.cli
-def test_planning_codecs_import_no_torch() -> None:
-    assert_imports_without(["tandem.planning.simulate.codecs", "tandem.planning.simulate.simulator"], "torch")
 
 
 # -- command line -------------------------------------------------------------------------------
