@@ -9,7 +9,9 @@ Usage::
 
 This is the only place that compares strategy names: each name stands for a sync-spec class
 (and ``pipeline`` for a pipelined plan), each flag belongs to the strategies that use it, and a
-flag given with a strategy it does not belong to is an error naming both.
+flag given with a strategy it does not belong to is an error naming both. ``tandem train``
+(``--strategy NAME --nproc N``) and ``tandem simulate`` (``--plan NAME`` on ``--devices N``)
+build their plans here alike; :class:`Spelling` says how each names those two choices.
 """
 
 from __future__ import annotations
@@ -36,6 +38,20 @@ PIPELINE = "pipeline"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Spelling:
+    """How a command spells the two choices the builder's messages name."""
+
+    strategy: str = "--strategy"
+    """The option that names the strategy."""
+    processes: str = "--nproc"
+    """The option that gives the job's processes (devices)."""
+
+
+TRAIN_SPELLING = Spelling()
+"""``tandem train``'s: ``--strategy NAME --nproc N``."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class StrategyKind:
     """What a ``--strategy`` name stands for."""
 
@@ -52,6 +68,9 @@ STRATEGIES: dict[str, StrategyKind] = {
 }
 """``--strategy`` name -> what it stands for."""
 
+ONE_STAGE = tuple(name for name, kind in STRATEGIES.items() if not kind.pipelined)
+"""The strategies whose plans are one stage on every worker (all but ``pipeline``)."""
+
 PIPELINE_FLAGS = ("--schedule", "--microbatches", "--stages", "--replicas", "--vertical-sync",
                   "--recompute")
 """Flags that shape a pipeline (``pipeline`` only)."""
@@ -64,6 +83,9 @@ TENSOR_FLAG = "--tensor-parallel"
 
 TENSOR_LAYERS_FLAG = "--tensor-layers"
 """The layers a tensor plan splits, ``NAME=STYLE,...`` (any model; :func:`parse_tensor_layers`)."""
+
+SYNC_FLAGS = tuple(dict.fromkeys(flag for kind in STRATEGIES.values() for flag in kind.sync.FLAGS))
+"""Every flag of every sync spec."""
 
 PLAN_FLAGS = (*PIPELINE_FLAGS, *DATA_PARALLEL_FLAGS, "--compress", TENSOR_FLAG,
               TENSOR_LAYERS_FLAG,
@@ -87,15 +109,17 @@ def check_strategy(name: str) -> None:
         raise UsageError(f"unknown strategy {name!r}; choose one of: {', '.join(sorted(STRATEGIES))}")
 
 
-def check_applicable(strategy: str, given: Mapping[str, Any]) -> None:
+def check_applicable(strategy: str, given: Mapping[str, Any],
+                     spelling: Spelling = TRAIN_SPELLING) -> None:
     """One line naming the first flag in ``given`` that ``strategy`` does not use and the
     strategy it belongs to."""
+    option = spelling.strategy
     for flag in given:
         belongs = owners(flag)
         if belongs and strategy not in belongs:
             choices = ", ".join(belongs[:-1]) + (" or " if len(belongs) > 1 else "") + belongs[-1]
-            raise UsageError(f"{flag} applies to --strategy {choices} only (this run has "
-                             f"--strategy {strategy}); add --strategy {belongs[0]} or drop it")
+            raise UsageError(f"{flag} applies to {option} {choices} only (this run has "
+                             f"{option} {strategy}); add {option} {belongs[0]} or drop it")
 
 
 def strategy_of(plan: Plan) -> str:
@@ -143,14 +167,16 @@ def build_sync(strategy: str, given: Mapping[str, Any]) -> SyncSpec:
 
 
 def plan_from_flags(strategy: str, given: Mapping[str, Any], *, num_processes: int,
-                    num_blocks: int | None) -> Plan:
+                    num_blocks: int | None, spelling: Spelling = TRAIN_SPELLING) -> Plan:
     """The plan the command-line flags ``given`` (only those the user set) describe for a job
     of ``num_processes`` processes and a model of ``num_blocks`` blocks (None: not an
-    ``nn.Sequential``, so it cannot be cut into stages)."""
+    ``nn.Sequential``, so it cannot be cut into stages); messages name the choices as
+    ``spelling`` says the command spells them."""
     check_strategy(strategy)
-    check_applicable(strategy, given)
+    check_applicable(strategy, given, spelling)
+    nproc = spelling.processes
     if num_processes < 1:
-        raise UsageError(f"--nproc must be at least 1 (got {num_processes})")
+        raise UsageError(f"{nproc} must be at least 1 (got {num_processes})")
     compress = CodecSpec.parse(given["--compress"]) if given.get("--compress") else None
     degree = tensor_degree(strategy, given, num_processes)
     if given.get(TENSOR_LAYERS_FLAG) and degree == 1:
@@ -158,15 +184,15 @@ def plan_from_flags(strategy: str, given: Mapping[str, Any], *, num_processes: i
                          f"is 1, which splits none; add {TENSOR_FLAG} T (e.g. {TENSOR_FLAG} 2 "
                          f"--nproc 2), or drop {TENSOR_LAYERS_FLAG}")
     sync = build_sync(strategy, given)
-    _check_gossip(sync, compress)
+    _check_gossip(sync, compress, spelling)
     if STRATEGIES[strategy].pipelined:
         return _pipeline_plan(given, num_processes, num_blocks, compress, degree)
     servers = getattr(sync, "servers", 0)
     workers = num_processes - servers
     if workers < 1:
         raise UsageError(
-            f"--servers {servers} leaves no workers in --nproc {num_processes}; servers count "
-            f"within --nproc, e.g. --nproc {servers + 4} --servers {servers}"
+            f"--servers {servers} leaves no workers in {nproc} {num_processes}; servers count "
+            f"within {nproc}, e.g. {nproc} {servers + 4} --servers {servers}"
         )
     if isinstance(sync, ParameterServerSync) and sync.backup >= workers:
         raise UsageError(f"--backup {sync.backup} must be between 0 and {workers - 1}: there are "
@@ -217,7 +243,7 @@ def tensor_degree(strategy: str, given: Mapping[str, Any], num_processes: int) -
     return degree
 
 
-def _check_gossip(sync: SyncSpec, compress: CodecSpec | None) -> None:
+def _check_gossip(sync: SyncSpec, compress: CodecSpec | None, spelling: Spelling) -> None:
     """Compression is CHOCO-gossip, for synchronous gossip only; its step needs it."""
     if not isinstance(sync, GossipSync):
         return
@@ -226,8 +252,9 @@ def _check_gossip(sync: SyncSpec, compress: CodecSpec | None) -> None:
                          f"AD-PSGD's pairwise averages exchange whole models; drop --async-gossip "
                          f"(CHOCO-gossip compresses synchronous gossip) or --compress")
     if sync.step is not None and (compress is None or sync.asynchronous):
-        raise UsageError("--gossip-step is the step size of compressed gossip; it needs "
-                         "--strategy gossip --compress CODEC (plain D-PSGD averages fully)")
+        raise UsageError(f"--gossip-step is the step size of compressed gossip; it needs "
+                         f"{spelling.strategy} gossip --compress CODEC (plain D-PSGD averages "
+                         f"fully)")
 
 
 def _pipeline_plan(given: Mapping[str, Any], num_processes: int, num_blocks: int | None,

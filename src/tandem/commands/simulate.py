@@ -24,14 +24,8 @@ from tandem.planning.simulate.collectives import ALGORITHMS
 from tandem.planning.simulate.simulator import SimOptions, SimResult, data_parallel_plan, simulate
 from tandem.profile import ModelProfile
 from tandem.schedule import SCHEDULE_KINDS
-from tandem.spec.sync import (
-    AllReduceSync,
-    ElasticAveragingSync,
-    GossipSync,
-    LocalSGDSync,
-    ParameterServerSync,
-    SyncSpec,
-)
+from tandem.spec.sync import AllReduceSync
+from tandem.strategy import ONE_STAGE, SYNC_FLAGS, Spelling, plan_from_flags
 from tandem.timeline import plot_gantt
 
 MAX_WORKER_ROWS = 32
@@ -70,10 +64,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.set_defaults(run=run)
 
 
-SYNC_SHORTCUTS: dict[str, type[SyncSpec]] = {"dp": AllReduceSync, "ps": ParameterServerSync,
-                                             "gossip": GossipSync, "localsgd": LocalSGDSync,
-                                             "easgd": ElasticAveragingSync}
-"""``--plan NAME`` -> the sync spec of a one-stage plan on every device."""
+SIMULATE_SPELLING = Spelling(strategy="--plan", processes="--devices")
+"""``--plan NAME`` on the cluster's devices is ``tandem train --strategy NAME --nproc N``."""
 
 
 def add_sync_args(p: argparse.ArgumentParser) -> None:
@@ -96,26 +88,12 @@ def add_sync_args(p: argparse.ArgumentParser) -> None:
                        help="easgd: EAMSGD's Nesterov momentum (no effect on time)")
 
 
-def sync_from_args(method: str, args: argparse.Namespace) -> SyncSpec:
-    """The sync spec of ``--plan METHOD`` and the flags given; a flag of another method is an
-    error naming it."""
-    cls = SYNC_SHORTCUTS[method]
-    given: dict[str, Any] = {flag: getattr(args, flag[2:].replace("-", "_"), None)
-                             for flag in ALL_SYNC_FLAGS}
-    given = {flag: value for flag, value in given.items() if value is not None}
-    foreign = [flag for flag in given if flag not in cls.FLAGS]
-    if foreign:
-        owners = [name for name, other in SYNC_SHORTCUTS.items() if foreign[0] in other.FLAGS]
-        raise UsageError(f"{foreign[0]} applies to --plan {' or '.join(owners)}, not --plan "
-                         f"{method}; drop it or change --plan")
-    spec = cls(**{cls.FLAGS[flag]: value for flag, value in given.items()})
-    if isinstance(spec, ParameterServerSync):
-        spec.check_given(given)
-    return spec
-
-
-ALL_SYNC_FLAGS = tuple(dict.fromkeys(flag for cls in SYNC_SHORTCUTS.values() for flag in cls.FLAGS))
-"""Every flag of every sync spec."""
+def sync_flags_given(args: argparse.Namespace | None) -> dict[str, Any]:
+    """The sync specs' flags given on the command line (spelled as ``tandem train``'s)."""
+    if args is None:
+        return {}
+    given = {flag: getattr(args, flag[2:].replace("-", "_"), None) for flag in SYNC_FLAGS}
+    return {flag: value for flag, value in given.items() if value is not None}
 
 
 def add_layout_args(p: argparse.ArgumentParser) -> None:
@@ -147,7 +125,8 @@ def with_layout(plan: Plan, profile: ModelProfile, cluster: Cluster, *, tensor: 
                              f"use one of {divisors}")
         if data_parallel:
             base = data_parallel_plan(profile, devices // tensor)
-            plan = dataclasses.replace(base, num_devices=devices, sync=plan.sync)
+            plan = dataclasses.replace(base, num_devices=devices, sync=plan.sync,
+                                       compress=plan.compress)
         elif sum(plan.replicas) * tensor > devices:
             raise UsageError(f"plan {plan.config} with --tensor-parallel {tensor} needs "
                              f"{sum(plan.replicas) * tensor} devices but the cluster has "
@@ -228,22 +207,23 @@ def planning_inputs(args: argparse.Namespace) -> tuple[ModelProfile, Cluster]:
 
 def load_plan(text: str, profile: ModelProfile, cluster: Cluster,
               args: argparse.Namespace | None = None) -> Plan:
-    """``--plan``: a plan file, or a method of :data:`SYNC_SHORTCUTS` on every device (the
-    parameter servers on the first ``--servers`` of them, the workers on the rest)."""
-    if text not in SYNC_SHORTCUTS:
-        given = [flag for flag in ALL_SYNC_FLAGS if args is not None
-                 and getattr(args, flag[2:].replace("-", "_"), None) is not None]
+    """``--plan``: a plan file, or a one-stage strategy (:data:`tandem.strategy.ONE_STAGE`) on
+    every device, built from the flags as ``tandem train --strategy NAME`` builds it
+    (:func:`tandem.strategy.plan_from_flags`: parameter servers on the first ``--servers``
+    devices, the workers on the rest), its layers in a topological order of the profile's."""
+    given = sync_flags_given(args)
+    if text not in ONE_STAGE:
         if given:
-            raise UsageError(f"{given[0]} applies to --plan {'|'.join(SYNC_SHORTCUTS)}; the plan "
-                             f"file {text!r} carries its own sync (drop {given[0]})")
+            first = next(iter(given))
+            raise UsageError(f"{first} applies to --plan {'|'.join(ONE_STAGE)}; the plan "
+                             f"file {text!r} carries its own sync (drop {first})")
         return Plan.load(text)
-    sync = sync_from_args(text, args) if args is not None else SYNC_SHORTCUTS[text]()
-    workers = cluster.num_devices - getattr(sync, "servers", 0)
-    if workers < 1:
-        raise UsageError(f"--servers {getattr(sync, 'servers', 0)} leaves no worker on "
-                         f"{cluster.num_devices} devices; use fewer servers or more devices")
-    plan = data_parallel_plan(profile, workers)
-    return dataclasses.replace(plan, num_devices=cluster.num_devices, sync=sync)
+    codec = getattr(args, "codec", None)
+    if codec:
+        given["--compress"] = codec
+    plan = plan_from_flags(text, given, num_processes=cluster.num_devices,
+                           num_blocks=profile.num_layers, spelling=SIMULATE_SPELLING)
+    return dataclasses.replace(plan, layer_order=data_parallel_plan(profile, 1).layer_order)
 
 
 def format_result(result: SimResult, cluster: Cluster) -> str:
@@ -312,10 +292,10 @@ def run(args: argparse.Namespace) -> int:
     profile, cluster = planning_inputs(args)
     plan = load_plan(args.plan, profile, cluster, args)
     plan = with_layout(plan, profile, cluster, tensor=args.tensor_parallel,
-                       recompute=args.recompute, data_parallel=args.plan in SYNC_SHORTCUTS)
+                       recompute=args.recompute, data_parallel=args.plan in ONE_STAGE)
     if args.schedule or args.microbatches is not None:  # checked, defaults re-decided
         plan = plan.rescheduled(args.schedule, args.microbatches)
-    if plan.compress is not None and args.codec and args.codec != plan.compress.text:
+    if plan.compress is not None and args.codec and args.codec.strip() != plan.compress.text:
         raise UsageError(f"--compress {args.codec} contradicts the plan's codec "
                          f"{plan.compress.text}; drop --compress or edit the plan")
     if plan.pipelined and plan.compress is not None and args.activation_compression == 1.0:
