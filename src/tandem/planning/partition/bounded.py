@@ -89,8 +89,9 @@ def _last_stages(problem: LevelProblem, bound: float) -> _LastStages:
     count = (most - least + 1).astype(np.int64)
     pair = np.repeat(np.arange(ks.size), count)
     replicas = _ranges(least.astype(np.int64), count)
-    times = problem.segment_time(*(values[pair] for values in segment),
-                                 replicas.astype(np.float64), first=False)  # fmt: skip
+    compute, parameters, moved = (values[pair] for values in segment)
+    times = problem.segment_time(compute, parameters, moved, replicas.astype(np.float64),
+                                 first=False)
     keep = (times <= bound) & (times < np.inf)
     groups = (replicas[keep] - 1) * n + ks[pair[keep]]
     order = np.argsort(groups)  # order within a group is free: ties break on (k, r) later
@@ -118,7 +119,8 @@ def _least_replicas(problem: LevelProblem, compute: np.ndarray, moved: np.ndarra
     if problem.activation_compression is not None:
         rate = problem.bandwidth_Bps * problem.activation_compression
         slowest = np.maximum(compute, 2 * moved / rate)
-    return np.maximum(1.0, np.ceil(slowest / bound) - 1)
+    least: np.ndarray = np.maximum(1.0, np.ceil(slowest / bound) - 1)
+    return least
 
 
 def _most_replicas(problem: LevelProblem, ks: np.ndarray, js: np.ndarray,
@@ -140,7 +142,8 @@ def _most_replicas(problem: LevelProblem, ks: np.ndarray, js: np.ndarray,
     slack = 1 - 1e-9  # rounding in the sums of segment computes
     before = np.ceil(compute / bound * slack)
     after = np.ceil((compute[-1] - compute) / bound * slack)
-    return np.minimum(N - before[ks] - after[js], cap)
+    most: np.ndarray = np.minimum(N - before[ks] - after[js], cap)
+    return most
 
 
 def _best_splits(

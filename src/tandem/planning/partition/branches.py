@@ -401,7 +401,7 @@ def _compressed_profile(
     members: list[list[int]] = []
     carriers: list[tuple[LayerProfile, int]] = []
     for unit in order:
-        nodes = sorted(bits(units[unit]), key=rank.get)
+        nodes = sorted(bits(units[unit]), key=rank.__getitem__)
         layer, stash = _merged_layer(profile, dag, nodes)
         layers.append(layer)
         members.append(nodes)

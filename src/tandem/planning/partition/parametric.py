@@ -21,9 +21,10 @@ def solve_level_fast(problem: LevelProblem) -> LevelTable | None:
     search = _Parametric(problem)
     bound, pieces = search.minimize()
     if not problem.allow_idle:
-        pieces = search.use_every_unit(bound)
-        if pieces is None:
+        every_unit = search.use_every_unit(bound)
+        if every_unit is None:
             return None
+        pieces = every_unit
     best = np.full((1, problem.states.num_states, problem.num_units), np.inf)
     best[0, -1, -1] = max(piece[3] for piece in pieces)
     return LevelTable(problem=problem, best=best, pieces=pieces)

@@ -172,10 +172,10 @@ class Clock:
     """A discrete-event loop: callbacks run in time order (ties in the order scheduled)."""
 
     def __init__(self) -> None:
-        self.heap: list[tuple[float, int, Callable[[float], None]]] = []
+        self.heap: list[tuple[float, int, Callable[[float], object]]] = []
         self.count = 0
 
-    def at(self, when: float, callback: Callable[[float], None]) -> None:
+    def at(self, when: float, callback: Callable[[float], object]) -> None:
         """Run ``callback(when)`` at time ``when``."""
         self.count += 1
         heapq.heappush(self.heap, (when, self.count, callback))
@@ -253,7 +253,7 @@ class Records:
 def family_result(plan: Plan, profile: ModelProfile, cluster: Cluster, costs: Costs,
                   records: Records, *, step_s: float, meaning: str, updates_per_s: float,
                   extra_weights: float = 0.0, server_steps: range | None = None,
-                  batch_scale: float = 1.0, per_worker: bool = False) -> Any:
+                  batch_scale: float = 1.0, per_worker: bool = False) -> SimResult:
     """The :class:`~tandem.planning.simulate.simulator.SimResult` of a family's run.
 
     Processes are numbered as the runtime's ranks: servers ``0..S-1``, then the workers.
