@@ -98,9 +98,9 @@ def test_outputs_and_summary(single: Path) -> None:
     assert [line["step"] for line in lines if "loss" in line] == [10, 20]
     assert "test_accuracy" in lines[-1]
     timeline = Timeline.from_json(json.loads((single / "trace.json").read_text()))
-    # the one-stage schedule's actions: forward, backward, DDP's allreduce (during the
-    # backward) and the optimizer step
-    assert {event.name for event in timeline.events} == {"0F0", "0B0", "0AR", "0ST"}
+    # the one-stage schedule's actions: forward, backward and the optimizer step (one worker
+    # has no allreduce in its schedule: w0: 0F0 0B0 0ST)
+    assert {event.name for event in timeline.events} == {"0F0", "0B0", "0ST"}
     assert len([e for e in timeline.events if e.name == "0ST"]) == 20
     assert all(event.end_s >= event.start_s for event in timeline.events)
 

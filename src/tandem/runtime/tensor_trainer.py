@@ -16,7 +16,6 @@ worker steps its own optimizer; the result is single-process training's.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
@@ -29,8 +28,10 @@ from tandem.errors import UsageError
 from tandem.loss import evaluation
 from tandem.models.tensor import tensor_plan
 from tandem.runtime.base import BaseTrainer
-from tandem.runtime.config import Job
+from tandem.runtime.job import Job
+from tandem.runtime.data_step import DataParallelStep
 from tandem.runtime.dist import WorkerEnv
+from tandem.runtime.executor import Executor, Span, compile_program
 from tandem.runtime.noise_scale import NoiseScale
 from tandem.runtime.precision import Precision
 from tandem.runtime.tensor_parallel import (
@@ -38,11 +39,13 @@ from tandem.runtime.tensor_parallel import (
     parameter_bytes, split_model, sum_gradients,
 )
 from tandem.runtime.watchdog import Heartbeat
-from tandem.structures import call_model
+from tandem.schedule import Action, Kind
 
 
 class TensorParallelTrainer(BaseTrainer):
     """One worker of a tensor-parallel job (see the module docstring)."""
+
+    precision: Precision
 
     def __init__(self, job: Job, env: WorkerEnv, beat: Heartbeat) -> None:
         super().__init__(job, env, beat)
@@ -87,6 +90,14 @@ class TensorParallelTrainer(BaseTrainer):
             "gradient and their allreduced mean); tensor-parallel workers share every batch")
         self.setup_optimizer(model.parameters())
         self.precision = Precision(config.precision, env.device)
+        self.work = DataParallelStep(model, self.precision, self.task.loss, beat,
+                                     data_world=self.replicas)
+        self.work.after_backwards = self._after_backwards
+        self.executor = Executor(self.trace)
+        self.program = compile_program(job.plan.build_schedule().workers[self.data_rank], {
+            Kind.FORWARD: self.work.forward, Kind.BACKWARD: self.work.backward,
+            Kind.ALLREDUCE: self._allreduce, Kind.STEP: self._step})
+        """This replica's actions of the plan's one-stage schedule, bound to their handlers."""
 
     def _codec(self, model: torch.nn.Module) -> CodecHookState:
         """``--compress``'s codec on the data dimension: each worker encodes its own shares of
@@ -115,46 +126,46 @@ class TensorParallelTrainer(BaseTrainer):
         """One optimizer step on this replica's share of global batch ``step``, in
         ``--accumulate`` micro-batches, its gradients summed over the replicas; returns the
         share's summed loss on the replica's first worker (zero on the others, so that the
-        logged sum over workers counts it once)."""
+        logged sum over workers counts it once).
+
+        The interpreter runs the replica's actions of the plan's one-stage schedule:
+        ``0F{m}``/``0B{m}`` for its micro-batches ``m = replica + replicas * k``, ``0AR`` (the
+        data dimension's sum, with more than one replica) and ``0ST``."""
         indices = self._indices(step)
-        global_count = len(self.sampler.global_indices(step))
-        micros = self.take_batch(indices).split(self.plan.accumulate)
-        loss_total = torch.zeros((), device=self.env.device)
-        for index, micro in enumerate(micros):
-            start = time.perf_counter()
-            self.beat.step, self.beat.phase = step, "forward"
-            with self.precision.autocast():
-                output = call_model(self.model, micro.inputs)
-                loss = self.task.loss(output, micro.targets) * micro.size
-            middle = time.perf_counter()
-            self.beat.phase = "backward"
-            self.precision.backward(loss / global_count)
-            loss_total += loss.detach()
-            self.trace(f"0F{index}", start, middle, step)
-            self.trace(f"0B{index}", middle, time.perf_counter(), step)
+        self.step_samples = len(indices)
+        self.work.begin(self.take_batch(indices).split(self.plan.accumulate), step,
+                        self.env.device, divisor=len(self.sampler.global_indices(step)))
+        self.executor.run(self.program, step)
+        loss_total = self.work.loss_total
+        return loss_total if self.tensor_rank == 0 else torch.zeros_like(loss_total)
+
+    def _after_backwards(self) -> None:
+        """The step's loss to the loss watch (read here on CPU)."""
         self.beat.phase = "step"
-        self.divergence.observe(step, loss_total, len(indices))
+        self.divergence.observe(self.beat.step, self.work.loss_total, self.step_samples)
         self.divergence.poll_if_cheap()
-        if self.data_group is not None:
-            start = time.perf_counter()
-            self.beat.phase = "allreduce"
-            if self.codec is not None:  # the codec averages: from the replicas' sum to their mean
-                named = [(name, p) for name, p in self.model.named_parameters()
-                         if p.grad is not None]
-                grads = [local_tensor(p.grad) for _, p in named]
-                for grad in grads:
-                    grad.mul_(self.replicas)
-                exchange(self.codec, grads, [name for name, _ in named])
-            else:
-                self.reduced_bytes += sum_gradients(list(self.model.parameters()),
-                                                    self.data_group)
-            self.trace("0AR", start, time.perf_counter(), step)
-        start = time.perf_counter()
+
+    def _allreduce(self, action: Action, span: Span) -> None:
+        """Sum the gradients (this worker's shares) with the workers at its tensor position in
+        the other replicas (through the codec with ``--compress``)."""
+        self.beat.phase = "allreduce"
+        if self.codec is not None:  # the codec averages: from the replicas' sum to their mean
+            named = [(name, p.grad) for name, p in self.model.named_parameters()
+                     if p.grad is not None]
+            grads = [local_tensor(grad) for _, grad in named]
+            for grad in grads:
+                grad.mul_(self.replicas)
+            exchange(self.codec, grads, [name for name, _ in named])
+        else:
+            assert self.data_group is not None, "an AR action with one replica"
+            self.reduced_bytes += sum_gradients(list(self.model.parameters()), self.data_group)
+
+    def _step(self, action: Action, span: Span) -> None:
+        """Apply the update and advance the learning-rate schedule."""
+        self.beat.phase = "step"
         self.precision.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        self.trace("0ST", start, time.perf_counter(), step)
-        return loss_total if self.tensor_rank == 0 else torch.zeros_like(loss_total)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float | None]:

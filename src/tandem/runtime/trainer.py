@@ -17,11 +17,12 @@ from tandem.data import shard_sizes
 from tandem.errors import UsageError
 from tandem.loss import evaluation
 from tandem.runtime.asynchrony import restore_momentum
-from tandem.runtime.base import BaseTrainer, save_worker_trace
+from tandem.runtime.base import BaseTrainer
+from tandem.runtime.outputs import save_worker_trace
 from tandem.runtime.checkpoint import (
     CHECKPOINT_VERSION, load_checkpoint, load_schedule, resume_path, save_atomic,
 )
-from tandem.runtime.config import Job
+from tandem.runtime.job import Job
 from tandem.runtime.data_step import DataParallelStep
 from tandem.runtime.dist import WorkerEnv
 from tandem.runtime.executor import Executor, Handler, Program, compile_program
@@ -30,7 +31,9 @@ from tandem.runtime.noise_scale import NoiseScale, two_batch_estimates
 from tandem.runtime.precision import Precision
 from tandem.runtime.watchdog import Heartbeat
 from tandem.schedule import Action, Kind
-from tandem.sync import ElasticClient, ParameterServerClient, SyncStrategy, build_strategy
+from tandem.runtime.strategies import build_strategy
+from tandem.runtime.ps import ElasticClient, ParameterServerClient
+from tandem.sync import SyncStrategy
 from tandem.sync.allreduce import AllReduce
 from tandem.spec.sync import ParameterServerSync
 
@@ -41,6 +44,8 @@ SYNC_KINDS = (Kind.ALLREDUCE, Kind.STEP, Kind.PUSH, Kind.PULL, Kind.EXCHANGE)
 
 class Trainer(BaseTrainer):
     """Data-parallel worker: the whole model, wrapped by a synchronization strategy."""
+
+    precision: Precision
 
     def __init__(self, job: Job, env: WorkerEnv, beat: Heartbeat) -> None:
         super().__init__(job, env, beat)
@@ -81,8 +86,9 @@ class Trainer(BaseTrainer):
         self._start_noise_scale()
         if checkpoint is not None:
             self._restore(checkpoint)
-        self.work = DataParallelStep(self.module, self.strategy, self.precision, self.task.loss,
-                                     beat, data_world=self.data_world, slowdown=self.slowdown)
+        self.work = DataParallelStep(self.module, self.precision, self.task.loss, beat,
+                                     data_world=self.data_world, strategy=self.strategy,
+                                     slowdown=self.slowdown)
         self.executor = Executor(self.trace)
         self.program = self._program()
 
@@ -265,8 +271,8 @@ class Trainer(BaseTrainer):
         indices = self.sampler.local_indices(batch_step, rank=share, world_size=self.data_world)
         self.local_count = len(indices)
         work = self.work
-        work.begin(self.take_batch(indices).split(self.plan.accumulate),
-                   self.data_world / self.global_count, step, self.env.device)
+        work.begin(self.take_batch(indices).split(self.plan.accumulate), step, self.env.device,
+                   scale=self.data_world / self.global_count)
         self.executor.run(self.program, step)
         if not self.interprets_update:
             self._update(step)
@@ -442,7 +448,7 @@ class ParameterServerWorker(Trainer):
 
 class ElasticWorker(ParameterServerWorker):
     """A worker of asynchronous EASGD: local steps with its own optimizer, an elastic exchange
-    with the servers every period (:class:`~tandem.sync.ElasticClient`), on its own clock.
+    with the servers every period (:class:`~tandem.runtime.ps.ElasticClient`), on its own clock.
 
     It takes the center when it is ready to train (the servers answer once every worker has
     asked, so that all start together however long each took to set up). Its local steps

@@ -47,7 +47,7 @@ from tandem.runtime.base import BaseTrainer
 from tandem.runtime.checkpoint import (
     CHECKPOINT_VERSION, load_checkpoint, load_schedule, resume_path, save_atomic,
 )
-from tandem.runtime.config import Job
+from tandem.runtime.job import Job
 from tandem.runtime.dist import WorkerEnv, new_group
 from tandem.runtime.faults import announce_resume
 from tandem.runtime.pipeline.checkpoint import (
@@ -55,10 +55,13 @@ from tandem.runtime.pipeline.checkpoint import (
 )
 from tandem.runtime.asynchrony import restore_momentum
 from tandem.runtime.pipeline.materialize import materialize
-from tandem.runtime.pipeline.engine import Microbatch, StageEngine, StageShapes, Tie
+from tandem.runtime.pipeline.groups import point_to_point_links, tied_groups
+from tandem.runtime.pipeline.chunks import no_update_between, step_chunks
+from tandem.runtime.pipeline.engine import (
+    ComputeSpec, LinkSpec, Microbatch, StageEngine, StageShapes, Tie, UpdateSpec,
+)
 from tandem.runtime.pipeline.setup import (
     boundary_specs, example_inputs, model_names, pipeline_blocks, pipeline_setup,
-    shared_parameters,
 )
 from tandem.runtime.pipeline.wire import Wire
 from tandem.runtime.precision import StagePrecision
@@ -68,53 +71,15 @@ from tandem.runtime.tensor_parallel import (
     stage_plan,
 )
 from tandem.runtime.watchdog import Heartbeat
-from tandem.schedule import Action, Kind, Schedule
-from tandem.schedule.check import dry_run_times
 from tandem.split import SplitModel
 
 EVAL_TAG_BASE = 1 << 30
 
 
-def step_chunks(schedule: Schedule, worker: int, num_steps: int) -> list[list[Action]]:
-    """Cut ``worker``'s actions of an asynchronous schedule into one chunk per step.
-
-    Chunk ``k`` ends at the dry-run time by which minibatch ``k`` is done on every stage; all
-    workers cut at the same times, so every chunk boundary is a consistent cut of a valid
-    execution and a collective between chunks cannot deadlock.
-    """
-    times = dry_run_times(schedule)
-    done_at = [0] * num_steps
-    for actions, action_times in zip(schedule.workers, times):
-        for action, when in zip(actions, action_times):
-            if action.microbatch is not None and action.microbatch < num_steps:
-                done_at[action.microbatch] = max(done_at[action.microbatch], when)
-    for k in range(1, num_steps):
-        done_at[k] = max(done_at[k], done_at[k - 1])
-    chunks: list[list[Action]] = [[] for _ in range(num_steps)]
-    k = 0
-    for action, when in zip(schedule.workers[worker], times[worker]):
-        while k < num_steps - 1 and when > done_at[k]:
-            k += 1
-        chunks[k].append(action)
-    return chunks
-
-
-def no_update_between(actions: list[Action] | tuple[Action, ...]) -> set[int]:
-    """Micro-batches whose forward and backward on this worker have no optimizer step between."""
-    pending: set[int] = set()
-    unchanged: set[int] = set()
-    for action in actions:
-        if action.kind is Kind.FORWARD:
-            pending.add(action.microbatch)  # type: ignore[arg-type]
-        elif action.kind is Kind.STEP:
-            pending.clear()
-        elif action.kind is Kind.BACKWARD and action.microbatch in pending:
-            unchanged.add(action.microbatch)
-    return unchanged
-
-
 class PipelineTrainer(BaseTrainer):
     """One stage (or stage replica) of a pipeline, executing its schedule with the engine."""
+
+    precision: StagePrecision
 
     def __init__(self, job: Job, env: WorkerEnv, beat: Heartbeat) -> None:
         super().__init__(job, env, beat)
@@ -152,8 +117,11 @@ class PipelineTrainer(BaseTrainer):
         """Bytes of the whole model's parameters and buffers this worker materialized (its
         shares of the split layers, with tensor parallelism)."""
         self.groups = self._stage_groups()
-        self.links = self._links()
-        ties = self._ties(blocks)
+        self.links = point_to_point_links(self.schedule, rank=env.rank,
+                                          tensor_degree=self.tensor_degree,
+                                          timeout_s=config.timeout_s)
+        ties = tied_groups(blocks, self.layout, self.schedule, stage=self.stage,
+                           tensor_degree=self.tensor_degree, timeout_s=config.timeout_s)
         self.setup_optimizer(self.module.parameters(), delay=self._delay(),
                              every_stage=bool(job.plan.vertical_sync))
         self.shapes = StageShapes(inputs=boundaries[start - 1] if start else (),
@@ -170,24 +138,30 @@ class PipelineTrainer(BaseTrainer):
         """Asynchronous schedule: step -> this worker's state when it applied that many
         updates, kept until the checkpoint of that step is saved."""
         self.engine = StageEngine(
-            module=self.module, stage=self.stage, num_stages=self.layout.num_stages,
-            shapes=self.shapes, group=self.groups[self.stage], links=self.links, rank=self.worker,
-            rank_of=self._rank_of,
-            num_replicas=self.layout.replicas[self.stage], optimizer=self.optimizer,
-            scheduler=self.scheduler, device=env.device, asynchronous=self.asynchronous,
-            vertical_sync=job.plan.vertical_sync, trace=self.trace, beat=beat,
-            loss_fn=self.task.loss, wire=self.wire,
-            ties=ties, clone_received=not isinstance(blocks, SplitModel),
-            precision=self.precision, recompute=job.plan.recompute,
-        )
-        self.chunks = (step_chunks(self.schedule, self.worker,
-                                   max(1, self.last_step - self.first_step))
-                       if self.asynchronous else None)
-        self.engine.on_loss = self.divergence.observe
+            links=LinkSpec(worker=self.worker, links=self.links, rank_of=self._rank_of,
+                           wire=self.wire, vertical_sync=job.plan.vertical_sync),
+            compute=ComputeSpec(module=self.module, first=self.stage == 0,
+                                last=self.stage == self.layout.num_stages - 1,
+                                loss_fn=self.task.loss, precision=self.precision,
+                                recompute=job.plan.recompute,
+                                clone_received=not isinstance(blocks, SplitModel)),
+            update=UpdateSpec(module=self.module, optimizer=self.optimizer,
+                              scheduler=self.scheduler, precision=self.precision,
+                              group=self.groups[self.stage],
+                              num_replicas=self.layout.replicas[self.stage], ties=ties),
+            shapes=self.shapes, asynchronous=self.asynchronous, trace=self.trace, beat=beat,
+            device=env.device)
+        self.engine.compute.on_loss = self.divergence.observe
+        actions = self.schedule.workers[self.worker]
         if self.asynchronous:
-            self.engine.unchanged_until_backward = no_update_between(
-                self.schedule.workers[self.worker])
-            self.engine.after_step = self._snapshot_if_due
+            chunks = step_chunks(self.schedule, self.worker, max(1, self.last_step - self.first_step))
+            self.programs = [self.engine.program(chunk) for chunk in chunks]
+            self.engine.compute.unchanged_until_backward = no_update_between(actions)
+            self.engine.update.after_step = self._snapshot_if_due
+        else:
+            self.programs = [self.engine.program(actions)]
+        """This worker's actions bound to the engine's handlers: one step's (flush schedules),
+        or each step's chunk of the whole run's (asynchronous)."""
 
     def _delay(self) -> int:
         """How stale this stage's updates count as: none in a flushed schedule; in PipeDream's,
@@ -238,25 +212,6 @@ class PipelineTrainer(BaseTrainer):
             groups.append(new_group(ranks, timeout_s=self.config.timeout_s) if count > 1 else None)
         return groups
 
-    def _ties(self, blocks: nn.Sequential) -> list[Tie]:
-        """A process group of the workers of each set of stages that share parameters (every
-        rank creates every group), and this stage's share of them."""
-        ties = []
-        shared = shared_parameters(blocks, self.layout.bounds)
-        if shared and self.tensor_degree > 1:
-            raise UsageError(f"stages {', '.join('-'.join(map(str, s)) for s in shared)} share "
-                             f"parameters (tied weights), which pipeline x tensor layouts do not "
-                             f"keep equal yet; drop --tensor-parallel or put those blocks in one "
-                             f"stage")
-        for stages, params in shared.items():
-            ranks = [self.schedule.worker_of(stage, replica) for stage in stages
-                     for replica in range(self.layout.replicas[stage])]
-            group = new_group(sorted(ranks), timeout_s=self.config.timeout_s)
-            if self.stage in stages:
-                ties.append(Tie(group=group, stages=stages, params=params, num_workers=len(ranks),
-                                scale=1.0 / self.layout.replicas[self.stage]))
-        return ties
-
     def _counted(self, ties: list[Tie]) -> list[nn.Parameter]:
         """The parameters whose gradient this worker adds to the whole model's norm: replica 0's,
         less the tied ones a lower stage holds (their copies' gradients are equal)."""
@@ -264,20 +219,6 @@ class PipelineTrainer(BaseTrainer):
             return []
         elsewhere = {id(p) for tie in ties if tie.stages[0] != self.stage for p in tie.params}
         return [p for p in self.module.parameters() if id(p) not in elsewhere]
-
-    def _links(self) -> dict[tuple[int, int], dist.ProcessGroup]:
-        """A two-worker process group for each direction of point-to-point traffic."""
-        pairs = sorted({(worker, action.peer) for worker, actions in enumerate(self.schedule.workers)
-                        for action in actions if action.kind.is_send and action.peer is not None})
-        links = {}
-        for source, destination in pairs:
-            for part in range(self.tensor_degree):  # the processes at each tensor position
-                ranks = (source * self.tensor_degree + part,
-                         destination * self.tensor_degree + part)
-                group = new_group(sorted(ranks), timeout_s=self.config.timeout_s)
-                if self.env.rank in ranks:
-                    links[(source, destination)] = group
-        return links
 
     # -- training --------------------------------------------------------------------------------
 
@@ -320,8 +261,11 @@ class PipelineTrainer(BaseTrainer):
         return self._microbatch(step, (self.sampler.global_indices(step),), 0)
 
     def train_step(self, step: int) -> torch.Tensor:
-        if self.chunks is not None:
-            loss = self.engine.execute(self.chunks[step - self.first_step], self._minibatch, step)
+        """Run this worker's actions of step ``step``: the whole schedule of a flush schedule,
+        the step's chunk of the asynchronous one."""
+        if self.asynchronous:
+            loss = self.engine.execute(self.programs[step - self.first_step], self._minibatch,
+                                       step)
             self.engine.prune_sends(before_step=step + 1 - self.layout.num_stages)
             if step == self.last_step - 1:
                 self.engine.finish_sends()
@@ -330,11 +274,12 @@ class PipelineTrainer(BaseTrainer):
         cache: dict[int, Microbatch] = {}
 
         def batch(m: int) -> Microbatch:
-            if m not in cache:
-                cache[m] = self._microbatch(step, parts, m)
-            return cache[m]
+            micro = cache.get(m)
+            if micro is None:
+                micro = cache[m] = self._microbatch(step, parts, m)
+            return micro
 
-        loss = self.engine.execute(self.schedule.workers[self.worker], batch, step)
+        loss = self.engine.execute(self.programs[0], batch, step)
         self.engine.finish_sends()
         return loss if self.tensor_rank == 0 else torch.zeros_like(loss)
 

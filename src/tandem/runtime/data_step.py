@@ -1,0 +1,97 @@
+"""The handlers of a data-parallel worker's forwards, backwards and overlapped allreduce, which
+the schedule interpreter runs from the plan's one-stage schedule.
+
+Worker ``r`` of ``W`` runs micro-batches ``m = r + W * k`` of each global batch (the generator's
+round-robin); ``k`` indexes this worker's share, cut into ``--accumulate`` micro-batches. Every
+backward but the last accumulates without communication (DDP's ``no_sync``); the last one's
+backward reduces the gradients in DDP's buckets, so the schedule's ``AR`` records that backward's
+span rather than running anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from tandem.data import Batch
+from tandem.runtime.executor import Span
+from tandem.runtime.precision import Precision
+from tandem.schedule import Action
+from tandem.structures import call_model
+from tandem.sync import SyncStrategy
+
+
+class DataParallelStep:
+    """One worker's F, B and AR handlers, and what they share within a step."""
+
+    def __init__(self, module: nn.Module, precision: Precision,
+                 loss: Callable[[Any, Any], torch.Tensor], beat: Any, *, data_world: int,
+                 strategy: SyncStrategy | None = None, slowdown: float = 1.0) -> None:
+        self.module, self.strategy, self.precision = module, strategy, precision
+        self.loss, self.beat, self.data_world = loss, beat, data_world
+        self.slowdown = slowdown
+        """``--straggler``: this worker's compute takes this many times as long (1: as is)."""
+        self.after_backwards: Callable[[], None] | None = None
+        """Called after the step's last backward (the loss watch reads the step's loss)."""
+        self.micros: list[Batch] = []
+        self.scale = 1.0
+        """The factor of each micro-batch's summed loss: workers / samples in the global batch."""
+        self.divisor: int | None = None
+        """Or its divisor: samples in the global batch (tensor parallelism's workers share each
+        sample)."""
+        self.loss_total = torch.zeros(())
+        self.pending: torch.Tensor | None = None
+        """The loss of the forward whose backward comes next."""
+        self.accumulating: contextlib.ExitStack | None = None
+        """Open from a non-last micro-batch's forward to the end of its backward."""
+        self.backward_span = (0.0, 0.0)
+        """Start and end of the last backward (the overlapped allreduce's span)."""
+        self.forward_start = 0.0
+
+    def begin(self, micros: list[Batch], step: int, device: torch.device, *, scale: float = 1.0,
+              divisor: int | None = None) -> None:
+        """Start step ``step`` on this worker's ``micros``, whose summed losses are multiplied
+        by ``scale`` or divided by ``divisor`` before their backward."""
+        self.micros, self.scale, self.divisor = micros, scale, divisor
+        self.loss_total = torch.zeros((), device=device)
+        self.beat.step = step
+
+    def forward(self, action: Action, span: Span) -> None:
+        """Forward and loss (summed over the micro-batch's samples) of micro-batch ``m``."""
+        index = action.microbatch // self.data_world  # type: ignore[operator]
+        micro = self.micros[index]
+        self.beat.phase = "forward"
+        self.forward_start = span.start
+        if index < len(self.micros) - 1 and self.strategy is not None:
+            self.accumulating = contextlib.ExitStack()
+            self.accumulating.enter_context(self.strategy.accumulating(self.module))
+        with self.precision.autocast():
+            output = call_model(self.module, micro.inputs)
+            self.pending = self.loss(output, micro.targets) * micro.size
+
+    def backward(self, action: Action, span: Span) -> None:
+        """Backward of the micro-batch just forwarded (its gradients reduced if it is the last)."""
+        loss, self.pending = self.pending, None
+        assert loss is not None, "a backward without its forward"
+        self.beat.phase = "backward"
+        self.precision.backward(loss * self.scale if self.divisor is None else loss / self.divisor)
+        if self.accumulating is not None:
+            self.accumulating.close()
+            self.accumulating = None
+        self.loss_total += loss.detach()
+        span.end = time.perf_counter()
+        self.backward_span = (span.start, span.end)
+        if self.slowdown > 1.0:
+            time.sleep((self.slowdown - 1.0) * (span.end - self.forward_start))
+        if self.after_backwards is not None and \
+                action.microbatch // self.data_world == len(self.micros) - 1:  # type: ignore[operator]
+            self.after_backwards()
+
+    def allreduce(self, action: Action, span: Span) -> None:
+        """DDP reduced the gradients during the last backward: its span is the allreduce's."""
+        span.start, span.end = self.backward_span
