@@ -17,7 +17,7 @@ import threading
 from types import FrameType
 from typing import Any, Callable, NoReturn, Optional, Sequence
 
-from tandem.errors import Interrupted, UsageError, WorkerFailure
+from tandem.errors import Interrupted, UsageError, WorkerFailure, shown_on_stderr
 
 COMMANDS = ("train", "demo", "pack", "profile", "plan", "topology", "simulate", "search", "scale")
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -100,12 +100,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     global _this_process
     handlers = _catch_stop_signals()
     words = list(sys.argv[1:] if argv is None else argv)
+    command = words[0] if words and words[0] in COMMANDS else ""
     if argv is None:
-        _this_process = words[0] if words and words[0] in COMMANDS else ""
+        _this_process = command
     try:
-        return _main(words)
+        with shown_on_stderr(command):  # tandem's warnings and log records, one line each
+            return _main(words)
     except KeyboardInterrupt as exc:  # before a command's own handling (e.g. in an import)
-        return _interrupted(words[0] if words and words[0] in COMMANDS else "", exc)
+        return _interrupted(command, exc)
     finally:
         if argv is None and "tandem.runtime.zygote" in sys.modules:
             sys.modules["tandem.runtime.zygote"].stop()  # this process is the command: its

@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import warnings
 from typing import Any
 
 from tandem import strict_json
 from tandem.cluster import Cluster, format_bandwidth, parse_duration, parse_size
 from tandem.commands.args import add_cluster_args, add_source_args, build_cluster, load_source
 from tandem.commands.output_paths import check_output_files
-from tandem.errors import UsageError
+from tandem.errors import PlanNote, UsageError
 from tandem.plan import Plan
 from tandem.planning import PartitionOptions, make_plan
 from tandem.planning.simulate.simulator import SimOptions
@@ -147,17 +148,17 @@ def run(args: argparse.Namespace) -> int:
                      pipeline_only=bool(asked))
     human = sys.stderr if args.json else sys.stdout
     if plan.options.get("branch_compression"):
-        print(f"tandem plan: note: {plan.options['branch_compression']}", file=sys.stderr)
+        warnings.warn(plan.options["branch_compression"], PlanNote, stacklevel=1)
     print(format_plan(plan, profile, cluster), file=human)
     faster = [row for row in plan.candidates
               if row["simulated_s"] is not None and row["fits_memory"]
               and row["simulated_s"] < plan.bottleneck_s]
     if asked and faster:
         best = min(faster, key=lambda row: row["simulated_s"])
-        print(f"tandem plan: note: {best['name']} ({best['config']}) would be faster "
-              f"({best['simulated_s'] * 1e3:.3f} ms against {plan.bottleneck_s * 1e3:.3f} ms); "
-              f"{' and '.join(asked)} asked for a pipeline: drop them to let the planner choose",
-              file=sys.stderr)
+        warnings.warn(f"{best['name']} ({best['config']}) would be faster "
+                      f"({best['simulated_s'] * 1e3:.3f} ms against {plan.bottleneck_s * 1e3:.3f} "
+                      f"ms); {' and '.join(asked)} asked for a pipeline: drop them to let the "
+                      f"planner choose", PlanNote, stacklevel=1)
     if args.output:
         plan.save(args.output)
         print(f"wrote {args.output}", file=human)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import warnings
 from typing import Any
 
 from tandem import strict_json
@@ -18,7 +19,7 @@ from tandem.commands.args import (
     with_memory,
 )
 from tandem.commands.output_paths import check_output_files
-from tandem.errors import UsageError
+from tandem.errors import PlanNote, UsageError
 from tandem.plan import Plan
 from tandem.planning.simulate.collectives import ALGORITHMS
 from tandem.planning.simulate.simulator import SimOptions, SimResult, data_parallel_plan, simulate
@@ -299,8 +300,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--compress {args.codec} contradicts the plan's codec "
                          f"{plan.compress.text}; drop --compress or edit the plan")
     if plan.pipelined and plan.compress is not None and args.activation_compression == 1.0:
-        print(f"tandem simulate: note: the plan's activation codec {plan.compress.text} is not "
-              f"modelled; give its ratio with --activation-compression R", file=sys.stderr)
+        warnings.warn(f"the plan's activation codec {plan.compress.text} is not modelled; give "
+                      f"its ratio with --activation-compression R", PlanNote, stacklevel=1)
     options = sim_options(args, profile)
     if profile.batch_size is None and args.profile_batch:  # known now: report samples/s too
         profile = dataclasses.replace(profile, batch_size=args.profile_batch)
