@@ -140,7 +140,7 @@ def describe_machine(args: argparse.Namespace, run: RecordedRun,
                          num_steps=SIMULATED_STEPS,
                          compute_overhead_s=parse_duration(args.overhead, "--overhead"),
                          compress=None if plan.pipelined or plan.compress is None
-                         else plan.compress.text)
+                         else plan.compress)
     parameter_bytes = sum(layer.parameter_bytes for layer in profile.layers)
     step_Bps = optimizer_Bps(parameter_bytes, str(run.settings.get("optimizer", "sgd")))
     options = dataclasses.replace(options, optimizer_Bps=step_Bps)

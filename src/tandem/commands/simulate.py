@@ -182,7 +182,7 @@ def add_codec_args(p: argparse.ArgumentParser, *, compress: bool = True) -> None
 def sim_options(args: argparse.Namespace, profile: ModelProfile, **changes: Any) -> SimOptions:
     """The :class:`SimOptions` of the shared arguments."""
     overhead_s = parse_duration(args.overhead, "--overhead")
-    options = SimOptions(
+    fields: dict[str, Any] = dict(
         batch_scale=batch_scale(profile, args.batch_size if args.profile else None,
                                 args.profile_batch),
         allreduce=args.allreduce,
@@ -197,7 +197,7 @@ def sim_options(args: argparse.Namespace, profile: ModelProfile, **changes: Any)
         compress=getattr(args, "codec", None),
         codec_speedup=getattr(args, "codec_speedup", 1.0),
     )
-    return dataclasses.replace(options, **changes)
+    return SimOptions(**{**fields, **changes})
 
 
 def planning_inputs(args: argparse.Namespace) -> tuple[ModelProfile, Cluster]:
@@ -302,7 +302,10 @@ def run(args: argparse.Namespace) -> int:
     if plan.pipelined and plan.compress is not None and args.activation_compression == 1.0:
         warnings.warn(f"the plan's activation codec {plan.compress.text} is not modelled; give "
                       f"its ratio with --activation-compression R", PlanNote, stacklevel=1)
-    options = sim_options(args, profile)
+    # the plan's codec, parsed once, when --compress names it too (a plan file's pipeline
+    # codec is its activations', which --compress does not model)
+    options = sim_options(args, profile, compress=plan.compress if args.codec and plan.compress
+                          else args.codec)
     if profile.batch_size is None and args.profile_batch:  # known now: report samples/s too
         profile = dataclasses.replace(profile, batch_size=args.profile_batch)
     result = simulate(plan, profile, cluster, options)

@@ -71,7 +71,6 @@ from tandem.cluster import Cluster, Level
 from tandem.errors import UsageError
 from tandem.plan import Plan
 from tandem.planning.search.balance import balanced_plan
-from tandem.planning.simulate.codecs import parse_codec
 from tandem.planning.partition.pipedream import PartitionOptions
 from tandem.planning.search.planner import make_plan
 from tandem.planning.simulate.simulator import SimOptions, SimResult, data_parallel_plan, simulate
@@ -83,6 +82,7 @@ from tandem.planning.simulate.tensor import (
     tensor_degrees,
 )
 from tandem.profile import ModelProfile
+from tandem.spec.codec import CodecSpec
 from tandem.spec.kinds import ScheduleKind
 from tandem.spec.sync import SYNC_METHODS, GossipSync, LocalSGDSync, ParameterServerSync, SyncSpec
 
@@ -103,9 +103,9 @@ class ScaleOptions:
 
     max_devices: int = 1024
     """Largest device count; counts are the powers of two up to it (and it)."""
-    compressions: tuple[float | str, ...] = (2.0, 32.0)
+    compressions: tuple[float | CodecSpec, ...] = (2.0, 32.0)
     """Gradient compressions to show for data parallelism: ratios, or codec specs
-    (``topk:ratio=0.01``)."""
+    (``topk:ratio=0.01``; a text given is parsed once, here)."""
     microbatches_per_stage: int = 4
     """Pipelines run this many micro-batches per stage and step (bubble ``(S-1)/(M+S-1)``)."""
     batch_samples: int | None = None
@@ -138,12 +138,11 @@ class ScaleOptions:
             raise UsageError(f"--period must be at least 1 (got {self.period})")
         if not isinstance(self.max_devices, int) or self.max_devices < 1:
             raise UsageError(f"--max-devices must be at least 1 (got {self.max_devices})")
-        ratios = [r for r in self.compressions if not isinstance(r, str)]
+        ratios = [r for r in self.compressions if not isinstance(r, (str, CodecSpec))]
         if any(not (r >= 1 and math.isfinite(r)) for r in ratios):
             raise UsageError(f"compression ratios must be at least 1 (got {ratios})")
-        for spec in self.compressions:
-            if isinstance(spec, str):
-                parse_codec(spec)
+        object.__setattr__(self, "compressions", tuple(  # frozen: codec texts read once, here
+            CodecSpec.parse(spec) if isinstance(spec, str) else spec for spec in self.compressions))
         if self.microbatches_per_stage < 1:
             raise UsageError(f"micro-batches per stage must be at least 1 (got {self.microbatches_per_stage})")
         if self.per_device_batch is not None:
@@ -334,8 +333,8 @@ def _strategies(profile: ModelProfile, cluster: Cluster, n: int, options: ScaleO
     dp = too_few or data_parallel_plan(profile, n)
     strategies: list[tuple[str, Plan | str, SimOptions]] = [("dp", dp, sim)]
     for ratio in options.compressions:
-        if isinstance(ratio, str):
-            strategies.append((f"dp+{ratio}", dp, dataclasses.replace(sim, compress=ratio)))
+        if isinstance(ratio, CodecSpec):
+            strategies.append((f"dp+{ratio.text}", dp, dataclasses.replace(sim, compress=ratio)))
             continue
         strategies.append((f"dp+{ratio:g}x", dp, dataclasses.replace(
             sim, gradient_compression=sim.gradient_compression * ratio)))

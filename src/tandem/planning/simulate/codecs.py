@@ -2,7 +2,7 @@
 
 Usage::
 
-    codec = parse_codec("topk:ratio=0.01")
+    codec = codec_model(plan.compress)          # or parse_codec("topk:ratio=0.01")
     codec.collective                             # "allgather"
     codec.payload_bytes(1_000_000)               # 80,000: float32 values and int32 indices
     codec.rounds([2_359_808, 512])               # [("allgather", bytes)]: one bucket's exchange
@@ -56,11 +56,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tandem.spec.codec import (
+    CodecSpec,
     PowerSGDOptions,
     QSGDOptions,
     SignOptions,
     num_selected,
-    read_codec_spec,
     width_for,
 )
 from tandem.errors import UsageError
@@ -213,8 +213,14 @@ class CodecModel:
                 * self.work / speedup)
 
 
-def parse_codec(spec: str, speed: CodecSpeed | None = None) -> CodecModel:
-    """The model of ``spec`` (e.g. ``topk:ratio=0.01``), with ``speed`` or the codec's default;
-    :class:`UsageError` (one line) for an unknown codec or a bad option."""
-    name, options = read_codec_spec(spec)
-    return CodecModel(spec=spec, name=name, options=options, speed=speed or DEFAULT_SPEEDS[name])
+def codec_model(spec: CodecSpec, speed: CodecSpeed | None = None) -> CodecModel:
+    """The model of the codec ``spec`` (a plan's ``compress``, parsed once), with ``speed`` or
+    the codec's default."""
+    return CodecModel(spec=spec.text, name=spec.name, options=spec.options,
+                      speed=speed or DEFAULT_SPEEDS[spec.name])
+
+
+def parse_codec(text: str, speed: CodecSpeed | None = None) -> CodecModel:
+    """:func:`codec_model` of a spec's text (e.g. ``topk:ratio=0.01``, as tests and benchmarks
+    write it); :class:`UsageError` (one line) for an unknown codec or a bad option."""
+    return codec_model(CodecSpec.parse(text), speed)

@@ -23,7 +23,7 @@ from typing import Any
 from tandem.cluster import Cluster
 from tandem.errors import UsageError
 from tandem.plan import Plan
-from tandem.planning.simulate.codecs import GRADIENT_ELEMENT_BYTES, CodecModel, parse_codec
+from tandem.planning.simulate.codecs import GRADIENT_ELEMENT_BYTES, CodecModel, codec_model
 from tandem.planning.simulate.collectives import link_level, port, unit_sizes
 from tandem.planning.simulate.result import SimResult, WorkerResult
 from tandem.profile import ModelProfile, scale_call
@@ -111,7 +111,7 @@ def family_costs(plan: Plan, profile: ModelProfile, cluster: Cluster, options: A
     fixed = 1.0 if options.charge_fixed_costs else 0.0  # the layers' cost per call, or none
     speed = cluster.speed
     parameter_bytes = float(sum(layer.parameter_bytes for layer in layers))
-    spec = options.compress or (plan.compress.text if plan.compress is not None else None)
+    spec = options.compress or plan.compress
     workers, server_devices = _devices(plan, cluster)
     return Costs(
         forward_s=sum(scale_call(l.forward_s, l.forward_fixed_s * fixed, share) for l in layers)
@@ -123,7 +123,7 @@ def family_costs(plan: Plan, profile: ModelProfile, cluster: Cluster, options: A
         parameter_bytes=parameter_bytes,
         tensor_bytes=[float(l.parameter_bytes) for l in layers if l.parameter_bytes > 0],
         activation_bytes=sum(l.activation_bytes for l in layers) * share,
-        codec=parse_codec(spec, options.codec_speed) if spec else None,
+        codec=codec_model(spec, options.codec_speed) if spec else None,
         codec_speedup=options.codec_speedup * speed,
         workers=workers, servers=server_devices,
         server_message_s=options.server_message_s, optimizer_Bps=options.optimizer_Bps,

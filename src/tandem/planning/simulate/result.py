@@ -8,7 +8,8 @@ import math
 from typing import Any
 
 from tandem.errors import UsageError
-from tandem.planning.simulate.codecs import CodecSpeed, parse_codec
+from tandem.planning.simulate.codecs import CodecSpeed
+from tandem.spec.codec import CodecSpec
 from tandem.planning.simulate.collectives import ALGORITHMS
 from tandem.planning.simulate.costs import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES
 from tandem.spec.kinds import ScheduleKind
@@ -55,9 +56,9 @@ class SimOptions:
     """DDP bucket size."""
     record: bool = True
     """Build the timeline (searches turn it off for speed)."""
-    compress: str | None = None
+    compress: CodecSpec | None = None
     """Gradient codec, ``CODEC[:k=v,...]`` as for ``tandem train --compress`` (e.g.
-    ``topk:ratio=0.01``): replicas exchange its payloads by its collective and pay its encode
+    ``topk:ratio=0.01``; a text given is parsed once, here): replicas exchange its payloads by its collective and pay its encode
     and decode time (:mod:`tandem.planning.simulate.codecs`); it replaces a stage's ``compression`` for
     gradients (not for activations). None: gradients go by allreduce, divided by the ratios."""
     codec_speedup: float = 1.0
@@ -89,11 +90,12 @@ class SimOptions:
                              f"(got {self.server_message_s})")
         if not (self.codec_speedup > 0 and math.isfinite(self.codec_speedup)):
             raise UsageError(f"codec speed-up must be a positive number (got {self.codec_speedup})")
+        if isinstance(self.compress, str):  # frozen: the text is read once, here
+            object.__setattr__(self, "compress", CodecSpec.parse(self.compress))
         if self.compress is not None:
-            parse_codec(self.compress, self.codec_speed)
             if self.gradient_compression != 1.0:
                 raise UsageError(
-                    f"give a gradient codec (--compress {self.compress}) or a compression "
+                    f"give a gradient codec (--compress {self.compress.text}) or a compression "
                     f"ratio (--compression {self.gradient_compression:g}), not both")
 
 

@@ -87,7 +87,8 @@ from typing import Any
 from tandem.cluster import Cluster
 from tandem.errors import UsageError
 from tandem.plan import Plan, Stage
-from tandem.planning.simulate.codecs import GRADIENT_ELEMENT_BYTES, CodecModel, CodecSpeed, parse_codec
+from tandem.planning.simulate.codecs import (GRADIENT_ELEMENT_BYTES, CodecModel, CodecSpeed,
+                                             codec_model)
 from tandem.planning.simulate.collectives import ALGORITHMS, allreduce_s, collective_s
 from tandem.planning.simulate.decentralized import simulate_averaging, simulate_gossip
 from tandem.planning.simulate.costs import (
@@ -149,7 +150,7 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
                              f"sync method {plan.sync.method!r}; drop it or use --plan dp")
         return simulate_family(plan, profile, cluster, options)
     if not plan.pipelined and plan.compress is not None and options.compress is None:
-        options = dataclasses.replace(options, compress=plan.compress.text)  # the run's codec
+        options = dataclasses.replace(options, compress=plan.compress)  # the run's codec
     costs = stage_costs(plan, split_profile(profile, plan.tensor_degree),
                         bucket_bytes=options.bucket_bytes,
                         first_bucket_bytes=min(DDP_FIRST_BUCKET_BYTES, options.bucket_bytes))
@@ -280,7 +281,7 @@ def build_workload(plan: Plan, costs: list[StageCost], cluster: Cluster, schedul
     )
     if options.compress is None:
         return workload
-    codec = parse_codec(options.compress, options.codec_speed)
+    codec = codec_model(options.compress, options.codec_speed)
     return with_codec(workload, codec, costs, groups, cluster, options)
 
 
