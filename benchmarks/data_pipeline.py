@@ -5,7 +5,7 @@ on the shards and measure the part of each step spent waiting for data.
 
 The samples are the 1,797 real 8x8 digits written as PNG files (a few hundred bytes each, like
 the thumbnails, audio clips and texts of real many-small-files datasets). Both readers decode
-the PNGs the same way (:func:`tandem.data.shards.decode_image`); the throughput is given for
+the PNGs the same way (:func:`tandem.data.shard_decode.decode_image`); the throughput is given for
 reading each sample's bytes (the storage access the two differ in: ``shards_vs_files``) and
 with decoding (CPU work the 4 ranks share this machine's 1.25 cores for). Training uses the emulated model (its layers sleep their time, so the 4
 ranks and their loader processes do not compete for this machine's cores with real compute).
@@ -54,7 +54,7 @@ def write_pngs(root: Path) -> list[tuple[Path, int]]:
 def read_files(rank: int, files: list[tuple[str, int]], open_s: float, bandwidth: float,
                decode: bool, results: dict) -> None:
     """Rank ``rank``'s share of a random order of the files, each opened (and decoded) alone."""
-    from tandem.data.shards import decode_image
+    from tandem.data.shard_decode import decode_image
     from tandem.data.storage import EmulatedStorage
 
     storage = EmulatedStorage(open_latency_s=open_s, bandwidth_Bps=bandwidth)

@@ -16,7 +16,7 @@ from tandem.spec.batch_schedule import (
 from tandem.data import GlobalBatchSampler
 from tandem.data.sampler import RankBatchSampler
 from tandem.errors import UsageError
-from tandem.runtime.base import lr_factor
+from tandem.runtime.learning_rate import lr_factor
 from tandem.runtime.config import RunConfig, resolve_batch_size
 
 from tests.conftest import SharedRun, max_abs_diff, run_cli, run_json

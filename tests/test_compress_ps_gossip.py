@@ -71,10 +71,10 @@ def _record_before_consensus(strategy: Any, models: list[torch.Tensor]) -> None:
 
 def _observe(trainer: Any, summary: dict[str, Any] | None, before: list[torch.Tensor]) -> dict:
     """What a test checks of one rank's job (tensors as lists, to leave the process)."""
-    if hasattr(trainer, "encoders"):  # a parameter server
-        start, end = trainer.ranges[trainer.env.rank]
+    if hasattr(trainer, "codecs"):  # a parameter server
+        start, end = trainer.shard.ranges[trainer.env.rank]
         offset = sum(SIZES[:start])
-        copies = {worker: encoder.copy.tolist() for worker, encoder in trainer.encoders.items()
+        copies = {worker: encoder.copy.tolist() for worker, encoder in trainer.codecs.encoders.items()
                   if encoder.copy is not None}
         return {"summary": summary, "shard": (offset, offset + sum(SIZES[start:end])),
                 "copies": copies}

@@ -16,7 +16,7 @@ from torch.nn import functional as F
 
 from tandem.data import build_dataset
 from tandem.models import build_model
-from tandem.runtime.elastic_server import elastic_update
+from tandem.runtime.ps.elastic import elastic_update
 from tandem.sync.averaging import paper_variables
 from tests.conftest import ROOT, VGG, SharedRun, run_cli, run_here, run_json
 

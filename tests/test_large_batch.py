@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from tandem.errors import UsageError
-from tandem.runtime.base import build_optimizer, scaled_lr
+from tandem.runtime.learning_rate import build_optimizer, scaled_lr
 from tandem.runtime.config import RunConfig
 
 from tests.conftest import max_abs_diff, run_cli, run_json

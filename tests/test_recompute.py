@@ -11,7 +11,8 @@ from tandem.data import build_dataset
 from tandem.errors import UsageError
 from tandem.models import build_model
 from tandem.plan import Plan, Stage
-from tandem.runtime.config import Job, RunConfig
+from tandem.runtime.config import RunConfig
+from tandem.runtime.job import Job
 from tandem.runtime.pipeline.materialize import materialize, on_meta
 
 from tests.conftest import SharedRun, max_abs_diff, run_here

@@ -87,7 +87,8 @@ def fit(model: nn.Module | Callable[..., nn.Module] | str,
         UsageError: a mistake in the arguments, data, model or loss (one line naming it).
         WorkerFailure: a worker failed or died (one line naming it).
     """
-    from tandem.runtime.config import Job, RunConfig
+    from tandem.runtime.config import RunConfig
+    from tandem.runtime.job import Job
     from tandem.runtime.launcher_env import under_launcher, world_size
     from tandem.runtime.run import make_job, run_training
     from tandem.runtime.task import UserObjects

@@ -11,9 +11,9 @@ from tandem.cluster import parse_duration
 from tandem.errors import UsageError
 from tandem.plan import Plan
 from tandem.runtime.config import (
-    BACKENDS, DEFAULT_BASE_BATCH, OPTIMIZERS, SCHEDULES, Job, RunConfig,
-    resolve_batch_size, sketch_job,
+    BACKENDS, DEFAULT_BASE_BATCH, OPTIMIZERS, SCHEDULES, RunConfig, resolve_batch_size,
 )
+from tandem.runtime.job import Job, sketch_job
 from tandem.runtime.launcher_env import under_launcher, world_size
 from tandem.runtime.run import check_flags, make_job, run_training, start_forkserver
 from tandem.strategy import PLAN_FLAGS, STRATEGIES, plan_with_flags

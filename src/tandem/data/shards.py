@@ -31,12 +31,9 @@ Usage::
 
 from __future__ import annotations
 
-import ast
 import bisect
-import functools
 import dataclasses
 import hashlib
-import io
 import json
 import os
 from collections import OrderedDict
@@ -50,8 +47,10 @@ from torch.utils.data import default_collate
 
 from tandem.data.info import DataInfo
 from tandem.data.run_data import Data
-from tandem.data.sampler import GlobalBatchSampler, shard_sizes
+from tandem.data.sampler import GlobalBatchSampler
 from tandem.data.samples import Batch, Samples
+from tandem.data.shard_decode import decode_sample, tar_members
+from tandem.data.shard_sampler import ShardBatchSampler
 from tandem.data.storage import CachedStorage, EmulatedStorage, Storage
 from tandem.errors import UsageError
 from tandem.spec.options import path_spec
@@ -59,7 +58,6 @@ from tandem.spec.options import path_spec
 INDEX_NAME = "index.json"
 INDEX_FORMAT = "tandem-shards/1"
 SPLITS = ("train", "test")
-TAR_BLOCK = 512
 MAX_OPEN_SHARDS = 64
 """Shard files a reader keeps open at once (closing the least recently used)."""
 DEFAULT_SHUFFLE = 1000
@@ -290,7 +288,7 @@ class ShardSamples(Samples):
         handle.seek(shard.offsets[first])
         size = shard.offsets[last + 1] - shard.offsets[first]
         data = handle.read(size)
-        parts = _members(data, shard.name, expected=len(run)) if len(data) == size else None
+        parts = tar_members(data, shard.name, expected=len(run)) if len(data) == size else None
         if parts is None:
             raise UsageError(f"shard {shard.name} in {self.index.root} is truncated or corrupt "
                              f"(samples {first}..{last} unreadable); copy it again or pack again")
@@ -316,186 +314,6 @@ class ShardSamples(Samples):
         except (ValueError, KeyError, OSError, RuntimeError) as exc:
             raise UsageError(f"shard {shard} in {self.index.root}: a sample does not decode "
                              f"({type(exc).__name__}: {exc}); pack the dataset again") from None
-
-
-def _members(data: bytes, shard: str, *, expected: int) -> list[dict[str, bytes]] | None:
-    """The samples in ``data`` (whole tar members of consecutive samples), each as its parts by
-    extension; None unless the bytes are ``expected`` whole samples with valid headers.
-
-    Parsed here rather than by ``tarfile`` (a tenth of its time per member, which counts for
-    small samples): 512-byte ustar headers, each checked by its checksum."""
-    samples: list[dict[str, bytes]] = []
-    key = None
-    position, end = 0, len(data)
-    while position + TAR_BLOCK <= end:
-        header = data[position:position + TAR_BLOCK]
-        if not header.strip(b"\0"):
-            break
-        try:
-            checksum = int(header[148:156].strip(b"\0 ") or b"0", 8)
-            size = int(header[124:136].strip(b"\0 ") or b"0", 8)
-        except ValueError:
-            return None
-        if checksum != sum(header[:148]) + 8 * 32 + sum(header[156:]):
-            return None
-        start = position + TAR_BLOCK
-        position = start + -(-size // TAR_BLOCK) * TAR_BLOCK
-        if header[156:157] not in (b"0", b"\0") or start + size > end:
-            if start + size > end:
-                return None
-            continue  # not a regular file: directories, links, extended headers
-        name = header[:100].split(b"\0", 1)[0].decode()
-        prefix = header[345:500].split(b"\0", 1)[0].decode()
-        base, _, part = (f"{prefix}/{name}" if prefix else name).rpartition("/")[2].partition(".")
-        if base != key:
-            samples.append({})
-            key = base
-        samples[-1][part] = data[start:start + size]
-    return samples if len(samples) == expected else None
-
-
-def decode_sample(parts: dict[str, bytes], decode: dict[str, Any]) -> tuple[Any, Any]:
-    """The ``(input, target)`` of one sample's tar members."""
-    if "input.npy" in parts:
-        inputs: Any = torch.from_numpy(load_npy(parts["input.npy"]))
-    elif "input.pth" in parts:
-        inputs = torch.load(io.BytesIO(parts["input.pth"]), weights_only=True)
-    else:
-        image_part = next((part for part in parts if part not in ("cls", "target.npy",
-                                                                  "target.pth")), None)
-        if image_part is None or decode.get("kind") != "image":
-            raise KeyError(f"no input among its parts {sorted(parts)}")
-        inputs = decode_image(parts[image_part], mode=decode["mode"], size=int(decode["size"]))
-    if "cls" in parts:
-        targets: Any = torch.tensor(int(parts["cls"].decode()), dtype=torch.int64)
-    elif "target.npy" in parts:
-        targets = torch.from_numpy(load_npy(parts["target.npy"]))
-    elif "target.pth" in parts:
-        targets = torch.load(io.BytesIO(parts["target.pth"]), weights_only=True)
-    else:
-        raise KeyError(f"no target among its parts {sorted(parts)}")
-    return inputs, targets
-
-
-@functools.lru_cache(maxsize=256)
-def _npy_header(header: bytes) -> tuple[np.dtype, tuple[int, ...], bool]:
-    fields = ast.literal_eval(header.decode("latin1"))
-    return np.dtype(fields["descr"]), tuple(fields["shape"]), bool(fields["fortran_order"])
-
-
-def load_npy(data: bytes) -> np.ndarray:
-    """The array of ``.npy`` bytes (as ``np.load``, with each distinct header parsed once: the
-    samples of a dataset share theirs)."""
-    if data[:6] != b"\x93NUMPY":
-        raise ValueError("not .npy data")
-    if data[6] == 1:
-        length, start = int.from_bytes(data[8:10], "little"), 10
-    else:
-        length, start = int.from_bytes(data[8:12], "little"), 12
-    dtype, shape, fortran = _npy_header(bytes(data[start:start + length]))
-    if dtype.hasobject:
-        raise ValueError("object arrays are not read")
-    flat = np.frombuffer(data, dtype=dtype, offset=start + length,
-                         count=int(np.prod(shape, dtype=np.int64)))
-    array = flat.reshape(shape[::-1]).transpose() if fortran else flat.reshape(shape)
-    return array.copy()
-
-
-def decode_image(data: bytes, *, mode: str, size: int) -> torch.Tensor:
-    """An image file's bytes as a float tensor ``C x H x W`` in [0, 1] (as ``folder:PATH``
-    reads it)."""
-    from PIL import Image
-
-    with Image.open(io.BytesIO(data)) as image:
-        image = image.convert(mode)
-        if size:
-            image = image.resize((size, size))
-        array = np.asarray(image, dtype=np.float32) / 255.0
-    return torch.from_numpy(array[None] if mode == "L" else array.transpose(2, 0, 1).copy())
-
-
-class ShardBatchSampler(GlobalBatchSampler):
-    """Global batches over shards: partition ``p`` (data-parallel rank ``p``) reads one
-    contiguous range of the epoch's shard order through its shuffle buffer (see the module
-    docstring); ``local_indices(step, rank=p, world_size=partitions)`` is its share."""
-
-    def __init__(self, shard_samples: list[int], *, global_batch_size: int, seed: int,
-                 partitions: int, shuffle_buffer: int,
-                 schedule: Sequence[tuple[int, int]] | None = None) -> None:
-        super().__init__(sum(shard_samples), global_batch_size=global_batch_size, seed=seed,
-                         schedule=schedule)
-        if partitions < 1:
-            raise ValueError(f"need at least one partition (got {partitions})")
-        self.shard_samples = list(shard_samples)
-        self.partitions = partitions
-        self.shuffle_buffer = shuffle_buffer
-        self.shard_starts = np.cumsum([0] + self.shard_samples)
-
-    def local_indices(self, step: int, *, rank: int, world_size: int) -> torch.Tensor:
-        if world_size != self.partitions:
-            raise ValueError(f"the shard order was cut for {self.partitions} ranks, not "
-                             f"{world_size}")
-        return super().local_indices(step, rank=rank, world_size=world_size)
-
-    def partition_lengths(self, epoch: int) -> list[int]:
-        """Samples each partition reads in ``epoch``: its share of every global batch (the
-        batches of an epoch differ in size under a batch schedule)."""
-        lengths = [0] * self.partitions
-        for size in self.epoch_batch_sizes(epoch):
-            for p, share in enumerate(shard_sizes(size, self.partitions)):
-                lengths[p] += share
-        return lengths
-
-    def shard_order(self, epoch: int) -> list[int]:
-        """The order of the shards in ``epoch``."""
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return torch.randperm(len(self.shard_samples), generator=gen).tolist()
-
-    def partition_stream(self, epoch: int, partition: int) -> np.ndarray:
-        """Sample numbers partition ``partition`` reads in ``epoch``, in order."""
-        order = self.shard_order(epoch)
-        sequence = np.concatenate([np.arange(self.shard_starts[s], self.shard_starts[s + 1])
-                                   for s in order]) if order else np.zeros(0, dtype=np.int64)
-        lengths = self.partition_lengths(epoch)
-        start = sum(lengths[:partition])
-        own = sequence[start:start + lengths[partition]]
-        rng = np.random.default_rng([self.seed, epoch, partition])
-        return _buffer_shuffle(own, self.shuffle_buffer, rng)
-
-    def epoch_order(self, epoch: int) -> torch.Tensor:
-        """The epoch's global batches end to end, each the partitions' shares in rank order."""
-        if self._epoch_order is not None and self._epoch_order[0] == epoch:
-            return self._epoch_order[1]
-        streams = [self.partition_stream(epoch, p) for p in range(self.partitions)]
-        taken = [0] * self.partitions
-        pieces = []
-        for size in self.epoch_batch_sizes(epoch):
-            for p, share in enumerate(shard_sizes(size, self.partitions)):
-                pieces.append(streams[p][taken[p]:taken[p] + share])
-                taken[p] += share
-        order = torch.from_numpy(np.concatenate(pieces).astype(np.int64))
-        self._epoch_order = (epoch, order)
-        return order
-
-
-def _buffer_shuffle(items: np.ndarray, size: int, rng: np.random.Generator) -> np.ndarray:
-    """``items`` through a shuffle buffer of ``size``: fill it, then for each new item emit a
-    random one of the buffer and put the new one in its place; at the end, emit the rest in a
-    random order. Samples read close together in the output come from a window of about
-    ``size`` samples of the input, so a rank reads its shards nearly in order."""
-    if size <= 1 or len(items) <= 1:
-        return items.copy()
-    buffer = list(items[:size])
-    out = np.empty(len(items), dtype=items.dtype)
-    picks = rng.integers(0, size, len(items))
-    written = 0
-    for item, pick in zip(items[size:], picks):
-        out[written] = buffer[pick]
-        buffer[pick] = item
-        written += 1
-    rest = np.array(buffer, dtype=items.dtype)
-    out[written:] = rest[rng.permutation(len(rest))]
-    return out
 
 
 class ShardDataset(torch.utils.data.IterableDataset):

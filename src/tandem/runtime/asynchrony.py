@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from tandem.runtime.component import Component
 
 if TYPE_CHECKING:
     from tandem.runtime.config import RunConfig
@@ -33,7 +35,7 @@ ADAM_BETA1 = 0.9
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Compensation:
+class Compensation(Component):
     """The settings of a worker whose updates are ``delay`` versions stale."""
 
     delay: int
@@ -48,6 +50,10 @@ class Compensation:
         """The summary's account of it."""
         return {"delay": self.delay, "momentum": round(self.momentum, 6),
                 "lr_scale": round(self.lr_scale, 6)}
+
+    def summary(self) -> dict[str, Any]:
+        """``async_compensation``: :meth:`describe`, or None where updates are not stale."""
+        return {"async_compensation": self.describe() if self.delay else None}
 
 
 def compensation(mode: str, momentum: float, delay: int, *, share: float = 1.0,

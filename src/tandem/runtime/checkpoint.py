@@ -1,9 +1,11 @@
-"""Checkpoints written atomically (write, fsync, rename) and read back with clear errors."""
+"""Checkpoints written atomically (write, fsync, rename) and read back with clear errors, and
+the component that saves them at ``--checkpoint-every`` steps and the last."""
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +13,7 @@ import torch
 
 from tandem.errors import UsageError
 from tandem.output_files import atomic, write_all
+from tandem.runtime.component import Component, StepEnd
 
 CHECKPOINT_VERSION = 2
 """2: every worker's own state (random stream, codec residuals; models of decentralized
@@ -122,3 +125,20 @@ def load_schedule(optimizer: torch.optim.Optimizer, scheduler: Any, state: dict[
     if announce:
         print(f"tandem: resuming with the learning rate {base_lrs[0]:g} (the checkpoint was "
               f"trained with {saved[0]:g})", file=sys.stderr, flush=True)
+
+
+class Checkpoints(Component):
+    """Save a checkpoint after every step that calls for one (:attr:`StepEnd.saving`):
+    ``check(step)`` first (it raises if the parameters must not be saved, e.g. diverged), then
+    ``save(done)``."""
+
+    def __init__(self, save: Callable[[int], None], *,
+                 check: Callable[[int], None] | None = None) -> None:
+        self.save, self.check = save, check
+
+    def after_step(self, end: StepEnd) -> None:
+        if not end.saving:
+            return
+        if self.check is not None:
+            self.check(end.step)
+        self.save(end.done)

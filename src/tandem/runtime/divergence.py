@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -46,6 +46,7 @@ import torch
 from tandem import strict_json
 from tandem.errors import Diverged
 from tandem.output_files import AppendLog
+from tandem.runtime.component import Component, StepEnd
 from tandem.runtime.config import RunConfig
 
 EXPLODING_FACTOR = 1000.0
@@ -194,6 +195,16 @@ class LossWatch:
                                f"row (all skipped, the loss scale shrinking each time)",
                        at="from")
 
+    def check(self, step_index: int, *, thorough: bool, overflows_in_a_row: int) -> None:
+        """After step ``step_index``: stop the run if its loss, or an earlier one not yet read,
+        diverged (read now if ``thorough``, else only where reading is free), or if fp16 has
+        skipped ``overflows_in_a_row`` steps, too many (:meth:`check_overflows`)."""
+        if thorough:
+            self.poll()
+        else:
+            self.poll_if_cheap()
+        self.check_overflows(step_index, overflows_in_a_row)
+
     def check_parameters(self, parameters: Iterable[torch.Tensor], step_index: int) -> None:
         """Raise :class:`~tandem.errors.Diverged` if any of ``parameters`` is not finite after
         step ``step_index`` (before a checkpoint of them is written)."""
@@ -215,3 +226,16 @@ def first_non_finite(tensors: Iterable[torch.Tensor]) -> str | None:
         return None
     nan, inf = torch.stack(flags).any(dim=0).tolist()
     return "nan" if nan else "inf" if inf else None
+
+
+class DivergenceCheck(Component):
+    """The loss watch as a component: after every step, :meth:`LossWatch.check` (thorough at
+    log and checkpoint steps, where the loss is read anyway), with the fp16 overflows that
+    ``overflows_in_a_row`` counts."""
+
+    def __init__(self, watch: LossWatch, overflows_in_a_row: Callable[[], int]) -> None:
+        self.watch, self.overflows_in_a_row = watch, overflows_in_a_row
+
+    def after_step(self, end: StepEnd) -> None:
+        self.watch.check(end.step, thorough=end.logging or end.saving,
+                         overflows_in_a_row=self.overflows_in_a_row())

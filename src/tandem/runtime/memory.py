@@ -1,4 +1,5 @@
-"""This process's resident memory (Linux ``/proc/self/status``): now, at its peak, and at start.
+"""This process's resident memory (Linux ``/proc/self/status``): now, at its peak, and at start,
+and the component that reports them in a run's summary.
 
 ``START_RSS_BYTES`` is taken when this module is first imported, which in a worker is right
 after torch and tandem's runtime are (before any model or data exists): subtracting it from the
@@ -9,6 +10,9 @@ from __future__ import annotations
 
 import resource
 import sys
+from typing import Any
+
+from tandem.runtime.component import Component, StepEnd
 
 
 def _status_bytes(key: str) -> int:
@@ -39,3 +43,26 @@ def peak_rss_bytes() -> int:
 
 START_RSS_BYTES = rss_bytes()
 """Resident memory when this module was first imported."""
+
+
+class PeakMemory(Component):
+    """The summary's memory fields: the peak up to the last step's update
+    (``training_peak_rss_bytes``, before the checkpoint, evaluation and ``final.pt`` that
+    follow; with ``--checkpoint-every`` the earlier checkpoints count), the peak at the end,
+    and the memory at start."""
+
+    def __init__(self) -> None:
+        self.training_bytes = 0
+
+    def after_step(self, end: StepEnd) -> None:
+        if end.final:
+            self.training_bytes = peak_rss_bytes()
+
+    def training_done(self) -> None:
+        """Training has ended (at its last step, or earlier): the peak so far, if not taken."""
+        if not self.training_bytes:
+            self.training_bytes = peak_rss_bytes()
+
+    def summary(self) -> dict[str, Any]:
+        return {"training_peak_rss_bytes": self.training_bytes,
+                "peak_rss_bytes": peak_rss_bytes(), "start_rss_bytes": START_RSS_BYTES}

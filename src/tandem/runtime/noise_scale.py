@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
+from tandem.runtime.component import Component
+
 EMA_STEPS = 100
 """Time constant, in optimizer steps, of the moving averages of ``|G|²`` and ``tr(Σ)``."""
 
@@ -65,7 +67,7 @@ def noise_scale(trace: float, sq_norm: float) -> float | None:
     return trace / sq_norm if sq_norm > 0 and trace > 0 else None
 
 
-class NoiseScale:
+class NoiseScale(Component):
     """Moving averages of the estimates of ``|G|²`` and ``tr(Σ)``, and their ratio.
 
     Estimates arrive as means over a span of steps (a logging window); a span of ``n`` steps

@@ -2,7 +2,7 @@
 
 Both scale each parameter's step by a *trust ratio* of norms taken over that whole parameter
 (a "layer" in the papers). A parameter group whose ``trust`` is False takes no trust ratio
-(ratio 1); :func:`tandem.runtime.base.build_optimizer` puts biases and normalization parameters
+(ratio 1); :func:`tandem.runtime.learning_rate.build_optimizer` puts biases and normalization parameters
 (every parameter with ``ndim <= 1``) in such a group with no weight decay, as the papers do::
 
     optimizer = Lamb([{"params": weights, "weight_decay": 0.01},

@@ -40,11 +40,13 @@ from typing import Any, ContextManager
 import torch
 import torch.distributed as dist
 
+from tandem.runtime.component import Component
+
 PRECISIONS = ("fp32", "bf16", "fp16")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class Precision:
+class Precision(Component):
     """One worker's autocast, loss scaler and clipping, with the count of skipped steps."""
 
     def __init__(self, precision: str, device: torch.device, *, clip: float | None = None) -> None:
@@ -153,7 +155,7 @@ class LossScale:
             self.good_steps = 0
 
 
-class StagePrecision:
+class StagePrecision(Component):
     """Autocast, loss scale and clipping of one pipeline stage (flush schedules: every worker
     steps once per optimizer step, so they can decide together).
 

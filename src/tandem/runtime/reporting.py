@@ -1,11 +1,13 @@
 """What rank 0 shows and writes while training: a progress bar and ``metrics.jsonl`` (strict
-JSON, one whole line at a time; a failed write stops the run with one line naming the file)."""
+JSON, one whole line at a time; a failed write stops the run with one line naming the file),
+with the evaluations at ``--eval-every`` steps."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
 from types import TracebackType
+from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
@@ -15,10 +17,12 @@ from rich.progress import (
 
 from tandem import strict_json
 from tandem.output_files import AppendLog
+from tandem.runtime.component import Component, StepEnd
 
 
-class Reporter:
-    """Progress bar (stderr) and metrics file of rank 0; other ranks get a silent one."""
+class Reporter(Component):
+    """Progress bar (stderr) and metrics file of rank 0; other ranks get a silent one. As a
+    component, it advances the bar after every step."""
 
     def __init__(self, *, enabled: bool, show_progress: bool, metrics_path: Path | None,
                  total_steps: int, first_step: int) -> None:
@@ -50,6 +54,9 @@ class Reporter:
         if self.enabled:
             self._progress.advance(self._task)
 
+    def after_step(self, end: StepEnd) -> None:
+        self.advance()
+
     def record(self, **fields: Any) -> None:
         """Write one line to ``metrics.jsonl`` and refresh the bar's loss and rate."""
         if not self.enabled:
@@ -66,3 +73,16 @@ class Reporter:
         (stderr that is not a terminal is 80 columns to rich), nor read as markup."""
         if self.enabled:
             self._progress.console.print(text, soft_wrap=True, markup=False, highlight=False)
+
+
+class PeriodicEvaluation(Component):
+    """Evaluate every ``every`` steps before the last, into the metrics (``--eval-every``; the
+    run's last step is evaluated at its end)."""
+
+    def __init__(self, every: int, evaluate: Callable[[], dict[str, Any]],
+                 reporter: Reporter) -> None:
+        self.every, self.evaluate, self.reporter = every, evaluate, reporter
+
+    def after_step(self, end: StepEnd) -> None:
+        if end.done % self.every == 0 and not end.final:
+            self.reporter.record(step=end.done, **self.evaluate())

@@ -13,7 +13,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from tandem.errors import UsageError
-from tandem.runtime.config import Job, RunConfig, resolve_batch_size, sketch_job
+from tandem.runtime.config import RunConfig, resolve_batch_size
+from tandem.runtime.job import Job, sketch_job
 from tandem.runtime.faults import check_fault
 from tandem.runtime.launcher_env import under_launcher, world_size
 from tandem.spec.codec import check_codec
@@ -36,7 +37,7 @@ def start_forkserver() -> None:
 def check_flags(job: Job, *, batches: bool = True) -> None:
     """The checks of :func:`check_job` that need neither torch nor the model, which ``tandem
     train`` runs before it imports torch: on the job read with ``--plan``, or on the one its
-    flags sketch before the model decides the stages (:func:`~tandem.runtime.config.sketch_job`).
+    flags sketch before the model decides the stages (:func:`~tandem.runtime.job.sketch_job`).
     Without ``batches``, the job's size and batch are left to the real job's check."""
     run, plan = job.run, job.plan
     if run.max_restarts and under_launcher():

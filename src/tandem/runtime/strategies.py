@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from tandem.runtime.learning_rate import scaled_lr
-from tandem.runtime.config import Job
+from tandem.runtime.job import Job
 from tandem.runtime.ps import ElasticClient, ParameterServerClient
 from tandem.spec.sync import (
     AllReduceSync,

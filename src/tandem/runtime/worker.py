@@ -1,6 +1,6 @@
 """The process entry of a training worker: start it, supervise it, and pick its implementation.
 
-Every worker runs :func:`train_worker` with the same :class:`~tandem.runtime.config.Job`; the
+Every worker runs :func:`train_worker` with the same :class:`~tandem.runtime.job.Job`; the
 registry :data:`WORKERS` picks its implementation from the type of the plan's sync spec (a
 pipelined plan runs the pipeline trainer, a one-stage plan of tensor degree above 1 the tensor
 trainer). Rank 0 returns the run's summary and writes the outputs.
@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from tandem.errors import Diverged, UsageError, WorkerFailure
 from tandem.runtime.base import Worker
-from tandem.runtime.config import Job
+from tandem.runtime.job import Job
 from tandem.runtime.dist import WorkerEnv, init_worker
 from tandem.runtime.faults import attempt
 from tandem.runtime.launch import die_with_parent, end_diverged, prepare_worker
@@ -50,7 +50,8 @@ def train_worker(job: Job, *, mirror: Any = None) -> dict[str, Any] | None:
     """
     prepare_worker()
     if _fault_tolerant_worker(job):
-        return _supervise(job)
+        _supervise(job)
+        return None
     config = job.run
     start = time.perf_counter()
     env = init_worker(backend=config.backend, timeout_s=config.timeout_s, threads=config.threads)
@@ -155,7 +156,7 @@ def make_worker(job: Job, env: WorkerEnv, beat: Heartbeat) -> Worker:
 def _parameter_server_role(job: Job, env: WorkerEnv, beat: Heartbeat) -> Worker:
     """Ranks below the plan's server count serve; the others compute gradients."""
     if env.rank < job.plan.num_servers:
-        from tandem.runtime.ps_server import ParameterServer
+        from tandem.runtime.ps import ParameterServer
 
         return ParameterServer(job, env, beat)
     return ParameterServerWorker(job, env, beat)
@@ -166,7 +167,7 @@ def _elastic_role(job: Job, env: WorkerEnv, beat: Heartbeat) -> Worker:
     hold the center, the others train."""
     if env.rank >= job.plan.num_servers:
         return ElasticWorker(job, env, beat) if job.plan.num_servers else Trainer(job, env, beat)
-    from tandem.runtime.elastic_server import ElasticServer
+    from tandem.runtime.ps import ElasticServer
 
     return ElasticServer(job, env, beat)
 
@@ -177,4 +178,4 @@ WORKERS: dict[type, Callable[[Job, WorkerEnv, Heartbeat], Worker]] = {
     LocalSGDSync: Trainer, ParameterServerSync: _parameter_server_role,
 }
 """Sync-spec type -> the worker that runs a data-parallel plan with it (the strategy inside a
-:class:`Trainer` comes from :data:`tandem.sync.SYNC_STRATEGIES`)."""
+:class:`Trainer` comes from :data:`tandem.runtime.strategies.SYNC_STRATEGIES`)."""

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from tandem.errors import UsageError
-from tandem.runtime.config import Job
+from tandem.runtime.job import Job
 from tandem.runtime.pipeline.layout import PipelineLayout, layout_from_plan
 from tandem.schedule import Schedule
 from tandem.schedule.check import check

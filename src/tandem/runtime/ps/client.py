@@ -1,6 +1,6 @@
 """The worker side of parameter-server training: push gradient shards, pull parameter shards.
 
-Ranks ``0 .. servers-1`` are servers (see ``tandem.runtime.ps_server``), the others workers.
+Ranks ``0 .. servers-1`` are servers (see :mod:`tandem.runtime.ps.server`), the others workers.
 Each worker pushes its gradient to every server (shard ``k`` to server ``k``) and waits for
 the parameters the server sends back; when it sends them back depends on the mode (``sync``:
 after all (or, with backup workers, the first N - b) gradients of the step; ``async``: at
@@ -8,7 +8,7 @@ once; ``ssp``: once the worker is at most ``staleness`` updates ahead of the slo
 
 With ``--compress CODEC``, pushes are the codec's payloads (with the registry's error feedback,
 one residual per parameter) and replies after the first are compressed differences from the
-parameters the worker holds (see :mod:`tandem.sync.ps_protocol`). Messages with server 0 carry
+parameters the worker holds (see :mod:`tandem.runtime.ps.protocol`). Messages with server 0 carry
 the model's buffers both ways.
 
 Every message is a CPU tensor on a gloo group (:func:`~tandem.sync.side_group.cpu_group`):
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tandem.sync import ps_protocol as protocol
+from tandem.runtime.ps import protocol
 from tandem.sync.base import SyncStrategy
 from tandem.sync.flat import flatten, state_buffers
 from tandem.sync.side_group import cpu_group
@@ -165,7 +165,8 @@ class ParameterServerClient(SyncStrategy):
         with self.action("PL"):
             stop = self._pull()
         for work, _ in sends:
-            work.wait()
+            if work is not None:
+                work.wait()
         self.next_step = self.versions[0]
         return stop
 

@@ -17,7 +17,7 @@ update falls between them). The server holds no optimizer: the workers keep thei
 workers start together (their first pulls are answered once all have asked); from then on
 nothing waits for anything but the server's reply.
 
-Everything else is the parameter server's (:class:`~tandem.runtime.ps_server.ParameterServer`):
+Everything else is the parameter server's (:class:`~tandem.runtime.ps.server.ParameterServer`):
 the gloo side group and messages, the workers' liveness (a worker that dies or is stuck is left
 behind, as in asynchronous ``ps``), checkpoints of the shard and buffers, the trace, the
 evaluation of the gathered model and the summary. The model's buffers are those of the last
@@ -37,16 +37,15 @@ from typing import Any
 
 import torch
 
-from tandem.runtime.asynchrony import Compensation, compensation_for
-from tandem.runtime.base import MAX_TRACED_STEPS, scaled_lr
-from tandem.runtime.config import Job
+from tandem.runtime.job import Job
 from tandem.runtime.dist import WorkerEnv
-from tandem.runtime.ps_server import ParameterServer
+from tandem.runtime.learning_rate import scaled_lr
+from tandem.runtime.ps import protocol
+from tandem.runtime.ps.server import Pace, ParameterServer
+from tandem.runtime.ps.update import UpdateRule
 from tandem.runtime.watchdog import Heartbeat
-from tandem.sync import ps_protocol as protocol
-from tandem.sync.flat import flatten, unflatten_into
 from tandem.spec.sync import ElasticAveragingSync
-from tandem.timeline import Event
+from tandem.sync.flat import flatten, unflatten_into
 
 
 def elastic_update(worker: torch.Tensor, center: torch.Tensor,
@@ -74,27 +73,21 @@ class ElasticServer(ParameterServer):
 
     # -- the parameter server's hooks --------------------------------------------------------
 
-    def _server_optimizer(self) -> None:
-        """None: the center moves by the workers' differences, not by gradients."""
-        return None
+    def _update_rule(self) -> UpdateRule:
+        """No optimizer (the center moves by the workers' differences, not by gradients), no
+        compensation (the workers step on their own parameters, never on stale ones), and no
+        clipping (each worker clips its own gradients, for its own steps)."""
+        return UpdateRule(self.config, self.shard, optimize=False)
 
-    def _required_pushes(self) -> int:
-        return 1
 
-    def _compensation(self) -> Compensation:
-        """None: the workers step on their own parameters, never on stale ones."""
-        return compensation_for(self.config, 0)
-
-    def _updates(self) -> int:
+    def updates(self) -> int:
         """The elastic exchanges applied (one per push)."""
-        return sum(self.pushes.values())
+        return sum(self.stats.pushes.values())
 
-    def _updates_per_step(self) -> int:
-        """1: the version counts global steps (see :meth:`_advance`)."""
-        return 1
-
-    def _server_clips(self) -> bool:
-        return False  # each worker clips its own gradients, for its own steps
+    def _pace(self, *, per_step: int | None = None, required: int | None = None) -> Pace:
+        """One update per step (the version counts global steps, see :meth:`_advance`); each
+        push is answered on its own."""
+        return super()._pace(per_step=1, required=1)
 
     def _reply_values(self, worker: int) -> torch.Tensor:
         """The worker's moved shard after its push; the center otherwise (its first pull, and
@@ -107,13 +100,13 @@ class ElasticServer(ParameterServer):
         answered once every live worker has asked, so that all start from the center at once
         (the paper's ``x_i = x̃`` at the start) however long each took to start up. After that
         nothing waits: every push is answered as it is applied."""
-        live = {w for w in self.workers if w not in self.dead and w not in self.finished}
+        live = set(self.liveness.live())
         if self.waiting and live <= set(self.waiting):
             for worker in self.waiting:
                 self._reply(worker)
             self.waiting = []
 
-    def _mode_summary(self) -> dict[str, Any]:
+    def mode_summary(self) -> dict[str, Any]:
         return {"mode": self.sync.mode, "period": self.sync.period, "rho": self.sync.rho,
                 "moving_rate": self.alpha, "nesterov": self.sync.nesterov,
                 "local_steps": self.local_steps}
@@ -125,43 +118,34 @@ class ElasticServer(ParameterServer):
             self.waiting.append(sender)
             self._release_waiting()
         elif header.kind == protocol.BYE:
-            self.finished.add(sender)
+            self.liveness.finished.add(sender)
         else:
-            if not self.pushes:
-                self.started = time.perf_counter()  # rates count from the first push
-            self.pushes[sender] += 1
-            self._count_loss(header)
-            self._take_buffers(sender)
+            if not self.stats.pushes:
+                self.stats.started = time.perf_counter()  # rates count from the first push
+            self.stats.count_push(sender, header)
+            self.shard.take_buffers(sender)
             self._move(sender, values)
-            self._reply(sender, stop=self.version >= self.last_step)
+            self._reply(sender, stop=self.version >= self.pace.last_step)
 
     def _move(self, sender: int, values: torch.Tensor | None) -> None:
         """The elastic exchange with ``sender``'s pushed shard, then the version it brings."""
         start = time.perf_counter()
         if values is not None:
-            center = flatten(self.params)
+            center = flatten(self.shard.params)
             if bool(torch.isfinite(values).all()):
                 self.moved[sender], center = elastic_update(values, center, self.alpha)
-                unflatten_into(center, self.params)
+                unflatten_into(center, self.shard.params)
             else:  # a diverged worker: the center keeps clear of it, and it restarts from it
-                self.skipped_steps += 1
+                self.stats.skipped_steps += 1
         self.local_steps += self.sync.period
-        end = time.perf_counter()
-        self.update_times.append(end - start)
-        if self.version < MAX_TRACED_STEPS:
-            self.events.append(Event(worker=self.env.rank, name="0ST",
-                                     start_s=start - self.clock_start,
-                                     end_s=end - self.clock_start, step=self.version))
+        self.stats.record_update(start, time.perf_counter(), self.version)
         self._advance()
 
     def _advance(self) -> None:
         """Count the global steps the local steps so far complete (up to the last one), with
         the metrics and checkpoints that fall on them."""
-        reached = min(self.local_steps // len(self.workers), self.last_step)
+        reached = min(self.local_steps // len(self.workers), self.pace.last_step)
         while self.version < reached:
             self.version += 1
             self.beat.step = self.version
-            self._log()
-            self._maybe_evaluate()
-            if self.config.checkpoint_every and self.version % self.config.checkpoint_every == 0:
-                self._checkpoint()
+            self._end_step()

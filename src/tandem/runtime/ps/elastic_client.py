@@ -1,6 +1,6 @@
 """The worker side of asynchronous EASGD: local steps with the worker's own optimizer, and every
 ``period`` of them an exchange with the servers that hold the center (see
-:mod:`tandem.runtime.elastic_server`).
+:mod:`tandem.runtime.ps.elastic`).
 
 Usage (inside a job whose ranks ``0 .. num_servers-1`` run ``ElasticServer``)::
 
@@ -18,10 +18,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tandem.sync import ps_protocol as protocol
+from tandem.runtime.ps import protocol
 from tandem.sync.averaging import paper_variables
 from tandem.sync.flat import flatten
-from tandem.sync.parameter_server import ParameterServerClient
+from tandem.runtime.ps.client import ParameterServerClient
 
 
 class ElasticClient(ParameterServerClient):

@@ -1,0 +1,258 @@
+"""The job every worker receives: a run's settings with the plan they execute, checked against
+each other (a check that needs the number of processes runs after start-up)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from tandem.errors import UsageError
+from tandem.plan import Plan
+from tandem.runtime.config import RunConfig
+from tandem.spec.batch_schedule import AUTO
+from tandem.spec.codec import BUCKET_CODECS
+from tandem.spec.sync import AllReduceSync, ElasticAveragingSync, ParameterServerSync
+from tandem.strategy import plan_from_flags, strategy_of
+
+
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
+class Job:
+    """What every worker receives: the run's settings and the plan it executes."""
+
+    run: RunConfig
+    plan: Plan
+    objects: Any = None
+    """The user's own model, data and loss (a :class:`tandem.runtime.task.UserObjects`, from
+    the Python API), or None: the run's specs name them."""
+
+    def __post_init__(self) -> None:
+        resumable = (self.run.resume is not None or self.run.stop_after is not None
+                     or self.run.checkpoint_every)
+        if resumable and self.plan.compress and self.plan.compress.name == "powersgd":
+            raise UsageError(
+                "--compress powersgd cannot be resumed (PyTorch keeps its state per DDP bucket, "
+                "which a restarted job rebuilds); drop --resume/--stop-after/--checkpoint-every "
+                "or use another codec")
+        if self.run.find_unused_parameters and self.plan.pipelined:
+            raise UsageError("--find-unused-parameters is for data-parallel strategies (pipeline "
+                             "stages skip a parameter without a gradient); drop it")
+        self._check_tensor()
+        self._check_straggler()
+        self._check_precision()
+        self._check_async_ps()
+        if self.run.async_compensation == "off" and not _stale(self.plan):
+            raise UsageError("--async-compensation off applies to strategies whose updates are "
+                             "stale (ps --mode async or ssp, --schedule pipedream); this plan's "
+                             "are not, so drop it")
+        servers = self.plan.num_servers
+        if self.run.eval_every and servers > 1:
+            raise UsageError(f"--eval-every {self.run.eval_every} evaluates the model during "
+                             f"training, which --servers {servers} hold in parts that are at "
+                             f"different updates; use --servers 1, or drop --eval-every (the "
+                             f"model is evaluated at the end)")
+        self._check_auto_batch()
+        self._check_nesterov()
+
+    def _check_tensor(self) -> None:
+        """Tensor parallelism runs alone, with data parallelism (allreduce's plan) or in a
+        pipeline whose every stage has the same replicas under a flush schedule, in fp32 or bf16
+        (fp16's loss scaler would skip a step on one worker's share only), with an elementwise
+        optimizer and without checkpoints, for now: one line for each setting it would not
+        honour."""
+        plan, run = self.plan, self.run
+        degree = plan.tensor_degree
+        if plan.recompute and len(plan.stages) < 2:
+            raise UsageError(f"recompute with {len(plan.stages)} stage would checkpoint the "
+                             f"whole model as one piece and save nothing; use --strategy "
+                             f"pipeline with 2 or more --stages, or drop --recompute")
+        if degree == 1:
+            return
+        if plan.pipelined:
+            if plan.schedule not in ("gpipe", "1f1b"):
+                raise UsageError(f"--schedule {plan.schedule} with --tensor-parallel {degree}: "
+                                 f"pipeline x tensor layouts run flush schedules only; use "
+                                 f"--schedule 1f1b or gpipe")
+            if len(set(plan.replicas)) > 1:
+                raise UsageError(f"replicas {plan.config} with --tensor-parallel {degree}: a "
+                                 f"data x pipeline x tensor mesh needs the same replicas on "
+                                 f"every stage; use --replicas "
+                                 f"{','.join([str(max(plan.replicas))] * len(plan.replicas))}")
+        elif not isinstance(plan.sync, AllReduceSync):
+            raise UsageError(f"the plan combines tensor degree {degree} with sync "
+                             f"{plan.sync.method!r}; tandem runs tensor parallelism with "
+                             f"allreduce's data parallelism or a pipeline only")
+        self._check_tensor_compress()
+        refused = {
+            "--precision": run.precision if run.precision == "fp16" else None,
+            "--clip-grad-norm": run.clip_grad_norm,
+            "--optimizer": run.optimizer if run.optimizer in ("lars", "lamb") else None,
+            "--resume": run.resume, "--stop-after": run.stop_after,
+            "--checkpoint-every": run.checkpoint_every or None,
+            "--batch-schedule": run.batch_schedule if run.batch_schedule == AUTO else None,
+            "--straggler": run.straggler,
+            "--find-unused-parameters": True if run.find_unused_parameters else None,
+        }
+        for flag, value in refused.items():
+            if value is not None:
+                shown = "" if value is True else f" {value}"
+                raise UsageError(f"{flag}{shown} is not supported with --tensor-parallel "
+                                 f"{degree} yet (it runs fp32 or bf16, sgd/adam/adamw, without "
+                                 f"checkpoints); drop {flag}")
+
+    def _check_tensor_compress(self) -> None:
+        """``--compress`` with tensor parallelism encodes the data dimension's gradients: it
+        needs replicas, no pipeline (whose codec is for activations) and a per-tensor codec."""
+        plan = self.plan
+        if plan.compress is None:
+            return
+        spec, degree = plan.compress.text, plan.tensor_degree
+        if plan.pipelined:
+            raise UsageError(f"--compress {spec} is not supported in a pipeline x tensor layout "
+                             f"yet; drop --compress or --tensor-parallel {degree}")
+        if plan.replicas[0] == 1:
+            raise UsageError(f"--compress {spec} compresses the gradients replicas exchange, and "
+                             f"--tensor-parallel {degree} on {degree} workers has one replica; "
+                             f"drop --compress, or use --nproc {2 * degree} (data 2 x tensor "
+                             f"{degree})")
+        if plan.compress.name in BUCKET_CODECS:
+            raise UsageError(f"--compress {spec} exchanges whole DDP buckets, which a "
+                             f"tensor-parallel job does not use; pick a per-tensor codec (fp16, "
+                             f"qsgd, topk, ...) or drop --compress")
+
+    def _check_async_ps(self) -> None:
+        """Asynchronous parameter servers: ``--staleness-lr`` is a compensation of its own, and
+        a compressed worker's codec state has no point in time that matches the servers'
+        checkpoint (they apply its pushes among the others')."""
+        sync, run = self.plan.sync, self.run
+        if not (isinstance(sync, ParameterServerSync) and sync.mode != "sync"):
+            return
+        if sync.staleness_lr and run.async_compensation == "auto":
+            raise UsageError("--staleness-lr divides each update's learning rate by its "
+                             "staleness, which --async-compensation auto (the default) already "
+                             "does for the expected staleness; add --async-compensation off to "
+                             "use --staleness-lr alone, or drop --staleness-lr")
+        resumable = run.resume is not None or run.stop_after is not None or run.checkpoint_every
+        if self.plan.compress and resumable:
+            raise UsageError(f"--compress {self.plan.compress.text} with --mode {sync.mode} cannot "
+                             f"be checkpointed (each worker's codec state would not match the "
+                             f"servers' checkpoint, which they take among its pushes); drop "
+                             f"--resume/--stop-after/--checkpoint-every, or use --mode sync")
+
+    def _check_auto_batch(self) -> None:
+        """``--batch-schedule auto`` reads the gradient noise scale that data parallelism's
+        allreduce measures; other strategies have no such estimate."""
+        if self.run.batch_schedule != AUTO:
+            return
+        if self.plan.pipelined or not isinstance(self.plan.sync, AllReduceSync):
+            raise UsageError(f"--batch-schedule auto grows the batch toward the gradient noise "
+                             f"scale that --strategy dp measures, and this run is "
+                             f"{strategy_of(self.plan)}; use --strategy dp, or give the schedule "
+                             f"(e.g. --batch-schedule 64@0,128@200)")
+
+    def _check_nesterov(self) -> None:
+        """EAMSGD's Nesterov momentum is SGD's, and needs some (``--momentum`` is its delta)."""
+        sync = self.plan.sync
+        if not (isinstance(sync, ElasticAveragingSync) and sync.nesterov):
+            return
+        if self.run.optimizer != "sgd":
+            raise UsageError(f"--nesterov gives SGD Nesterov momentum, but this run has "
+                             f"--optimizer {self.run.optimizer}; use --optimizer sgd or drop "
+                             f"--nesterov")
+        if self.run.momentum <= 0:
+            raise UsageError(f"--nesterov needs a momentum, but this run has --momentum "
+                             f"{self.run.momentum:g}; give --momentum 0.9 (say) or drop --nesterov")
+
+    def _check_precision(self) -> None:
+        """PipeDream's asynchronous stages step at different times: no loss scale they could
+        share, no whole gradient to clip."""
+        if not (self.plan.pipelined and self.plan.schedule == "pipedream"):
+            return
+        if self.run.precision == "fp16":
+            raise UsageError("--precision fp16 needs one loss scale that every stage changes at "
+                             "the same step, but the asynchronous pipedream schedule steps its "
+                             "stages at different times; use --precision bf16 (no loss scale), "
+                             "or --schedule 1f1b or gpipe")
+        if self.run.clip_grad_norm is not None:
+            raise UsageError(f"--clip-grad-norm {self.run.clip_grad_norm:g} clips the whole "
+                             f"model's gradient, which the asynchronous pipedream schedule never "
+                             f"has at once (its stages step at different times); use --schedule "
+                             f"1f1b or gpipe, or drop --clip-grad-norm")
+
+    def _check_straggler(self) -> None:
+        """``--straggler RANK`` names a rank that computes gradients in this plan (never one
+        that would silently ignore it)."""
+        straggler = self.run.straggler_factor()
+        if straggler is None:
+            return
+        rank, text = straggler[0], self.run.straggler
+        if self.plan.pipelined:
+            raise UsageError(f"--straggler {text} is not supported with --strategy pipeline yet "
+                             f"(its stages would ignore it); drop it or use a data-parallel "
+                             f"strategy")
+        first, workers = self.plan.num_servers, self.plan.num_workers
+        if not first <= rank < workers:
+            servers = f" (parameter servers: {_ranks(0, first - 1)})" if first else ""
+            raise UsageError(f"--straggler {text} names rank {rank}, but the job's "
+                             f"{workers - first} workers are {_ranks(first, workers - 1)}"
+                             f"{servers}; use a rank from {first} to {workers - 1}")
+
+    def check_world(self, world_size: int) -> None:
+        """Checks that need the number of processes (run after start-up under ``torchrun``)."""
+        if world_size != self.plan.num_workers:
+            raise UsageError(
+                f"the plan {self.plan.config} needs {self.plan.num_workers} processes but the job "
+                f"has {world_size}; use --nproc {self.plan.num_workers} (or torchrun's "
+                f"--nproc-per-node) or plan for {world_size}")
+        for batch in self.run.batches():
+            self._check_batch(batch)
+
+    def _check_batch(self, batch: int) -> None:
+        """The global batch ``batch`` (the run's, or one of its schedule's) splits evenly."""
+        parts = self.plan.num_microbatches or 1
+        name = (f"--batch-size {batch}" if self.run.batch_schedule is None else
+                f"the batch {batch} of --batch-schedule {self.run.batch_schedule}")
+        if self.plan.pipelined and batch % parts:
+            raise UsageError(f"--microbatches {parts} does not divide {name}; choose batches "
+                             f"that are multiples of {parts}")
+        workers = self.plan.stages[0].replicas
+        if not self.plan.pipelined and batch % workers:
+            raise UsageError(
+                f"{name} is not divisible by the {workers} workers; use a multiple "
+                f"of {workers}, e.g. {workers * max(1, round(batch / workers))}")
+        if not self.plan.pipelined and batch % parts:
+            raise UsageError(
+                f"each worker's share of {name} ({batch // workers}) is not divisible by "
+                f"--accumulate {self.plan.accumulate}; choose an --accumulate that divides "
+                f"{batch // workers}")
+
+    def fingerprint(self) -> dict[str, Any]:
+        """Settings a checkpoint must agree with to be resumed."""
+        run = self.run
+        return {"model": run.model, "data": run.data, "loss": run.loss,
+                "strategy": strategy_of(self.plan),
+                "batch_size": run.batch_size, "batch_schedule": run.batch_schedule,
+                "optimizer": run.optimizer, "seed": run.seed,
+                "compress": self.plan.compress.text if self.plan.compress else None}
+
+
+def sketch_job(strategy: str, flags: Mapping[str, Any], run: RunConfig,
+               objects: Any = None) -> Job:
+    """The job of ``tandem train --strategy STRATEGY FLAGS...`` as far as its flags tell, without
+    torch: every check of the plan and of the job runs on it. Its plan cuts as many blocks as
+    the job has processes (enough for every stage count the flags can give); in the job that
+    :func:`tandem.runtime.run.make_job` builds only the stages' blocks differ, as the model decides them."""
+    plan = plan_from_flags(strategy, flags, num_processes=run.nproc, num_blocks=max(1, run.nproc))
+    return Job(run=run, plan=plan, objects=objects)
+
+
+def _stale(plan: Plan) -> bool:
+    """Whether ``plan``'s updates are computed on stale weights (compensated; see
+    :mod:`tandem.runtime.asynchrony`)."""
+    if plan.pipelined:
+        return plan.schedule == "pipedream"
+    return isinstance(plan.sync, ParameterServerSync) and plan.sync.mode != "sync"
+
+
+def _ranks(first: int, last: int) -> str:
+    return f"rank {first}" if first == last else f"ranks {first}-{last}"

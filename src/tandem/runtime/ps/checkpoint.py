@@ -1,0 +1,67 @@
+"""A parameter server's checkpoints: its shard, buffers, optimizer and codec state in
+``server-K.pt``, written atomically unless the shard diverged, and read back on resume."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tandem.runtime.checkpoint import (
+    CHECKPOINT_VERSION, load_checkpoint, resume_path, save_atomic,
+)
+from tandem.runtime.component import Component, StepEnd
+from tandem.runtime.divergence import diverged, first_non_finite
+from tandem.runtime.faults import announce_resume
+from tandem.runtime.job import Job
+from tandem.runtime.ps.codecs import WireCodecs
+from tandem.runtime.ps.shard import ServerShard
+from tandem.runtime.ps.update import UpdateRule
+
+
+class ServerCheckpoint(Component):
+    """Server ``rank``'s checkpoint in ``out`` (none without one), after whole steps of
+    ``per_step`` updates; as a component, saved at the steps that call for one."""
+
+    def __init__(self, job: Job, out: Path | None, rank: int, *, per_step: int,
+                 parts: tuple[ServerShard, UpdateRule, WireCodecs]) -> None:
+        self.job, self.out, self.rank, self.per_step = job, out, rank, per_step
+        self.shard, self.rule, self.codecs = parts
+
+    @property
+    def path(self) -> Path | None:
+        """Where this server's checkpoint is written (None without ``--out``)."""
+        return self.out / f"server-{self.rank}.pt" if self.out is not None else None
+
+    def after_step(self, end: StepEnd) -> None:
+        if end.saving:
+            self.save(end.done)
+
+    def save(self, step: int) -> None:
+        """Save the state after ``step`` steps (atomically), unless the shard's parameters are
+        no longer finite: then the run stops (divergence) and the last good checkpoint
+        stays."""
+        bad = first_non_finite(self.shard.params)
+        if bad is not None:
+            raise diverged(self.job.run, problem=f"the parameters became {bad}",
+                           step_index=step - 1, at="after", rank=self.rank,
+                           where=f"server {self.rank} (rank {self.rank})")
+        if self.path is None:
+            return
+        save_atomic({"version": CHECKPOINT_VERSION, "step": step,
+                     "fingerprint": self.job.fingerprint(), **self.shard.state_dict(),
+                     **self.rule.state_dict(),
+                     "codecs": self.codecs.saved_state(step * self.per_step)}, self.path)
+
+    def resume(self) -> int:
+        """Restore the checkpoint ``--resume`` names (with ``auto``, this run's own, if any);
+        the steps it was taken after (0 without one)."""
+        config = self.job.run
+        path = resume_path(config.resume, self.out, f"server-{self.rank}.pt")
+        state = None if path is None else load_checkpoint(path, self.job.fingerprint(),
+                                                          steps=config.steps)
+        announce_resume(self.rank, path, state["step"] if state else None)
+        if state is None:
+            return 0
+        self.shard.load_state_dict(state)
+        self.rule.load_state_dict(state)
+        self.codecs.load_state_dict(state.get("codecs", {}))
+        return int(state["step"])
