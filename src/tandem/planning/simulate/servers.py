@@ -6,7 +6,7 @@ Usage::
     result = simulate_ps(plan, profile, cluster, SimOptions())     # simulate() calls it
     result.step_time_s, result.updates_per_s, result.step_meaning
 
-It follows ``tandem.runtime.ps_server`` and ``tandem.sync.parameter_server``. Servers are ranks
+It follows ``tandem.runtime.ps.server`` and ``tandem.runtime.ps.client``. Servers are ranks
 ``0..S-1`` on devices ``0..S-1`` and hold the model in ``S`` shards of whole layers (near-equal
 sizes, as ``shard_ranges`` cuts them); the workers follow. Each step a worker runs its
 forwards and backwards, encodes its gradient (with a codec), pushes shard ``s`` to server ``s``
