@@ -1,9 +1,11 @@
-"""Compressions by name: ``--compress CODEC[:key=value,...]``, parsed into a :class:`Compression`.
+"""Compressions by name: a parsed ``--compress`` spec (a plan's ``compress``) built into a
+:class:`Compression` for what it compresses.
 
 Usage::
 
-    compression = build_compression("topk:ratio=0.01")
-    check_compress("topk:ratio=0.01", strategy="dp", sgd_momentum=0.9)
+    compression = build_compression(plan.compress)      # or build_compression("topk:ratio=0.01")
+    codec = build_codec(plan.compress, strategy=CodecUse.PUSHES)
+    check_compress(plan.compress, strategy=CodecUse.GRADIENTS, sgd_momentum=0.9)
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ from typing import Any, Callable
 import torch
 
 from tandem.spec.codec import (
+    CodecSpec,
+    CodecUse,
     QSGDOptions,
     RandomKOptions,
     SignOptions,
     SparseOptions,
     check_codec,
-    read_codec_for,
+    codec_use,
 )
 from tandem.compress.cast import HalfPrecision
 from tandem.compress.codec import Codec, Compression
@@ -61,23 +65,27 @@ CODECS: dict[str, tuple[Callable[[Any], Compression], str]] = {
 """Name -> (builder from its options (``tandem.spec.codec``), what it sends and how)."""
 
 
-def build_compression(spec: str, *, strategy: str = "dp") -> Compression:
-    """The compression ``spec`` names, e.g. ``topk:ratio=0.01``, as ``strategy`` uses it;
-    ``UsageError`` if malformed or if the strategy cannot use it."""
-    name, options = read_codec_for(spec, strategy=strategy)
-    compression = CODECS[name][0](options)
-    compression.spec = spec
+def build_compression(spec: CodecSpec | str, *,
+                      strategy: CodecUse | str = CodecUse.GRADIENTS) -> Compression:
+    """The compression ``spec`` names (a parsed spec, or its text such as ``topk:ratio=0.01``),
+    as ``strategy`` uses it; ``UsageError`` if malformed or if the strategy cannot use it."""
+    text = spec.text if isinstance(spec, CodecSpec) else spec
+    use = codec_use(strategy, text)
+    parsed = spec if isinstance(spec, CodecSpec) else CodecSpec.parse(spec)
+    compression = CODECS[parsed.name][0](parsed.options_for(use))
+    compression.spec = text
     return compression
 
 
-def check_compress(spec: str, *, strategy: str, sgd_momentum: float) -> Compression:
+def check_compress(spec: CodecSpec | str, *, strategy: CodecUse | str,
+                   sgd_momentum: float) -> Compression:
     """Build ``spec`` and check that ``strategy`` and the optimizer can use it (the checks are
     :func:`tandem.spec.codec.check_codec`'s, which needs no torch)."""
     check_codec(spec, strategy=strategy, sgd_momentum=sgd_momentum)
     return build_compression(spec, strategy=strategy)
 
 
-def build_codec(spec: str, *, strategy: str) -> Codec:
+def build_codec(spec: CodecSpec | str, *, strategy: CodecUse | str) -> Codec:
     """The per-tensor codec ``spec`` names, as ``strategy`` (not ``dp``) uses it."""
     compression = build_compression(spec, strategy=strategy)
     assert isinstance(compression, Codec), f"{spec} is not a per-tensor codec"

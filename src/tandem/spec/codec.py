@@ -11,6 +11,7 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from collections.abc import Callable
 from typing import Any
@@ -137,26 +138,52 @@ CODEC_OPTIONS: dict[str, type] = {
 }
 """Codec name -> its options dataclass: the names ``--compress`` knows."""
 
-STRATEGIES_WITH_COMPRESSION = ("dp", "ps", "gossip", "pipeline")
-"""Strategies ``--compress`` applies to: ``dp`` (gradient buckets, as DDP hooks), ``ps``
-(gradient pushes and parameter pulls), ``gossip`` (the parameters neighbours exchange) and
-``pipeline`` (activations and activation gradients between stages)."""
+HOOK_ONLY = "it is PyTorch's DDP communication hook"
+"""Why a codec that only DDP's hooks run serves no other exchange."""
 
-STATELESS_STRATEGIES = {
-    "gossip": "CHOCO-gossip's public copies of the neighbours' parameters already carry what "
-              "compression drops",
-    "pipeline": "a residual would carry one micro-batch's activations into another's",
-}
-"""Strategies whose codecs run without error feedback, and why."""
 
-UNSUPPORTED: dict[str, dict[str, str]] = {
-    "ps": {"powersgd": "it is PyTorch's DDP communication hook"},
-    "gossip": {"powersgd": "it is PyTorch's DDP communication hook"},
-    "pipeline": {"powersgd": "it is PyTorch's DDP communication hook",
-                 "randk": "its positions are not sent, and the receiving stage cannot draw "
-                          "the sender's"},
-}
-"""Strategy -> codec -> why the strategy cannot use it."""
+class CodecUse(enum.StrEnum):
+    """What a strategy's codec compresses; the value is the strategy's ``--strategy`` name, as
+    messages give it."""
+
+    GRADIENTS = "dp"
+    """Gradient buckets of an allreduce (DDP communication hooks)."""
+    PUSHES = "ps"
+    """Gradient pushes to parameter servers and the parameters pulled back."""
+    PARAMETERS = "gossip"
+    """The parameters gossip's neighbours exchange (CHOCO-gossip)."""
+    ACTIVATIONS = "pipeline"
+    """Activations and activation gradients between pipeline stages."""
+
+    @classmethod
+    def parse(cls, strategy: str) -> CodecUse | None:
+        """The use of ``strategy``'s codec; None for a strategy that compresses nothing."""
+        try:
+            return cls(strategy)
+        except ValueError:
+            return None
+
+    @property
+    def stateless_reason(self) -> str | None:
+        """Why this use runs codecs without error feedback; None: with it."""
+        if self is CodecUse.PARAMETERS:
+            return ("CHOCO-gossip's public copies of the neighbours' parameters already carry "
+                    "what compression drops")
+        if self is CodecUse.ACTIVATIONS:
+            return "a residual would carry one micro-batch's activations into another's"
+        return None
+
+    @property
+    def unsupported(self) -> dict[str, str]:
+        """Codec name -> why this use cannot run it."""
+        if self is CodecUse.GRADIENTS:
+            return {}
+        if self is CodecUse.ACTIVATIONS:
+            return {"powersgd": HOOK_ONLY,
+                    "randk": "its positions are not sent, and the receiving stage cannot draw "
+                             "the sender's"}
+        return {"powersgd": HOOK_ONLY}
+
 
 BUCKET_CODECS = ("powersgd",)
 """Codecs that exchange whole DDP gradient buckets (PyTorch's communication hooks) rather than
@@ -182,40 +209,32 @@ def read_codec_spec(spec: str, *,
     return name, fill_options(options_cls, raw, spec=spec, what="codec")
 
 
-def read_codec_for(spec: str, *, strategy: str = "dp") -> tuple[str, Any]:
+def codec_use(strategy: CodecUse | str, text: str) -> CodecUse:
+    """The use of ``strategy``'s codec; :class:`UsageError` for a strategy that compresses
+    nothing (``text``: the codec, for the message)."""
+    use = CodecUse.parse(strategy)
+    if use is None:
+        raise UsageError(f"--compress {text} is not supported with --strategy {strategy}; "
+                         f"it works with --strategy {', '.join(CodecUse)}")
+    return use
+
+
+def read_codec_for(spec: str, *, strategy: CodecUse | str = CodecUse.GRADIENTS) -> tuple[str, Any]:
     """The codec's name and options of ``spec`` as ``strategy`` uses it (a stateless strategy's
     without error feedback); :class:`UsageError` if malformed or if the strategy cannot use it."""
-    if strategy not in STRATEGIES_WITH_COMPRESSION:
-        raise UsageError(f"--compress {spec} is not supported with --strategy {strategy}; "
-                         f"it works with --strategy {', '.join(STRATEGIES_WITH_COMPRESSION)}")
-
-    def for_strategy(name: str, raw: dict[str, str]) -> None:
-        why = UNSUPPORTED.get(strategy, {}).get(name)
-        if why is not None:
-            usable = sorted(set(CODEC_OPTIONS) - set(UNSUPPORTED[strategy]))
-            raise UsageError(f"--compress {name} cannot be used with --strategy {strategy} "
-                             f"({why}); use one of: {', '.join(usable)}")
-        has_ef = "ef" in {field.name for field in dataclasses.fields(CODEC_OPTIONS[name])}
-        if strategy in STATELESS_STRATEGIES and has_ef:
-            if raw.get("ef", "false").lower() not in ("false", "0", "no", "off"):
-                raise UsageError(f"--compress {spec}: with --strategy {strategy} codecs run "
-                                 f"without error feedback ({STATELESS_STRATEGIES[strategy]}); "
-                                 f"drop ef=")
-            if "momentum" in raw:
-                raise UsageError(f"--compress {spec}: momentum before compression is for "
-                                 f"gradients with error feedback, not for --strategy "
-                                 f"{strategy}; drop momentum=")
-            raw["ef"] = "false"
-
-    return read_codec_spec(spec, adjust=for_strategy)
+    use = codec_use(strategy, spec)
+    parsed = CodecSpec.parse(spec)
+    return parsed.name, parsed.options_for(use)
 
 
-def check_codec(spec: str, *, strategy: str, sgd_momentum: float) -> None:
+def check_codec(spec: CodecSpec | str, *, strategy: CodecUse | str, sgd_momentum: float) -> None:
     """Check that ``strategy`` and the optimizer (SGD's ``sgd_momentum``) can use ``spec``; the
     checks of :func:`tandem.compress.check_compress`, without building the codec."""
-    _, options = read_codec_for(spec, strategy=strategy)
+    text = spec.text if isinstance(spec, CodecSpec) else spec
+    use = codec_use(strategy, text)
+    options = (spec if isinstance(spec, CodecSpec) else CodecSpec.parse(spec)).options_for(use)
     if getattr(options, "momentum", 0.0) and sgd_momentum:
-        raise UsageError(f"--compress {spec} applies momentum itself, before compressing; "
+        raise UsageError(f"--compress {text} applies momentum itself, before compressing; "
                          f"add --momentum 0 so that SGD does not apply it again")
 
 
@@ -254,9 +273,33 @@ class CodecSpec:
     name: str
     options: Any
     """The codec's options dataclass (:data:`CODEC_OPTIONS`)."""
+    given: frozenset[str] = frozenset()
+    """The options the text sets (``k`` counted as ``ratio``); the others are defaults."""
 
     @classmethod
     def parse(cls, text: str) -> CodecSpec:
         """Read ``CODEC[:k=v,...]``; one-line :class:`UsageError` for an unknown codec or option."""
-        name, options = read_codec_spec(text)
-        return cls(text=text.strip(), name=name, options=options)
+        given: set[str] = set()
+        name, options = read_codec_spec(text, adjust=lambda _, raw: given.update(raw))
+        return cls(text=text.strip(), name=name, options=options,
+                   given=frozenset("ratio" if key == "k" else key for key in given))
+
+    def options_for(self, use: CodecUse) -> Any:
+        """The options as ``use`` runs the codec (a stateless use's without error feedback);
+        :class:`UsageError` naming the value and the fix if ``use`` cannot run it as written."""
+        why = use.unsupported.get(self.name)
+        if why is not None:
+            usable = sorted(set(CODEC_OPTIONS) - set(use.unsupported))
+            raise UsageError(f"--compress {self.name} cannot be used with --strategy {use} "
+                             f"({why}); use one of: {', '.join(usable)}")
+        stateless = use.stateless_reason
+        if stateless is None or not hasattr(self.options, "ef"):
+            return self.options
+        if "ef" in self.given and self.options.ef:
+            raise UsageError(f"--compress {self.text}: with --strategy {use} codecs run without "
+                             f"error feedback ({stateless}); drop ef=")
+        if "momentum" in self.given:
+            raise UsageError(f"--compress {self.text}: momentum before compression is for "
+                             f"gradients with error feedback, not for --strategy {use}; drop "
+                             f"momentum=")
+        return dataclasses.replace(self.options, ef=False)
