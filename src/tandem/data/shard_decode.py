@@ -103,8 +103,8 @@ def decode_image(data: bytes, *, mode: str, size: int) -> torch.Tensor:
     reads it)."""
     from PIL import Image
 
-    with Image.open(io.BytesIO(data)) as image:
-        image = image.convert(mode)
+    with Image.open(io.BytesIO(data)) as opened:
+        image = opened.convert(mode)
         if size:
             image = image.resize((size, size))
         array = np.asarray(image, dtype=np.float32) / 255.0

@@ -316,7 +316,7 @@ class ShardSamples(Samples):
                              f"({type(exc).__name__}: {exc}); pack the dataset again") from None
 
 
-class ShardDataset(torch.utils.data.IterableDataset):
+class ShardDataset(torch.utils.data.IterableDataset[tuple[Any, Any]]):
     """One split of a shard directory as a PyTorch ``IterableDataset`` of ``(input, target)``
     pairs: in a plain training loop, this rank's part of one epoch (rank and world size from
     ``torch.distributed`` when it is initialized; ranks differ by at most one sample), in the
@@ -338,7 +338,10 @@ class ShardDataset(torch.utils.data.IterableDataset):
         if split not in SPLITS:
             raise UsageError(f"split {split!r} is not one of {', '.join(SPLITS)}")
         data = load_shards(f"shards:{path}:shuffle={shuffle}", cache_dir=cache_dir)
-        self.tandem_samples: ShardSamples = data.train if split == "train" else data.test
+        samples = data.train if split == "train" else data.test
+        if not isinstance(samples, ShardSamples):  # load_shards gives shard samples
+            raise TypeError(f"{path}: the {split} split is not read from shards")
+        self.tandem_samples: ShardSamples = samples
         """The samples tandem streams when this dataset is given to it."""
         self.info = data.info
         self.seed, self.shuffle, self.epoch = seed, shuffle, 0
@@ -377,4 +380,5 @@ class ShardDataset(torch.utils.data.IterableDataset):
         for low in range(0, len(stream), READ_CHUNK):
             batch = self.tandem_samples.take(torch.from_numpy(stream[low:low + READ_CHUNK]))
             for row in range(batch.size):
-                yield structures.take(batch.inputs, row), structures.take(batch.targets, row)
+                at = torch.tensor(row)
+                yield structures.take(batch.inputs, at), structures.take(batch.targets, at)

@@ -7,7 +7,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 
@@ -30,7 +30,7 @@ def save_atomic(obj: Any, path: str | Path) -> None:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         writer = _WholeWrites(fd)
         try:
-            torch.save(obj, writer)
+            torch.save(obj, cast(IO[bytes], writer))  # it writes, flushes, and needs no more
         except RuntimeError:
             if writer.error is None:
                 raise

@@ -35,7 +35,6 @@ Usage::
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 from collections.abc import Callable, Iterable
@@ -54,7 +53,7 @@ EXPLODING_FACTOR = 1000.0
 OVERFLOWS_IN_A_ROW = 30
 """fp16: this many skipped (overflowed) steps in a row are divergence, not a loss scale that is
 still settling (it halves at each; healthy runs skip a few at the start, then rarely)."""
-DEFAULT_LR: float = next(f.default for f in dataclasses.fields(RunConfig) if f.name == "lr")
+DEFAULT_LR: float = RunConfig().lr
 """The default ``--lr``, the suggestion for a learning rate far above it."""
 MAX_PENDING = 256
 """Losses kept on the device before a poll is forced (bounds memory with a long --log-every)."""

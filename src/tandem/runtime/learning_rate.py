@@ -6,6 +6,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -33,7 +34,7 @@ def build_optimizer(config: RunConfig,
         return torch.optim.SGD(tensors, lr=lr, momentum=config.momentum,
                                weight_decay=config.weight_decay, nesterov=nesterov)
     if config.optimizer in ("lars", "lamb"):
-        groups = [{"params": [p for p in tensors if p.ndim > 1]},
+        groups: list[dict[str, Any]] = [{"params": [p for p in tensors if p.ndim > 1]},
                   {"params": [p for p in tensors if p.ndim <= 1], "weight_decay": 0.0,
                    "trust": False}]
         if config.optimizer == "lars":

@@ -18,14 +18,18 @@ Usage::
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from tandem.runtime.component import Component
 
 EMA_STEPS = 100
 """Time constant, in optimizer steps, of the moving averages of ``|G|²`` and ``tr(Σ)``."""
 
-Number = TypeVar("Number")  # a float, or a tensor (the formulas are plain arithmetic)
+if TYPE_CHECKING:
+    import torch
+
+Number = TypeVar("Number", float, "torch.Tensor")
+"""A float, or a tensor (the formulas are plain arithmetic)."""
 
 
 def two_batch_estimates(small_sq_norm: Number, big_sq_norm: Number, small_batch: float,
@@ -50,7 +54,7 @@ def two_batch_estimates(small_sq_norm: Number, big_sq_norm: Number, small_batch:
     small_noise, big_noise = (_noise_factor(n, population) for n in (small_batch, big_batch))
     trace = (small_sq_norm - big_sq_norm) / (small_noise - big_noise)
     sq_norm = (small_noise * big_sq_norm - big_noise * small_sq_norm) / (small_noise - big_noise)
-    return sq_norm, trace  # type: ignore[return-value]
+    return sq_norm, trace
 
 
 def _noise_factor(batch: float, population: int | None) -> float:

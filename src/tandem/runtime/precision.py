@@ -67,7 +67,8 @@ class Precision(Component):
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, of the scaled loss with fp16."""
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        scaled: torch.Tensor = self.scaler.scale(loss) if self.scaler is not None else loss
+        torch.autograd.backward(scaled)
 
     def unscale_and_clip(self, optimizer: torch.optim.Optimizer,
                          parameters: Iterable[torch.nn.Parameter]) -> bool:
@@ -204,9 +205,9 @@ class StagePrecision(Component):
             optimizer.step()
             return True
         params = [p for p in parameters if p.grad is not None]
-        grads = [p.grad for p in params]
+        grads = [g for g in (p.grad for p in params) if g is not None]
         found = self.loss_scale.unscale(grads) if self.loss_scale is not None else False
-        counted = [p.grad for p in params if id(p) in self.counted]
+        counted = [g for g in (p.grad for p in params if id(p) in self.counted) if g is not None]
         squared = (float(torch.linalg.vector_norm(torch.stack(
             [torch.linalg.vector_norm(g) for g in counted]))) ** 2 if counted else 0.0)
         totals = torch.tensor([squared, float(found)], dtype=torch.float64, device=self.device)

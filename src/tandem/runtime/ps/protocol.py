@@ -210,7 +210,7 @@ class ShardCodec:
         if self.codec is None:
             return flat.to(torch.float32).contiguous().view(torch.uint8), []
         payloads = [self.codec.encode(part.view(shape), key) for part, shape, key
-                    in zip(flat.split(self.sizes), self.shapes, self.keys)]
+                    in zip(torch.split(flat, list(self.sizes)), self.shapes, self.keys)]
         tensors = [t for payload in payloads for t in payload]
         data = to_bytes(tensors) if tensors else torch.empty(0, dtype=torch.uint8)
         return data, payloads
