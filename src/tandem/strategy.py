@@ -279,8 +279,9 @@ def _pipeline_plan(given: Mapping[str, Any], num_processes: int, num_blocks: int
             f"the stages' replicas ({'-'.join(map(str, chosen))}) add up to {sum(chosen)} "
             f"workers but the job has {workers} (--nproc {num_processes}{per}); use --nproc "
             f"{sum(chosen) * degree} or change --replicas")
-    name, count, text = given.get("--schedule"), given.get("--microbatches"), None
-    schedule = ScheduleKind.parse(name) if name else ScheduleKind.ONE_F_ONE_B
+    name: str = given.get("--schedule") or ScheduleKind.ONE_F_ONE_B
+    count, text = given.get("--microbatches"), None
+    schedule = ScheduleKind.parse(name)
     if schedule is None:
         written = read_schedule_file(name)
         if written.kind.asynchronous:

@@ -16,6 +16,7 @@ from tandem.errors import UsageError
 from tandem.planning.search.scaling import FAMILIES, ScaleOptions, ScaleResult, scale
 from tandem.planning.simulate.tensor import DEFAULT_MAX_TENSOR_DEGREE
 from tandem.profile import ModelProfile
+from tandem.spec.codec import CodecSpec
 
 DEFAULT_MINIBATCHES = 8
 """Without ``--batch-size``, the global minibatch is this many of the profile's minibatches."""
@@ -79,16 +80,16 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.set_defaults(run=run)
 
 
-def _compressions(text: str) -> tuple[float | str, ...]:
-    """``2,32,topk:ratio=0.01,ef=false`` -> ``(2.0, 32.0, "topk:ratio=0.01,ef=false")``: an item
-    with ``=`` and no ``:`` continues the codec before it."""
+def _compressions(text: str) -> tuple[float | CodecSpec, ...]:
+    """``2,32,topk:ratio=0.01,ef=false`` -> ``(2.0, 32.0, <the spec topk:ratio=0.01,ef=false>)``:
+    an item with ``=`` and no ``:`` continues the codec before it."""
     items: list[str] = []
     for part in (part.strip() for part in text.split(",")):
         if "=" in part and ":" not in part and items and ":" in items[-1]:
             items[-1] += "," + part
         elif part:
             items.append(part)
-    result: list[float | str] = []
+    result: list[float | CodecSpec] = []
     for item in items:
         try:
             result.append(float(item))
@@ -97,7 +98,7 @@ def _compressions(text: str) -> tuple[float | str, ...]:
             if not name.isidentifier():
                 raise UsageError(f"--compress {text!r} is not a list of ratios or codecs like "
                                  f"2,32,topk:ratio=0.01") from None
-            result.append(item)
+            result.append(CodecSpec.parse(item))
     return tuple(result)
 
 

@@ -260,7 +260,7 @@ def format_result(result: SimResult, cluster: Cluster) -> str:
 
 
 def _plan_line(result: SimResult) -> str:
-    if result.method != "allreduce":
+    if result.method != AllReduceSync.method:
         servers = sum(w.role == "server" for w in result.workers)
         return (f"plan {result.config}, synchronized by {result.method}"
                 + (f" with {servers} server(s)" if servers else "")

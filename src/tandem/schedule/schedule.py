@@ -37,11 +37,7 @@ class Schedule:
     """Actions of each worker, in order."""
 
     def __post_init__(self) -> None:
-        kind = ScheduleKind.parse(self.kind)
-        if kind is None:
-            raise ScheduleParseError(f"unknown schedule kind {self.kind!r} (known: "
-                                     f"{', '.join(SCHEDULE_KINDS)})")
-        object.__setattr__(self, "kind", kind)  # frozen: the name is read once, here
+        object.__setattr__(self, "kind", _kind(self.kind))  # frozen: a name is read once, here
         replicas = "-".join(map(str, self.replicas))
         if not self.replicas or any(not isinstance(r, int) or r < 1 for r in self.replicas):
             raise ScheduleParseError(f"every stage needs at least one replica (replicas: "
@@ -97,10 +93,20 @@ class Schedule:
         if not header:
             raise ScheduleParseError(f"schedule header {lines[0]!r} is not like "
                                      f"{_HEADER_EXAMPLE}")
-        kind, replicas, microbatches = header.groups()
+        name, replicas, microbatches = header.groups()
+        kind = _kind(name)
         workers = tuple(_parse_worker(index, line) for index, line in enumerate(lines[1:]))
         return cls(kind=kind, replicas=tuple(int(r) for r in replicas.split("-")),
                    num_microbatches=int(microbatches), workers=workers)
+
+
+def _kind(name: ScheduleKind | str) -> ScheduleKind:
+    """The schedule kind ``name`` names; :class:`ScheduleParseError` naming the known ones."""
+    kind = ScheduleKind.parse(name)
+    if kind is None:
+        raise ScheduleParseError(f"unknown schedule kind {name!r} (known: "
+                                 f"{', '.join(SCHEDULE_KINDS)})")
+    return kind
 
 
 def _parse_worker(index: int, line: str) -> tuple[Action, ...]:

@@ -50,6 +50,15 @@ class NoPlanFits(UsageError):
     """No partition meets the memory limit (or, with exactly every unit used, exists at all)."""
 
 
+def schedule_kind(name: ScheduleKind | str) -> ScheduleKind:
+    """The schedule kind ``name`` names; :class:`UsageError` naming the known ones."""
+    kind = ScheduleKind.parse(name)
+    if kind is None:
+        raise UsageError(f"unknown schedule {name!r}: use pipedream, "
+                         f"{' or '.join(FLUSH_SCHEDULES)}")
+    return kind
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class PartitionOptions:
     """Choices that change the cost model or the plans considered."""
@@ -84,11 +93,7 @@ class PartitionOptions:
             raise UsageError(f"--gradient-compression must be a positive number (got {ratio})")
         if self.memory_bytes is not None and not self.memory_bytes > 0:
             raise UsageError(f"memory limit must be positive (got {self.memory_bytes} bytes)")
-        kind = ScheduleKind.parse(self.schedule)
-        if kind is None:
-            raise UsageError(f"unknown schedule {self.schedule!r}: use pipedream, "
-                             f"{' or '.join(FLUSH_SCHEDULES)}")
-        object.__setattr__(self, "schedule", kind)  # frozen: the name is read once, here
+        object.__setattr__(self, "schedule", schedule_kind(self.schedule))  # frozen: read once
         if not (self.optimizer_state_factor >= 0 and math.isfinite(self.optimizer_state_factor)):
             raise UsageError(f"--optimizer-state must be a number >= 0 (got "
                              f"{self.optimizer_state_factor})")

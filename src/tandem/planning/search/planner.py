@@ -29,7 +29,8 @@ from tandem.errors import UsageError
 from tandem.plan import Plan, Stage, default_microbatches
 from tandem.planning.partition.branches import compress_for_planning
 from tandem.planning.partition.memory import stage_memory_bytes
-from tandem.planning.partition.pipedream import NoPlanFits, Partition, PartitionOptions, partition
+from tandem.planning.partition.pipedream import (NoPlanFits, Partition, PartitionOptions,
+                                                 partition, schedule_kind)
 from tandem.planning.simulate.simulator import SimOptions, SimResult, data_parallel_plan, simulate
 from tandem.profile import ModelProfile, topological_order
 from tandem.spec.kinds import ScheduleKind
@@ -147,7 +148,7 @@ def make_plan(
     sim = dataclasses.replace(sim or SimOptions(), record=False)
     memory = options.memory_bytes if options.memory_bytes is not None else cluster.memory_bytes
     cluster = dataclasses.replace(cluster, memory_bytes=memory)
-    options = dataclasses.replace(options, memory_bytes=memory, schedule=schedule,
+    options = dataclasses.replace(options, memory_bytes=memory, schedule=schedule_kind(schedule),
                                   optimizer_state_factor=sim.optimizer_state_factor)
     started = time.perf_counter()
     candidates = _candidates(profile, cluster, options, options.schedule, num_microbatches, sim)
