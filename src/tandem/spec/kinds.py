@@ -120,3 +120,18 @@ class ElasticMode(enum.StrEnum):
     def asynchronous(self) -> bool:
         """The center lives on servers and no barrier joins the workers."""
         return self is ElasticMode.ASYNC
+
+
+class CompensationMode(enum.StrEnum):
+    """Whether asynchronous updates get their momentum and learning rate compensated for
+    staleness (``--async-compensation``)."""
+
+    AUTO = "auto"
+    """Compensate by the measured rules (:func:`tandem.runtime.asynchrony.compensation`)."""
+    OFF = "off"
+    """Leave the optimizer's settings as given."""
+
+    @property
+    def compensates(self) -> bool:
+        """Stale updates get compensated settings."""
+        return self is CompensationMode.AUTO
