@@ -179,7 +179,8 @@ class BaseTrainer(ComponentViews, Worker):
     def build_components(self) -> Components:
         """The components of this run, in the order they act after a step: progress, the loss
         watch, the metrics line, the batch's growth, evaluations, memory, checkpoints (those
-        the run's settings turn off are left out)."""
+        the run's settings turn off are left out); then those that only give the summary its
+        fields (noise scale, compensation) or hold state (precision)."""
         config = self.config
         return Components(
             self.reporter,
@@ -192,7 +193,7 @@ class BaseTrainer(ComponentViews, Worker):
             self.memory,
             Checkpoints(self.save_checkpoint, check=lambda step: self.divergence.check_parameters(
                 self.module.parameters(), step)),
-            self.noise, self.compensation,
+            self.noise, self.compensation, self.precision,
         )
 
     def run(self) -> dict[str, Any] | None:
