@@ -211,7 +211,7 @@ class Plan:
     @property
     def num_servers(self) -> int:
         """Parameter-server processes besides the stages' workers."""
-        return getattr(self.sync, "servers", 0)
+        return self.sync.num_servers
 
     @property
     def num_workers(self) -> int:

@@ -187,7 +187,7 @@ def plan_from_flags(strategy: str, given: Mapping[str, Any], *, num_processes: i
     _check_gossip(sync, compress, spelling)
     if STRATEGIES[strategy].pipelined:
         return _pipeline_plan(given, num_processes, num_blocks, compress, degree)
-    servers = getattr(sync, "servers", 0)
+    servers = sync.num_servers
     workers = num_processes - servers
     if workers < 1:
         raise UsageError(

@@ -31,6 +31,11 @@ class AllReduceSync:
     method: ClassVar[str] = "allreduce"
     FLAGS: ClassVar[dict[str, str]] = {}
 
+    @property
+    def num_servers(self) -> int:
+        """Server processes among the job's: none."""
+        return 0
+
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
 class ParameterServerSync:
@@ -69,6 +74,16 @@ class ParameterServerSync:
         if self.backup and self.mode.asynchronous:
             raise UsageError(f"--backup applies to --mode sync only (got --mode {self.mode}); "
                              f"drop --backup or use --mode sync")
+
+    @property
+    def num_servers(self) -> int:
+        """Server processes among the job's (ranks ``0..servers-1``)."""
+        return self.servers
+
+    @property
+    def asynchronous(self) -> bool:
+        """Each push is an update of its own (``async``, ``ssp``): workers never wait for all."""
+        return self.mode.asynchronous
 
     def updates_per_step(self, workers: int) -> int:
         """Server updates that make one optimizer step of ``--batch-size`` samples: one in
@@ -120,6 +135,11 @@ class GossipSync:
             raise UsageError(f"--gossip-step must be in (0, 1] (got {self.step}); "
                              f"e.g. 0.5, or 1 with a lossless codec")
 
+    @property
+    def num_servers(self) -> int:
+        """Server processes among the job's: none."""
+        return 0
+
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
 class ElasticAveragingSync:
@@ -165,6 +185,16 @@ class ElasticAveragingSync:
         if self.servers is None:  # frozen: the default is settled once, here
             object.__setattr__(self, "servers", 1 if mode.asynchronous else 0)
 
+    @property
+    def num_servers(self) -> int:
+        """Server processes holding the center (``async``; none in ``sync``)."""
+        return self.servers or 0
+
+    @property
+    def asynchronous(self) -> bool:
+        """The center lives on servers and each worker meets it on its own clock."""
+        return self.mode.asynchronous
+
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
 class LocalSGDSync:
@@ -178,6 +208,11 @@ class LocalSGDSync:
 
     def __post_init__(self) -> None:
         _check_period(self.period)
+
+    @property
+    def num_servers(self) -> int:
+        """Server processes among the job's: none."""
+        return 0
 
 
 def _check_period(period: int) -> None:

@@ -394,7 +394,7 @@ def _seconds_per_minibatch(pair: tuple[SimResult, Plan], batch: Callable[[int], 
 def _family(name: str, profile: ModelProfile, n: int, options: ScaleOptions) -> Plan | str:
     """A one-stage plan on ``n`` devices synchronized by ``name`` (or why it cannot run)."""
     sync = _family_sync(SYNC_METHODS[name], options)
-    servers = getattr(sync, "servers", 0)
+    servers = sync.num_servers
     workers = n - servers
     if workers < 1:
         return f"{servers} server(s) leave no worker"
