@@ -108,4 +108,5 @@ def decode_image(data: bytes, *, mode: str, size: int) -> torch.Tensor:
         if size:
             image = image.resize((size, size))
         array = np.asarray(image, dtype=np.float32) / 255.0
-    return torch.from_numpy(array[None] if mode == "L" else array.transpose(2, 0, 1).copy())
+    channels_last = array[..., None] if array.ndim == 2 else array  # one channel ("L"): H x W
+    return torch.from_numpy(channels_last.transpose(2, 0, 1).copy())
