@@ -3,9 +3,10 @@ options and sizes, shared by the runtime's codecs and the simulator's cost model
 
 Usage::
 
-    name, options = read_codec_spec("topk:k=0.01")      # ("topk", SparseOptions(ratio=0.01, ...))
-    num_selected(1_000, options.ratio)                   # 10 elements sent
-    ring_bytes("allgather", 80, world_size=4)            # 240 bytes sent by each worker
+    spec = CodecSpec.parse("topk:k=0.01")   # name "topk", options SparseOptions(ratio=0.01, ...)
+    spec.options_for(CodecUse.ACTIVATIONS)  # SparseOptions(ratio=0.01, ef=False, ...)
+    num_selected(1_000, spec.options.ratio)  # 10 elements sent
+    ring_bytes("allgather", 80, world_size=4)  # 240 bytes sent by each worker
 """
 
 from __future__ import annotations
@@ -217,14 +218,6 @@ def codec_use(strategy: CodecUse | str, text: str) -> CodecUse:
         raise UsageError(f"--compress {text} is not supported with --strategy {strategy}; "
                          f"it works with --strategy {', '.join(CodecUse)}")
     return use
-
-
-def read_codec_for(spec: str, *, strategy: CodecUse | str = CodecUse.GRADIENTS) -> tuple[str, Any]:
-    """The codec's name and options of ``spec`` as ``strategy`` uses it (a stateless strategy's
-    without error feedback); :class:`UsageError` if malformed or if the strategy cannot use it."""
-    use = codec_use(strategy, spec)
-    parsed = CodecSpec.parse(spec)
-    return parsed.name, parsed.options_for(use)
 
 
 def check_codec(spec: CodecSpec | str, *, strategy: CodecUse | str, sgd_momentum: float) -> None:
