@@ -1,5 +1,5 @@
 """The handlers of a data-parallel worker's forwards, backwards and overlapped allreduce, which
-the schedule interpreter runs from the plan's one-stage schedule.
+the schedule interpreter runs from the plan's one-stage schedule, and its noise-scale samples.
 
 Worker ``r`` of ``W`` runs micro-batches ``m = r + W * k`` of each global batch (the generator's
 round-robin); ``k`` indexes this worker's share, cut into ``--accumulate`` micro-batches. Every
@@ -20,6 +20,7 @@ from torch import nn
 
 from tandem.data import Batch
 from tandem.runtime.executor import Span
+from tandem.runtime.noise_scale import two_batch_estimates
 from tandem.runtime.precision import Precision
 from tandem.schedule import Action
 from tandem.structures import call_model
@@ -95,3 +96,57 @@ class DataParallelStep:
     def allreduce(self, action: Action, span: Span) -> None:
         """DDP reduced the gradients during the last backward: its span is the allreduce's."""
         span.start, span.end = self.backward_span
+
+
+class NoiseSamples:
+    """Each step's squared norms of this worker's gradient and of the averaged one, kept on the
+    device and turned into estimates of ``|G|²`` and ``tr(Σ)`` all at once when the next report
+    reads them (per-step work: two appends)."""
+
+    def __init__(self, *, data_world: int, population: int | None) -> None:
+        self.data_world = data_world
+        self.population = population
+        """Samples the batches are drawn from without replacement (None: streamed shards)."""
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.scales: list[float] = []
+        """The loss scale of each pending step (1 without fp16's scaler)."""
+        self.counts: tuple[int, int] | None = None
+        """``(local, global)`` samples of the pending steps (a change flushes them first)."""
+        self.window: torch.Tensor | None = None
+        """Estimates of flushed steps not yet read: ``[sum |G|², sum tr(Σ), count]``."""
+
+    def add(self, norms: tuple[torch.Tensor, torch.Tensor], local_count: int, global_count: int,
+            loss_scale: float) -> None:
+        """Step's norms ``(local, averaged)`` read by the hook before the loss scale is removed,
+        from this worker's ``local_count`` samples and all ``global_count``."""
+        if self.counts != (local_count, global_count):
+            self.flush()
+            self.counts = (local_count, global_count)
+        self.pending.append(norms)
+        self.scales.append(loss_scale)
+
+    def flush(self) -> None:
+        """Turn the pending norms into estimates, summed into :attr:`window`."""
+        if not self.pending or self.counts is None:
+            return
+        local_count, global_count = self.counts
+        local_sq, mean_sq = (torch.stack([entry[i] for entry in self.pending]) for i in (0, 1))
+        scale = torch.tensor(self.scales, dtype=local_sq.dtype, device=local_sq.device)
+        self.pending, self.scales = [], []
+        # each worker's loss is scaled by data_world / global_count (see Trainer.train_step), so
+        # its gradient is its samples' mean times data_world * local_count / global_count
+        share = self.data_world * local_count / global_count
+        sq_norm, trace = two_batch_estimates(local_sq / (share * scale) ** 2, mean_sq / scale**2,
+                                             local_count, global_count,
+                                             population=self.population)
+        finite = torch.isfinite(sq_norm) & torch.isfinite(trace)
+        zero = torch.zeros_like(sq_norm)
+        sums = torch.stack([torch.where(finite, sq_norm, zero).sum(),
+                            torch.where(finite, trace, zero).sum(), finite.double().sum()])
+        self.window = sums if self.window is None else self.window + sums
+
+    def take(self) -> torch.Tensor | None:
+        """The sums of every step's estimates since the last call (None: no step measured)."""
+        self.flush()
+        window, self.window = self.window, None
+        return window

@@ -23,11 +23,11 @@ from tandem.runtime.checkpoint import (
     CHECKPOINT_VERSION, load_checkpoint, load_schedule, resume_path, save_atomic,
 )
 from tandem.runtime.job import Job
-from tandem.runtime.data_step import DataParallelStep
+from tandem.runtime.data_step import DataParallelStep, NoiseSamples
 from tandem.runtime.dist import WorkerEnv
 from tandem.runtime.executor import Executor, Handler, Program, compile_program
 from tandem.runtime.faults import announce_resume, maybe_fail
-from tandem.runtime.noise_scale import NoiseScale, two_batch_estimates
+from tandem.runtime.noise_scale import NoiseScale
 from tandem.runtime.precision import Precision
 from tandem.runtime.watchdog import Heartbeat
 from tandem.schedule import Action, Kind
@@ -122,6 +122,10 @@ class Trainer(BaseTrainer):
     def _start_noise_scale(self) -> None:
         """Measure the gradient noise scale where the strategy is DDP's allreduce among two or
         more workers; else say why not."""
+        self.noise_samples: NoiseSamples | None = None
+        self.last_planned_step = (self.config.stop_after if self.config.stop_after is not None
+                                  else self.config.steps)
+        """The run's last step, whose report reads the noise samples like a log step's."""
         if not isinstance(self.strategy, AllReduce):
             return  # BaseTrainer's reason: not data parallelism
         if self.data_world < 2:
@@ -140,32 +144,31 @@ class Trainer(BaseTrainer):
                          "estimate also counts the differences between the workers' shards")
         self.noise = NoiseScale("; ".join(notes) or None)
         self.noise_window = torch.zeros(3, dtype=torch.float64, device=self.env.device)
-
-    def _measure_noise(self, global_count: int, local_count: int) -> None:
-        """Add this step's estimates of |G|² and tr(Σ) from this worker's gradient (a mean over
-        its ``local_count`` samples) and the averaged one (over ``global_count``), read by the
-        hook before the loss scale is removed and before any clipping; an overflowed step (or a
-        worker without samples) adds none. Nothing is synchronized here: the sums ride on the
-        next report's allreduce (:meth:`BaseTrainer._log`)."""
-        norms = self.strategy.bucket_norms.take() if isinstance(self.strategy, AllReduce) else None
-        if norms is None or self.noise_window is None or not 0 < local_count < global_count:
-            return
-        local_sq, mean_sq = norms
-        scaler = self.precision.scaler
-        loss_scale = scaler.get_scale() if scaler is not None else 1.0
-        # each worker's loss is scaled by data_world / global_count (see train_step), so its
-        # gradient is its samples' mean times data_world * local_count / global_count
-        share = self.data_world * local_count / global_count
-        local_sq = local_sq / (share * loss_scale) ** 2
-        mean_sq = mean_sq / loss_scale**2
         # batches are drawn without replacement from the shuffled training set
-        population = None if self.data.train.streams else len(self.train)
-        sq_norm, trace = two_batch_estimates(local_sq, mean_sq, local_count, global_count,
-                                             population=population)
-        finite = torch.isfinite(sq_norm) & torch.isfinite(trace)
-        zero = torch.zeros_like(sq_norm)
-        self.noise_window += torch.stack([torch.where(finite, sq_norm, zero),
-                                          torch.where(finite, trace, zero), finite.double()])
+        self.noise_samples = NoiseSamples(
+            data_world=self.data_world,
+            population=None if self.data.train.streams else len(self.train))
+
+    def _measure_noise(self, step: int, global_count: int, local_count: int) -> None:
+        """Keep this step's squared norms of this worker's gradient (a mean over its
+        ``local_count`` samples) and the averaged one (over ``global_count``), read by the hook
+        before the loss scale is removed and before any clipping; an overflowed step (or a worker
+        without samples) keeps none. At a log step the kept norms become estimates of |G|² and
+        tr(Σ) at once, added to the window that rides on the report's allreduce (nothing is
+        synchronized here)."""
+        norms = self.strategy.bucket_norms.take() if isinstance(self.strategy, AllReduce) else None
+        if self.noise_samples is None:
+            return
+        if norms is not None and 0 < local_count < global_count:
+            scaler = self.precision.scaler
+            self.noise_samples.add(norms, local_count, global_count,
+                                   scaler.get_scale() if scaler is not None else 1.0)
+        done = step + 1
+        if (done % self.config.log_every == 0 or done == self.last_planned_step) \
+                and self.noise_window is not None:
+            window = self.noise_samples.take()
+            if window is not None:
+                self.noise_window += window
 
     def data_partitions(self) -> int:
         return self._data_position()[1]
@@ -284,8 +287,9 @@ class Trainer(BaseTrainer):
         self.beat.phase = "step"
         loss_total, local_count = self.work.loss_total, self.local_count
         self.divergence.observe(self.batch_step, loss_total, local_count)
-        self.divergence.poll_if_cheap()  # on CPU: before a diverged gradient leaves this worker
-        self._measure_noise(self.global_count, local_count)
+        if not self.interprets_update:  # on CPU: before a diverged gradient leaves this worker
+            self.divergence.poll_if_cheap()  # (DDP's left in the backward: the loop polls)
+        self._measure_noise(step, self.global_count, local_count)
         self.local_predictions += local_count
         self.strategy.record_loss(loss_total, local_count)
         self.strategy.check_gradients(self.module, step)

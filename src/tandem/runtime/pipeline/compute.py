@@ -7,11 +7,14 @@ to the dtype its boundary was traced with. With ``recompute`` each forward keeps
 input and its backward runs it again (see ``recompute.py``), on the same weight version under
 PipeDream's weight stashing. ``peak_activation_bytes`` is the most this worker held at once of
 what autograd saves for backwards (the stage's weights excepted): every micro-batch in flight's,
-plus, with ``recompute``, what the backward's recomputation saves.
+plus, with ``recompute``, what the backward's recomputation saves. What a forward saves is
+counted (by a saved-tensors hook) on the first forward of each micro-batch size only: a stage's
+shapes are fixed, and the hook costs a Python call per saved tensor.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
@@ -75,6 +78,10 @@ def _as_specs(outputs: Sequence[torch.Tensor],
                  for t, spec in zip(outputs, specs))
 
 
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
 def _or_zeros(grads: Sequence[torch.Tensor | None], like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [g if g is not None else torch.zeros_like(t) for g, t in zip(grads, like)]
 
@@ -101,6 +108,9 @@ class StageCompute:
         self.versions: dict[int, int] = {}
         self.saved_bytes: dict[int, int] = {}
         self.peak_activation_bytes = 0
+        self.forward_bytes: dict[int, int] = {}
+        """Samples -> what a forward of that many saves for its backward (the stage's shapes
+        are fixed, so it is counted once per size)."""
         self.loss_total = torch.zeros((), device=device)
         self.live_weights = storages(self.module.parameters())
         """Storages of the live parameters (updated in place, so read once)."""
@@ -138,13 +148,18 @@ class StageCompute:
         assert x is not None
         version = self._weights_version(m) if self.stash else -1
         span.start = time.perf_counter()
+        known = self.forward_bytes.get(micro.size)
         saved = [0]
-        weights = self._weights(version)
+        weights: set[int] = set()
+        counting: Any = contextlib.nullcontext()
+        if known is None:  # the first forward of this size counts what autograd saves
+            weights = self._weights(version)
 
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
-            saved[0] += saved_bytes(tensor, weights)
-            return tensor
+            def pack(tensor: torch.Tensor) -> torch.Tensor:
+                saved[0] += saved_bytes(tensor, weights)
+                return tensor
 
+            counting = torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
         params: dict[str, torch.Tensor] | None = None  # None: the live parameters
         if self.stash is not None:
             if m in self.unchanged_until_backward and version == self.stash.version:
@@ -157,11 +172,10 @@ class StageCompute:
                 return self.module(x)
             return functional_call(self.module, params, (x,))
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), \
-                spec.precision.autocast():
+        with counting, spec.precision.autocast():
             if self.recompute is not None:
-                self.recompute.weights = weights
-                saved[0] += sum(saved_bytes(t, weights) for t in structures.tensors(x))
+                if known is None:
+                    saved[0] += sum(saved_bytes(t, weights) for t in structures.tensors(x))
                 out = self.recompute(forward, x)
             else:
                 out = forward(x)
@@ -174,9 +188,11 @@ class StageCompute:
                 out = loss * (micro.scale * spec.precision.loss_factor)
             else:
                 out = _as_specs(out if isinstance(out, tuple) else (out,), self.shapes.outputs)
+        if known is None:
+            known = self.forward_bytes[micro.size] = saved[0]
         self.saved[m] = (received, out, version)
         self.versions[m] = version
-        self.saved_bytes[m] = saved[0]
+        self.saved_bytes[m] = known
         self.peak_activation_bytes = max(self.peak_activation_bytes, sum(self.saved_bytes.values()))
         span.version = version
 

@@ -89,6 +89,9 @@ class StageLinks:
         """Posted sends: (step, work, tensor kept alive until the send completes)."""
         self.specs = {Kind.RECV_ACT: (shapes.inputs, ACT), Kind.RECV_GRAD: (shapes.returned, GRAD)}
         """What each kind of receive brings (resolved once)."""
+        self.sizes: dict[tuple[int, int], tuple[tuple[tuple[int, ...], ...],
+                                                tuple[torch.dtype, ...]]] = {}
+        """(channel, samples) -> the shapes and dtypes of its tensors (worked out once)."""
 
     def group(self, source: int, destination: int) -> dist.ProcessGroup:
         return self.spec.links[(source, destination)]
@@ -107,8 +110,11 @@ class StageLinks:
             work = dist.irecv(version, src=source, tag=tag(m, VERSION), group=group)
             self.receives[(m, VERSION)] = Receive(work, version, ((1,),), (torch.int64,), span)
             span.waits += 1
-        shapes = tuple(s.shape_at(size) for s in specs)
-        dtypes = tuple(s.dtype for s in specs)
+        known = self.sizes.get((channel, size))
+        if known is None:
+            known = self.sizes[(channel, size)] = (tuple(s.shape_at(size) for s in specs),
+                                                   tuple(s.dtype for s in specs))
+        shapes, dtypes = known
         buffer = spec.wire.receive_many(shapes, dtypes, self.device)
         work = dist.irecv(buffer, src=source, tag=tag(m, channel), group=group)
         self.receives[(m, channel)] = Receive(work, buffer, shapes, dtypes, span)

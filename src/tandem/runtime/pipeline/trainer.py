@@ -237,28 +237,32 @@ class PipelineTrainer(BaseTrainer):
         """The whole global batch of ``step`` (the stage takes its micro-batches from it)."""
         return self.take_batch(self.sampler.global_indices(step))
 
-    def _microbatch(self, step: int, parts: tuple[torch.Tensor, ...], m: int) -> Microbatch:
-        indices = parts[m]
+    def _step_microbatches(self, step: int, parts: int) -> list[Microbatch]:
+        """The ``parts`` micro-batches of step ``step``: consecutive rows of its global batch,
+        the first ``samples % parts`` one sample larger (as ``torch.tensor_split``); the inputs
+        on the first stage, the targets on the last."""
+        count = len(self.sampler.global_indices(step))
+        whole = self._global_batch(step) if self.reads_data else None
         first, last = self.stage == 0, self.stage == self.layout.num_stages - 1
-        batch = None
-        if self.reads_data:
-            start = sum(len(p) for p in parts[:m])
-            rows = slice(start, start + len(indices))
-            whole = self._global_batch(step)
-            batch = Batch(structures.take(whole.inputs, rows), structures.take(whole.targets, rows),
-                          len(indices))
-        return Microbatch(
-            size=len(indices), scale=1.0 / sum(len(p) for p in parts), step=step,
-            inputs=batch.inputs if batch is not None and first else None,
-            targets=batch.targets if batch is not None and last else None,
-        )
+        quotient, remainder = divmod(count, parts)
+        micros, start = [], 0
+        for m in range(parts):
+            size = quotient + (m < remainder)
+            rows = slice(start, start + size)
+            micros.append(Microbatch(
+                size=size, scale=1.0 / count, step=step,
+                inputs=structures.take(whole.inputs, rows) if whole is not None and first else None,
+                targets=structures.take(whole.targets, rows) if whole is not None and last else None,
+            ))
+            start += size
+        return micros
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 - bounded, per trainer
     def _minibatch(self, m: int) -> Microbatch:
         """Minibatch ``m`` of the asynchronous schedule: the global batch of step
         ``first_step + m`` (the schedule starts at the run's first step)."""
         step = self.first_step + m
-        return self._microbatch(step, (self.sampler.global_indices(step),), 0)
+        return self._step_microbatches(step, 1)[0]
 
     def train_step(self, step: int) -> torch.Tensor:
         """Run this worker's actions of step ``step``: the whole schedule of a flush schedule,
@@ -270,16 +274,8 @@ class PipelineTrainer(BaseTrainer):
             if step == self.last_step - 1:
                 self.engine.finish_sends()
             return loss
-        parts = self.sampler.global_indices(step).tensor_split(self.schedule.num_microbatches)
-        cache: dict[int, Microbatch] = {}
-
-        def batch(m: int) -> Microbatch:
-            micro = cache.get(m)
-            if micro is None:
-                micro = cache[m] = self._microbatch(step, parts, m)
-            return micro
-
-        loss = self.engine.execute(self.programs[0], batch, step)
+        micros = self._step_microbatches(step, self.schedule.num_microbatches)
+        loss = self.engine.execute(self.programs[0], micros.__getitem__, step)
         self.engine.finish_sends()
         return loss if self.tensor_rank == 0 else torch.zeros_like(loss)
 
