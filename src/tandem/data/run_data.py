@@ -70,4 +70,4 @@ def _all_targets(samples: Samples) -> torch.Tensor:
     count = min(len(samples), MAX_SCANNED_TARGETS)
     if isinstance(samples, DatasetSamples):
         return torch.stack([torch.as_tensor(samples.dataset[i][1]) for i in range(count)])
-    return samples.rows(0, count).targets
+    return torch.as_tensor(samples.rows(0, count).targets)
