@@ -129,6 +129,7 @@ class Trainer(BaseTrainer):
         if not isinstance(self.strategy, AllReduce):
             return  # BaseTrainer's reason: not data parallelism
         if self.data_world < 2:
+            self.strategy.bucket_norms.enabled = False  # the hook measures nothing
             self.noise = NoiseScale.unavailable(
                 "one worker: the gradient noise scale needs gradients of two batch sizes (each "
                 "worker's own and their mean); run with --nproc 2 or more")
@@ -156,9 +157,9 @@ class Trainer(BaseTrainer):
         without samples) keeps none. At a log step the kept norms become estimates of |G|² and
         tr(Σ) at once, added to the window that rides on the report's allreduce (nothing is
         synchronized here)."""
-        norms = self.strategy.bucket_norms.take() if isinstance(self.strategy, AllReduce) else None
         if self.noise_samples is None:
             return
+        norms = self.strategy.bucket_norms.take() if isinstance(self.strategy, AllReduce) else None
         if norms is not None and 0 < local_count < global_count:
             scaler = self.precision.scaler
             self.noise_samples.add(norms, local_count, global_count,

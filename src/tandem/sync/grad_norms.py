@@ -3,8 +3,8 @@
 It wraps the hook in use (PyTorch's ``allreduce_hook``, or a codec's, see
 :mod:`tandem.compress.hooks`): before calling it, it adds up the squared norm of the bucket this
 worker hands in — its own gradient, not yet divided by the number of workers (DDP divides only
-when no hook is registered; a hook divides itself) — and, once the inner hook's future holds
-the averaged bucket, that one's squared norm. No communication is added; the norms feed the
+when no hook is registered; a hook divides itself) — and keeps the inner hook's future, whose
+averaged bucket's squared norm is taken after the backward. No communication is added; the norms feed the
 gradient noise scale (:mod:`tandem.runtime.noise_scale`).
 
 Usage::
@@ -29,18 +29,22 @@ class BucketNorms:
     """The squared norms of one step's buckets: this worker's, and the averaged ones."""
 
     def __init__(self) -> None:
+        self.enabled = True
+        """False: the hook measures nothing (the noise scale is not measured: one worker)."""
         self.local: list[torch.Tensor] = []
-        self.mean: list[torch.Tensor] = []
+        self.exchanged: list[torch.futures.Future[torch.Tensor]] = []
+        """The buckets' exchanges: their averaged norms are read after the backward (in the
+        caller's thread, rather than in a callback on the communication thread)."""
 
     def take(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The step's squared norms ``(local, averaged)`` summed over buckets, and forget them;
         None if no bucket was exchanged since the last call."""
-        if not self.local or len(self.mean) != len(self.local):
-            self.local, self.mean = [], []
+        local, exchanged = self.local, self.exchanged
+        self.local, self.exchanged = [], []
+        if not local or len(exchanged) != len(local) or not all(f.done() for f in exchanged):
             return None
-        local, mean = torch.stack(self.local).sum(), torch.stack(self.mean).sum()
-        self.local, self.mean = [], []
-        return local, mean
+        mean = torch.stack([squared_norm(future.value()) for future in exchanged]).sum()
+        return torch.stack(local).sum(), mean
 
 
 def squared_norm(tensor: torch.Tensor) -> torch.Tensor:
@@ -59,13 +63,11 @@ class MeasuredHookState:
 
 def measured_hook(state: MeasuredHookState,
                   bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Record the bucket's squared norm, run the wrapped hook, record its result's."""
+    """Record the bucket's squared norm, run the wrapped hook, keep its future (whose result's
+    norm :meth:`BucketNorms.take` reads)."""
+    if not state.norms.enabled:
+        return state.hook(state.state, bucket)
     state.norms.local.append(squared_norm(bucket.buffer()))  # before the inner hook divides it
     future = state.hook(state.state, bucket)
-
-    def record(done: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-        averaged = done.value()
-        state.norms.mean.append(squared_norm(averaged))
-        return averaged
-
-    return future.then(record)
+    state.norms.exchanged.append(future)
+    return future
