@@ -17,13 +17,19 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tandem.errors import UsageError
+from tandem.runtime.checkpoint import CHECKPOINT_VERSION, save_atomic
+from tandem.runtime.pipeline.layout import PipelineLayout
 from tandem.runtime.precision import LossScale, StagePrecision
+
+if TYPE_CHECKING:
+    from tandem.runtime.pipeline.trainer import PipelineTrainer
 
 Names = Callable[[str], tuple[str, ...]]
 """A stage's ``state_dict`` key -> the whole model's names of that tensor."""
@@ -138,3 +144,50 @@ def _load_optimizer(module: nn.Module, names: Names, optimizer: torch.optim.Opti
             index += 1
         groups.append({**settings, "params": indices})
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def layout_record(layout: PipelineLayout) -> dict[str, Any]:
+    """What a checkpoint records of the layout it was saved with."""
+    return {"bounds": [list(bounds) for bounds in layout.bounds],
+            "replicas": list(layout.replicas)}
+
+
+def worker_state(trainer: PipelineTrainer) -> dict[str, Any]:
+    """A pipeline worker's part of a checkpoint as it is now: its random stream and codec
+    state; on a stage's replica 0 the stage's model and optimizer state (replicas agree); on
+    rank 0 the learning-rate schedule and the loss scale (every worker's are the same)."""
+    codec = trainer.wire.codec
+    own: dict[str, Any] = {
+        "rng": torch.get_rng_state(),
+        "wire": copy.deepcopy(codec.state_dict()) if codec is not None else {},
+    }
+    if trainer.replica == 0:
+        own["stage"] = stage_state(trainer.module, trainer.names, trainer.optimizer)
+    if trainer.env.rank == 0:
+        own["scheduler"] = copy.deepcopy(trainer.scheduler.state_dict())
+        own["precision"] = precision_state(trainer.precision)
+    return own
+
+
+def save_stage_checkpoint(trainer: PipelineTrainer, step: int) -> None:
+    """Save the state after ``step`` steps to ``OUT/checkpoint.pt`` (collective; rank 0
+    writes). Between steps of a flush schedule, and at the drained end of an asynchronous one,
+    that is the state now; within an asynchronous run it is each worker's snapshot of the
+    moment it applied its ``step``-th update (``PipelineTrainer._snapshot_if_due``)."""
+    if trainer.out is None:
+        return
+    rank = trainer.env.rank
+    assert not (trainer.asynchronous and step < trainer.last_step
+                and step not in trainer.snapshots), f"no snapshot of step {step} on rank {rank}"
+    own = trainer.snapshots.pop(step, None) or worker_state(trainer)
+    gathered: list[Any] = [None] * trainer.env.world_size if rank == 0 else []
+    dist.gather_object(own, gathered if rank == 0 else None, dst=0)
+    if rank != 0:
+        return
+    merged = merge_stages([part["stage"] for part in gathered if "stage" in part])
+    save_atomic({
+        "version": CHECKPOINT_VERSION, "step": step, "fingerprint": trainer.job.fingerprint(),
+        **merged, "scheduler": own["scheduler"], "precision": own["precision"],
+        "ranks": [{"rng": part["rng"], "wire": part["wire"]} for part in gathered],
+        "data": trainer.data_position(step), "layout": layout_record(trainer.layout),
+    }, trainer.out / "checkpoint.pt")

@@ -86,7 +86,8 @@ class StageEngine:
         self.links.finish_sends()
 
     def prune_sends(self, before_step: int) -> None:
-        """Complete the sends of steps before ``before_step`` (see :meth:`StageLinks.prune_sends`)."""
+        """Complete the sends of steps before ``before_step`` (see
+        :meth:`StageLinks.prune_sends`)."""
         self.links.prune_sends(before_step)
 
     # -- handlers: each action's micro-batch gives the step its event belongs to ---------------

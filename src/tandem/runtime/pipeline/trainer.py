@@ -26,7 +26,6 @@ run's schedule spans only the steps it runs, filling again at its start and drai
 
 from __future__ import annotations
 
-import copy
 import functools
 import sys
 from pathlib import Path
@@ -40,21 +39,20 @@ from torch.distributed.device_mesh import DeviceMesh
 from tandem import structures
 from tandem.data import Batch
 from tandem.errors import UsageError
-from tandem.loss import evaluation, score_batch
 from tandem.models.tensor import tensor_plan
-from tandem.runtime import memory
 from tandem.runtime.base import BaseTrainer
 from tandem.runtime.checkpoint import (
-    CHECKPOINT_VERSION, load_checkpoint, load_schedule, resume_path, save_atomic,
+    load_checkpoint, load_schedule, resume_path,
 )
 from tandem.runtime.job import Job
 from tandem.runtime.dist import WorkerEnv, new_group
 from tandem.runtime.faults import announce_resume
 from tandem.runtime.pipeline.checkpoint import (
-    load_precision, load_stage, merge_stages, precision_state, stage_state,
+    layout_record, load_precision, load_stage, save_stage_checkpoint, worker_state,
 )
 from tandem.runtime.asynchrony import restore_momentum
 from tandem.runtime.pipeline.materialize import materialize
+from tandem.runtime.pipeline.report import evaluate_stage, stage_summary, whole_state_dict
 from tandem.runtime.pipeline.groups import point_to_point_links, tied_groups
 from tandem.runtime.pipeline.chunks import no_update_between, step_chunks
 from tandem.runtime.pipeline.engine import (
@@ -65,15 +63,11 @@ from tandem.runtime.pipeline.setup import (
 )
 from tandem.runtime.pipeline.wire import Wire
 from tandem.runtime.precision import StagePrecision
-from tandem.runtime.trainer import EVAL_CHUNK
 from tandem.runtime.tensor_parallel import (
-    gathered_state_dict, layout_mesh, local_tensor, memory_report, parameter_bytes, split_model,
-    stage_plan,
+    layout_mesh, local_tensor, parameter_bytes, split_model, stage_plan,
 )
 from tandem.runtime.watchdog import Heartbeat
 from tandem.split import SplitModel
-
-EVAL_TAG_BASE = 1 << 30
 
 
 class PipelineTrainer(BaseTrainer):
@@ -154,7 +148,8 @@ class PipelineTrainer(BaseTrainer):
         self.engine.compute.on_loss = self.divergence.observe
         actions = self.schedule.workers[self.worker]
         if self.asynchronous:
-            chunks = step_chunks(self.schedule, self.worker, max(1, self.last_step - self.first_step))
+            steps = max(1, self.last_step - self.first_step)
+            chunks = step_chunks(self.schedule, self.worker, steps)
             self.programs = [self.engine.program(chunk) for chunk in chunks]
             self.engine.compute.unchanged_until_backward = no_update_between(actions)
             self.engine.update.after_step = self._snapshot_if_due
@@ -245,14 +240,16 @@ class PipelineTrainer(BaseTrainer):
         whole = self._global_batch(step) if self.reads_data else None
         first, last = self.stage == 0, self.stage == self.layout.num_stages - 1
         quotient, remainder = divmod(count, parts)
+        inputs = whole.inputs if whole is not None and first else None
+        targets = whole.targets if whole is not None and last else None
         micros, start = [], 0
         for m in range(parts):
             size = quotient + (m < remainder)
             rows = slice(start, start + size)
             micros.append(Microbatch(
                 size=size, scale=1.0 / count, step=step,
-                inputs=structures.take(whole.inputs, rows) if whole is not None and first else None,
-                targets=structures.take(whole.targets, rows) if whole is not None and last else None,
+                inputs=None if inputs is None else structures.take(inputs, rows),
+                targets=None if targets is None else structures.take(targets, rows),
             ))
             start += size
         return micros
@@ -297,32 +294,11 @@ class PipelineTrainer(BaseTrainer):
         load_schedule(self.optimizer, self.scheduler, checkpoint["scheduler"],
                       announce=self.env.rank == 0)
         load_precision(self.precision, checkpoint.get("precision", {}))
-        if checkpoint["layout"] == self._layout_record():
+        if checkpoint["layout"] == layout_record(self.layout):
             own = checkpoint["ranks"][self.env.rank]
             torch.set_rng_state(own["rng"])
             if self.wire.codec is not None:
                 self.wire.codec.load_state_dict(own["wire"])
-
-    def _layout_record(self) -> dict[str, Any]:
-        """What a checkpoint records of the layout it was saved with."""
-        return {"bounds": [list(bounds) for bounds in self.layout.bounds],
-                "replicas": list(self.layout.replicas)}
-
-    def _worker_state(self) -> dict[str, Any]:
-        """This worker's part of a checkpoint as it is now: its random stream and codec state;
-        on a stage's replica 0 the stage's model and optimizer state (replicas agree); on rank
-        0 the learning-rate schedule and the loss scale (every worker's are the same)."""
-        own: dict[str, Any] = {
-            "rng": torch.get_rng_state(),
-            "wire": (copy.deepcopy(self.wire.codec.state_dict())
-                     if self.wire.codec is not None else {}),
-        }
-        if self.replica == 0:
-            own["stage"] = stage_state(self.module, self.names, self.optimizer)
-        if self.env.rank == 0:
-            own["scheduler"] = copy.deepcopy(self.scheduler.state_dict())
-            own["precision"] = precision_state(self.precision)
-        return own
 
     def _snapshot_if_due(self, step: int) -> None:
         """After this worker's update for minibatch ``step`` of the asynchronous schedule: if
@@ -332,103 +308,22 @@ class PipelineTrainer(BaseTrainer):
         done = (step // replicas + 1) * replicas
         every = self.config.checkpoint_every
         if self.out is not None and every and done % every == 0 and done < self.last_step:
-            self.snapshots[done] = self._worker_state()
+            self.snapshots[done] = worker_state(self)
 
     def save_checkpoint(self, step: int) -> None:
-        """Save the state after ``step`` steps to ``OUT/checkpoint.pt`` (collective; rank 0
-        writes). Between steps of a flush schedule, and at the drained end of an asynchronous
-        one, that is the state now; within an asynchronous run it is each worker's snapshot of
-        the moment it applied its ``step``-th update (see :meth:`_snapshot_if_due`)."""
-        if self.out is None:
-            return
-        assert not (self.asynchronous and step < self.last_step and step not in self.snapshots), \
-            f"no snapshot of step {step} on rank {self.env.rank}"
-        own = self.snapshots.pop(step, None) or self._worker_state()
-        gathered: list[Any] = [None] * self.env.world_size if self.env.rank == 0 else []
-        dist.gather_object(own, gathered if self.env.rank == 0 else None, dst=0)
-        if self.env.rank != 0:
-            return
-        merged = merge_stages([part["stage"] for part in gathered if "stage" in part])
-        save_atomic({
-            "version": CHECKPOINT_VERSION, "step": step, "fingerprint": self.job.fingerprint(),
-            **merged, "scheduler": own["scheduler"], "precision": own["precision"],
-            "ranks": [{"rng": part["rng"], "wire": part["wire"]} for part in gathered],
-            "data": self.data_position(step), "layout": self._layout_record(),
-        }, self.out / "checkpoint.pt")
+        """Save the state after ``step`` steps (see
+        :func:`~tandem.runtime.pipeline.checkpoint.save_stage_checkpoint`)."""
+        save_stage_checkpoint(self, step)
 
-    # -- evaluation and outputs ------------------------------------------------------------------
+    # -- evaluation and outputs (report.py) ------------------------------------------------------
 
-    @torch.no_grad()
     def evaluate(self) -> dict[str, float | None]:
-        """Forward the test split through the pipeline in chunks; the last stage scores them.
-
-        Activations go through the codec as in training (the model evaluated is the one that
-        was trained: stages and codec); these bytes are not counted in :meth:`sent_bytes`.
-        """
-        self.beat.phase = "evaluate"
-        self.module.eval()
-        num_stages, replicas = self.layout.num_stages, self.layout.replicas
-        samples = self.task.test_samples.to(self.env.device)
-        totals = torch.zeros(4, dtype=torch.float64, device=self.env.device)
-        for chunk, start in enumerate(range(0, len(samples), EVAL_CHUNK)):
-            if chunk % replicas[self.stage] != self.replica:
-                continue
-            end = min(start + EVAL_CHUNK, len(samples))
-            batch = samples.rows(start, end) if self.stage in (0, num_stages - 1) else None
-            if batch is not None and self.stage == 0:
-                x = batch.inputs
-            else:
-                specs = self.shapes.inputs
-                shapes = [spec.shape_at(end - start) for spec in specs]
-                dtypes = [spec.dtype for spec in specs]
-                message = self.wire.receive_many(shapes, dtypes, self.env.device)
-                dist.recv(message, src=self._rank_of(self.schedule.worker_for(self.stage - 1,
-                                                                              chunk)),
-                          tag=EVAL_TAG_BASE + chunk)
-                received = self.wire.unpack_many(message, shapes, dtypes, "activation")
-                x = received[0] if len(received) == 1 else tuple(received)
-            out = self.module(x)
-            if batch is not None and self.stage == num_stages - 1:
-                totals += score_batch(out, batch.targets, self.task.loss, batch.size)
-            else:
-                outs = out if isinstance(out, tuple) else (out,)
-                dist.send(self.wire.pack_many(outs, "activation", self.env.device),
-                          dst=self._rank_of(self.schedule.worker_for(self.stage + 1, chunk)),
-                          tag=EVAL_TAG_BASE + chunk)
-        self.module.train()
-        if self.tensor_rank:  # every tensor position scored the same samples: count them once
-            totals.zero_()
-        dist.all_reduce(totals)
-        return evaluation(totals)
+        """The test split's accuracy and loss, forwarded through the stages (see
+        :func:`~tandem.runtime.pipeline.report.evaluate_stage`)."""
+        return evaluate_stage(self)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Replica 0 of every stage sends its blocks' state to rank 0, under the full model's names
-        (with tensor parallelism, its tensor-parallel processes gather their shares first)."""
-        state = None
-        whole = (gathered_state_dict(self.module, self.tensor_plan, self.mesh["tensor"])
-                 if self.mesh is not None and self.replica == 0 else self.module.state_dict())
-        if self.replica == 0 and self.tensor_rank == 0:
-            state = {}
-            for key, tensor in whole.items():
-                for name in self.names(key):
-                    state[name] = tensor.detach().cpu()
-        gathered: list[Any] = [None] * self.env.world_size if self.env.rank == 0 else []
-        dist.gather_object(state, gathered if self.env.rank == 0 else None, dst=0)
-        if self.env.rank != 0:
-            return None
-        return {name: t for part in gathered if part for name, t in part.items()}
-
-    def _tie_report(self, tie: Tie) -> dict[str, Any]:
-        """The stages and names of shared parameters, and how far apart their copies are
-        (collective within the tie's group)."""
-        flat = torch.cat([p.detach().reshape(-1) for p in tie.params])
-        high, low = flat.clone(), flat.clone()
-        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=tie.group)
-        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=tie.group)
-        keys = {id(p): key for key, p in self.module.named_parameters()}
-        return {"stages": list(tie.stages),
-                "parameters": [self.names(keys[id(p)])[0] for p in tie.params],
-                "max_abs_diff": float((high - low).abs().max()) if flat.numel() else 0.0}
+        return whole_state_dict(self)
 
     def sent_bytes(self) -> float:
         """Bytes sent in training so far: messages between stages (compressed with
@@ -436,57 +331,4 @@ class PipelineTrainer(BaseTrainer):
         return self.engine.traffic.total_bytes
 
     def summary_extra(self) -> dict[str, Any]:
-        """The layout, schedule and per-worker memory, and the bytes all workers sent per step:
-        ``sent_bytes_per_step`` (everything), ``activation_bytes_per_step`` (activations and
-        their gradients as computed), ``compressed_activation_bytes_per_step`` (what was sent
-        for them) and ``activation_compression_ratio`` (the first over the second). A worker
-        whose stage shares parameters with others lists them in ``shared_parameters``, with
-        the largest difference between the copies the stages hold (0 when they are equal).
-        ``held_model_bytes``: the model's parameters and buffers the worker materialized (its
-        stage's for a built-in model); ``training_peak_rss_bytes``, ``peak_rss_bytes`` and
-        ``start_rss_bytes``, its process's resident memory at its peak up to the last
-        update (before the checkpoint and final.pt, for which rank 0 gathers every stage's
-        state), at its peak, and at start (:mod:`tandem.runtime.memory`). ``precision``,
-        ``clip_grad_norm`` and ``skipped_steps`` (fp16 steps every stage skipped together; per
-        worker too) as the data-parallel trainer reports them."""
-        traffic = self.engine.traffic
-        totals = torch.tensor([traffic.total_bytes, traffic.activation_bytes,
-                               traffic.message_bytes], dtype=torch.float64, device=self.env.device)
-        dist.all_reduce(totals)
-        sent, activations, messages = (value / max(1, len(self.step_times))
-                                       for value in totals.tolist())
-        stats = {
-            "worker": self.env.rank, "stage": self.stage, "replica": self.replica,
-            "layers": list(self.layout.bounds[self.stage]),
-            "peak_activation_bytes": self.engine.peak_activation_bytes,
-            "stash_peak_bytes": self.engine.stash.peak_bytes if self.engine.stash else 0,
-            "parameter_bytes": sum(local_tensor(p).numel() * p.element_size()
-                                   for p in self.module.parameters()),
-            "held_model_bytes": self.held_model_bytes,
-            "training_peak_rss_bytes": self.training_peak_rss_bytes,
-            "peak_rss_bytes": memory.peak_rss_bytes(),
-            "start_rss_bytes": memory.START_RSS_BYTES,
-            "shared_parameters": [self._tie_report(tie) for tie in self.engine.ties],
-            "skipped_steps": self.precision.skipped_steps,
-        }
-        tensor: dict[str, Any] = {}
-        if self.mesh is not None:
-            stats["tensor_part"] = self.tensor_rank
-            report = memory_report(self.module, self.optimizer, self.whole_bytes)
-            stats["tensor_memory"] = {key: int(value) for key, value in report.items()}
-            stats["tensor_whole_layers"] = self.tensor_whole
-        gathered: list[Any] = [None] * self.env.world_size
-        dist.all_gather_object(gathered, stats)
-        if self.mesh is not None:
-            whole = {name: None for worker in gathered for name in worker["tensor_whole_layers"]}
-            tensor = {"tensor_parallel": self.tensor_degree,
-                      "mesh": dict(zip(self.mesh.mesh_dim_names or (), self.mesh.shape)),
-                      "tensor_whole_layers": list(whole)}
-        return {"pipeline": self.layout.text(), **tensor, "vertical_sync": self.plan.vertical_sync,
-                "recompute": self.plan.recompute,
-                "sent_bytes_per_step": sent, "activation_bytes_per_step": activations,
-                "compressed_activation_bytes_per_step": messages,
-                "activation_compression_ratio": activations / messages if messages else 1.0,
-                "precision": self.config.precision, "clip_grad_norm": self.config.clip_grad_norm,
-                "skipped_steps": max(worker["skipped_steps"] for worker in gathered),
-                "workers": gathered}
+        return stage_summary(self)

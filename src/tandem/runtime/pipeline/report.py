@@ -1,0 +1,157 @@
+"""What a pipeline worker reports once training is done: the test split's score (the test
+samples forwarded through the stages), the whole model's state gathered on rank 0, and the
+layout's summary with every worker's memory and traffic."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from tandem.loss import evaluation, score_batch
+from tandem.runtime import memory
+from tandem.runtime.pipeline.update import Tie
+from tandem.runtime.tensor_parallel import gathered_state_dict, local_tensor, memory_report
+
+if TYPE_CHECKING:
+    from tandem.runtime.pipeline.trainer import PipelineTrainer
+
+EVAL_CHUNK = 1024
+"""Test samples forwarded through the pipeline at once."""
+EVAL_TAG_BASE = 1 << 30
+"""Message tags of evaluation chunks (above every training tag)."""
+
+
+@torch.no_grad()
+def evaluate_stage(trainer: PipelineTrainer) -> dict[str, float | None]:
+    """Forward the test split through the pipeline in chunks; the last stage scores them.
+
+    Activations go through the codec as in training (the model evaluated is the one that
+    was trained: stages and codec); these bytes are not counted in
+    :meth:`PipelineTrainer.sent_bytes`.
+    """
+    trainer.beat.phase = "evaluate"
+    trainer.module.eval()
+    num_stages, replicas = trainer.layout.num_stages, trainer.layout.replicas
+    samples = trainer.task.test_samples.to(trainer.env.device)
+    totals = torch.zeros(4, dtype=torch.float64, device=trainer.env.device)
+    for chunk, start in enumerate(range(0, len(samples), EVAL_CHUNK)):
+        if chunk % replicas[trainer.stage] != trainer.replica:
+            continue
+        end = min(start + EVAL_CHUNK, len(samples))
+        batch = samples.rows(start, end) if trainer.stage in (0, num_stages - 1) else None
+        if batch is not None and trainer.stage == 0:
+            x = batch.inputs
+        else:
+            specs = trainer.shapes.inputs
+            shapes = [spec.shape_at(end - start) for spec in specs]
+            dtypes = [spec.dtype for spec in specs]
+            message = trainer.wire.receive_many(shapes, dtypes, trainer.env.device)
+            dist.recv(message, src=trainer._rank_of(trainer.schedule.worker_for(trainer.stage - 1,
+                                                                          chunk)),
+                      tag=EVAL_TAG_BASE + chunk)
+            received = trainer.wire.unpack_many(message, shapes, dtypes, "activation")
+            x = received[0] if len(received) == 1 else tuple(received)
+        out = trainer.module(x)
+        if batch is not None and trainer.stage == num_stages - 1:
+            totals += score_batch(out, batch.targets, trainer.task.loss, batch.size)
+        else:
+            outs = out if isinstance(out, tuple) else (out,)
+            dist.send(trainer.wire.pack_many(outs, "activation", trainer.env.device),
+                      dst=trainer._rank_of(trainer.schedule.worker_for(trainer.stage + 1, chunk)),
+                      tag=EVAL_TAG_BASE + chunk)
+    trainer.module.train()
+    if trainer.tensor_rank:  # every tensor position scored the same samples: count them once
+        totals.zero_()
+    dist.all_reduce(totals)
+    return evaluation(totals)
+
+
+def whole_state_dict(trainer: PipelineTrainer) -> dict[str, torch.Tensor] | None:
+    """Replica 0 of every stage sends its blocks' state to rank 0, under the full model's names
+    (with tensor parallelism, its tensor-parallel processes gather their shares first)."""
+    state = None
+    whole = (gathered_state_dict(trainer.module, trainer.tensor_plan, trainer.mesh["tensor"])
+             if trainer.mesh is not None and trainer.replica == 0 else trainer.module.state_dict())
+    if trainer.replica == 0 and trainer.tensor_rank == 0:
+        state = {}
+        for key, tensor in whole.items():
+            for name in trainer.names(key):
+                state[name] = tensor.detach().cpu()
+    gathered: list[Any] = [None] * trainer.env.world_size if trainer.env.rank == 0 else []
+    dist.gather_object(state, gathered if trainer.env.rank == 0 else None, dst=0)
+    if trainer.env.rank != 0:
+        return None
+    return {name: t for part in gathered if part for name, t in part.items()}
+
+
+def _tie_report(trainer: PipelineTrainer, tie: Tie) -> dict[str, Any]:
+    """The stages and names of shared parameters, and how far apart their copies are
+    (collective within the tie's group)."""
+    flat = torch.cat([p.detach().reshape(-1) for p in tie.params])
+    high, low = flat.clone(), flat.clone()
+    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=tie.group)
+    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=tie.group)
+    keys = {id(p): key for key, p in trainer.module.named_parameters()}
+    return {"stages": list(tie.stages),
+            "parameters": [trainer.names(keys[id(p)])[0] for p in tie.params],
+            "max_abs_diff": float((high - low).abs().max()) if flat.numel() else 0.0}
+
+
+def stage_summary(trainer: PipelineTrainer) -> dict[str, Any]:
+    """The layout, schedule and per-worker memory, and the bytes all workers sent per step:
+    ``sent_bytes_per_step`` (everything), ``activation_bytes_per_step`` (activations and
+    their gradients as computed), ``compressed_activation_bytes_per_step`` (what was sent
+    for them) and ``activation_compression_ratio`` (the first over the second). A worker
+    whose stage shares parameters with others lists them in ``shared_parameters``, with
+    the largest difference between the copies the stages hold (0 when they are equal).
+    ``held_model_bytes``: the model's parameters and buffers the worker materialized (its
+    stage's for a built-in model); ``training_peak_rss_bytes``, ``peak_rss_bytes`` and
+    ``start_rss_bytes``, its process's resident memory at its peak up to the last
+    update (before the checkpoint and final.pt, for which rank 0 gathers every stage's
+    state), at its peak, and at start (:mod:`tandem.runtime.memory`). ``precision``,
+    ``clip_grad_norm`` and ``skipped_steps`` (fp16 steps every stage skipped together; per
+    worker too) as the data-parallel trainer reports them."""
+    traffic = trainer.engine.traffic
+    totals = torch.tensor([traffic.total_bytes, traffic.activation_bytes,
+                           traffic.message_bytes], dtype=torch.float64, device=trainer.env.device)
+    dist.all_reduce(totals)
+    sent, activations, messages = (value / max(1, len(trainer.step_times))
+                                   for value in totals.tolist())
+    stats = {
+        "worker": trainer.env.rank, "stage": trainer.stage, "replica": trainer.replica,
+        "layers": list(trainer.layout.bounds[trainer.stage]),
+        "peak_activation_bytes": trainer.engine.peak_activation_bytes,
+        "stash_peak_bytes": trainer.engine.stash.peak_bytes if trainer.engine.stash else 0,
+        "parameter_bytes": sum(local_tensor(p).numel() * p.element_size()
+                               for p in trainer.module.parameters()),
+        "held_model_bytes": trainer.held_model_bytes,
+        "training_peak_rss_bytes": trainer.training_peak_rss_bytes,
+        "peak_rss_bytes": memory.peak_rss_bytes(),
+        "start_rss_bytes": memory.START_RSS_BYTES,
+        "shared_parameters": [_tie_report(trainer, tie) for tie in trainer.engine.ties],
+        "skipped_steps": trainer.precision.skipped_steps,
+    }
+    tensor: dict[str, Any] = {}
+    if trainer.mesh is not None:
+        stats["tensor_part"] = trainer.tensor_rank
+        report = memory_report(trainer.module, trainer.optimizer, trainer.whole_bytes)
+        stats["tensor_memory"] = {key: int(value) for key, value in report.items()}
+        stats["tensor_whole_layers"] = trainer.tensor_whole
+    gathered: list[Any] = [None] * trainer.env.world_size
+    dist.all_gather_object(gathered, stats)
+    if trainer.mesh is not None:
+        whole = {name: None for worker in gathered for name in worker["tensor_whole_layers"]}
+        tensor = {"tensor_parallel": trainer.tensor_degree,
+                  "mesh": dict(zip(trainer.mesh.mesh_dim_names or (), trainer.mesh.shape)),
+                  "tensor_whole_layers": list(whole)}
+    return {"pipeline": trainer.layout.text(), **tensor,
+            "vertical_sync": trainer.plan.vertical_sync,
+            "recompute": trainer.plan.recompute,
+            "sent_bytes_per_step": sent, "activation_bytes_per_step": activations,
+            "compressed_activation_bytes_per_step": messages,
+            "activation_compression_ratio": activations / messages if messages else 1.0,
+            "precision": trainer.config.precision, "clip_grad_norm": trainer.config.clip_grad_norm,
+            "skipped_steps": max(worker["skipped_steps"] for worker in gathered),
+            "workers": gathered}
