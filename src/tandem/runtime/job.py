@@ -125,7 +125,7 @@ class Job:
         a compressed worker's codec state has no point in time that matches the servers'
         checkpoint (they apply its pushes among the others')."""
         sync, run = self.plan.sync, self.run
-        if not (isinstance(sync, ParameterServerSync) and sync.mode != "sync"):
+        if not (isinstance(sync, ParameterServerSync) and sync.asynchronous):
             return
         if sync.staleness_lr and run.async_compensation == "auto":
             raise UsageError("--staleness-lr divides each update's learning rate by its "
@@ -166,7 +166,7 @@ class Job:
     def _check_precision(self) -> None:
         """PipeDream's asynchronous stages step at different times: no loss scale they could
         share, no whole gradient to clip."""
-        if not (self.plan.pipelined and self.plan.schedule == "pipedream"):
+        if not (self.plan.pipelined and self.plan.schedule.asynchronous):
             return
         if self.run.precision == "fp16":
             raise UsageError("--precision fp16 needs one loss scale that every stage changes at "
@@ -250,8 +250,8 @@ def _stale(plan: Plan) -> bool:
     """Whether ``plan``'s updates are computed on stale weights (compensated; see
     :mod:`tandem.runtime.asynchrony`)."""
     if plan.pipelined:
-        return plan.schedule == "pipedream"
-    return isinstance(plan.sync, ParameterServerSync) and plan.sync.mode != "sync"
+        return plan.schedule.asynchronous
+    return isinstance(plan.sync, ParameterServerSync) and plan.sync.asynchronous
 
 
 def _ranks(first: int, last: int) -> str:

@@ -88,7 +88,7 @@ def _fault_tolerant_worker(job: Job) -> bool:
     """Workers of asynchronous parameter-server training (``ps`` and EASGD) may die without
     stopping the job."""
     sync = job.plan.sync
-    return (isinstance(sync, (ParameterServerSync, ElasticAveragingSync)) and sync.mode != "sync"
+    return (isinstance(sync, (ParameterServerSync, ElasticAveragingSync)) and sync.asynchronous
             and SUPERVISED not in os.environ and int(os.environ.get("RANK", "0")) >= job.plan.num_servers)
 
 
