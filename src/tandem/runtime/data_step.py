@@ -53,6 +53,9 @@ class DataParallelStep:
         self.backward_span = (0.0, 0.0)
         """Start and end of the last backward (the overlapped allreduce's span)."""
         self.forward_start = 0.0
+        self.batch = (0, 0, 0)
+        """The step's global batch (an asynchronous ps worker's may be another step's), this
+        worker's samples of it and all its samples."""
 
     def begin(self, micros: list[Batch], step: int, device: torch.device, *, scale: float = 1.0,
               divisor: int | None = None) -> None:
@@ -89,8 +92,8 @@ class DataParallelStep:
         self.backward_span = (span.start, span.end)
         if self.slowdown > 1.0:
             time.sleep((self.slowdown - 1.0) * (span.end - self.forward_start))
-        if self.after_backwards is not None and \
-                action.microbatch // self.data_world == len(self.micros) - 1:  # type: ignore[operator]
+        index = action.microbatch // self.data_world  # type: ignore[operator]
+        if index == len(self.micros) - 1 and self.after_backwards is not None:
             self.after_backwards()
 
     def allreduce(self, action: Action, span: Span) -> None:

@@ -132,9 +132,10 @@ class TensorParallelTrainer(BaseTrainer):
         ``0F{m}``/``0B{m}`` for its micro-batches ``m = replica + replicas * k``, ``0AR`` (the
         data dimension's sum, with more than one replica) and ``0ST``."""
         indices = self._indices(step)
-        self.step_samples = len(indices)
+        global_count = len(self.sampler.global_indices(step))
         self.work.begin(self.take_batch(indices).split(self.plan.accumulate), step,
-                        self.env.device, divisor=len(self.sampler.global_indices(step)))
+                        self.env.device, divisor=global_count)
+        self.work.batch = (step, len(indices), global_count)
         self.executor.run(self.program, step)
         loss_total = self.work.loss_total
         return loss_total if self.tensor_rank == 0 else torch.zeros_like(loss_total)
@@ -142,7 +143,8 @@ class TensorParallelTrainer(BaseTrainer):
     def _after_backwards(self) -> None:
         """The step's loss to the loss watch (read here on CPU)."""
         self.beat.phase = "step"
-        self.divergence.observe(self.beat.step, self.work.loss_total, self.step_samples)
+        step, samples, _ = self.work.batch
+        self.divergence.observe(step, self.work.loss_total, samples)
         self.divergence.poll_if_cheap()
 
     def _allreduce(self, action: Action, span: Span) -> None:

@@ -37,9 +37,10 @@ from tandem.sync import SyncStrategy
 from tandem.sync.allreduce import AllReduce
 from tandem.spec.sync import ParameterServerSync
 
-EVAL_CHUNK = 1024
-SYNC_KINDS = (Kind.ALLREDUCE, Kind.STEP, Kind.PUSH, Kind.PULL, Kind.EXCHANGE)
-"""The actions a sync strategy's own loop reports (:meth:`SyncStrategy.action`)."""
+SYNC_NAMES = {kind.value: str(Action(0, kind))
+              for kind in (Kind.ALLREDUCE, Kind.STEP, Kind.PUSH, Kind.PULL, Kind.EXCHANGE)}
+"""The trace name of each action a sync strategy's own loop reports (``0PU``, ``0GX``; see
+:meth:`SyncStrategy.action`)."""
 
 
 class Trainer(BaseTrainer):
@@ -73,8 +74,6 @@ class Trainer(BaseTrainer):
             model.load_state_dict(checkpoint["model"])
         self.module = self.strategy.wrap(model, env.device)
         self.current_step = 0
-        self.sync_names = {kind.value: str(Action(0, kind)) for kind in SYNC_KINDS}
-        """The trace name of each action a strategy's own loop reports (``0PU``, ``0GX``)."""
         self.strategy.recorder = self._record_sync
         self.module.train()
         self.model = self.strategy.unwrap(self.module)
@@ -117,7 +116,7 @@ class Trainer(BaseTrainer):
 
     def _record_sync(self, code: str, start: float, end: float) -> None:
         """Trace an action of the strategy's own loop."""
-        self.trace(self.sync_names[code], start, end, self.current_step)
+        self.trace(SYNC_NAMES[code], start, end, self.current_step)
 
     def _start_noise_scale(self) -> None:
         """Measure the gradient noise scale where the strategy is DDP's allreduce among two or
@@ -270,13 +269,12 @@ class Trainer(BaseTrainer):
         """
         self.current_step = step
         batch_step, share = self.batch_share(step)
-        self.batch_step = batch_step
-        self.global_count = len(self.sampler.global_indices(batch_step))
+        global_count = len(self.sampler.global_indices(batch_step))
         indices = self.sampler.local_indices(batch_step, rank=share, world_size=self.data_world)
-        self.local_count = len(indices)
         work = self.work
         work.begin(self.take_batch(indices).split(self.plan.accumulate), step, self.env.device,
-                   scale=self.data_world / self.global_count)
+                   scale=self.data_world / global_count)
+        work.batch = (batch_step, len(indices), global_count)
         self.executor.run(self.program, step)
         if not self.interprets_update:
             self._update(step)
@@ -286,11 +284,12 @@ class Trainer(BaseTrainer):
         """After the backwards: judge the loss, measure the noise scale, then synchronize and
         apply the update (the schedule's ``ST``, or the strategy's own loop)."""
         self.beat.phase = "step"
-        loss_total, local_count = self.work.loss_total, self.local_count
-        self.divergence.observe(self.batch_step, loss_total, local_count)
+        loss_total = self.work.loss_total
+        batch_step, local_count, global_count = self.work.batch
+        self.divergence.observe(batch_step, loss_total, local_count)
         if not self.interprets_update:  # on CPU: before a diverged gradient leaves this worker
             self.divergence.poll_if_cheap()  # (DDP's left in the backward: the loop polls)
-        self._measure_noise(step, self.global_count, local_count)
+        self._measure_noise(step, global_count, local_count)
         self.local_predictions += local_count
         self.strategy.record_loss(loss_total, local_count)
         self.strategy.check_gradients(self.module, step)
