@@ -23,6 +23,7 @@ from tandem.runtime.executor import Span
 from tandem.runtime.noise_scale import two_batch_estimates
 from tandem.runtime.precision import Precision
 from tandem.schedule import Action
+from tandem.spec.codec import CodecSpec
 from tandem.structures import call_model
 from tandem.sync import SyncStrategy
 
@@ -106,8 +107,11 @@ class NoiseSamples:
     device and turned into estimates of ``|G|²`` and ``tr(Σ)`` all at once when the next report
     reads them (per-step work: two appends)."""
 
-    def __init__(self, *, data_world: int, population: int | None) -> None:
+    def __init__(self, *, data_world: int, population: int | None, log_every: int,
+                 last_step: int) -> None:
         self.data_world = data_world
+        self.log_every, self.last_step = log_every, last_step
+        """The steps whose report reads the estimates: every ``log_every``-th, and the last."""
         self.population = population
         """Samples the batches are drawn from without replacement (None: streamed shards)."""
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -117,6 +121,15 @@ class NoiseSamples:
         """``(local, global)`` samples of the pending steps (a change flushes them first)."""
         self.window: torch.Tensor | None = None
         """Estimates of flushed steps not yet read: ``[sum |G|², sum tr(Σ), count]``."""
+
+    def measure(self, step: int, norms: tuple[torch.Tensor, torch.Tensor] | None,
+                local_count: int, global_count: int, loss_scale: float) -> torch.Tensor | None:
+        """Keep step ``step``'s norms (None, or a worker without samples: none); at a log step,
+        the sums of every kept step's estimates (see :meth:`take`), else None."""
+        if norms is not None and 0 < local_count < global_count:
+            self.add(norms, local_count, global_count, loss_scale)
+        done = step + 1
+        return self.take() if done % self.log_every == 0 or done == self.last_step else None
 
     def add(self, norms: tuple[torch.Tensor, torch.Tensor], local_count: int, global_count: int,
             loss_scale: float) -> None:
@@ -153,3 +166,16 @@ class NoiseSamples:
         self.flush()
         window, self.window = self.window, None
         return window
+
+
+def noise_notes(compress: CodecSpec | None, *, streams: bool) -> str | None:
+    """What biases the noise-scale estimate of this run, in one line (None: nothing)."""
+    notes = [] if compress is None else [
+        f"with --compress {compress.text} the averaged gradient is the codec's decoded mean, "
+        f"not the exact one: the compression error adds to its squared norm, so |G|² is "
+        f"overestimated and tr(Σ) underestimated, and noise_scale is biased low (error "
+        f"feedback moves it further)"]
+    if streams:
+        notes.append("streamed shards are read in shard order, not drawn at random, so the "
+                     "estimate also counts the differences between the workers' shards")
+    return "; ".join(notes) or None

@@ -23,7 +23,7 @@ from tandem.runtime.checkpoint import (
     CHECKPOINT_VERSION, load_checkpoint, load_schedule, resume_path, save_atomic,
 )
 from tandem.runtime.job import Job
-from tandem.runtime.data_step import DataParallelStep, NoiseSamples
+from tandem.runtime.data_step import DataParallelStep, NoiseSamples, noise_notes
 from tandem.runtime.dist import WorkerEnv
 from tandem.runtime.executor import Executor, Handler, Program, compile_program
 from tandem.runtime.faults import announce_resume, maybe_fail
@@ -35,6 +35,7 @@ from tandem.runtime.strategies import build_strategy
 from tandem.runtime.ps import ElasticClient, ParameterServerClient
 from tandem.sync import SyncStrategy
 from tandem.sync.allreduce import AllReduce
+from tandem.spec.codec import CodecSpec
 from tandem.spec.sync import ParameterServerSync
 
 SYNC_NAMES = {kind.value: str(Action(0, kind))
@@ -70,7 +71,8 @@ class Trainer(BaseTrainer):
         self.collective_logging = self.strategy.synchronous
         checkpoint = self._load_checkpoint()
         if checkpoint is not None:
-            checkpoint = self._resized(checkpoint)
+            checkpoint = resized_checkpoint(checkpoint, world=env.world_size, rank=env.rank,
+                                            strategy=self.strategy, compress=self.plan.compress)
             model.load_state_dict(checkpoint["model"])
         self.module = self.strategy.wrap(model, env.device)
         self.current_step = 0
@@ -78,7 +80,8 @@ class Trainer(BaseTrainer):
         self.module.train()
         self.model = self.strategy.unwrap(self.module)
         self.setup_optimizer(self.module.parameters())
-        server_clips = isinstance(self.plan.sync, ParameterServerSync) and self.plan.sync.server_clips
+        sync = self.plan.sync
+        server_clips = isinstance(sync, ParameterServerSync) and sync.server_clips
         self.precision = Precision(config.precision, env.device,
                                    clip=None if server_clips else config.clip_grad_norm)
         self.strategy.step_fn = self.precision.step
@@ -122,9 +125,6 @@ class Trainer(BaseTrainer):
         """Measure the gradient noise scale where the strategy is DDP's allreduce among two or
         more workers; else say why not."""
         self.noise_samples: NoiseSamples | None = None
-        self.last_planned_step = (self.config.stop_after if self.config.stop_after is not None
-                                  else self.config.steps)
-        """The run's last step, whose report reads the noise samples like a log step's."""
         if not isinstance(self.strategy, AllReduce):
             return  # BaseTrainer's reason: not data parallelism
         if self.data_world < 2:
@@ -133,42 +133,27 @@ class Trainer(BaseTrainer):
                 "one worker: the gradient noise scale needs gradients of two batch sizes (each "
                 "worker's own and their mean); run with --nproc 2 or more")
             return
-        compress = self.plan.compress
-        notes = [] if compress is None else [
-            f"with --compress {compress.text} the averaged gradient is the codec's decoded mean, "
-            f"not the exact one: the compression error adds to its squared norm, so |G|² is "
-            f"overestimated and tr(Σ) underestimated, and noise_scale is biased low (error "
-            f"feedback moves it further)"]
-        if self.data.train.streams:
-            notes.append("streamed shards are read in shard order, not drawn at random, so the "
-                         "estimate also counts the differences between the workers' shards")
-        self.noise = NoiseScale("; ".join(notes) or None)
+        streams = self.data.train.streams
+        self.noise = NoiseScale(noise_notes(self.plan.compress, streams=streams))
         self.noise_window = torch.zeros(3, dtype=torch.float64, device=self.env.device)
+        config = self.config
         # batches are drawn without replacement from the shuffled training set
         self.noise_samples = NoiseSamples(
-            data_world=self.data_world,
-            population=None if self.data.train.streams else len(self.train))
+            data_world=self.data_world, population=None if streams else len(self.train),
+            log_every=config.log_every,
+            last_step=config.stop_after if config.stop_after is not None else config.steps)
 
     def _measure_noise(self, step: int, global_count: int, local_count: int) -> None:
-        """Keep this step's squared norms of this worker's gradient (a mean over its
-        ``local_count`` samples) and the averaged one (over ``global_count``), read by the hook
-        before the loss scale is removed and before any clipping; an overflowed step (or a worker
-        without samples) keeps none. At a log step the kept norms become estimates of |G|² and
-        tr(Σ) at once, added to the window that rides on the report's allreduce (nothing is
-        synchronized here)."""
-        if self.noise_samples is None:
+        """Keep this step's noise-scale norms (:class:`NoiseSamples`); at a log step add their
+        estimates to the window that rides on the report's allreduce."""
+        if self.noise_samples is None or not isinstance(self.strategy, AllReduce):
             return
-        norms = self.strategy.bucket_norms.take() if isinstance(self.strategy, AllReduce) else None
-        if norms is not None and 0 < local_count < global_count:
-            scaler = self.precision.scaler
-            self.noise_samples.add(norms, local_count, global_count,
-                                   scaler.get_scale() if scaler is not None else 1.0)
-        done = step + 1
-        if (done % self.config.log_every == 0 or done == self.last_planned_step) \
-                and self.noise_window is not None:
-            window = self.noise_samples.take()
-            if window is not None:
-                self.noise_window += window
+        scaler = self.precision.scaler
+        window = self.noise_samples.measure(step, self.strategy.bucket_norms.take(), local_count,
+                                            global_count,
+                                            scaler.get_scale() if scaler is not None else 1.0)
+        if window is not None and self.noise_window is not None:
+            self.noise_window += window
 
     def data_partitions(self) -> int:
         return self._data_position()[1]
@@ -210,39 +195,6 @@ class Trainer(BaseTrainer):
             self.strategy.load_state_dict(own["sync"])
         self.precision.load_state_dict(own.get("precision", {}))
         self.noise.load_state_dict(own.get("noise", {}))
-
-    def _resized(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
-        """A checkpoint of another number of workers, made fit for this run's.
-
-        Replicas that agree (dp, ps) continue as they are: the global batch and its order do
-        not depend on the workers, so the result is the same. Replicas that differ between
-        synchronizations (localsgd, easgd, gossip) all start from the mean of the saved models
-        and of their optimizer states (momentum), as after a full averaging round; EASGD keeps
-        its center, gossip's neighbours' copies start from that mean. Rank 0 says so. A codec's
-        per-worker state (error feedback) cannot be split or merged: refused.
-        """
-        ranks = checkpoint["ranks"]
-        world = self.env.world_size
-        if len(ranks) == world:
-            return checkpoint
-        if self.plan.compress:
-            raise UsageError(f"the checkpoint holds {len(ranks)} workers' codec state (error "
-                             f"feedback) for --compress {self.plan.compress.text}, which cannot "
-                             f"be split among {world}; resume with --nproc {len(ranks)}")
-        common = {"rng": ranks[0]["rng"], "precision": ranks[0].get("precision", {})}
-        if self.strategy.replicas_agree:
-            return {**checkpoint, "ranks": [{**common, "sync": {}}] * world}
-        models = [rank["model"] for rank in ranks]
-        optimizers = [rank["optimizer"] for rank in ranks]
-        keep = self.strategy.name == "easgd"
-        if self.env.rank == 0:
-            print(f"tandem: the checkpoint holds {len(ranks)} {self.strategy.name} workers' own "
-                  f"models and this run has {world}: each starts from their mean (and the mean "
-                  f"of their optimizer state){', with the saved center' if keep else ''}",
-                  file=sys.stderr, flush=True)
-        own = {**common, "optimizer": _mean_state(optimizers),
-               "sync": ranks[0]["sync"] if keep else {}}
-        return {**checkpoint, "model": _mean_state(models), "ranks": [own] * world}
 
     def batch_share(self, step: int) -> tuple[int, int]:
         """The global batch and the share of it (among ``data_world``) that this worker's
@@ -375,6 +327,41 @@ def async_batch_share(version: int, *, rank: int, workers: int, first: int = 0) 
     other worker gets, and the other workers each hold one update in flight)."""
     update = first + rank if version == first else version + workers - 1
     return update // workers, update % workers
+
+
+def resized_checkpoint(checkpoint: dict[str, Any], *, world: int, rank: int,
+                   strategy: SyncStrategy, compress: CodecSpec | None) -> dict[str, Any]:
+    """A checkpoint of another number of workers, made fit for this run's ``world`` workers
+    (``rank`` is this worker's).
+
+    Replicas that agree (dp, ps) continue as they are: the global batch and its order do
+    not depend on the workers, so the result is the same. Replicas that differ between
+    synchronizations (localsgd, easgd, gossip) all start from the mean of the saved models
+    and of their optimizer states (momentum), as after a full averaging round; EASGD keeps
+    its center, gossip's neighbours' copies start from that mean. Rank 0 says so. A codec's
+    per-worker state (error feedback) cannot be split or merged: refused.
+    """
+    ranks = checkpoint["ranks"]
+    if len(ranks) == world:
+        return checkpoint
+    if compress:
+        raise UsageError(f"the checkpoint holds {len(ranks)} workers' codec state (error "
+                         f"feedback) for --compress {compress.text}, which cannot be split "
+                         f"among {world}; resume with --nproc {len(ranks)}")
+    common = {"rng": ranks[0]["rng"], "precision": ranks[0].get("precision", {})}
+    if strategy.replicas_agree:
+        return {**checkpoint, "ranks": [{**common, "sync": {}}] * world}
+    models = [saved["model"] for saved in ranks]
+    optimizers = [saved["optimizer"] for saved in ranks]
+    keep = strategy.name == "easgd"
+    if rank == 0:
+        print(f"tandem: the checkpoint holds {len(ranks)} {strategy.name} workers' own "
+              f"models and this run has {world}: each starts from their mean (and the mean "
+              f"of their optimizer state){', with the saved center' if keep else ''}",
+              file=sys.stderr, flush=True)
+    own = {**common, "optimizer": _mean_state(optimizers),
+           "sync": ranks[0]["sync"] if keep else {}}
+    return {**checkpoint, "model": _mean_state(models), "ranks": [own] * world}
 
 
 def _mean_state(states: list[Any]) -> Any:
