@@ -9,7 +9,8 @@ the payloads (allreduce when they can be summed, allgather otherwise) and decode
 see :mod:`tandem.compress`.
 
 Either way the hook DDP runs is wrapped by :func:`~tandem.sync.grad_norms.measured_hook`
-(PyTorch's own ``allreduce_hook`` stands for DDP's built-in allreduce, with the same result), which
+(:func:`~tandem.sync.grad_norms.mean_allreduce` stands for DDP's built-in allreduce, with the same
+result), which
 records each step's local and averaged squared gradient norms in :attr:`AllReduce.bucket_norms`
 for the gradient noise scale.
 """
@@ -21,13 +22,12 @@ from typing import Any, ContextManager, cast
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from tandem.compress import ByteMeter, Compression, build_compression
 from tandem.sync.base import SyncStrategy
 from tandem.sync.flat import broadcast_buffers
-from tandem.sync.grad_norms import BucketNorms, MeasuredHookState, measured_hook
+from tandem.sync.grad_norms import BucketNorms, MeasuredHookState, mean_allreduce, measured_hook
 
 
 class AllReduce(SyncStrategy):
@@ -51,7 +51,7 @@ class AllReduce(SyncStrategy):
                                          find_unused_parameters=self.find_unused_parameters)
         self.meter = ByteMeter(world_size=dist.get_world_size())
         state, hook = (self.compression.ddp_hook(model, self.meter)
-                       if self.compression is not None else (None, allreduce_hook))
+                       if self.compression is not None else (None, mean_allreduce))
         module.register_comm_hook(MeasuredHookState(self.bucket_norms, state, hook),
                                   measured_hook)
         return module

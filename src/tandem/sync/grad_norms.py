@@ -1,6 +1,6 @@
 """A DDP communication hook that records each bucket's squared norm before and after the exchange.
 
-It wraps the hook in use (PyTorch's ``allreduce_hook``, or a codec's, see
+It wraps the hook in use (:func:`mean_allreduce`, or a codec's, see
 :mod:`tandem.compress.hooks`): before calling it, it adds up the squared norm of the bucket this
 worker hands in — its own gradient, not yet divided by the number of workers (DDP divides only
 when no hook is registered; a hook divides itself) — and keeps the inner hook's future, whose
@@ -10,19 +10,20 @@ gradient noise scale (:mod:`tandem.runtime.noise_scale`).
 Usage::
 
     norms = BucketNorms()
-    ddp.register_comm_hook(MeasuredHookState(norms, None, allreduce_hook), measured_hook)
+    ddp.register_comm_hook(MeasuredHookState(norms, None, mean_allreduce), measured_hook)
     ...backward...
     local_sq, mean_sq = norms.take()        # this step's, as float64 tensors (no host sync)
 
 (No ``from __future__ import annotations`` here: DDP checks the hook's annotations as objects.)
 """
 
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import GradBucket  # dist.GradBucket, which torch's stubs hide
 
-Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
+Hook = Callable[[Any, GradBucket], torch.futures.Future[torch.Tensor]]
 
 
 class BucketNorms:
@@ -49,7 +50,23 @@ class BucketNorms:
 
 def squared_norm(tensor: torch.Tensor) -> torch.Tensor:
     """``|tensor|²`` as a float64 scalar tensor, on the tensor's device."""
-    return torch.linalg.vector_norm(tensor.detach().float()).double().square()
+    norm: torch.Tensor = torch.linalg.vector_norm(tensor.detach().float())
+    return norm.double().square()
+
+
+def mean_allreduce(group: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's allreduce as a Python hook: the bucket divided by the workers, summed over them
+    (``group``, or every worker for None). PyTorch's ``allreduce_hook`` computes the same, through
+    ``dist.all_reduce``'s Python checks and wrappers; this calls the process group directly,
+    which costs about half a millisecond less per step on a small model."""
+    group = group if group is not None else dist.distributed_c10d._get_default_group()
+    tensor = bucket.buffer().div_(group.size())
+    future = group.allreduce([tensor]).get_future()
+    return cast(torch.futures.Future[torch.Tensor], future.then(_first))
+
+
+def _first(future: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+    return future.value()[0]
 
 
 class MeasuredHookState:
@@ -62,7 +79,7 @@ class MeasuredHookState:
 
 
 def measured_hook(state: MeasuredHookState,
-                  bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+                  bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Record the bucket's squared norm, run the wrapped hook, keep its future (whose result's
     norm :meth:`BucketNorms.take` reads)."""
     if not state.norms.enabled:
