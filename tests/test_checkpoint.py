@@ -47,3 +47,13 @@ def test_load_errors(tmp_path: Path) -> None:
     save_atomic(_state(1), tmp_path / "ok.pt")
     with pytest.raises(UsageError, match="seed=0"):
         load_checkpoint(tmp_path / "ok.pt", {"seed": 4})
+
+
+def test_a_checkpoint_of_another_format_version_is_refused_in_one_line(tmp_path: Path) -> None:
+    save_atomic({**_state(1), "version": CHECKPOINT_VERSION - 1}, tmp_path / "old.pt")
+    with pytest.raises(UsageError) as refused:
+        load_checkpoint(tmp_path / "old.pt", {"seed": 0})
+    message = str(refused.value)
+    assert "\n" not in message
+    assert (f"has format version {CHECKPOINT_VERSION - 1} and this tandem reads version "
+            f"{CHECKPOINT_VERSION}") in message

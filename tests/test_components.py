@@ -1,37 +1,49 @@
-"""A worker's components: called in order after each step, left out when off, their state and
-summaries merged (tandem.runtime.component)."""
+"""A worker's components: called in order after each step, left out when off, each one's state
+under its name, summaries merged (tandem.runtime.component)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
+import torch
 
 from tandem.runtime.checkpoint import Checkpoints
 from tandem.runtime.component import Component, Components, StepEnd
+from tandem.runtime.config import RunConfig
+from tandem.runtime.divergence import DivergenceCheck, LossWatch
 from tandem.runtime.memory import PeakMemory
 from tandem.runtime.noise_scale import NoiseScale
+from tandem.runtime.precision import Precision, StagePrecision
+from tandem.runtime.ps.codecs import WireCodecs
+from tandem.runtime.ps.server import Pace
 
 pytestmark = pytest.mark.pure
 
 
 class Recorder(Component):
-    """Appends ``(name, step)`` to a shared list at every step; state and summary under its name."""
+    """Appends ``(name, step)`` to a shared list at every step; its state is the count of calls
+    (both recorders' keys are the same: the list keeps them apart by name)."""
 
     def __init__(self, name: str, calls: list[tuple[str, int]]) -> None:
-        self.name, self.calls, self.loaded = name, calls, None
+        self.label, self.calls = name, calls
+        self.loaded: dict[str, Any] | None = None
+
+    @property
+    def name(self) -> str:  # type: ignore[override]  # a class attribute in real components
+        return self.label
 
     def after_step(self, end: StepEnd) -> None:
-        self.calls.append((self.name, end.step))
+        self.calls.append((self.label, end.step))
 
     def state_dict(self) -> dict[str, Any]:
-        return {self.name: len(self.calls)}
+        return {"calls": len(self.calls)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.loaded = state.get(self.name)
+        self.loaded = state
 
     def summary(self) -> dict[str, Any]:
-        return {f"{self.name}_calls": len(self.calls)}
+        return {f"{self.label}_calls": len(self.calls)}
 
 
 def test_components_act_in_order_and_off_ones_are_left_out() -> None:
@@ -43,9 +55,17 @@ def test_components_act_in_order_and_off_ones_are_left_out() -> None:
         components.after_step(StepEnd(done=done, last=2))
     assert calls == [("a", 0), ("b", 0), ("a", 1), ("b", 1)]
     assert components.summary() == {"a_calls": 4, "b_calls": 4}
-    assert components.state_dict() == {"a": 4, "b": 4}
-    components.load_state_dict({"a": 7, "b": 9})
-    assert (first.loaded, second.loaded) == (7, 9)
+    assert components.state_dict() == {"a": {"calls": 4}, "b": {"calls": 4}}
+    components.load_state_dict({"a": {"calls": 7}})
+    assert (first.loaded, second.loaded) == ({"calls": 7}, None)  # b's state: none saved
+
+
+def test_components_with_state_need_names_of_their_own() -> None:
+    calls: list[tuple[str, int]] = []
+    with pytest.raises(AssertionError, match="names"):
+        Components(Recorder("a", calls), Recorder("a", calls))
+    memory, checkpoints = PeakMemory(), Checkpoints(lambda done: None)
+    assert Components(memory, checkpoints).state_dict() == {}  # stateless: nothing to name
 
 
 def test_components_without_a_step_hook_are_not_called_per_step() -> None:
@@ -60,6 +80,68 @@ def test_step_end_says_which_step_and_whether_it_is_the_last() -> None:
     end = StepEnd(done=10, last=10, logging=True)
     assert (end.step, end.final, end.saving) == (9, True, False)
     assert not StepEnd(done=3, last=10).final
+
+
+def test_a_server_step_end_means_what_a_trainers_does() -> None:
+    """Metrics at --log-every steps and the last, a checkpoint at --checkpoint-every steps and
+    the last (as BaseTrainer.train_steps sets them)."""
+    pace = Pace(per_step=2, last_step=5, required=2, batch_schedule=((0, 8),), log_every=2,
+                checkpoint_every=3)
+    ends = [pace.step_end(version) for version in range(2, 11, 2)]
+    assert [(end.done, end.logging, end.saving) for end in ends] == [
+        (1, False, False),
+        (2, True, False),
+        (3, False, True),
+        (4, True, False),
+        (5, True, True),
+    ]
+    assert not Pace(per_step=1, last_step=4, required=1,
+                    batch_schedule=((0, 8),)).step_end(3).saving
+
+
+def test_stateful_components_round_trip_under_their_names() -> None:
+    config = RunConfig()
+    stage = StagePrecision("fp16", torch.device("cpu"))
+    assert stage.loss_scale is not None
+    stage.loss_scale.scale, stage.loss_scale.good_steps, stage.skipped_steps = 512.0, 7, 3
+    watch = LossWatch(config, where="worker 0 (rank 0)", rank=0, device=torch.device("cpu"))
+    watch.rule.judge(2.5)  # the first loss, L0
+    noise = NoiseScale()
+    noise.update(2.0, 40.0, steps=5)
+    saved = Components(stage, DivergenceCheck(watch, lambda: 0), noise).state_dict()
+    assert set(saved) == {"precision", "loss_watch", "noise_scale"}
+    assert saved["precision"] == {"loss_scale": {"scale": 512.0, "good_steps": 7},
+                                  "skipped_steps": 3}
+    assert saved["loss_watch"] == {"first_loss": 2.5}
+
+    stage2 = StagePrecision("fp16", torch.device("cpu"))
+    watch2 = LossWatch(config, where="worker 0 (rank 0)", rank=0, device=torch.device("cpu"))
+    noise2 = NoiseScale()
+    Components(stage2, DivergenceCheck(watch2, lambda: 0), noise2).load_state_dict(saved)
+    assert stage2.loss_scale is not None
+    assert (stage2.loss_scale.scale, stage2.loss_scale.good_steps, stage2.skipped_steps) == (
+        512.0, 7, 3)
+    assert watch2.rule.first == 2.5
+    assert noise2.estimate() == noise.estimate()
+    plain = Precision("fp32", torch.device("cpu"))
+    assert Components(plain).state_dict() == {"precision": {"scaler": None, "skipped_steps": 0}}
+
+
+def test_a_servers_codecs_save_the_snapshot_of_the_last_saving_step() -> None:
+    """The codecs' state a checkpoint holds is the one at its step's end, before the replies
+    that follow advance the encoders."""
+    shapes, keys = [torch.Size([4])], ["w"]
+    codecs = WireCodecs("topk:ratio=0.5", shapes, keys)
+    codecs.encode(1, torch.arange(4.0))
+    codecs.after_step(StepEnd(done=1, last=3))  # no checkpoint after it: no snapshot
+    assert codecs.snapshot is None
+    codecs.after_step(StepEnd(done=2, last=3, saving=True))
+    at_step_2 = codecs.state_dict()
+    codecs.encode(1, torch.arange(4.0) * 3)  # a reply after the step advances the copy
+    assert torch.equal(codecs.state_dict()["encoders"][1]["copy"],
+                       at_step_2["encoders"][1]["copy"])
+    assert not torch.equal(codecs.current_state()["encoders"][1]["copy"],
+                           at_step_2["encoders"][1]["copy"])
 
 
 def test_checkpoints_check_then_save_only_at_saving_steps() -> None:

@@ -60,7 +60,7 @@ def test_moving_averages_divide_after_smoothing() -> None:
     assert noise.estimate() == pytest.approx(10.0)  # bias-corrected: not pulled toward 0
     # decay 1/2: sq_norm (0.5/2 + 0.5/2) / 0.75, trace (5/2 + 20/2) / 0.75
     noise.update(0.5, 20.0, steps=1)
-    assert noise.components() == pytest.approx((2 / 3, 50 / 3))
+    assert noise.averages() == pytest.approx((2 / 3, 50 / 3))
     assert noise.estimate() == pytest.approx(25.0)  # not the mean of 10 and 40
     noise.update(-10.0, 20.0, steps=2)
     assert noise.estimate() is None and "|G|² is not positive" in noise.summary()["noise_scale_note"]

@@ -36,8 +36,9 @@ def batch_size(tree: Any) -> int:
     return int(found[0].shape[0]) if found and found[0].dim() else 0
 
 
-def take(tree: Any, index: torch.Tensor | slice) -> Any:
-    """The rows ``index`` of every tensor of ``tree``."""
+def take(tree: Any, index: torch.Tensor | slice | int) -> Any:
+    """The rows ``index`` of every tensor of ``tree`` (one row, without its dimension, for an
+    ``int``)."""
     return pytree.tree_map(lambda x: x[index] if isinstance(x, torch.Tensor) else x, tree)
 
 

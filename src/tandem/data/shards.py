@@ -380,5 +380,4 @@ class ShardDataset(torch.utils.data.IterableDataset[tuple[Any, Any]]):
         for low in range(0, len(stream), READ_CHUNK):
             batch = self.tandem_samples.take(torch.from_numpy(stream[low:low + READ_CHUNK]))
             for row in range(batch.size):
-                at = torch.tensor(row)
-                yield structures.take(batch.inputs, at), structures.take(batch.targets, at)
+                yield structures.take(batch.inputs, row), structures.take(batch.targets, row)

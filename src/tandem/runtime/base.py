@@ -1,10 +1,12 @@
 """What every trainer shares: the step loop, and the components it calls after each step.
 
 A trainer subclass supplies how one optimizer step runs (``train_step``), how the model is
-evaluated, and how its full state is gathered and checkpointed. Everything else a trainer does
-(progress and metrics, the loss watch, the batch schedule and loader, evaluations, checkpoints,
-the noise scale, compensation, memory) is a :class:`~tandem.runtime.component.Component` in
-:attr:`BaseTrainer.components`.
+evaluated, and how its full state is gathered and checkpointed. What a trainer does after its
+steps (progress and metrics, the loss watch, the batch's growth, evaluations, checkpoints, the
+noise scale, compensation, precision, memory) is a
+:class:`~tandem.runtime.component.Component` in :attr:`BaseTrainer.components`, whose states a
+checkpoint holds under ``components``; the batches the steps take come from the
+:class:`~tandem.runtime.batches.BatchFeed` (:attr:`BaseTrainer.feed`), which the steps call.
 """
 
 from __future__ import annotations
@@ -84,8 +86,8 @@ class BaseTrainer(ComponentViews, Worker):
         first_targets = self.feed.data.train.rows(0, 1).targets
         self.loss_log = LossLog(
             self.feed.sampler, env.device, first_step=0, step_times=self.step_times,
-            predictions_per_sample=(first_targets[0].numel()
-                                    if isinstance(first_targets, torch.Tensor) else 1),
+            terms_per_sample=(first_targets[0].numel()
+                              if isinstance(first_targets, torch.Tensor) else 1),
             hooks=LogHooks(lr=lambda: float(self.scheduler.get_last_lr()[0]),
                            sent_bytes=self.sent_bytes, noise=lambda: self.noise,
                            record=lambda **fields: self.reporter.record(**fields)))
@@ -106,6 +108,9 @@ class BaseTrainer(ComponentViews, Worker):
         self.memory = PeakMemory()
         self.components = Components()
         """The components :meth:`train_steps` calls after each step (built by :meth:`run`)."""
+        self.resumed_components: dict[str, Any] = {}
+        """The components' states of the checkpoint a resumed run continues from (set by the
+        subclass's restore; handed to the components when :meth:`run` builds them)."""
 
     # -- data and the optimizer ------------------------------------------------------------------
 
@@ -191,10 +196,21 @@ class BaseTrainer(ComponentViews, Worker):
             (PeriodicEvaluation(config.eval_every, self.evaluate, self.reporter)
              if config.eval_every else None),
             self.memory,
-            Checkpoints(self.save_checkpoint, check=lambda step: self.divergence.check_parameters(
-                self.module.parameters(), step)),
+            Checkpoints(self.save_checkpoint, check=self._check_parameters),
             self.noise, self.compensation, self.precision,
         )
+
+    def _check_parameters(self, step: int) -> None:
+        """Before a checkpoint after ``step``: stop the run if a parameter is not finite."""
+        self.divergence.check_parameters(self.module.parameters(), step)
+
+    def start_components(self) -> Components:
+        """Build the run's components (:meth:`build_components`) and hand them the states of
+        the checkpoint the run resumes from, if any."""
+        components = self.build_components()
+        components.load_state_dict(self.resumed_components)
+        self.resumed_components = {}
+        return components
 
     def run(self) -> dict[str, Any] | None:
         """Train from the first step to the last (or ``--stop-after``); rank 0 returns a summary."""
@@ -207,7 +223,7 @@ class BaseTrainer(ComponentViews, Worker):
             first_step=self.first_step,
         )
         self.memory.training_bytes = 0
-        self.components = self.build_components()
+        self.components = self.start_components()
         with self.reporter:
             self.start_loading(self.first_step, last_step)
             try:
@@ -223,15 +239,14 @@ class BaseTrainer(ComponentViews, Worker):
         extra = self.summary_extra()
         if self.env.rank != 0:
             return None
-        return {**self._summary(last_step, evaluation, finished), **extra,
-                **self.memory.summary()}
+        return {**self._summary(last_step, evaluation, finished), **extra}
 
     def train_steps(self, first: int, last: int) -> None:
         """Optimizer steps ``first`` to ``last - 1``, each followed by the components' step hook
         (logging, evaluation and checkpoints among them)."""
         config, components, loss_log = self.config, self.components, self.loss_log
         if not components:  # called without run(): the components of a run
-            components = self.components = self.build_components()
+            components = self.components = self.start_components()
         for step in range(first, last):
             maybe_fail(self.env.rank, step)
             start = time.perf_counter()

@@ -1,5 +1,6 @@
-"""A worker's batches: the batch schedule (fixed, or grown with ``--batch-schedule auto``), the
-background loader that reads them ahead, and the data's position a checkpoint records."""
+"""A worker's batches: the batch schedule (fixed, or grown with ``--batch-schedule auto`` by the
+:class:`BatchGrowth` component), the background loader that reads them ahead, and the data's
+position a checkpoint records."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ from tandem.spec.batch_schedule import AUTO, auto_next_batch, format_schedule, p
 class BatchFeed:
     """The run's data on this worker's ``device`` and the sampler of its global batches, cut
     for ``partitions`` data-parallel workers; the batches it takes, read ahead by a loader
-    where one runs, and the time its steps waited for them."""
+    where one runs, and the time its steps waited for them. Not a component: the steps call
+    it (a grown schedule's state is :class:`BatchGrowth`'s)."""
 
     def __init__(self, task: Task, config: RunConfig, device: torch.device,
                  partitions: int) -> None:
@@ -117,7 +119,10 @@ class BatchGrowth(Component):
     """``--batch-schedule auto``: at each ``--log-every`` step, the batch of the steps from there
     on, by :func:`tandem.spec.batch_schedule.auto_next_batch` from the gradient noise scale
     (``noise_scale()``; every worker decides the same: the largest decision wins). A grown
-    batch sets the step's learning rate again (``scheduler()``: the run's scheduler)."""
+    batch sets the step's learning rate again (``scheduler()``: the run's scheduler). Its state
+    is the schedule grown so far, which a resumed run continues with."""
+
+    name = "batch_schedule"
 
     def __init__(self, feed: BatchFeed, noise_scale: Callable[[], float | None],
                  scheduler: Callable[[], Any]) -> None:
@@ -140,7 +145,24 @@ class BatchGrowth(Component):
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
         if int(agreed) > current:
             sampler.extend(done, int(agreed))
-            # the scheduler set step ``done``'s rate for the old batch: set it again
-            scheduler = self.scheduler()
-            scheduler.last_epoch -= 1
-            scheduler.step()
+            self._set_rate_again()
+
+    def _set_rate_again(self) -> None:
+        """The scheduler set the current step's rate for the batch before it grew: set it again
+        (its factor of the batch, ``--lr-scaling``)."""
+        scheduler = self.scheduler()
+        scheduler.last_epoch -= 1
+        scheduler.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The schedule grown so far (``--batch-schedule``'s text)."""
+        return {"schedule": format_schedule(self.feed.sampler.schedule)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue with the batches the checkpointed run had grown to."""
+        config, sampler = self.feed.config, self.feed.sampler
+        grown = parse_batch_schedule(state["schedule"], steps=config.steps)[1:]
+        for step, batch in grown:
+            sampler.extend(step, batch)
+        if grown:
+            self._set_rate_again()

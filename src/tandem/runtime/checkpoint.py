@@ -15,9 +15,11 @@ from tandem.errors import UsageError
 from tandem.output_files import atomic, write_all
 from tandem.runtime.component import Component, StepEnd
 
-CHECKPOINT_VERSION = 2
+CHECKPOINT_VERSION = 3
 """2: every worker's own state (random stream, codec residuals; models of decentralized
-strategies) under ``ranks``."""
+strategies) under ``ranks``. 3: the components' states (precision, noise scale, loss watch,
+batch schedule, a server's codecs), each under its name, in ``components``
+(:meth:`~tandem.runtime.component.Components.state_dict`)."""
 
 
 def save_atomic(obj: Any, path: str | Path) -> None:
@@ -88,8 +90,12 @@ def load_checkpoint(path: str | Path, fingerprint: dict[str, Any], *, steps: int
         state = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's to fix
         raise UsageError(f"cannot read checkpoint {path}: {exc}") from None
-    if not isinstance(state, dict) or state.get("version") != CHECKPOINT_VERSION:
-        raise UsageError(f"{path} is not a tandem checkpoint (version {CHECKPOINT_VERSION})")
+    if not isinstance(state, dict) or "version" not in state:
+        raise UsageError(f"{path} is not a tandem checkpoint")
+    if state["version"] != CHECKPOINT_VERSION:
+        raise UsageError(f"checkpoint {path} has format version {state['version']} and this "
+                         f"tandem reads version {CHECKPOINT_VERSION}; resume it with the tandem "
+                         f"that wrote it, or start afresh without --resume")
     for key, value in fingerprint.items():
         if state["fingerprint"].get(key) != value:
             raise UsageError(

@@ -9,7 +9,7 @@ micro-batch by micro-batch):
   :data:`OVERFLOWS_IN_A_ROW` skipped steps in a row (the scale has fallen ``2**30``-fold and the
   gradients still do not fit).
 - **exploding**: a finite mean loss above :data:`EXPLODING_FACTOR` × max(L0, 1), where L0 is
-  the first finite loss the worker computed in this run. Healthy training never multiplies
+  the first finite loss the worker computed (a resumed run keeps its checkpoint's). Healthy training never multiplies
   its first loss by a thousand (cross-entropy over 10 classes starts near 2.3: the limit is
   2303); a run whose loss does is lost, however finite.
 - **parameters**: before a checkpoint is written (and after the last step) every parameter
@@ -39,6 +39,7 @@ import math
 import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -229,12 +230,24 @@ def first_non_finite(tensors: Iterable[torch.Tensor]) -> str | None:
 
 class DivergenceCheck(Component):
     """The loss watch as a component: after every step, :meth:`LossWatch.check` (thorough at
-    log and checkpoint steps, where the loss is read anyway), with the fp16 overflows that
-    ``overflows_in_a_row`` counts."""
+    log and checkpoint steps, where the loss is read anyway, or at every step where
+    ``thorough``), with the fp16 overflows that ``overflows_in_a_row`` counts. Its state is the
+    first loss (L0), so that a resumed run judges by the same limit."""
 
-    def __init__(self, watch: LossWatch, overflows_in_a_row: Callable[[], int]) -> None:
+    name = "loss_watch"
+
+    def __init__(self, watch: LossWatch, overflows_in_a_row: Callable[[], int], *,
+                 thorough: bool = False) -> None:
         self.watch, self.overflows_in_a_row = watch, overflows_in_a_row
+        self.thorough = thorough
 
     def after_step(self, end: StepEnd) -> None:
-        self.watch.check(end.step, thorough=end.logging or end.saving,
+        self.watch.check(end.step, thorough=self.thorough or end.logging or end.saving,
                          overflows_in_a_row=self.overflows_in_a_row())
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"first_loss": self.watch.rule.first}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        first = state.get("first_loss")
+        self.watch.rule.first = None if first is None else float(first)

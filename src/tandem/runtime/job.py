@@ -241,7 +241,8 @@ def sketch_job(strategy: str, flags: Mapping[str, Any], run: RunConfig,
     """The job of ``tandem train --strategy STRATEGY FLAGS...`` as far as its flags tell, without
     torch: every check of the plan and of the job runs on it. Its plan cuts as many blocks as
     the job has processes (enough for every stage count the flags can give); in the job that
-    :func:`tandem.runtime.run.make_job` builds only the stages' blocks differ, as the model decides them."""
+    :func:`tandem.runtime.run.make_job` builds only the stages' blocks differ, as the model
+    decides them."""
     plan = plan_from_flags(strategy, flags, num_processes=run.nproc, num_blocks=max(1, run.nproc))
     return Job(run=run, plan=plan, objects=objects)
 

@@ -30,7 +30,7 @@ class LossLog(Component):
     """
 
     def __init__(self, sampler: GlobalBatchSampler, device: torch.device, *,
-                 predictions_per_sample: int, first_step: int, step_times: list[float],
+                 terms_per_sample: int, first_step: int, step_times: list[float],
                  hooks: LogHooks) -> None:
         self.sampler = sampler
         self.hooks = hooks
@@ -39,11 +39,10 @@ class LossLog(Component):
         """The summed loss of the steps since the last report."""
         self.loss = float("nan")
         """The mean loss of the last report read."""
-        self.predictions_per_sample = predictions_per_sample
-        """Predictions (targets) in one sample: 1, or its positions for a language model."""
-        self.terms_per_sample = predictions_per_sample
+        self.terms_per_sample = terms_per_sample
         """Terms one sample adds to the summed loss a step returns: 1 where the loss is a
-        per-sample mean weighted by samples (:mod:`tandem.loss`), else its predictions."""
+        per-sample mean weighted by samples (:mod:`tandem.loss`), else its predictions (its
+        positions, for a language model); the worker sets it."""
         self.collective = True
         """False for strategies without global rounds: each worker logs its own loss."""
         self.local_predictions = 0

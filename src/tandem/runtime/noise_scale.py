@@ -80,6 +80,8 @@ class NoiseScale(Component):
     ``note`` says why there is no estimate, or what to know about it.
     """
 
+    name = "noise_scale"
+
     def __init__(self, note: str | None = None, *, measured: bool = True,
                  ema_steps: int = EMA_STEPS) -> None:
         self.note = note
@@ -106,7 +108,7 @@ class NoiseScale(Component):
         self.weight = decay * self.weight + (1.0 - decay)
         self.steps += steps
 
-    def components(self) -> tuple[float, float] | None:
+    def averages(self) -> tuple[float, float] | None:
         """The averaged ``(|G|², tr(Σ))``, or None before the first update."""
         if self.weight <= 0.0:
             return None
@@ -114,13 +116,13 @@ class NoiseScale(Component):
 
     def estimate(self) -> float | None:
         """B_simple from the averages; None before any, or while ``|G|²``'s is not positive."""
-        parts = self.components()
+        parts = self.averages()
         return None if parts is None else noise_scale(parts[1], parts[0])
 
     def summary(self) -> dict[str, Any]:
         """``noise_scale``, ``noise_scale_note`` (why it is null, or a caveat) and
-        ``gradient_noise`` (the averaged components), for a run's summary."""
-        parts = self.components()
+        ``gradient_noise`` (the averages of ``|G|²`` and ``tr(Σ)``), for a run's summary."""
+        parts = self.averages()
         note = self.note
         if self.measured and parts is None:
             note = "no step was measured (every step's gradients overflowed, or none ran)"

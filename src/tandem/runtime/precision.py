@@ -49,6 +49,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 class Precision(Component):
     """One worker's autocast, loss scaler and clipping, with the count of skipped steps."""
 
+    name = "precision"
+
     def __init__(self, precision: str, device: torch.device, *, clip: float | None = None) -> None:
         self.precision, self.device, self.clip = precision, device, clip
         self.scaler = (torch.amp.GradScaler(device.type) if precision == "fp16" else None)
@@ -169,6 +171,8 @@ class StagePrecision(Component):
     runs (the asynchronous schedule, which has no common step, may use bf16 only).
     """
 
+    name = "precision"
+
     def __init__(self, precision: str, device: torch.device, *, clip: float | None = None,
                  counted: Iterable[torch.nn.Parameter] = ()) -> None:
         self.precision, self.device, self.clip = precision, device, clip
@@ -226,3 +230,20 @@ class StagePrecision(Component):
             self.skipped_steps += int(overflow)
             self.skipped_in_a_row = self.skipped_in_a_row + 1 if overflow else 0
         return not overflow
+
+    def state_dict(self) -> dict[str, Any]:
+        """fp16's shared loss scale (None without fp16) and the count of skipped steps, for
+        checkpoints (every worker's are the same)."""
+        scale = self.loss_scale
+        return {"loss_scale": None if scale is None else {"scale": scale.scale,
+                                                          "good_steps": scale.good_steps},
+                "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s (a checkpoint without fp16 leaves the scale at
+        its start)."""
+        scale = self.loss_scale
+        if scale is not None and state.get("loss_scale"):
+            scale.scale = float(state["loss_scale"]["scale"])
+            scale.good_steps = int(state["loss_scale"]["good_steps"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))

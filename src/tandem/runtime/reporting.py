@@ -5,9 +5,9 @@ with the evaluations at ``--eval-every`` steps."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console

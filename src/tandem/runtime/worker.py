@@ -88,8 +88,9 @@ def _fault_tolerant_worker(job: Job) -> bool:
     """Workers of asynchronous parameter-server training (``ps`` and EASGD) may die without
     stopping the job."""
     sync = job.plan.sync
+    rank = int(os.environ.get("RANK", "0"))
     return (isinstance(sync, (ParameterServerSync, ElasticAveragingSync)) and sync.asynchronous
-            and SUPERVISED not in os.environ and int(os.environ.get("RANK", "0")) >= job.plan.num_servers)
+            and SUPERVISED not in os.environ and rank >= job.plan.num_servers)
 
 
 def _supervise(job: Job) -> None:
@@ -170,7 +171,6 @@ def _elastic_role(job: Job, env: WorkerEnv, beat: Heartbeat) -> Worker:
     from tandem.runtime.ps import ElasticServer
 
     return ElasticServer(job, env, beat)
-
 
 
 WORKERS: dict[type, Callable[[Job, WorkerEnv, Heartbeat], Worker]] = {

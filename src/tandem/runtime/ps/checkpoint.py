@@ -1,9 +1,12 @@
-"""A parameter server's checkpoints: its shard, buffers, optimizer and codec state in
-``server-K.pt``, written atomically unless the shard diverged, and read back on resume."""
+"""A parameter server's checkpoints: its shard, buffers and optimizer, and its components'
+states (the codecs') in ``server-K.pt``, written atomically unless the shard diverged, and read
+back on resume."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from tandem.runtime.checkpoint import (
     CHECKPOINT_VERSION, load_checkpoint, resume_path, save_atomic,
@@ -12,19 +15,20 @@ from tandem.runtime.component import Component, StepEnd
 from tandem.runtime.divergence import diverged, first_non_finite
 from tandem.runtime.faults import announce_resume
 from tandem.runtime.job import Job
-from tandem.runtime.ps.codecs import WireCodecs
 from tandem.runtime.ps.shard import ServerShard
 from tandem.runtime.ps.update import UpdateRule
 
 
 class ServerCheckpoint(Component):
-    """Server ``rank``'s checkpoint in ``out`` (none without one), after whole steps of
-    ``per_step`` updates; as a component, saved at the steps that call for one."""
+    """Server ``rank``'s checkpoint in ``out`` (none without one): its ``shard`` and the
+    optimizer of its update ``rule``, with the states ``components()`` gives (the server's
+    :meth:`~tandem.runtime.component.Components.state_dict`). As a component, saved after the
+    ``--checkpoint-every`` steps; the server saves the last step's itself, after the gather."""
 
-    def __init__(self, job: Job, out: Path | None, rank: int, *, per_step: int,
-                 parts: tuple[ServerShard, UpdateRule, WireCodecs]) -> None:
-        self.job, self.out, self.rank, self.per_step = job, out, rank, per_step
-        self.shard, self.rule, self.codecs = parts
+    def __init__(self, job: Job, out: Path | None, rank: int, shard: ServerShard,
+                 rule: UpdateRule, *, components: Callable[[], dict[str, Any]]) -> None:
+        self.job, self.out, self.rank = job, out, rank
+        self.shard, self.rule, self.components = shard, rule, components
 
     @property
     def path(self) -> Path | None:
@@ -32,7 +36,7 @@ class ServerCheckpoint(Component):
         return self.out / f"server-{self.rank}.pt" if self.out is not None else None
 
     def after_step(self, end: StepEnd) -> None:
-        if end.saving:
+        if end.saving and not end.final:
             self.save(end.done)
 
     def save(self, step: int) -> None:
@@ -48,20 +52,19 @@ class ServerCheckpoint(Component):
             return
         save_atomic({"version": CHECKPOINT_VERSION, "step": step,
                      "fingerprint": self.job.fingerprint(), **self.shard.state_dict(),
-                     **self.rule.state_dict(),
-                     "codecs": self.codecs.saved_state(step * self.per_step)}, self.path)
+                     **self.rule.state_dict(), "components": self.components()}, self.path)
 
-    def resume(self) -> int:
-        """Restore the checkpoint ``--resume`` names (with ``auto``, this run's own, if any);
-        the steps it was taken after (0 without one)."""
+    def resume(self) -> tuple[int, dict[str, Any]]:
+        """Restore the shard and optimizer of the checkpoint ``--resume`` names (with
+        ``auto``, this run's own, if any); the steps it was taken after and the components'
+        states, for the server's components once it builds them (0 and none without one)."""
         config = self.job.run
         path = resume_path(config.resume, self.out, f"server-{self.rank}.pt")
         state = None if path is None else load_checkpoint(path, self.job.fingerprint(),
                                                           steps=config.steps)
         announce_resume(self.rank, path, state["step"] if state else None)
         if state is None:
-            return 0
+            return 0, {}
         self.shard.load_state_dict(state)
         self.rule.load_state_dict(state)
-        self.codecs.load_state_dict(state.get("codecs", {}))
-        return int(state["step"])
+        return int(state["step"]), state["components"]

@@ -1,5 +1,6 @@
 """A server's codecs, one pair per worker: the decoder of its pushes and the encoder of the
-replies to it (with the copy of the shard the worker holds), and their state in checkpoints."""
+replies to it (with the copy of the shard the worker holds), and, as a component of the
+server, their state in checkpoints."""
 
 from __future__ import annotations
 
@@ -9,12 +10,19 @@ from typing import Any
 
 import torch
 
+from tandem.runtime.component import Component, StepEnd
 from tandem.runtime.ps import protocol
 
 
-class WireCodecs:
+class WireCodecs(Component):
     """Per worker, how this server decodes its pushes and encodes its replies (``codec_text``
-    None: plain float32 both ways, and no state)."""
+    None: plain float32 both ways, and no state: the server leaves it out of its components).
+
+    As a component, it takes a snapshot of its state at every step a checkpoint is taken after
+    (:attr:`StepEnd.saving`), which the server calls before that version's replies advance the
+    encoders; its :meth:`state_dict` is that snapshot."""
+
+    name = "codecs"
 
     def __init__(self, codec_text: str | None, shapes: Sequence[torch.Size],
                  keys: Sequence[str]) -> None:
@@ -24,9 +32,9 @@ class WireCodecs:
         """Per worker: decodes its pushes (a codec of its own, for codecs with shared state)."""
         self.encoders: dict[int, protocol.PullEncoder] = {}
         """Per worker: its copy of this shard, and how replies to it are encoded."""
-        self.snapshot: tuple[int, dict[str, Any]] = (-1, {})
-        """The state at the last update a checkpoint may be taken after (the version and
-        :meth:`state_dict`), taken before that version's replies advance the encoders."""
+        self.snapshot: dict[str, Any] | None = None
+        """The state at the last step a checkpoint is taken after (:meth:`current_state`),
+        taken before that step's replies advance the encoders."""
 
     def codec(self, *, feedback: bool) -> protocol.ShardCodec:
         """A fresh codec of this server's shard (``feedback``: with error feedback, as the
@@ -45,16 +53,16 @@ class WireCodecs:
             self.encoders[worker] = protocol.PullEncoder(self.codec(feedback=False))
         return self.encoders[worker].encode(flat)
 
-    def take_snapshot(self, version: int) -> None:
-        """Remember the state as it is after update ``version`` (see :attr:`snapshot`)."""
-        self.snapshot = (version, self.state_dict())
-
-    def saved_state(self, version: int) -> dict[str, Any]:
-        """The state a checkpoint after update ``version`` holds: the snapshot taken at it,
-        else the state now."""
-        return self.snapshot[1] if self.snapshot[0] == version else self.state_dict()
+    def after_step(self, end: StepEnd) -> None:
+        if end.saving:
+            self.snapshot = self.current_state()
 
     def state_dict(self) -> dict[str, Any]:
+        """The state a checkpoint holds: the snapshot of the last step one is taken after
+        (the state now, before any)."""
+        return self.snapshot if self.snapshot is not None else self.current_state()
+
+    def current_state(self) -> dict[str, Any]:
         """With a codec, per worker: the state of the decoder of its pushes, and the copy of
         the shard it holds (``x̂_w``) with the encoder of its pulls (their workers save theirs
         in ``worker-K.pt`` at the same update)."""

@@ -20,7 +20,9 @@ nothing waits for anything but the server's reply.
 Everything else is the parameter server's (:class:`~tandem.runtime.ps.server.ParameterServer`):
 the gloo side group and messages, the workers' liveness (a worker that dies or is stuck is left
 behind, as in asynchronous ``ps``), checkpoints of the shard and buffers, the trace, the
-evaluation of the gathered model and the summary. The model's buffers are those of the last
+evaluation of the gathered model and the summary. Its messages are plain float32: EASGD
+refuses ``--compress``, so its codecs hold no state and are not among its components (no
+snapshot of them is taken at a checkpoint, and none is saved). The model's buffers are those of the last
 push applied (as in asynchronous ``ps``), so ``final.pt`` is the center with them.
 
 Steps: ``--steps K`` is the number of global batches the workers process together, as in
@@ -63,6 +65,7 @@ class ElasticServer(ParameterServer):
     spec = ElasticAveragingSync
 
     def __init__(self, job: Job, env: WorkerEnv, beat: Heartbeat) -> None:
+        assert job.plan.compress is None, "EASGD refuses --compress (tandem.spec.codec)"
         super().__init__(job, env, beat)
         self.alpha = scaled_lr(job.run) * self.sync.rho
         """The moving rate ``alpha = lr * rho`` (the lr scaled by ``--lr-scaling``)."""
@@ -79,6 +82,12 @@ class ElasticServer(ParameterServer):
         clipping (each worker clips its own gradients, for its own steps)."""
         return UpdateRule(self.config, self.shard, optimize=False)
 
+    @property
+    def sync(self) -> ElasticAveragingSync:
+        """The plan's EASGD spec."""
+        sync = self.job.plan.sync
+        assert isinstance(sync, ElasticAveragingSync)
+        return sync
 
     def updates(self) -> int:
         """The elastic exchanges applied (one per push)."""

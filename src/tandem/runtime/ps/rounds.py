@@ -22,7 +22,8 @@ class PushRound:
         """Count a push (its gradient shard, None on a server without parameters); whether the
         round is complete."""
         if gradient is not None:
-            self.total = gradient if self.count == 0 or self.total is None else self.total + gradient
+            total = None if self.count == 0 else self.total
+            self.total = gradient if total is None else total + gradient
         self.count += 1
         return self.count == self.required
 

@@ -39,14 +39,16 @@ from tandem.runtime.ps.mailbox import ServerWire
 from tandem.runtime.ps.rounds import PushRound, released
 from tandem.runtime.ps.shard import ServerShard
 from tandem.runtime.ps.stats import ServerLog, ServerStats
-from tandem.runtime.ps.summary import finish
+from tandem.runtime.ps.summary import NO_NOISE_SCALE, finish
 from tandem.runtime.ps.update import ServerPeers, UpdateRule, check_push
+from tandem.runtime.noise_scale import NoiseScale
 from tandem.runtime.reporting import PeriodicEvaluation, Reporter
 from tandem.runtime.task import Task
 from tandem.runtime.watchdog import Heartbeat
 from tandem.spec.batch_schedule import batch_at
-from tandem.spec.sync import ParameterServerSync
+from tandem.spec.sync import ElasticAveragingSync, ParameterServerSync
 from tandem.sync.side_group import cpu_group
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Pace:
@@ -83,18 +85,22 @@ class Pace:
         return batch_at(self.batch_schedule, step)
 
     def step_end(self, version: int) -> StepEnd:
-        """What the update to ``version``, the last of a step, tells the components."""
+        """What the update to ``version``, the last of a step, tells the components (as a
+        trainer's steps do: a metrics line at ``--log-every`` steps and the last, a checkpoint
+        at ``--checkpoint-every`` steps and the last)."""
         done = version // self.per_step
+        final = done == self.last_step
         return StepEnd(done=done, last=self.last_step,
-                       logging=done % self.log_every == 0 or done == self.last_step,
-                       saving=bool(self.checkpoint_every and done % self.checkpoint_every == 0))
+                       logging=done % self.log_every == 0 or final,
+                       saving=final or bool(self.checkpoint_every
+                                            and done % self.checkpoint_every == 0))
 
 
 class ParameterServer(Worker):
     """Server ``rank`` of the plan's ``sync.servers``: serves pushes until ``config.steps``
     steps (``per_step`` updates each: one in ``sync`` mode, one per worker otherwise)."""
 
-    spec: type = ParameterServerSync
+    spec: type[ParameterServerSync | ElasticAveragingSync] = ParameterServerSync
     """The sync spec this server serves (subclasses serve others)."""
 
     def __init__(self, job: Job, env: WorkerEnv, beat: Heartbeat) -> None:
@@ -106,8 +112,8 @@ class ParameterServer(Worker):
         self.out = Path(config.out) if config.out else None
         self.task = Task(config, job.objects)
         torch.manual_seed(config.seed)
-        self.shard = ServerShard(self.task.build_model(), env.rank, self.sync.servers)
-        workers = range(self.sync.servers, env.world_size)
+        self.shard = ServerShard(self.task.build_model(), env.rank, self.sync.num_servers)
+        workers = range(self.sync.num_servers, env.world_size)
         self.liveness = Liveness(workers, beat, timeout_s=config.timeout_s,
                                  report=lambda text: self.reporter.message(text))
         self.rule = self._update_rule()
@@ -119,11 +125,15 @@ class ParameterServer(Worker):
         """Workers whose push (or first pull) is not answered yet."""
         self.round = PushRound(self.pace.required)
         """``sync`` mode: the current step's pushes."""
-        self.checkpoint = ServerCheckpoint(job, self.out, env.rank, per_step=self.pace.per_step,
-                                           parts=(self.shard, self.rule, self.codecs))
-        self.version = self.checkpoint.resume() * self.pace.per_step
+        self.components = Components()
+        """What the server does after each step, and its parts with state or summary fields
+        (built by :meth:`run`: :meth:`build_components`)."""
+        self.checkpoint = ServerCheckpoint(job, self.out, env.rank, self.shard, self.rule,
+                                           components=lambda: self.components.state_dict())
+        steps, self.resumed_components = self.checkpoint.resume()
+        self.version = steps * self.pace.per_step
         group = cpu_group(timeout_s=config.timeout_s)  # where the workers make theirs
-        self.peers = ServerPeers(rank=env.rank, num_servers=self.sync.servers, group=group)
+        self.peers = ServerPeers(rank=env.rank, num_servers=self.sync.num_servers, group=group)
         self.wire = ServerWire(self.shard, self.codecs, len(self.workers), group)
 
     @property
@@ -132,9 +142,20 @@ class ParameterServer(Worker):
         return self.job.run
 
     @property
-    def sync(self) -> Any:
-        """The plan's sync spec (a :attr:`spec`)."""
-        return self.job.plan.sync
+    def sync(self) -> ParameterServerSync | ElasticAveragingSync:
+        """The plan's sync spec (a :attr:`spec`, checked when the server is made)."""
+        sync = self.job.plan.sync
+        assert isinstance(sync, (ParameterServerSync, ElasticAveragingSync))
+        return sync
+
+    @property
+    def ps(self) -> ParameterServerSync:
+        """The plan's sync spec, where it is a parameter server's (every method that reads
+        what only a ``ps`` spec has is one :class:`~tandem.runtime.ps.ElasticServer`
+        overrides)."""
+        sync = self.job.plan.sync
+        assert isinstance(sync, ParameterServerSync), f"not a ps spec: {sync!r}"
+        return sync
 
     @property
     def workers(self) -> list[int]:
@@ -145,11 +166,11 @@ class ParameterServer(Worker):
         """How pushed gradients update this server's shard: asynchronous ones are as stale as
         the other workers' pushes between two of one's, each of one worker's share of the batch
         (:mod:`tandem.runtime.asynchrony`)."""
-        workers = len(self.workers)
+        workers, sync = len(self.workers), self.ps
         return UpdateRule(self.config, self.shard,
-                          delay=workers - 1 if self.sync.mode.asynchronous else 0,
-                          share=1 / workers, staleness_lr=self.sync.staleness_lr,
-                          clips=self.config.clip_grad_norm is not None and self.sync.server_clips)
+                          delay=workers - 1 if sync.mode.asynchronous else 0,
+                          share=1 / workers, staleness_lr=sync.staleness_lr,
+                          clips=self.config.clip_grad_norm is not None and sync.server_clips)
 
     def updates(self) -> int:
         """Updates of the model so far (the summary's ``updates``)."""
@@ -161,8 +182,8 @@ class ParameterServer(Worker):
         applies (default: all but the backup workers')."""
         workers = len(self.workers)
         return Pace.of(
-            self.config, required=workers - int(self.sync.backup) if required is None else required,
-            per_step=int(self.sync.updates_per_step(workers)) if per_step is None else per_step)
+            self.config, required=workers - self.ps.backup if required is None else required,
+            per_step=self.ps.updates_per_step(workers) if per_step is None else per_step)
 
     def _reply_values(self, worker: int) -> torch.Tensor:
         """The flat shard a reply to ``worker`` carries: the current parameters."""
@@ -170,7 +191,7 @@ class ParameterServer(Worker):
 
     def mode_summary(self) -> dict[str, Any]:
         """The summary's fields of this kind of server: its mode, backup workers, staleness."""
-        return {"mode": self.sync.mode, "backup": self.sync.backup,
+        return {"mode": self.ps.mode, "backup": self.ps.backup,
                 **self.stats.staleness_summary()}
 
     def _receive(self, poll: bool) -> tuple[int, protocol.Header, torch.Tensor | None] | None:
@@ -224,13 +245,9 @@ class ParameterServer(Worker):
             self._end_step()
 
     def _end_step(self) -> None:
-        """After the update that completes a step: the codecs' state where a checkpoint may be
-        taken (before this version's replies advance them), then the components (progress,
-        metrics line, evaluation, checkpoint)."""
-        end = self.pace.step_end(self.version)
-        if end.saving or end.final:
-            self.codecs.take_snapshot(self.version)
-        self.components.after_step(end)
+        """After the update that completes a step, before this version's replies: the
+        components (progress, metrics line, evaluation, the codecs' snapshot, checkpoint)."""
+        self.components.after_step(self.pace.step_end(self.version))
 
     def serve(self) -> None:
         """Apply pushes until ``steps`` steps (``last_update`` updates), then stop every
@@ -285,9 +302,10 @@ class ParameterServer(Worker):
         if not self.sync.mode.asynchronous:
             return
         stop = self.version >= self.pace.last_update
+        sync = self.ps
         answer, self.waiting = released(
             self.waiting, self.stats.pushes, self.liveness.live(), stop=stop,
-            bound=self.sync.staleness if self.sync.mode.bounded else None)
+            bound=sync.staleness if sync.mode.bounded else None)
         for worker in answer:
             self._reply(worker, stop=stop)
 
@@ -308,6 +326,21 @@ class ParameterServer(Worker):
         if self.liveness.dead:  # its receive from them ends at --timeout; never at exit
             self.wire.mailbox.thread.join(timeout=self.config.timeout_s + 5)
 
+    def build_components(self) -> Components:
+        """The server's components, in the order they act after a step: progress, the metrics
+        line, evaluations, the codecs' snapshot (with ``--compress``), checkpoints (with
+        ``--checkpoint-every``; the last step's is saved after the gather, by :meth:`run`);
+        then those that only give the summary its fields (compensation, noise scale)."""
+        config = self.config
+        return Components(
+            self.reporter, ServerLog(self.stats, self.reporter, self.pace.batch_at),
+            (PeriodicEvaluation(config.eval_every, self._evaluate, self.reporter)
+             if config.eval_every else None),
+            self.codecs if self.codecs.codec_text is not None else None,
+            self.checkpoint if config.checkpoint_every else None,
+            self.rule.compensation, NoiseScale.unavailable(NO_NOISE_SCALE),
+        )
+
     def run(self) -> dict[str, Any] | None:
         """Serve, then gather the model on server 0, evaluate it and write the outputs."""
         rank0, config = self.env.rank == 0, self.config
@@ -316,12 +349,8 @@ class ParameterServer(Worker):
             metrics_path=self.out / "metrics.jsonl" if self.out and rank0 else None,
             first_step=self.version // self.pace.per_step,
         )
-        self.components = Components(
-            self.reporter, ServerLog(self.stats, self.reporter, self.pace.batch_at),
-            (PeriodicEvaluation(config.eval_every, self._evaluate, self.reporter)
-             if config.eval_every else None),
-            self.checkpoint if config.checkpoint_every else None,
-        )
+        self.components = self.build_components()
+        self.components.load_state_dict(self.resumed_components)
         with self.reporter:
             self.serve()
             if self.out is not None and not rank0:  # before the gather server 0 waits for

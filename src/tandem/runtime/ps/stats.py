@@ -1,5 +1,5 @@
 """What a parameter server counts while it serves (losses, samples, staleness, traffic, its
-updates' times), and the metrics lines and summary fields made of them."""
+updates in the trace), and the metrics lines and summary fields made of them."""
 
 from __future__ import annotations
 
@@ -36,7 +36,6 @@ class ServerStats:
         """Updates not applied: their gradient was not finite."""
         self.dropped = 0
         """Pushes not applied: they came after their step (backup workers) or the last."""
-        self.update_times: list[float] = []
         self.events: list[Event] = []
         """This server's updates (``0ST``), for ``trace.json``."""
         self.traffic: dict[int, protocol.Traffic] = {}
@@ -54,7 +53,6 @@ class ServerStats:
     def record_update(self, start: float, end: float, step: int) -> None:
         """An update from ``start`` to ``end`` (``perf_counter`` readings), traced as ``0ST``
         of ``step`` among the first :data:`MAX_TRACED_STEPS`."""
-        self.update_times.append(end - start)
         if step < MAX_TRACED_STEPS:
             self.events.append(Event(worker=self.rank, name="0ST",
                                      start_s=start - self.clock_start,

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any
 
 from tandem.runtime.checkpoint import save_atomic
 from tandem.runtime.learning_rate import scaled_lr
-from tandem.runtime.noise_scale import NoiseScale
 from tandem.runtime.outputs import (
     merge_worker_traces, plan_summary, write_run_files, write_timeline,
 )
@@ -39,7 +38,7 @@ def finish(server: ParameterServer, evaluation: dict[str, float | None]) -> dict
     return {
         **plan_summary(job.plan), **server.mode_summary(), "model": config.model,
         "data": config.data, "world_size": server.env.world_size,
-        "servers": server.sync.servers, "workers": len(server.workers), "steps": steps,
+        "servers": server.sync.num_servers, "workers": len(server.workers), "steps": steps,
         "updates": updates, "finished": finished,
         "global_batch_size": server.pace.batch_at(max(steps - 1, 0)),
         "batch_schedule": config.batch_schedule, "lr": scaled_lr(config),
@@ -48,11 +47,11 @@ def finish(server: ParameterServer, evaluation: dict[str, float | None]) -> dict
         "skipped_steps": stats.skipped_steps, **evaluation,
         "samples_per_s": stats.samples_per_s(wall), "updates_per_s": updates / max(wall, 1e-9),
         "step_time_s": wall / max(steps, 1), "train_s": round(wall, 4),
-        **server.rule.summary(), "dropped_pushes": stats.dropped,
+        "dropped_pushes": stats.dropped,
         "dead_workers": sorted(server.liveness.dead),
         "pushes": {str(w): stats.pushes[w] for w in server.workers},
         **stats.traffic_summary(steps), "out": str(server.out) if server.out else None,
-        **NoiseScale.unavailable(NO_NOISE_SCALE).summary(),
+        **server.components.summary(),
     }
 
 

@@ -54,6 +54,7 @@ class UpdateRule:
         self.optimizer = (build_optimizer(config, shard.params)
                           if optimize and shard.params else None)
         self.compensation: Compensation = compensation_for(config, delay, share=share)
+        """How stale updates are compensated (a component of the server: its summary)."""
         if self.optimizer is not None:
             apply_compensation(self.optimizer, self.compensation)
         self.clips = clips
@@ -88,11 +89,6 @@ class UpdateRule:
         if self.optimizer is not None and state.get("optimizer") is not None:
             self.optimizer.load_state_dict(state["optimizer"])
             restore_momentum(self.optimizer, self.compensation)
-
-    def summary(self) -> dict[str, Any]:
-        """The summary's description of the compensation (None where updates are not stale)."""
-        return {"async_compensation": (self.compensation.describe() if self.compensation.delay
-                                       else None)}
 
 
 def clip_across_servers(gradient: torch.Tensor | None, limit: float,
