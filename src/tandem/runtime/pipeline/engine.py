@@ -49,7 +49,7 @@ class StageEngine:
                                   self.compute.param_grads, beat)
         self.device = device
         self.batch: Batches = _no_batches
-        self.step = 0
+        """The data of the step being run (set by :meth:`execute`)."""
         self.handlers: dict[Kind, Handler] = {
             Kind.FORWARD: self._forward, Kind.BACKWARD: self._backward,
             Kind.SEND_ACT: self._send, Kind.SEND_GRAD: self._send,
@@ -76,7 +76,7 @@ class StageEngine:
     def execute(self, program: Program, batch: Batches, step: int) -> torch.Tensor:
         """Run ``program`` (part of optimizer step ``step``) in order; returns the loss computed
         here, summed over samples (unscaled)."""
-        self.step, self.batch = step, batch
+        self.batch = batch
         self.compute.loss_total = torch.zeros((), device=self.device)
         self.executor.run(program, step)
         return self.compute.loss_total
