@@ -83,7 +83,7 @@ def worker(args: argparse.Namespace) -> None:
             for label, trainer in trainers.items():
                 evaluation = trainer.evaluate()
                 extra = trainer.summary_extra()
-                results.append({"seed": seed, "label": label, "loss": trainer.loss,
+                results.append({"seed": seed, "label": label, "loss": trainer.loss_log.loss,
                                 "block_step_s": times[label], **evaluation, **extra})
     if env.rank == 0:
         print(json.dumps({"results": results}), flush=True)

@@ -59,9 +59,9 @@ def worker(args: argparse.Namespace) -> None:
     with Heartbeat(store, env.rank, env.world_size) as beat:
         trainer = Trainer(config, env, beat)
         torch.manual_seed(0)
-        plain = DistributedDataParallel(build_model(MODEL, trainer.data.info))
+        plain = DistributedDataParallel(build_model(MODEL, trainer.feed.data.info))
         optimizer = torch.optim.SGD(plain.parameters(), lr=args.lr, momentum=0.9)
-        order = torch.randperm(len(trainer.train), generator=torch.Generator().manual_seed(0))
+        order = torch.randperm(len(trainer.feed.train), generator=torch.Generator().manual_seed(0))
         pairs = []
         for block in range(args.blocks):
             first, last = block * args.block_steps, (block + 1) * args.block_steps
@@ -69,9 +69,10 @@ def worker(args: argparse.Namespace) -> None:
             start = time.perf_counter()
             trainer.train_steps(first, last)
             tandem_s = (time.perf_counter() - start) / args.block_steps
+            train = trainer.feed.train
             dist.barrier()
             start = time.perf_counter()
-            plain_ddp_steps(plain, optimizer, trainer.train.inputs, trainer.train.targets, order,
+            plain_ddp_steps(plain, optimizer, train.inputs, train.targets, order,
                             first, last, args.batch_size, env.rank, env.world_size)
             plain_s = (time.perf_counter() - start) / args.block_steps
             if block > 0:

@@ -49,7 +49,7 @@ class TorchPipeline:
 
         self.trainer, self.rank = trainer, trainer.env.rank
         torch.manual_seed(trainer.config.seed)
-        model = build_model(trainer.config.model, trainer.data.info)
+        model = build_model(trainer.config.model, trainer.feed.data.info)
         start, end = trainer.layout.bounds[trainer.stage]
         self.module = nn.Sequential(*list(model)[start:end])
         self.optimizer = torch.optim.SGD(self.module.parameters(), lr=args.lr, momentum=0.9)
@@ -61,7 +61,7 @@ class TorchPipeline:
                                          out.reshape(-1, out.shape[-1]), y.reshape(-1)))
 
     def train_steps(self, first: int, last: int) -> None:
-        train, sampler = self.trainer.train, self.trainer.sampler
+        train, sampler = self.trainer.feed.train, self.trainer.feed.sampler
         for step in range(first, last):
             batch = sampler.global_indices(step)
             if self.rank == 0:

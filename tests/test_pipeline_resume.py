@@ -121,18 +121,25 @@ TIED = ("--model", "tests.split_models:tied_lm", "--data", "tokens:n=256,seq=8,v
 after COMMON, its flags win)."""
 
 
+def precision_of(saved: dict[str, Any]) -> dict[str, Any]:
+    """The stages' shared precision state in a checkpoint (every worker's, the same)."""
+    states = [rank["components"]["precision"] for rank in saved["ranks"]]
+    assert all(state == states[0] for state in states)
+    return states[0]
+
+
 @pytest.mark.multiprocess
 def test_tied_fp16_pipeline_resumes_with_its_loss_scale(tmp_path: Path) -> None:
     """The tied weight and its momentum are saved under both its names; the stages' shared
     loss scale continues its count of good steps."""
     run_json("train", *COMMON, *TIED, "--out", str(tmp_path / "whole"))
     _, saved, _ = stopped_then_resumed(tmp_path / "parts", TIED, TIED)
-    assert saved["precision"] == {"loss_scale": {"scale": 2.0**16, "good_steps": 10},
-                                  "skipped_steps": 0}
+    assert precision_of(saved) == {"loss_scale": {"scale": 2.0**16, "good_steps": 10},
+                                   "skipped_steps": 0}
     state = saved["optimizer"]["state"]
     assert torch.equal(state["embed.weight"]["momentum_buffer"],
                        state["out.weight"]["momentum_buffer"])
-    assert checkpoint(tmp_path / "parts")["precision"]["loss_scale"]["good_steps"] == 20
+    assert precision_of(checkpoint(tmp_path / "parts"))["loss_scale"]["good_steps"] == 20
     assert max_abs_diff(tmp_path / "whole" / "final.pt", tmp_path / "parts" / "final.pt") == 0.0
 
 

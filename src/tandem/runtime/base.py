@@ -19,11 +19,12 @@ from typing import Any
 
 import torch
 
+from tandem.plan import Plan
 from tandem.runtime.asynchrony import Compensation, apply_compensation, compensation_for
 from tandem.runtime.batches import BatchFeed, BatchGrowth
 from tandem.runtime.checkpoint import Checkpoints, save_atomic
 from tandem.runtime.component import Components, StepEnd
-from tandem.runtime.component_views import ComponentViews
+from tandem.runtime.config import RunConfig
 from tandem.runtime.dist import WorkerEnv
 from tandem.runtime.divergence import DivergenceCheck, LossWatch
 from tandem.runtime.faults import maybe_fail
@@ -59,7 +60,7 @@ class Worker(abc.ABC):
         """Run the job to its end; rank 0 returns the summary, the others None."""
 
 
-class BaseTrainer(ComponentViews, Worker):
+class BaseTrainer(Worker):
     """State of one worker's run; :meth:`run` trains, evaluates and writes the outputs."""
 
     module: torch.nn.Module
@@ -104,13 +105,22 @@ class BaseTrainer(ComponentViews, Worker):
             f"the gradient noise scale is measured in data parallelism only (--strategy dp, "
             f"from each worker's gradient and their allreduced mean); strategy "
             f"{strategy_of(job.plan)} has no such pair")
-        """The gradient noise scale's moving averages (see :meth:`noise_scale`)."""
+        """The gradient noise scale's moving averages (:mod:`tandem.runtime.noise_scale`)."""
         self.memory = PeakMemory()
         self.components = Components()
         """The components :meth:`train_steps` calls after each step (built by :meth:`run`)."""
         self.resumed_components: dict[str, Any] = {}
-        """The components' states of the checkpoint a resumed run continues from (set by the
-        subclass's restore; handed to the components when :meth:`run` builds them)."""
+        """A resumed run's components' states (set by the subclass; :meth:`start_components`)."""
+
+    @property
+    def plan(self) -> Plan:
+        """The job's plan."""
+        return self.job.plan
+
+    @property
+    def config(self) -> RunConfig:
+        """The run's settings."""
+        return self.job.run
 
     # -- data and the optimizer ------------------------------------------------------------------
 
@@ -148,7 +158,7 @@ class BaseTrainer(ComponentViews, Worker):
         """The scheduler's factor of the optimizer's learning rate at ``step``: warm-up and
         schedule, times the batch's (``--lr-scaling`` with a ``--batch-schedule``)."""
         return lr_factor(self.config, step) * batch_lr_factor(
-            self.config, self.sampler.batch_size_at(step))
+            self.config, self.feed.sampler.batch_size_at(step))
 
     # -- what a subclass supplies ----------------------------------------------------------------
 
@@ -157,7 +167,7 @@ class BaseTrainer(ComponentViews, Worker):
         """One optimizer step; returns this worker's summed loss (zero if it computes none)."""
 
     @abc.abstractmethod
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self) -> dict[str, float | None]:
         """``test_accuracy`` and ``test_loss`` on the test split (same on every worker)."""
 
     @abc.abstractmethod
@@ -171,7 +181,8 @@ class BaseTrainer(ComponentViews, Worker):
         """Save a checkpoint after ``step`` steps (collective); default: none."""
 
     def summary_extra(self) -> dict[str, Any]:
-        """Strategy-specific fields of rank 0's summary; called on every rank (may be collective)."""
+        """Strategy-specific fields of rank 0's summary; called on every rank (may be
+        collective)."""
         return {}
 
     def sent_bytes(self) -> float:
@@ -191,25 +202,20 @@ class BaseTrainer(ComponentViews, Worker):
             self.reporter,
             DivergenceCheck(self.divergence, lambda: self.precision.skipped_in_a_row),
             self.loss_log,
-            (BatchGrowth(self.feed, self.noise_scale, lambda: self.scheduler)
+            (BatchGrowth(self.feed, self.noise.estimate, lambda: self.scheduler)
              if config.batch_schedule == AUTO else None),
             (PeriodicEvaluation(config.eval_every, self.evaluate, self.reporter)
              if config.eval_every else None),
             self.memory,
-            Checkpoints(self.save_checkpoint, check=self._check_parameters),
+            Checkpoints(self.save_checkpoint, check=lambda step: self.divergence.check_parameters(
+                self.module.parameters(), step)),
             self.noise, self.compensation, self.precision,
         )
 
-    def _check_parameters(self, step: int) -> None:
-        """Before a checkpoint after ``step``: stop the run if a parameter is not finite."""
-        self.divergence.check_parameters(self.module.parameters(), step)
-
     def start_components(self) -> Components:
-        """Build the run's components (:meth:`build_components`) and hand them the states of
-        the checkpoint the run resumes from, if any."""
+        """The run's components (:meth:`build_components`) with a resumed run's states."""
         components = self.build_components()
         components.load_state_dict(self.resumed_components)
-        self.resumed_components = {}
         return components
 
     def run(self) -> dict[str, Any] | None:
@@ -258,13 +264,6 @@ class BaseTrainer(ComponentViews, Worker):
                 saving=done == last or bool(config.checkpoint_every
                                             and done % config.checkpoint_every == 0)))
 
-    def check_divergence(self, step: int, *, thorough: bool) -> None:
-        """After step ``step``: stop the run if its loss, or an earlier one not yet read,
-        diverged (read now if ``thorough``, else only where reading is free), or if fp16 has
-        skipped too many steps in a row (:mod:`tandem.runtime.divergence`)."""
-        self.divergence.check(step, thorough=thorough,
-                              overflows_in_a_row=self.precision.skipped_in_a_row)
-
     def trace(self, name: str, start: float, end: float, step: int, *, num_bytes: int = 0,
               version: int = -1) -> None:
         """Record one action of this worker in the timeline (first ``MAX_TRACED_STEPS`` steps)."""
@@ -288,11 +287,11 @@ class BaseTrainer(ComponentViews, Worker):
         if state is not None:
             save_atomic(state, self.out / "final.pt")
 
-    def _summary(self, last_step: int, evaluation: dict[str, float],
+    def _summary(self, last_step: int, evaluation: dict[str, float | None],
                  finished: bool) -> dict[str, Any]:
         timed = self.step_times[min(len(self.step_times) - 1, 2):]
         train_s = sum(self.step_times)
-        config, sampler = self.config, self.sampler
+        config, sampler = self.config, self.feed.sampler
         return {
             **plan_summary(self.plan), "model": config.model, "data": config.data,
             "world_size": self.env.world_size, "backend": self.env.backend,
@@ -302,7 +301,7 @@ class BaseTrainer(ComponentViews, Worker):
             **({"batch_schedule_grown": format_schedule(sampler.schedule)}
                if config.batch_schedule == AUTO else {}),
             "lr": scaled_lr(config),
-            "final_loss": self.loss, **evaluation, **self.task.summary_fields(),
+            "final_loss": self.loss_log.loss, **evaluation, **self.task.summary_fields(),
             "samples_per_s": sum(sampler.batch_size_at(step) for step in range(
                 self.first_step, self.first_step + len(self.step_times))) / max(train_s, 1e-12),
             "step_time_s": statistics.median(timed) if timed else 0.0,

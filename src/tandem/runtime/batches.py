@@ -19,7 +19,7 @@ from tandem.runtime.component import Component, StepEnd
 from tandem.runtime.config import RunConfig
 from tandem.runtime.task import Task
 from tandem.runtime.zygote import child_context
-from tandem.spec.batch_schedule import AUTO, auto_next_batch, format_schedule, parse_batch_schedule
+from tandem.spec.batch_schedule import auto_next_batch, format_schedule, parse_batch_schedule
 
 
 class BatchFeed:
@@ -83,15 +83,6 @@ class BatchFeed:
                 "shards": train.index.fingerprint if isinstance(train, ShardSamples) else None,
                 "batch_size": self.sampler.batch_size_at(step),
                 "batch_schedule": format_schedule(self.sampler.schedule)}
-
-    def restore_schedule(self, recorded: dict[str, Any] | None) -> None:
-        """``--batch-schedule auto``: continue with the batches the checkpointed run had grown
-        to (a fixed schedule is the run's own, and checked by the fingerprint)."""
-        if self.config.batch_schedule != AUTO or not recorded or "batch_schedule" not in recorded:
-            return
-        for step, batch in parse_batch_schedule(recorded["batch_schedule"],
-                                                steps=self.config.steps)[1:]:
-            self.sampler.extend(step, batch)
 
     def check_position(self, recorded: dict[str, Any] | None, path: str) -> None:
         """Refuse to resume streamed data whose order would differ from the checkpoint's."""

@@ -9,9 +9,9 @@ micro-batch by micro-batch):
   :data:`OVERFLOWS_IN_A_ROW` skipped steps in a row (the scale has fallen ``2**30``-fold and the
   gradients still do not fit).
 - **exploding**: a finite mean loss above :data:`EXPLODING_FACTOR` × max(L0, 1), where L0 is
-  the first finite loss the worker computed (a resumed run keeps its checkpoint's). Healthy training never multiplies
-  its first loss by a thousand (cross-entropy over 10 classes starts near 2.3: the limit is
-  2303); a run whose loss does is lost, however finite.
+  the first finite loss the worker computed (a resumed run keeps its checkpoint's). Healthy
+  training never multiplies its first loss by a thousand (cross-entropy over 10 classes starts
+  near 2.3: the limit is 2303); a run whose loss does is lost, however finite.
 - **parameters**: before a checkpoint is written (and after the last step) every parameter
   this worker holds must be finite, so ``checkpoint.pt`` is never overwritten with diverged
   parameters: the last good checkpoint stays loadable.

@@ -79,7 +79,7 @@ class TensorParallelTrainer(BaseTrainer):
         self.codec = self._codec(model) if job.plan.compress is not None else None
         self.module = self.model = model
         model.train()
-        self.loss_terms_per_sample = 1
+        self.loss_log.terms_per_sample = 1
         self.reduced_bytes = 0
         self.tensor_rank = self.mesh.get_local_rank()
         replica = f"replica {self.data_rank}, " if self.replicas > 1 else ""
@@ -115,9 +115,10 @@ class TensorParallelTrainer(BaseTrainer):
 
     def _indices(self, step: int) -> torch.Tensor:
         """This worker's replica's share of global batch ``step`` (the whole batch for one)."""
+        sampler = self.feed.sampler
         if self.replicas == 1:
-            return self.sampler.global_indices(step)
-        return self.sampler.local_indices(step, rank=self.data_rank, world_size=self.replicas)
+            return sampler.global_indices(step)
+        return sampler.local_indices(step, rank=self.data_rank, world_size=self.replicas)
 
     def planned_batches(self, first: int, last: int) -> list[torch.Tensor]:
         return [self._indices(step) for step in range(first, last)]
@@ -132,8 +133,8 @@ class TensorParallelTrainer(BaseTrainer):
         ``0F{m}``/``0B{m}`` for its micro-batches ``m = replica + replicas * k``, ``0AR`` (the
         data dimension's sum, with more than one replica) and ``0ST``."""
         indices = self._indices(step)
-        global_count = len(self.sampler.global_indices(step))
-        self.work.begin(self.take_batch(indices).split(self.plan.accumulate), step,
+        global_count = len(self.feed.sampler.global_indices(step))
+        self.work.begin(self.feed.take(indices).split(self.plan.accumulate), step,
                         self.env.device, divisor=global_count)
         self.work.batch = (step, len(indices), global_count)
         self.executor.run(self.program, step)
@@ -174,7 +175,8 @@ class TensorParallelTrainer(BaseTrainer):
         """Accuracy and mean loss on the whole test split, computed together by every worker
         (each forward runs the split layers' collectives)."""
         self.beat.phase = "evaluate"
-        totals = self.task.score(self.model, 0, len(self.test), samples=self.test)
+        test = self.feed.test
+        totals = self.task.score(self.model, 0, len(test), samples=test)
         return evaluation(totals)
 
     def sent_bytes(self) -> float:

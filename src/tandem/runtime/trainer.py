@@ -19,12 +19,14 @@ from tandem.loss import evaluation
 from tandem.runtime.asynchrony import restore_momentum
 from tandem.runtime.base import BaseTrainer
 from tandem.runtime.outputs import save_worker_trace
+from tandem.runtime.component import Components, StepEnd
 from tandem.runtime.checkpoint import (
     CHECKPOINT_VERSION, load_checkpoint, load_schedule, resume_path, save_atomic,
 )
 from tandem.runtime.job import Job
 from tandem.runtime.data_step import DataParallelStep, NoiseSamples, noise_notes
 from tandem.runtime.dist import WorkerEnv
+from tandem.runtime.divergence import DivergenceCheck
 from tandem.runtime.executor import Executor, Handler, Program, compile_program
 from tandem.runtime.faults import announce_resume, maybe_fail
 from tandem.runtime.noise_scale import NoiseScale
@@ -54,7 +56,7 @@ class Trainer(BaseTrainer):
         config = job.run
         torch.manual_seed(config.seed)
         model = self.task.build_model()
-        self.loss_terms_per_sample = 1
+        self.loss_log.terms_per_sample = 1
         self.data_rank, self.data_world = self._data_position()
         self.divergence.where = f"worker {self.data_rank} (rank {env.rank})"
         self.strategy: SyncStrategy = build_strategy(job, self.data_rank, self.data_world)
@@ -68,7 +70,7 @@ class Trainer(BaseTrainer):
         reads the share :meth:`batch_share` gives (asynchronous ps)."""
         self.first_update = 0
         """The servers' version this worker's first update computes on (a resumed run's)."""
-        self.collective_logging = self.strategy.synchronous
+        self.loss_log.collective = self.strategy.synchronous
         checkpoint = self._load_checkpoint()
         if checkpoint is not None:
             checkpoint = resized_checkpoint(checkpoint, world=env.world_size, rank=env.rank,
@@ -133,13 +135,13 @@ class Trainer(BaseTrainer):
                 "one worker: the gradient noise scale needs gradients of two batch sizes (each "
                 "worker's own and their mean); run with --nproc 2 or more")
             return
-        streams = self.data.train.streams
+        streams = self.feed.data.train.streams
         self.noise = NoiseScale(noise_notes(self.plan.compress, streams=streams))
-        self.noise_window = torch.zeros(3, dtype=torch.float64, device=self.env.device)
+        self.loss_log.noise_window = torch.zeros(3, dtype=torch.float64, device=self.env.device)
         config = self.config
         # batches are drawn without replacement from the shuffled training set
         self.noise_samples = NoiseSamples(
-            data_world=self.data_world, population=None if streams else len(self.train),
+            data_world=self.data_world, population=None if streams else len(self.feed.train),
             log_every=config.log_every,
             last_step=config.stop_after if config.stop_after is not None else config.steps)
 
@@ -152,15 +154,15 @@ class Trainer(BaseTrainer):
         window = self.noise_samples.measure(step, self.strategy.bucket_norms.take(), local_count,
                                             global_count,
                                             scaler.get_scale() if scaler is not None else 1.0)
-        if window is not None and self.noise_window is not None:
-            self.noise_window += window
+        if window is not None and self.loss_log.noise_window is not None:
+            self.loss_log.noise_window += window
 
     def data_partitions(self) -> int:
         return self._data_position()[1]
 
     def planned_batches(self, first: int, last: int) -> list[torch.Tensor]:
         rank, world = self._data_position()
-        return [self.sampler.local_indices(step, rank=rank, world_size=world)
+        return [self.feed.sampler.local_indices(step, rank=rank, world_size=world)
                 for step in range(first, last)]
 
     def _data_position(self) -> tuple[int, int]:
@@ -179,9 +181,9 @@ class Trainer(BaseTrainer):
 
     def _restore(self, checkpoint: dict[str, Any]) -> None:
         """Optimizer, schedule, step and this worker's own state (random stream, strategy state,
-        and its model and optimizer where workers' differ)."""
-        self.check_data_position(checkpoint.get("data"), str(self.config.resume))
-        self.restore_batch_schedule(checkpoint.get("data"))
+        its model and optimizer where workers' differ, and its components' states, which
+        :meth:`run` hands them)."""
+        self.feed.check_position(checkpoint.get("data"), str(self.config.resume))
         own = checkpoint["ranks"][self.env.rank]
         if "model" in own:
             self.model.load_state_dict(own["model"])
@@ -193,8 +195,7 @@ class Trainer(BaseTrainer):
         torch.set_rng_state(own["rng"])
         if own["sync"]:
             self.strategy.load_state_dict(own["sync"])
-        self.precision.load_state_dict(own.get("precision", {}))
-        self.noise.load_state_dict(own.get("noise", {}))
+        self.resumed_components = own["components"]
 
     def batch_share(self, step: int) -> tuple[int, int]:
         """The global batch and the share of it (among ``data_world``) that this worker's
@@ -221,10 +222,11 @@ class Trainer(BaseTrainer):
         """
         self.current_step = step
         batch_step, share = self.batch_share(step)
-        global_count = len(self.sampler.global_indices(batch_step))
-        indices = self.sampler.local_indices(batch_step, rank=share, world_size=self.data_world)
+        sampler = self.feed.sampler
+        global_count = len(sampler.global_indices(batch_step))
+        indices = sampler.local_indices(batch_step, rank=share, world_size=self.data_world)
         work = self.work
-        work.begin(self.take_batch(indices).split(self.plan.accumulate), step, self.env.device,
+        work.begin(self.feed.take(indices).split(self.plan.accumulate), step, self.env.device,
                    scale=self.data_world / global_count)
         work.batch = (batch_step, len(indices), global_count)
         self.executor.run(self.program, step)
@@ -242,7 +244,7 @@ class Trainer(BaseTrainer):
         if not self.interprets_update:  # on CPU: before a diverged gradient leaves this worker
             self.divergence.poll_if_cheap()  # (DDP's left in the backward: the loop polls)
         self._measure_noise(step, global_count, local_count)
-        self.local_predictions += local_count
+        self.loss_log.local_predictions += local_count
         self.strategy.record_loss(loss_total, local_count)
         self.strategy.check_gradients(self.module, step)
         finite = self.precision.unscale_and_clip(self.optimizer, self.module.parameters())
@@ -261,10 +263,10 @@ class Trainer(BaseTrainer):
     def evaluate(self) -> dict[str, float | None]:
         """Accuracy and mean loss on the test split, each worker scoring its own shard."""
         self.beat.phase = "evaluate"
-        sizes = shard_sizes(len(self.test), self.env.world_size)
+        test = self.feed.test
+        sizes = shard_sizes(len(test), self.env.world_size)
         start = sum(sizes[: self.env.rank])
-        totals = self.task.score(self.model, start, start + sizes[self.env.rank],
-                                 samples=self.test)
+        totals = self.task.score(self.model, start, start + sizes[self.env.rank], samples=test)
         dist.all_reduce(totals)
         return evaluation(totals)
 
@@ -281,8 +283,7 @@ class Trainer(BaseTrainer):
         if self.out is None:
             return
         own: dict[str, Any] = {"rng": torch.get_rng_state(), "sync": self.strategy.state_dict(),
-                               "precision": self.precision.state_dict(),
-                               "noise": self.noise.state_dict()}
+                               "components": self.components.state_dict()}
         if not self.strategy.replicas_agree:
             own["model"] = self.model.state_dict()
             own["optimizer"] = self.optimizer.state_dict()
@@ -294,7 +295,7 @@ class Trainer(BaseTrainer):
             "version": CHECKPOINT_VERSION, "step": step, "fingerprint": self.job.fingerprint(),
             "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(), "ranks": ranks,
-            "data": self.data_position(step),
+            "data": self.feed.position(step),
         }, self.out / "checkpoint.pt")
 
     def sent_bytes(self) -> float:
@@ -348,7 +349,7 @@ def resized_checkpoint(checkpoint: dict[str, Any], *, world: int, rank: int,
         raise UsageError(f"the checkpoint holds {len(ranks)} workers' codec state (error "
                          f"feedback) for --compress {compress.text}, which cannot be split "
                          f"among {world}; resume with --nproc {len(ranks)}")
-    common = {"rng": ranks[0]["rng"], "precision": ranks[0].get("precision", {})}
+    common = {"rng": ranks[0]["rng"], "components": ranks[0]["components"]}
     if strategy.replicas_agree:
         return {**checkpoint, "ranks": [{**common, "sync": {}}] * world}
     models = [saved["model"] for saved in ranks]
@@ -415,19 +416,25 @@ class ParameterServerWorker(Trainer):
                          "fingerprint": self.job.fingerprint(), "codecs": client.codec_state()},
                         self.out / f"worker-{self.env.rank}.pt")
 
+    def build_components(self) -> Components:
+        """A worker's one component: the loss watch, read after every update (the push read
+        the loss anyway); the servers log, evaluate and save."""
+        return Components(DivergenceCheck(self.divergence, lambda: self.precision.skipped_in_a_row,
+                                          thorough=True))
+
     def run(self) -> dict[str, Any] | None:
         client = self.strategy
         if not isinstance(client, ParameterServerClient):
             raise TypeError(f"a parameter-server worker needs a ps client, not {client!r}")
         step = self.first_update = client.next_step
-        per_step = self.updates_per_step
-        self.start_loading(step // per_step, self.config.steps)
+        per_step, steps = self.updates_per_step, self.config.steps
+        components = self.components = self.start_components()
+        self.start_loading(step // per_step, steps)
         try:
             while not self.stopped:
                 maybe_fail(self.env.rank, step // per_step)
                 self.train_step(step)
-                # the push read the loss anyway
-                self.check_divergence(step // per_step, thorough=True)
+                components.after_step(StepEnd(done=step // per_step + 1, last=steps))
                 step = client.next_step
         finally:
             self.stop_loading()

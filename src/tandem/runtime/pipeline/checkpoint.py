@@ -26,7 +26,6 @@ from torch import nn
 from tandem.errors import UsageError
 from tandem.runtime.checkpoint import CHECKPOINT_VERSION, save_atomic
 from tandem.runtime.pipeline.layout import PipelineLayout
-from tandem.runtime.precision import LossScale, StagePrecision
 
 if TYPE_CHECKING:
     from tandem.runtime.pipeline.trainer import PipelineTrainer
@@ -67,24 +66,6 @@ def optimizer_state(module: nn.Module, names: Names,
     groups = [{key: copy.deepcopy(value) for key, value in group.items() if key != "params"}
               for group in saved["param_groups"]]
     return {"state": state, "param_groups": groups}
-
-
-def precision_state(precision: StagePrecision) -> dict[str, Any]:
-    """fp16's shared loss scale (None without fp16) and the count of skipped steps."""
-    scale = precision.loss_scale
-    return {"loss_scale": None if scale is None else {"scale": scale.scale,
-                                                      "good_steps": scale.good_steps},
-            "skipped_steps": precision.skipped_steps}
-
-
-def load_precision(precision: StagePrecision, state: dict[str, Any]) -> None:
-    """Continue from :func:`precision_state`'s output (a checkpoint without fp16 leaves the
-    scale at its start)."""
-    scale: LossScale | None = precision.loss_scale
-    if scale is not None and state.get("loss_scale"):
-        scale.scale = float(state["loss_scale"]["scale"])
-        scale.good_steps = int(state["loss_scale"]["good_steps"])
-    precision.skipped_steps = int(state.get("skipped_steps", 0))
 
 
 def stage_state(module: nn.Module, names: Names,
@@ -153,19 +134,20 @@ def layout_record(layout: PipelineLayout) -> dict[str, Any]:
 
 
 def worker_state(trainer: PipelineTrainer) -> dict[str, Any]:
-    """A pipeline worker's part of a checkpoint as it is now: its random stream and codec
-    state; on a stage's replica 0 the stage's model and optimizer state (replicas agree); on
-    rank 0 the learning-rate schedule and the loss scale (every worker's are the same)."""
+    """A pipeline worker's part of a checkpoint as it is now: its random stream, codec state
+    and components' states (the loss scale, its loss watch); on a stage's replica 0 the
+    stage's model and optimizer state (replicas agree); on rank 0 the learning-rate schedule
+    (every worker's is the same)."""
     codec = trainer.wire.codec
     own: dict[str, Any] = {
         "rng": torch.get_rng_state(),
         "wire": copy.deepcopy(codec.state_dict()) if codec is not None else {},
+        "components": copy.deepcopy(trainer.components.state_dict()),
     }
     if trainer.replica == 0:
         own["stage"] = stage_state(trainer.module, trainer.names, trainer.optimizer)
     if trainer.env.rank == 0:
         own["scheduler"] = copy.deepcopy(trainer.scheduler.state_dict())
-        own["precision"] = precision_state(trainer.precision)
     return own
 
 
@@ -187,7 +169,7 @@ def save_stage_checkpoint(trainer: PipelineTrainer, step: int) -> None:
     merged = merge_stages([part["stage"] for part in gathered if "stage" in part])
     save_atomic({
         "version": CHECKPOINT_VERSION, "step": step, "fingerprint": trainer.job.fingerprint(),
-        **merged, "scheduler": own["scheduler"], "precision": own["precision"],
-        "ranks": [{"rng": part["rng"], "wire": part["wire"]} for part in gathered],
-        "data": trainer.data_position(step), "layout": layout_record(trainer.layout),
+        **merged, "scheduler": own["scheduler"],
+        "ranks": [{key: part[key] for key in ("rng", "wire", "components")} for part in gathered],
+        "data": trainer.feed.position(step), "layout": layout_record(trainer.layout),
     }, trainer.out / "checkpoint.pt")

@@ -127,7 +127,7 @@ def stage_summary(trainer: PipelineTrainer) -> dict[str, Any]:
         "parameter_bytes": sum(local_tensor(p).numel() * p.element_size()
                                for p in trainer.module.parameters()),
         "held_model_bytes": trainer.held_model_bytes,
-        "training_peak_rss_bytes": trainer.training_peak_rss_bytes,
+        "training_peak_rss_bytes": trainer.memory.training_bytes,
         "peak_rss_bytes": memory.peak_rss_bytes(),
         "start_rss_bytes": memory.START_RSS_BYTES,
         "shared_parameters": [_tie_report(trainer, tie) for tie in trainer.engine.ties],

@@ -48,7 +48,7 @@ from tandem.runtime.job import Job
 from tandem.runtime.dist import WorkerEnv, new_group
 from tandem.runtime.faults import announce_resume
 from tandem.runtime.pipeline.checkpoint import (
-    layout_record, load_precision, load_stage, save_stage_checkpoint, worker_state,
+    layout_record, load_stage, save_stage_checkpoint, worker_state,
 )
 from tandem.runtime.asynchrony import restore_momentum
 from tandem.runtime.pipeline.materialize import materialize
@@ -80,11 +80,11 @@ class PipelineTrainer(BaseTrainer):
         config = job.run
         torch.manual_seed(config.seed)
         model = self.task.build_model(meta=True)  # a built-in model: shapes only, see materialize
-        self.loss_terms_per_sample = 1
-        example = example_inputs(self.data.train)
+        self.loss_log.terms_per_sample = 1
+        example = example_inputs(self.feed.data.train)
         if not isinstance(model, nn.Sequential):  # traced where it runs (a trace fixes devices)
             model.to(env.device)
-            example = example_inputs(self.train)
+            example = example_inputs(self.feed.train)
         blocks = pipeline_blocks(model, example, what=f"model {config.model!r}",
                                  split_points=config.split_points)
         path = resume_path(config.resume, self.out)
@@ -225,18 +225,18 @@ class PipelineTrainer(BaseTrainer):
     def planned_batches(self, first: int, last: int) -> list[torch.Tensor]:
         if not self.reads_data:
             return []
-        return [self.sampler.global_indices(step) for step in range(first, last)]
+        return [self.feed.sampler.global_indices(step) for step in range(first, last)]
 
     @functools.lru_cache(maxsize=4)  # noqa: B019 - bounded, per trainer
     def _global_batch(self, step: int) -> Batch:
         """The whole global batch of ``step`` (the stage takes its micro-batches from it)."""
-        return self.take_batch(self.sampler.global_indices(step))
+        return self.feed.take(self.feed.sampler.global_indices(step))
 
     def _step_microbatches(self, step: int, parts: int) -> list[Microbatch]:
         """The ``parts`` micro-batches of step ``step``: consecutive rows of its global batch,
         the first ``samples % parts`` one sample larger (as ``torch.tensor_split``); the inputs
         on the first stage, the targets on the last."""
-        count = len(self.sampler.global_indices(step))
+        count = len(self.feed.sampler.global_indices(step))
         whole = self._global_batch(step) if self.reads_data else None
         first, last = self.stage == 0, self.stage == self.layout.num_stages - 1
         quotient, remainder = divmod(count, parts)
@@ -282,20 +282,21 @@ class PipelineTrainer(BaseTrainer):
         """The checkpoint at ``path``, checked against this run (settings, steps, data)."""
         checkpoint = load_checkpoint(path, self.job.fingerprint(), steps=self.config.steps,
                                      stop_after=self.config.stop_after)
-        self.check_data_position(checkpoint.get("data"), str(path))
+        self.feed.check_position(checkpoint.get("data"), str(path))
         return checkpoint
 
     def _restore(self, checkpoint: dict[str, Any], path: str) -> None:
-        """This stage's parameters, buffers and optimizer state by name (from any layout), the
-        schedule, fp16's loss scale; the random stream and codec state of this rank only where
-        the checkpoint has this layout (on another, rank ``r`` held other blocks)."""
+        """This stage's parameters, buffers, optimizer state (by name, from any layout) and
+        schedule; this rank's random stream, codec and components' states where the layout is
+        the same, else rank 0's components' states (the loss scale is every worker's)."""
         load_stage(self.module, self.names, self.optimizer, checkpoint, path=path)
         restore_momentum(self.optimizer, self.compensation)
         load_schedule(self.optimizer, self.scheduler, checkpoint["scheduler"],
                       announce=self.env.rank == 0)
-        load_precision(self.precision, checkpoint.get("precision", {}))
-        if checkpoint["layout"] == layout_record(self.layout):
-            own = checkpoint["ranks"][self.env.rank]
+        same_layout = checkpoint["layout"] == layout_record(self.layout)
+        own = checkpoint["ranks"][self.env.rank if same_layout else 0]
+        self.resumed_components = own["components"]
+        if same_layout:
             torch.set_rng_state(own["rng"])
             if self.wire.codec is not None:
                 self.wire.codec.load_state_dict(own["wire"])

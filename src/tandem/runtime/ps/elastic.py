@@ -22,8 +22,8 @@ the gloo side group and messages, the workers' liveness (a worker that dies or i
 behind, as in asynchronous ``ps``), checkpoints of the shard and buffers, the trace, the
 evaluation of the gathered model and the summary. Its messages are plain float32: EASGD
 refuses ``--compress``, so its codecs hold no state and are not among its components (no
-snapshot of them is taken at a checkpoint, and none is saved). The model's buffers are those of the last
-push applied (as in asynchronous ``ps``), so ``final.pt`` is the center with them.
+snapshot of them is taken at a checkpoint, and none is saved). The model's buffers are those of
+the last push applied (as in asynchronous ``ps``), so ``final.pt`` is the center with them.
 
 Steps: ``--steps K`` is the number of global batches the workers process together, as in
 ``dp`` and synchronous EASGD: K × workers local steps of a worker's share of the batch in all,
@@ -85,8 +85,7 @@ class ElasticServer(ParameterServer):
     @property
     def sync(self) -> ElasticAveragingSync:
         """The plan's EASGD spec."""
-        sync = self.job.plan.sync
-        assert isinstance(sync, ElasticAveragingSync)
+        assert isinstance(sync := self.job.plan.sync, ElasticAveragingSync), sync
         return sync
 
     def updates(self) -> int:

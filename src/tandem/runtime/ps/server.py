@@ -126,8 +126,7 @@ class ParameterServer(Worker):
         self.round = PushRound(self.pace.required)
         """``sync`` mode: the current step's pushes."""
         self.components = Components()
-        """What the server does after each step, and its parts with state or summary fields
-        (built by :meth:`run`: :meth:`build_components`)."""
+        """Built by :meth:`run` (:func:`server_components`)."""
         self.checkpoint = ServerCheckpoint(job, self.out, env.rank, self.shard, self.rule,
                                            components=lambda: self.components.state_dict())
         steps, self.resumed_components = self.checkpoint.resume()
@@ -144,17 +143,13 @@ class ParameterServer(Worker):
     @property
     def sync(self) -> ParameterServerSync | ElasticAveragingSync:
         """The plan's sync spec (a :attr:`spec`, checked when the server is made)."""
-        sync = self.job.plan.sync
-        assert isinstance(sync, (ParameterServerSync, ElasticAveragingSync))
+        assert isinstance(sync := self.job.plan.sync, (ParameterServerSync, ElasticAveragingSync))
         return sync
 
     @property
     def ps(self) -> ParameterServerSync:
-        """The plan's sync spec, where it is a parameter server's (every method that reads
-        what only a ``ps`` spec has is one :class:`~tandem.runtime.ps.ElasticServer`
-        overrides)."""
-        sync = self.job.plan.sync
-        assert isinstance(sync, ParameterServerSync), f"not a ps spec: {sync!r}"
+        """The plan's ``ps`` spec (ElasticServer overrides each method that reads this)."""
+        assert isinstance(sync := self.job.plan.sync, ParameterServerSync), sync
         return sync
 
     @property
@@ -245,8 +240,7 @@ class ParameterServer(Worker):
             self._end_step()
 
     def _end_step(self) -> None:
-        """After the update that completes a step, before this version's replies: the
-        components (progress, metrics line, evaluation, the codecs' snapshot, checkpoint)."""
+        """After a step's last update, before its replies: the components' step hooks."""
         self.components.after_step(self.pace.step_end(self.version))
 
     def serve(self) -> None:
@@ -326,30 +320,14 @@ class ParameterServer(Worker):
         if self.liveness.dead:  # its receive from them ends at --timeout; never at exit
             self.wire.mailbox.thread.join(timeout=self.config.timeout_s + 5)
 
-    def build_components(self) -> Components:
-        """The server's components, in the order they act after a step: progress, the metrics
-        line, evaluations, the codecs' snapshot (with ``--compress``), checkpoints (with
-        ``--checkpoint-every``; the last step's is saved after the gather, by :meth:`run`);
-        then those that only give the summary its fields (compensation, noise scale)."""
-        config = self.config
-        return Components(
-            self.reporter, ServerLog(self.stats, self.reporter, self.pace.batch_at),
-            (PeriodicEvaluation(config.eval_every, self._evaluate, self.reporter)
-             if config.eval_every else None),
-            self.codecs if self.codecs.codec_text is not None else None,
-            self.checkpoint if config.checkpoint_every else None,
-            self.rule.compensation, NoiseScale.unavailable(NO_NOISE_SCALE),
-        )
-
     def run(self) -> dict[str, Any] | None:
         """Serve, then gather the model on server 0, evaluate it and write the outputs."""
         rank0, config = self.env.rank == 0, self.config
         self.reporter = Reporter(
             enabled=rank0, show_progress=config.progress, total_steps=config.steps,
             metrics_path=self.out / "metrics.jsonl" if self.out and rank0 else None,
-            first_step=self.version // self.pace.per_step,
-        )
-        self.components = self.build_components()
+            first_step=self.version // self.pace.per_step)
+        self.components = server_components(self)
         self.components.load_state_dict(self.resumed_components)
         with self.reporter:
             self.serve()
@@ -368,3 +346,20 @@ class ParameterServer(Worker):
 
     def _evaluate(self) -> dict[str, float | None]:
         return evaluation(self.task.score(self.shard.model, 0, len(self.task.test_samples)))
+
+
+def server_components(server: ParameterServer) -> Components:
+    """A server's components, in the order they act after a step: progress, the metrics line,
+    evaluations, the codecs' snapshot (with ``--compress``), checkpoints (with
+    ``--checkpoint-every``; the last step's is saved after the gather, by
+    :meth:`ParameterServer.run`); then those that only give the summary its fields
+    (compensation, noise scale)."""
+    config, reporter = server.config, server.reporter
+    return Components(
+        reporter, ServerLog(server.stats, reporter, server.pace.batch_at),
+        (PeriodicEvaluation(config.eval_every, server._evaluate, reporter)  # noqa: SLF001
+         if config.eval_every else None),
+        server.codecs if server.codecs.codec_text is not None else None,
+        server.checkpoint if config.checkpoint_every else None,
+        server.rule.compensation, NoiseScale.unavailable(NO_NOISE_SCALE),
+    )
