@@ -43,6 +43,7 @@ class AllReduce(SyncStrategy):
         self.steps = 0
         self.bucket_norms = BucketNorms()
         """Squared norms of this worker's gradient and of the averaged one, per step."""
+        self._parameters: list[nn.Parameter] | None = None
 
     def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
         model = model.to(device)
@@ -83,7 +84,9 @@ class AllReduce(SyncStrategy):
 
     def _count_plain_allreduce(self, module: nn.Module) -> None:
         """DDP's own allreduce sends every gradient that exists (unused parameters have none)."""
-        num_bytes = sum(p.grad.numel() * p.grad.element_size() for p in module.parameters()
+        if self._parameters is None:  # listed once: the model's parameters do not change
+            self._parameters = list(module.parameters())
+        num_bytes = sum(p.grad.numel() * p.grad.element_size() for p in self._parameters
                         if p.grad is not None)
         self.meter.add(payload_bytes=num_bytes, gradient_bytes=num_bytes, collective="allreduce")
 

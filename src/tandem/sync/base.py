@@ -79,12 +79,17 @@ class SyncStrategy(abc.ABC):
         """Context for a backward whose gradients are only accumulated locally."""
         return contextlib.nullcontext()
 
+    _trainable: list[tuple[str, nn.Parameter]] | None = None
+    """The unwrapped model's parameters that require a gradient (listed at the first check)."""
+
     def check_gradients(self, module: nn.Module, step: int) -> None:
         """Before :meth:`update`: every parameter that requires a gradient must have one. One
         without is a zero gradient with ``--find-unused-parameters``, else a ``UsageError``
         naming it (before DDP fails on it at the next step with an error that does not)."""
-        missing = [(name, p) for name, p in self.unwrap(module).named_parameters()
-                   if p.requires_grad and p.grad is None]
+        if self._trainable is None:  # the model's parameters do not change: list them once
+            self._trainable = [(name, p) for name, p in self.unwrap(module).named_parameters()
+                               if p.requires_grad]
+        missing = [(name, p) for name, p in self._trainable if p.grad is None]
         if not missing:
             return
         if not self.find_unused_parameters:
