@@ -8,6 +8,8 @@ from typing import Any
 import pytest
 import torch
 
+from tandem.data.sampler import GlobalBatchSampler
+from tandem.runtime.batches import BatchFeed, BatchGrowth
 from tandem.runtime.checkpoint import Checkpoints
 from tandem.runtime.component import Component, Components, StepEnd
 from tandem.runtime.config import RunConfig
@@ -105,14 +107,13 @@ def test_stateful_components_round_trip_under_their_names() -> None:
     assert stage.loss_scale is not None
     stage.loss_scale.scale, stage.loss_scale.good_steps, stage.skipped_steps = 512.0, 7, 3
     watch = LossWatch(config, where="worker 0 (rank 0)", rank=0, device=torch.device("cpu"))
-    watch.rule.judge(2.5)  # the first loss, L0
+    watch.rule.judge(2.5)  # the first loss, L0: a resumed run learns its own
     noise = NoiseScale()
     noise.update(2.0, 40.0, steps=5)
     saved = Components(stage, DivergenceCheck(watch, lambda: 0), noise).state_dict()
-    assert set(saved) == {"precision", "loss_watch", "noise_scale"}
+    assert set(saved) == {"precision", "noise_scale"}
     assert saved["precision"] == {"loss_scale": {"scale": 512.0, "good_steps": 7},
                                   "skipped_steps": 3}
-    assert saved["loss_watch"] == {"first_loss": 2.5}
 
     stage2 = StagePrecision("fp16", torch.device("cpu"))
     watch2 = LossWatch(config, where="worker 0 (rank 0)", rank=0, device=torch.device("cpu"))
@@ -121,7 +122,7 @@ def test_stateful_components_round_trip_under_their_names() -> None:
     assert stage2.loss_scale is not None
     assert (stage2.loss_scale.scale, stage2.loss_scale.good_steps, stage2.skipped_steps) == (
         512.0, 7, 3)
-    assert watch2.rule.first == 2.5
+    assert watch2.rule.first is None
     assert noise2.estimate() == noise.estimate()
     plain = Precision("fp32", torch.device("cpu"))
     assert Components(plain).state_dict() == {"precision": {"scaler": None, "skipped_steps": 0}}
@@ -159,3 +160,30 @@ def test_peak_memory_is_taken_at_the_last_step() -> None:
     assert memory.training_bytes == 0
     memory.after_step(StepEnd(done=2, last=2))
     assert memory.summary()["training_peak_rss_bytes"] == memory.training_bytes > 0
+
+
+def test_a_grown_batch_schedule_is_restored_with_its_learning_rate() -> None:
+    """``--batch-schedule auto``: the resumed sampler continues with the grown batches, and
+    the scheduler's current rate is set again for the batch it has grown to."""
+    feed = BatchFeed.__new__(BatchFeed)  # only the parts BatchGrowth reads
+    feed.config = RunConfig(steps=40)
+    feed.sampler = GlobalBatchSampler(1000, global_batch_size=32, seed=0)
+    grown = BatchGrowth(feed, lambda: None, lambda: None)
+    feed.sampler.extend(10, 64)
+    saved = grown.state_dict()
+    assert saved == {"schedule": "32@0,64@10"}
+
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=1.0)
+    feed.sampler = GlobalBatchSampler(1000, global_batch_size=32, seed=0)
+    sampler = feed.sampler
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: sampler.batch_size_at(step) / 32)
+    for _ in range(12):
+        optimizer.step()
+        scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == 1.0  # the schedule not yet restored
+    BatchGrowth(feed, lambda: None, lambda: scheduler).load_state_dict(saved)
+    assert [sampler.batch_size_at(step) for step in (9, 10, 39)] == [32, 64, 64]
+    assert (scheduler.last_epoch, optimizer.param_groups[0]["lr"]) == (12, 2.0)
+

@@ -17,7 +17,7 @@ from tandem.runtime.component import Component, StepEnd
 
 CHECKPOINT_VERSION = 3
 """2: every worker's own state (random stream, codec residuals; models of decentralized
-strategies) under ``ranks``. 3: the components' states (precision, noise scale, loss watch,
+strategies) under ``ranks``. 3: the components' states (precision, noise scale, the grown
 batch schedule, a server's codecs), each under its name, in ``components``
 (:meth:`~tandem.runtime.component.Components.state_dict`)."""
 

@@ -9,9 +9,11 @@ micro-batch by micro-batch):
   :data:`OVERFLOWS_IN_A_ROW` skipped steps in a row (the scale has fallen ``2**30``-fold and the
   gradients still do not fit).
 - **exploding**: a finite mean loss above :data:`EXPLODING_FACTOR` × max(L0, 1), where L0 is
-  the first finite loss the worker computed (a resumed run keeps its checkpoint's). Healthy
-  training never multiplies its first loss by a thousand (cross-entropy over 10 classes starts
-  near 2.3: the limit is 2303); a run whose loss does is lost, however finite.
+  the first finite loss the worker computed in this run (a resumed run starts its own: the
+  fix for a run that exploded is to resume its last good checkpoint with a lower ``--lr``, whose
+  loss may already be far above the first run's L0). Healthy training never multiplies its first
+  loss by a thousand (cross-entropy over 10 classes starts near 2.3: the limit is 2303); a run
+  whose loss does is lost, however finite.
 - **parameters**: before a checkpoint is written (and after the last step) every parameter
   this worker holds must be finite, so ``checkpoint.pt`` is never overwritten with diverged
   parameters: the last good checkpoint stays loadable.
@@ -39,7 +41,6 @@ import math
 import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -231,10 +232,8 @@ def first_non_finite(tensors: Iterable[torch.Tensor]) -> str | None:
 class DivergenceCheck(Component):
     """The loss watch as a component: after every step, :meth:`LossWatch.check` (thorough at
     log and checkpoint steps, where the loss is read anyway, or at every step where
-    ``thorough``), with the fp16 overflows that ``overflows_in_a_row`` counts. Its state is the
-    first loss (L0), so that a resumed run judges by the same limit."""
-
-    name = "loss_watch"
+    ``thorough``), with the fp16 overflows that ``overflows_in_a_row`` counts. It has no state
+    to checkpoint: a resumed run judges by its own first loss (see the module's rules)."""
 
     def __init__(self, watch: LossWatch, overflows_in_a_row: Callable[[], int], *,
                  thorough: bool = False) -> None:
@@ -245,9 +244,3 @@ class DivergenceCheck(Component):
         self.watch.check(end.step, thorough=self.thorough or end.logging or end.saving,
                          overflows_in_a_row=self.overflows_in_a_row())
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"first_loss": self.watch.rule.first}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        first = state.get("first_loss")
-        self.watch.rule.first = None if first is None else float(first)

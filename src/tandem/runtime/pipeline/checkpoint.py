@@ -135,7 +135,7 @@ def layout_record(layout: PipelineLayout) -> dict[str, Any]:
 
 def worker_state(trainer: PipelineTrainer) -> dict[str, Any]:
     """A pipeline worker's part of a checkpoint as it is now: its random stream, codec state
-    and components' states (the loss scale, its loss watch); on a stage's replica 0 the
+    and components' states (the loss scale); on a stage's replica 0 the
     stage's model and optimizer state (replicas agree); on rank 0 the learning-rate schedule
     (every worker's is the same)."""
     codec = trainer.wire.codec
