@@ -33,7 +33,7 @@ def _is_dataclass(node: ast.ClassDef) -> bool:
 
 
 def attributes(node: ast.ClassDef) -> set[str]:
-    """The names a class's methods assign on ``self``."""
+    """The names a class's methods assign on ``self`` (``self.x = ...``, also in a tuple)."""
     names = set()
     for sub in ast.walk(node):
         targets: list[ast.expr] = []
@@ -41,11 +41,13 @@ def attributes(node: ast.ClassDef) -> set[str]:
             targets = sub.targets
         elif isinstance(sub, (ast.AnnAssign, ast.AugAssign)):
             targets = [sub.target]
-        for target in targets:
-            for part in ast.walk(target):
-                if (isinstance(part, ast.Attribute) and isinstance(part.value, ast.Name)
-                        and part.value.id == "self"):
-                    names.add(part.attr)
+        while targets:
+            target = targets.pop()
+            if isinstance(target, (ast.Tuple, ast.List)):
+                targets.extend(target.elts)
+            elif (isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name)
+                    and target.value.id == "self"):
+                names.add(target.attr)  # self.x = ...; not self.x.y = ... (x's own attribute)
     return names
 
 
@@ -94,7 +96,8 @@ def test_the_measures_count_what_they_say() -> None:
                      "        self.x = a\n"
                      "        self.y: int = b\n"
                      "        self.x += 1\n"
-                     "        self.z, other.w = c, d\n")
+                     "        self.z, other.w = c, d\n"
+                     "        self.x.v = 2\n")
     node = tree.body[0]
     assert isinstance(node, ast.ClassDef)
     assert attributes(node) == {"x", "y", "z"}
