@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tandem.runtime.component import Component
+from tandem.spec.kinds import CompensationMode
 
 if TYPE_CHECKING:
     from tandem.runtime.config import RunConfig
@@ -79,7 +80,7 @@ def compensation(mode: str, momentum: float, delay: int, *, share: float = 1.0,
     PipeDream keeps ``beta1' = max(0, beta1 - d/(d+1))`` as the parameter servers do (with no
     first moment at all, Adam trained a compressed PipeDream worse: docs/large_batch.md).
     """
-    if mode == "off" or delay <= 0:
+    if not CompensationMode(mode).compensates or delay <= 0:
         return Compensation(delay=0, momentum=momentum, lr_scale=1.0)  # nothing compensated
     if share < 1.0:
         kept = max(0.0, momentum - delay / (delay + 1))

@@ -12,6 +12,7 @@ from tandem.plan import Plan
 from tandem.runtime.config import RunConfig
 from tandem.spec.batch_schedule import AUTO
 from tandem.spec.codec import BUCKET_CODECS
+from tandem.spec.kinds import CompensationMode
 from tandem.spec.sync import AllReduceSync, ElasticAveragingSync, ParameterServerSync
 from tandem.strategy import plan_from_flags, strategy_of
 
@@ -41,7 +42,8 @@ class Job:
         self._check_straggler()
         self._check_precision()
         self._check_async_ps()
-        if self.run.async_compensation == "off" and not _stale(self.plan):
+        if not CompensationMode(self.run.async_compensation).compensates \
+                and not _stale(self.plan):
             raise UsageError("--async-compensation off applies to strategies whose updates are "
                              "stale (ps --mode async or ssp, --schedule pipedream); this plan's "
                              "are not, so drop it")
@@ -69,7 +71,7 @@ class Job:
         if degree == 1:
             return
         if plan.pipelined:
-            if plan.schedule not in ("gpipe", "1f1b"):
+            if not plan.schedule.flushes:
                 raise UsageError(f"--schedule {plan.schedule} with --tensor-parallel {degree}: "
                                  f"pipeline x tensor layouts run flush schedules only; use "
                                  f"--schedule 1f1b or gpipe")
@@ -127,7 +129,7 @@ class Job:
         sync, run = self.plan.sync, self.run
         if not (isinstance(sync, ParameterServerSync) and sync.asynchronous):
             return
-        if sync.staleness_lr and run.async_compensation == "auto":
+        if sync.staleness_lr and CompensationMode(run.async_compensation).compensates:
             raise UsageError("--staleness-lr divides each update's learning rate by its "
                              "staleness, which --async-compensation auto (the default) already "
                              "does for the expected staleness; add --async-compensation off to "

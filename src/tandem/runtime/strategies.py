@@ -53,7 +53,7 @@ def _elastic(job: Job, rank: int, world_size: int) -> SyncStrategy:
     sync = job.plan.sync
     if not isinstance(sync, ElasticAveragingSync):
         raise TypeError(f"easgd needs an elastic-averaging sync spec, not {sync!r}")
-    if sync.mode == "async":
+    if sync.mode.asynchronous:
         return ElasticClient(job.plan.num_servers, sync.period, rank=rank,
                              num_workers=world_size, timeout_s=job.run.timeout_s)
     return ElasticAveraging(sync.period, sync.rho, scaled_lr(job.run))

@@ -74,11 +74,11 @@ def pipeline_setup(job: Job, blocks: nn.Sequential, *,
     layout = layout_from_plan(job.plan, len(blocks))
     last = job.run.stop_after if job.run.stop_after is not None else job.run.steps
     schedule = job.plan.build_schedule(last - first_step if last > first_step else job.run.steps)
-    if schedule.kind == "pipedream":
+    if schedule.kind.asynchronous:
         _check_pipedream_steps(job, layout)
     check(schedule)
     shared = shared_parameters(blocks, layout.bounds)
-    if shared and schedule.kind == "pipedream":
+    if shared and schedule.kind.asynchronous:
         stages = ", ".join("-".join(map(str, group)) for group in shared)
         raise UsageError(f"stages {stages} share parameters (tied weights), which the "
                          f"asynchronous pipedream schedule cannot keep equal; use --schedule "
