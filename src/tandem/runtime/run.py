@@ -12,7 +12,7 @@ from pathlib import Path
 from collections.abc import Mapping
 from typing import Any
 
-from tandem.errors import UsageError
+from tandem.errors import PlanWarning, UsageError
 from tandem.runtime.config import RunConfig, resolve_batch_size
 from tandem.runtime.job import Job, sketch_job
 from tandem.runtime.faults import check_fault
@@ -53,7 +53,7 @@ def check_flags(job: Job, *, batches: bool = True) -> None:
     if job.objects is None or job.objects.model is None:
         check_model_spec(run.model)
     if plan.compress is not None:
-        check_codec(plan.compress.text, strategy=strategy_of(plan),
+        check_codec(plan.compress, strategy=strategy_of(plan),
                     sgd_momentum=run.momentum if run.optimizer in ("sgd", "lars") else 0.0)
     if not under_launcher():
         if batches:
@@ -102,7 +102,7 @@ def check_job(job: Job) -> None:
         preflight.warn(f"the plan's time assumes its workers on devices {placed} (each "
                        f"server's stages inside it), but tandem runs worker w as rank w: under "
                        f"torchrun's consecutive ranks per node some activations cross servers, "
-                       f"and the run may be slower than planned")
+                       f"and the run may be slower than planned", PlanWarning)
 
 
 def _check_writable(out: Path) -> None:

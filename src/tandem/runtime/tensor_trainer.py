@@ -103,7 +103,8 @@ class TensorParallelTrainer(BaseTrainer):
         """``--compress``'s codec on the data dimension: each worker encodes its own shares of
         the gradients (keyed by parameter name) and exchanges them with the workers at its
         tensor position in the other replicas."""
-        codec = build_compression(self.plan.compress.text)  # type: ignore[union-attr]
+        assert self.plan.compress is not None, "built with --compress only"
+        codec = build_compression(self.plan.compress)  # the plan's spec, parsed once
         if not isinstance(codec, Codec):  # refused by the job's checks
             raise UsageError(f"--compress {codec.spec} is not a per-tensor codec")
         names = {id(p): name for name, p in model.named_parameters()}
