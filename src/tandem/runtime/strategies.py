@@ -66,7 +66,7 @@ def _codec(job: Job) -> str | None:
 SYNC_STRATEGIES: dict[type, Callable[[Job, int, int], SyncStrategy]] = {
     AllReduceSync: lambda job, rank, world: AllReduce(_codec(job)),
     ParameterServerSync: lambda job, rank, world: ParameterServerClient(
-        job.plan.num_servers, _codec(job), rank=rank, num_workers=world,
+        job.plan.num_servers, job.plan.compress, rank=rank, num_workers=world,
         timeout_s=job.run.timeout_s),
     GossipSync: _gossip,
     ElasticAveragingSync: _elastic,

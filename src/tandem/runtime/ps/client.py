@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tandem.runtime.ps import protocol
+from tandem.spec.codec import CodecSpec
 from tandem.sync.base import SyncStrategy
 from tandem.sync.flat import flatten, state_buffers
 from tandem.sync.side_group import cpu_group
@@ -47,8 +48,8 @@ class ParameterServerClient(SyncStrategy):
     """Whether :meth:`wrap` takes the servers' parameters (else the worker calls :meth:`pull`
     when it is ready to train)."""
 
-    def __init__(self, num_servers: int, compress: str | None = None, *, rank: int = 0,
-                 num_workers: int = 1, timeout_s: float = 300.0) -> None:
+    def __init__(self, num_servers: int, compress: CodecSpec | str | None = None, *,
+                 rank: int = 0, num_workers: int = 1, timeout_s: float = 300.0) -> None:
         self.num_servers = num_servers
         self.timeout_s = timeout_s
         self.compress = compress

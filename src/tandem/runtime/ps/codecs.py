@@ -12,11 +12,13 @@ import torch
 
 from tandem.runtime.component import Component, StepEnd
 from tandem.runtime.ps import protocol
+from tandem.spec.codec import CodecSpec
 
 
 class WireCodecs(Component):
-    """Per worker, how this server decodes its pushes and encodes its replies (``codec_text``
-    None: plain float32 both ways, and no state: the server leaves it out of its components).
+    """Per worker, how this server decodes its pushes and encodes its replies (``spec``, the
+    plan's codec; None: plain float32 both ways, and no state: the server leaves it out of its
+    components).
 
     As a component, it takes a snapshot of its state at every step a checkpoint is taken after
     (:attr:`StepEnd.saving`), which the server calls before that version's replies advance the
@@ -24,9 +26,9 @@ class WireCodecs(Component):
 
     name = "codecs"
 
-    def __init__(self, codec_text: str | None, shapes: Sequence[torch.Size],
+    def __init__(self, spec: CodecSpec | None, shapes: Sequence[torch.Size],
                  keys: Sequence[str]) -> None:
-        self.codec_text = codec_text
+        self.spec = spec
         self.shapes, self.keys = list(shapes), list(keys)
         self.decoders: dict[int, protocol.ShardCodec] = {}
         """Per worker: decodes its pushes (a codec of its own, for codecs with shared state)."""
@@ -39,7 +41,7 @@ class WireCodecs(Component):
     def codec(self, *, feedback: bool) -> protocol.ShardCodec:
         """A fresh codec of this server's shard (``feedback``: with error feedback, as the
         workers push)."""
-        return protocol.ShardCodec(self.codec_text, self.shapes, self.keys, feedback=feedback)
+        return protocol.ShardCodec(self.spec, self.shapes, self.keys, feedback=feedback)
 
     def decode(self, worker: int, data: torch.Tensor) -> torch.Tensor:
         """The gradient shard ``worker`` pushed as ``data`` (decoded in the order it sent)."""
@@ -66,7 +68,7 @@ class WireCodecs(Component):
         """With a codec, per worker: the state of the decoder of its pushes, and the copy of
         the shard it holds (``x̂_w``) with the encoder of its pulls (their workers save theirs
         in ``worker-K.pt`` at the same update)."""
-        if self.codec_text is None:
+        if self.spec is None:
             return {}
         return copy.deepcopy({  # a snapshot: encoding the next replies changes these in place
             "decoders": {w: d.codec.state_dict() for w, d in self.decoders.items() if d.codec},

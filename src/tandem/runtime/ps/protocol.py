@@ -40,6 +40,7 @@ import torch
 from tandem.compress import Codec, Payload, build_codec
 from tandem.compress.hooks import from_bytes, to_bytes
 from tandem.compress.sparse import RandomK
+from tandem.spec.codec import CodecSpec, CodecUse
 from tandem.sync.gossip import plain, tracking_scale
 
 PUSH, PULL, BYE, PARAMS = 1, 2, 3, 4
@@ -170,8 +171,8 @@ class ShardCodec:
     message decoded per message encoded, in order).
     """
 
-    def __init__(self, spec: str | None, shapes: Sequence[torch.Size], keys: Sequence[str], *,
-                 feedback: bool) -> None:
+    def __init__(self, spec: CodecSpec | str | None, shapes: Sequence[torch.Size],
+                 keys: Sequence[str], *, feedback: bool) -> None:
         assert len(shapes) == len(keys), (shapes, keys)
         self.shapes, self.keys = list(shapes), list(keys)
         self.sizes = [shape.numel() for shape in self.shapes]
@@ -180,7 +181,7 @@ class ShardCodec:
         self.codec: Codec | None = None
         self.template: list[list[tuple[torch.Size, torch.dtype]]] = []
         if spec is not None:
-            codec = build_codec(spec, strategy="ps")
+            codec = build_codec(spec, strategy=CodecUse.PUSHES)
             self.codec = codec if feedback else plain(codec)
             self.template = [[(t.shape, t.dtype) for t in payload]
                              for payload in self._zeros_payloads(spec)]
@@ -193,10 +194,10 @@ class ShardCodec:
                        for size in self.sizes]
         """Per tensor, the factor on decoded differences that are tracked (pulls)."""
 
-    def _zeros_payloads(self, spec: str) -> list[Payload]:
+    def _zeros_payloads(self, spec: CodecSpec | str) -> list[Payload]:
         """Payloads of zeros from a codec of their own: their shapes and dtypes (which depend
         only on the tensors' shapes) without touching this codec's state."""
-        scratch = plain(build_codec(spec, strategy="ps"))
+        scratch = plain(build_codec(spec, strategy=CodecUse.PUSHES))
         return [scratch.encode(torch.zeros(shape), key)
                 for shape, key in zip(self.shapes, self.keys)]
 

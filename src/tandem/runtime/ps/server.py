@@ -119,8 +119,7 @@ class ParameterServer(Worker):
         self.rule = self._update_rule()
         self.pace = self._pace()
         self.stats = ServerStats(env.rank)
-        self.codecs = WireCodecs(job.plan.compress.text if job.plan.compress else None,
-                                 self.shard.shapes, self.shard.keys)
+        self.codecs = WireCodecs(job.plan.compress, self.shard.shapes, self.shard.keys)
         self.waiting: list[int] = []
         """Workers whose push (or first pull) is not answered yet."""
         self.round = PushRound(self.pace.required)
@@ -359,7 +358,7 @@ def server_components(server: ParameterServer) -> Components:
         reporter, ServerLog(server.stats, reporter, server.pace.batch_at),
         (PeriodicEvaluation(config.eval_every, server._evaluate, reporter)  # noqa: SLF001
          if config.eval_every else None),
-        server.codecs if server.codecs.codec_text is not None else None,
+        server.codecs if server.codecs.spec is not None else None,
         server.checkpoint if config.checkpoint_every else None,
         server.rule.compensation, NoiseScale.unavailable(NO_NOISE_SCALE),
     )
