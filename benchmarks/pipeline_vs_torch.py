@@ -50,10 +50,10 @@ class TorchPipeline:
         self.trainer, self.rank = trainer, trainer.env.rank
         torch.manual_seed(trainer.config.seed)
         model = build_model(trainer.config.model, trainer.feed.data.info)
-        start, end = trainer.layout.bounds[trainer.stage]
+        start, end = trainer.layout.bounds[trainer.place.stage]
         self.module = nn.Sequential(*list(model)[start:end])
         self.optimizer = torch.optim.SGD(self.module.parameters(), lr=args.lr, momentum=0.9)
-        stage = PipelineStage(self.module, trainer.stage, trainer.layout.num_stages,
+        stage = PipelineStage(self.module, trainer.place.stage, trainer.layout.num_stages,
                               torch.device("cpu"))
         schedule_cls = ScheduleGPipe if kind == "gpipe" else Schedule1F1B
         self.schedule = schedule_cls(stage, n_microbatches=args.microbatches,

@@ -1,5 +1,6 @@
 """The handlers of a data-parallel worker's forwards, backwards and overlapped allreduce, which
-the schedule interpreter runs from the plan's one-stage schedule, and its noise-scale samples.
+the schedule interpreter runs from the plan's one-stage schedule, a sync strategy's own update,
+and the worker's noise-scale samples.
 
 Worker ``r`` of ``W`` runs micro-batches ``m = r + W * k`` of each global batch (the generator's
 round-robin); ``k`` indexes this worker's share, cut into ``--accumulate`` micro-batches. Every
@@ -13,19 +14,23 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from tandem.data import Batch
 from tandem.runtime.executor import Span
-from tandem.runtime.noise_scale import two_batch_estimates
+from tandem.runtime.noise_scale import NoiseScale, two_batch_estimates
 from tandem.runtime.precision import Precision
 from tandem.schedule import Action
 from tandem.spec.codec import CodecSpec
 from tandem.structures import call_model
 from tandem.sync import SyncStrategy
+from tandem.sync.allreduce import AllReduce
+
+if TYPE_CHECKING:
+    from tandem.runtime.batches import BatchFeed
 
 
 class DataParallelStep:
@@ -102,6 +107,25 @@ class DataParallelStep:
         span.start, span.end = self.backward_span
 
 
+def apply_update(strategy: SyncStrategy, module: nn.Module, optimizer: torch.optim.Optimizer,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler, precision: Precision,
+                 step: int) -> bool:
+    """Unscale and clip the gradients of ``step``, then let ``strategy`` synchronize them and
+    apply the update; returns whether the strategy says stop (a parameter server's)."""
+    finite = precision.unscale_and_clip(optimizer, module.parameters())
+    if not finite and not strategy.local_optimizer:
+        # an overflow anywhere skips the whole step: every server sees non-finite numbers
+        for p in module.parameters():
+            if p.grad is not None:
+                p.grad.fill_(float("nan"))
+    stopped = strategy.update(module, optimizer, step)
+    if not strategy.local_optimizer:  # a server applies the pushed gradients
+        precision.finish_step()
+    if strategy.local_optimizer:
+        scheduler.step()
+    return stopped
+
+
 class NoiseSamples:
     """Each step's squared norms of this worker's gradient and of the averaged one, kept on the
     device and turned into estimates of ``|G|²`` and ``tr(Σ)`` all at once when the next report
@@ -166,6 +190,27 @@ class NoiseSamples:
         self.flush()
         window, self.window = self.window, None
         return window
+
+
+def noise_measure(strategy: SyncStrategy, feed: BatchFeed, *, data_world: int,
+                  compress: CodecSpec | None, log_every: int,
+                  last_step: int) -> tuple[NoiseScale | None, NoiseSamples | None]:
+    """The gradient noise scale where ``strategy`` is DDP's allreduce among two or more workers,
+    and the samples it is estimated from; with one worker, why not (and no samples); with
+    another strategy, neither (the trainer's own reason: not data parallelism)."""
+    if not isinstance(strategy, AllReduce):
+        return None, None
+    if data_world < 2:
+        strategy.bucket_norms.enabled = False  # the hook measures nothing
+        return NoiseScale.unavailable(
+            "one worker: the gradient noise scale needs gradients of two batch sizes (each "
+            "worker's own and their mean); run with --nproc 2 or more"), None
+    streams = feed.data.train.streams
+    noise = NoiseScale(noise_notes(compress, streams=streams))
+    # batches are drawn without replacement from the shuffled training set
+    return noise, NoiseSamples(data_world=data_world,
+                               population=None if streams else len(feed.train),
+                               log_every=log_every, last_step=last_step)
 
 
 def noise_notes(compress: CodecSpec | None, *, streams: bool) -> str | None:

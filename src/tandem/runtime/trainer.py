@@ -24,12 +24,11 @@ from tandem.runtime.checkpoint import (
     CHECKPOINT_VERSION, load_checkpoint, load_schedule, resume_path, save_atomic,
 )
 from tandem.runtime.job import Job
-from tandem.runtime.data_step import DataParallelStep, NoiseSamples, noise_notes
+from tandem.runtime.data_step import DataParallelStep, apply_update, noise_measure
 from tandem.runtime.dist import WorkerEnv
 from tandem.runtime.divergence import DivergenceCheck
 from tandem.runtime.executor import Executor, Handler, Program, compile_program
 from tandem.runtime.faults import announce_resume, maybe_fail
-from tandem.runtime.noise_scale import NoiseScale
 from tandem.runtime.precision import Precision
 from tandem.runtime.watchdog import Heartbeat
 from tandem.schedule import Action, Kind
@@ -87,7 +86,14 @@ class Trainer(BaseTrainer):
         self.precision = Precision(config.precision, env.device,
                                    clip=None if server_clips else config.clip_grad_norm)
         self.strategy.step_fn = self.precision.step
-        self._start_noise_scale()
+        noise, self.noise_samples = noise_measure(
+            self.strategy, self.feed, data_world=self.data_world, compress=self.plan.compress,
+            log_every=config.log_every,
+            last_step=config.stop_after if config.stop_after is not None else config.steps)
+        if noise is not None:  # else BaseTrainer's reason: not data parallelism
+            self.noise = noise
+        if self.noise_samples is not None:
+            self.loss_log.noise_window = torch.zeros(3, dtype=torch.float64, device=env.device)
         if checkpoint is not None:
             self._restore(checkpoint)
         self.work = DataParallelStep(self.module, self.precision, self.task.loss, beat,
@@ -122,28 +128,6 @@ class Trainer(BaseTrainer):
     def _record_sync(self, code: str, start: float, end: float) -> None:
         """Trace an action of the strategy's own loop."""
         self.trace(SYNC_NAMES[code], start, end, self.current_step)
-
-    def _start_noise_scale(self) -> None:
-        """Measure the gradient noise scale where the strategy is DDP's allreduce among two or
-        more workers; else say why not."""
-        self.noise_samples: NoiseSamples | None = None
-        if not isinstance(self.strategy, AllReduce):
-            return  # BaseTrainer's reason: not data parallelism
-        if self.data_world < 2:
-            self.strategy.bucket_norms.enabled = False  # the hook measures nothing
-            self.noise = NoiseScale.unavailable(
-                "one worker: the gradient noise scale needs gradients of two batch sizes (each "
-                "worker's own and their mean); run with --nproc 2 or more")
-            return
-        streams = self.feed.data.train.streams
-        self.noise = NoiseScale(noise_notes(self.plan.compress, streams=streams))
-        self.loss_log.noise_window = torch.zeros(3, dtype=torch.float64, device=self.env.device)
-        config = self.config
-        # batches are drawn without replacement from the shuffled training set
-        self.noise_samples = NoiseSamples(
-            data_world=self.data_world, population=None if streams else len(self.feed.train),
-            log_every=config.log_every,
-            last_step=config.stop_after if config.stop_after is not None else config.steps)
 
     def _measure_noise(self, step: int, global_count: int, local_count: int) -> None:
         """Keep this step's noise-scale norms (:class:`NoiseSamples`); at a log step add their
@@ -247,17 +231,8 @@ class Trainer(BaseTrainer):
         self.loss_log.local_predictions += local_count
         self.strategy.record_loss(loss_total, local_count)
         self.strategy.check_gradients(self.module, step)
-        finite = self.precision.unscale_and_clip(self.optimizer, self.module.parameters())
-        if not finite and not self.strategy.local_optimizer:
-            # an overflow anywhere skips the whole step: every server sees non-finite numbers
-            for p in self.module.parameters():
-                if p.grad is not None:
-                    p.grad.fill_(float("nan"))
-        self.stopped = self.strategy.update(self.module, self.optimizer, step)
-        if not self.strategy.local_optimizer:  # a server applies the pushed gradients
-            self.precision.finish_step()
-        if self.strategy.local_optimizer:
-            self.scheduler.step()
+        self.stopped = apply_update(self.strategy, self.module, self.optimizer, self.scheduler,
+                                    self.precision, step)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float | None]:
@@ -304,11 +279,7 @@ class Trainer(BaseTrainer):
     def summary_extra(self) -> dict[str, Any]:
         """The model's size and the strategy's stats summed over workers; ``sent_bytes_per_step``
         is what all workers sent per step of this run."""
-        stats = self.strategy.stats()
-        totals = torch.tensor([float(stats.get(key, 0.0)) for key in sorted(stats)] or [0.0],
-                              dtype=torch.float64, device=self.env.device)
-        dist.all_reduce(totals)
-        summed = {key: totals[i].item() for i, key in enumerate(sorted(stats))}
+        summed = summed_over_workers(self.strategy.stats(), self.env.device)
         if "sync_bytes" in summed:
             summed["sent_bytes_per_step"] = summed["sync_bytes"] / max(1, len(self.step_times))
         skipped = torch.tensor(float(self.precision.skipped_steps), dtype=torch.float64,
@@ -317,6 +288,14 @@ class Trainer(BaseTrainer):
         return {"parameters": sum(p.numel() for p in self.model.parameters()), **summed,
                 "precision": self.config.precision, "clip_grad_norm": self.config.clip_grad_norm,
                 "skipped_steps": int(skipped)}
+
+
+def summed_over_workers(stats: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Each of ``stats``' numbers summed over all workers (collective)."""
+    totals = torch.tensor([float(stats.get(key, 0.0)) for key in sorted(stats)] or [0.0],
+                          dtype=torch.float64, device=device)
+    dist.all_reduce(totals)
+    return {key: totals[i].item() for i, key in enumerate(sorted(stats))}
 
 
 def async_batch_share(version: int, *, rank: int, workers: int, first: int = 0) -> tuple[int, int]:

@@ -144,7 +144,7 @@ def worker_state(trainer: PipelineTrainer) -> dict[str, Any]:
         "wire": copy.deepcopy(codec.state_dict()) if codec is not None else {},
         "components": copy.deepcopy(trainer.components.state_dict()),
     }
-    if trainer.replica == 0:
+    if trainer.place.replica == 0:
         own["stage"] = stage_state(trainer.module, trainer.names, trainer.optimizer)
     if trainer.env.rank == 0:
         own["scheduler"] = copy.deepcopy(trainer.scheduler.state_dict())

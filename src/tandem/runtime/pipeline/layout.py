@@ -28,6 +28,26 @@ class PipelineLayout:
         return "-".join(map(str, self.replicas))
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class StagePlace:
+    """Where one process of a pipeline job sits: its worker in the schedule, that worker's
+    stage and replica, and its place among the worker's tensor-parallel processes."""
+
+    worker: int
+    """This process's worker in the schedule (``rank // tensor_degree``)."""
+    stage: int
+    replica: int
+    """The worker's stage, and which of that stage's replicas it is."""
+    tensor_rank: int
+    """Its place among the worker's tensor-parallel processes (0 without tensor parallelism)."""
+    tensor_degree: int
+    """Processes per worker (1 without tensor parallelism)."""
+
+    def rank_of(self, worker: int) -> int:
+        """The rank of schedule worker ``worker``'s process at this place's tensor position."""
+        return worker * self.tensor_degree + self.tensor_rank
+
+
 def layout_from_plan(plan: Plan, num_blocks: int) -> PipelineLayout:
     """The stages of a plan, checked against the model's blocks."""
     if plan.layer_order is not None and list(plan.layer_order) != list(range(plan.num_layers)):

@@ -34,35 +34,36 @@ def evaluate_stage(trainer: PipelineTrainer) -> dict[str, float | None]:
     trainer.beat.phase = "evaluate"
     trainer.module.eval()
     num_stages, replicas = trainer.layout.num_stages, trainer.layout.replicas
+    place = trainer.place
     samples = trainer.task.test_samples.to(trainer.env.device)
     totals = torch.zeros(4, dtype=torch.float64, device=trainer.env.device)
     for chunk, start in enumerate(range(0, len(samples), EVAL_CHUNK)):
-        if chunk % replicas[trainer.stage] != trainer.replica:
+        if chunk % replicas[place.stage] != place.replica:
             continue
         end = min(start + EVAL_CHUNK, len(samples))
-        batch = samples.rows(start, end) if trainer.stage in (0, num_stages - 1) else None
-        if batch is not None and trainer.stage == 0:
+        batch = samples.rows(start, end) if place.stage in (0, num_stages - 1) else None
+        if batch is not None and place.stage == 0:
             x = batch.inputs
         else:
             specs = trainer.shapes.inputs
             shapes = [spec.shape_at(end - start) for spec in specs]
             dtypes = [spec.dtype for spec in specs]
             message = trainer.wire.receive_many(shapes, dtypes, trainer.env.device)
-            dist.recv(message, src=trainer._rank_of(trainer.schedule.worker_for(trainer.stage - 1,
-                                                                          chunk)),
+            dist.recv(message, src=place.rank_of(trainer.schedule.worker_for(place.stage - 1,
+                                                                             chunk)),
                       tag=EVAL_TAG_BASE + chunk)
             received = trainer.wire.unpack_many(message, shapes, dtypes, "activation")
             x = received[0] if len(received) == 1 else tuple(received)
         out = trainer.module(x)
-        if batch is not None and trainer.stage == num_stages - 1:
+        if batch is not None and place.stage == num_stages - 1:
             totals += score_batch(out, batch.targets, trainer.task.loss, batch.size)
         else:
             outs = out if isinstance(out, tuple) else (out,)
             dist.send(trainer.wire.pack_many(outs, "activation", trainer.env.device),
-                      dst=trainer._rank_of(trainer.schedule.worker_for(trainer.stage + 1, chunk)),
+                      dst=place.rank_of(trainer.schedule.worker_for(place.stage + 1, chunk)),
                       tag=EVAL_TAG_BASE + chunk)
     trainer.module.train()
-    if trainer.tensor_rank:  # every tensor position scored the same samples: count them once
+    if place.tensor_rank:  # every tensor position scored the same samples: count them once
         totals.zero_()
     dist.all_reduce(totals)
     return evaluation(totals)
@@ -72,9 +73,10 @@ def whole_state_dict(trainer: PipelineTrainer) -> dict[str, torch.Tensor] | None
     """Replica 0 of every stage sends its blocks' state to rank 0, under the full model's names
     (with tensor parallelism, its tensor-parallel processes gather their shares first)."""
     state = None
-    whole = (gathered_state_dict(trainer.module, trainer.tensor_plan, trainer.mesh["tensor"])
-             if trainer.mesh is not None and trainer.replica == 0 else trainer.module.state_dict())
-    if trainer.replica == 0 and trainer.tensor_rank == 0:
+    place, split = trainer.place, trainer.split
+    whole = (gathered_state_dict(trainer.module, split.plan, split.mesh["tensor"])
+             if split is not None and place.replica == 0 else trainer.module.state_dict())
+    if place.replica == 0 and place.tensor_rank == 0:
         state = {}
         for key, tensor in whole.items():
             for name in trainer.names(key):
@@ -113,15 +115,15 @@ def stage_summary(trainer: PipelineTrainer) -> dict[str, Any]:
     state), at its peak, and at start (:mod:`tandem.runtime.memory`). ``precision``,
     ``clip_grad_norm`` and ``skipped_steps`` (fp16 steps every stage skipped together; per
     worker too) as the data-parallel trainer reports them."""
-    traffic = trainer.engine.traffic
+    traffic, place, split = trainer.engine.traffic, trainer.place, trainer.split
     totals = torch.tensor([traffic.total_bytes, traffic.activation_bytes,
                            traffic.message_bytes], dtype=torch.float64, device=trainer.env.device)
     dist.all_reduce(totals)
     sent, activations, messages = (value / max(1, len(trainer.step_times))
                                    for value in totals.tolist())
     stats = {
-        "worker": trainer.env.rank, "stage": trainer.stage, "replica": trainer.replica,
-        "layers": list(trainer.layout.bounds[trainer.stage]),
+        "worker": trainer.env.rank, "stage": place.stage, "replica": place.replica,
+        "layers": list(trainer.layout.bounds[place.stage]),
         "peak_activation_bytes": trainer.engine.peak_activation_bytes,
         "stash_peak_bytes": trainer.engine.stash.peak_bytes if trainer.engine.stash else 0,
         "parameter_bytes": sum(local_tensor(p).numel() * p.element_size()
@@ -134,17 +136,17 @@ def stage_summary(trainer: PipelineTrainer) -> dict[str, Any]:
         "skipped_steps": trainer.precision.skipped_steps,
     }
     tensor: dict[str, Any] = {}
-    if trainer.mesh is not None:
-        stats["tensor_part"] = trainer.tensor_rank
-        report = memory_report(trainer.module, trainer.optimizer, trainer.whole_bytes)
+    if split is not None:
+        stats["tensor_part"] = place.tensor_rank
+        report = memory_report(trainer.module, trainer.optimizer, split.whole_bytes)
         stats["tensor_memory"] = {key: int(value) for key, value in report.items()}
-        stats["tensor_whole_layers"] = trainer.tensor_whole
+        stats["tensor_whole_layers"] = split.whole_layers
     gathered: list[Any] = [None] * trainer.env.world_size
     dist.all_gather_object(gathered, stats)
-    if trainer.mesh is not None:
+    if split is not None:
         whole = {name: None for worker in gathered for name in worker["tensor_whole_layers"]}
-        tensor = {"tensor_parallel": trainer.tensor_degree,
-                  "mesh": dict(zip(trainer.mesh.mesh_dim_names or (), trainer.mesh.shape)),
+        tensor = {"tensor_parallel": place.tensor_degree,
+                  "mesh": dict(zip(split.mesh.mesh_dim_names or (), split.mesh.shape)),
                   "tensor_whole_layers": list(whole)}
     return {"pipeline": trainer.layout.text(), **tensor,
             "vertical_sync": trainer.plan.vertical_sync,

@@ -26,20 +26,13 @@ run's schedule spans only the steps it runs, filling again at its start and drai
 
 from __future__ import annotations
 
-import functools
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
-from tandem import structures
-from tandem.data import Batch
-from tandem.errors import UsageError
-from tandem.models.tensor import tensor_plan
 from tandem.runtime.base import BaseTrainer
 from tandem.runtime.checkpoint import (
     load_checkpoint, load_schedule, resume_path,
@@ -51,21 +44,22 @@ from tandem.runtime.pipeline.checkpoint import (
     layout_record, load_stage, save_stage_checkpoint, worker_state,
 )
 from tandem.runtime.asynchrony import restore_momentum
+from tandem.runtime.pipeline.layout import StagePlace
 from tandem.runtime.pipeline.materialize import materialize
+from tandem.runtime.pipeline.microbatch import StageBatches
 from tandem.runtime.pipeline.report import evaluate_stage, stage_summary, whole_state_dict
 from tandem.runtime.pipeline.groups import point_to_point_links, tied_groups
 from tandem.runtime.pipeline.chunks import no_update_between, step_chunks
 from tandem.runtime.pipeline.engine import (
-    ComputeSpec, LinkSpec, Microbatch, StageEngine, StageShapes, Tie, UpdateSpec,
+    ComputeSpec, LinkSpec, StageEngine, StageShapes, Tie, UpdateSpec,
 )
 from tandem.runtime.pipeline.setup import (
     boundary_specs, example_inputs, model_names, pipeline_blocks, pipeline_setup,
 )
 from tandem.runtime.pipeline.wire import Wire
+from tandem.runtime.pipeline.tensor_split import StageSplit, split_stage
 from tandem.runtime.precision import StagePrecision
-from tandem.runtime.tensor_parallel import (
-    layout_mesh, local_tensor, parameter_bytes, split_model, stage_plan,
-)
+from tandem.runtime.tensor_parallel import local_tensor
 from tandem.runtime.watchdog import Heartbeat
 from tandem.split import SplitModel
 
@@ -93,36 +87,40 @@ class PipelineTrainer(BaseTrainer):
         self.first_step = int(checkpoint["step"]) if checkpoint is not None else 0
         self.last_step = config.stop_after if config.stop_after is not None else config.steps
         self.layout, self.schedule = pipeline_setup(job, blocks, first_step=self.first_step)
-        self.tensor_degree = job.plan.tensor_degree
-        self.worker, self.tensor_rank = divmod(env.rank, self.tensor_degree)
-        """This rank's worker in the schedule, and its place among that worker's
-        tensor-parallel processes (0 without tensor parallelism)."""
-        self.stage, self.replica = self.schedule.stage_of(self.worker)
-        replica = f" replica {self.replica}" if self.layout.replicas[self.stage] > 1 else ""
-        part = f" tensor part {self.tensor_rank}" if self.tensor_degree > 1 else ""
-        self.divergence.where = f"stage {self.stage}{replica}{part} (rank {env.rank})"
-        start, end = self.layout.bounds[self.stage]
+        degree = job.plan.tensor_degree
+        worker, tensor_rank = divmod(env.rank, degree)
+        stage, replica = self.schedule.stage_of(worker)
+        self.place = place = StagePlace(worker=worker, stage=stage, replica=replica,
+                                        tensor_rank=tensor_rank, tensor_degree=degree)
+        replica_text = f" replica {replica}" if self.layout.replicas[stage] > 1 else ""
+        part = f" tensor part {tensor_rank}" if degree > 1 else ""
+        self.divergence.where = f"stage {stage}{replica_text}{part} (rank {env.rank})"
+        start, end = self.layout.bounds[stage]
         boundaries = boundary_specs(blocks, example)
         self.module = materialize(list(blocks)[start:end], start, config.seed, env.device)
         self.names = model_names(blocks, start)
-        self.mesh = self._split_stage(model, blocks, start, end) if self.tensor_degree > 1 else None
+        self.split: StageSplit | None = split_stage(
+            job, self.module, model, blocks, start=start, end=end, place=place,
+            layout=self.layout, schedule=self.schedule, device=env.device) if degree > 1 else None
+        """With tensor parallelism, this process's share of the stage's split layers."""
+        self.batches = StageBatches(self.feed, first=stage == 0,
+                                    last=stage == self.layout.num_stages - 1,
+                                    first_step=self.first_step)
         self.held_model_bytes = sum(local_tensor(t).numel() * t.element_size() for t in
                                     (*blocks.parameters(), *blocks.buffers()) if not t.is_meta)
         """Bytes of the whole model's parameters and buffers this worker materialized (its
         shares of the split layers, with tensor parallelism)."""
-        self.groups = self._stage_groups()
-        self.links = point_to_point_links(self.schedule, rank=env.rank,
-                                          tensor_degree=self.tensor_degree,
-                                          timeout_s=config.timeout_s)
-        ties = tied_groups(blocks, self.layout, self.schedule, stage=self.stage,
-                           tensor_degree=self.tensor_degree, timeout_s=config.timeout_s)
+        groups = self._stage_groups()
+        links = point_to_point_links(self.schedule, rank=env.rank, tensor_degree=degree,
+                                     timeout_s=config.timeout_s)
+        ties = tied_groups(blocks, self.layout, self.schedule, stage=stage,
+                           tensor_degree=degree, timeout_s=config.timeout_s)
         self.setup_optimizer(self.module.parameters(), delay=self._delay(),
                              every_stage=bool(job.plan.vertical_sync))
         self.shapes = StageShapes(inputs=boundaries[start - 1] if start else (),
                                   outputs=boundaries[end - 1] if end < len(blocks) else ())
-        self.wire = Wire.build(job.plan.compress.text if job.plan.compress else None,
-                               rank=env.rank, world_size=env.world_size)
-        self.asynchronous = self.schedule.kind == "pipedream"
+        self.wire = Wire.build(job.plan.compress, rank=env.rank, world_size=env.world_size)
+        self.asynchronous = self.schedule.kind.asynchronous
         self.precision = StagePrecision(config.precision, env.device, clip=config.clip_grad_norm,
                                         counted=self._counted(ties))
         assert not (self.asynchronous and self.precision.agrees), "refused by Job"
@@ -132,24 +130,24 @@ class PipelineTrainer(BaseTrainer):
         """Asynchronous schedule: step -> this worker's state when it applied that many
         updates, kept until the checkpoint of that step is saved."""
         self.engine = StageEngine(
-            links=LinkSpec(worker=self.worker, links=self.links, rank_of=self._rank_of,
+            links=LinkSpec(worker=worker, links=links, rank_of=place.rank_of,
                            wire=self.wire, vertical_sync=job.plan.vertical_sync),
-            compute=ComputeSpec(module=self.module, first=self.stage == 0,
-                                last=self.stage == self.layout.num_stages - 1,
+            compute=ComputeSpec(module=self.module, first=stage == 0,
+                                last=stage == self.layout.num_stages - 1,
                                 loss_fn=self.task.loss, precision=self.precision,
                                 recompute=job.plan.recompute,
                                 clone_received=not isinstance(blocks, SplitModel)),
             update=UpdateSpec(module=self.module, optimizer=self.optimizer,
                               scheduler=self.scheduler, precision=self.precision,
-                              group=self.groups[self.stage],
-                              num_replicas=self.layout.replicas[self.stage], ties=ties),
+                              group=groups[stage],
+                              num_replicas=self.layout.replicas[stage], ties=ties),
             shapes=self.shapes, asynchronous=self.asynchronous, trace=self.trace, beat=beat,
             device=env.device)
         self.engine.compute.on_loss = self.divergence.observe
-        actions = self.schedule.workers[self.worker]
+        actions = self.schedule.workers[worker]
         if self.asynchronous:
             steps = max(1, self.last_step - self.first_step)
-            chunks = step_chunks(self.schedule, self.worker, steps)
+            chunks = step_chunks(self.schedule, worker, steps)
             self.programs = [self.engine.program(chunk) for chunk in chunks]
             self.engine.compute.unchanged_until_backward = no_update_between(actions)
             self.engine.update.after_step = self._snapshot_if_due
@@ -163,44 +161,17 @@ class PipelineTrainer(BaseTrainer):
         ``S - 1`` for every stage — the pipeline holds ``S`` minibatches, and a stage's gradient
         depends on every stage's weights (counting only the stages after it, ``S - 1 - s``,
         trained worse: docs/large_batch.md)."""
-        if self.schedule.kind != "pipedream":
+        if self.schedule.kind.flushes:
             return 0
         return len(self.layout.bounds) - 1
-
-    def _rank_of(self, worker: int) -> int:
-        """The rank of schedule worker ``worker``'s process at this rank's tensor position."""
-        return worker * self.tensor_degree + self.tensor_rank
-
-    def _split_stage(self, model: nn.Module, blocks: nn.Sequential, start: int,
-                     end: int) -> DeviceMesh:
-        """Lay the job out on its ``data x pipeline x tensor`` mesh and keep this worker's share
-        of the stage's split layers (the stage's part of the model's tensor plan)."""
-        if isinstance(blocks, SplitModel) or blocks is not model:
-            raise UsageError(f"--tensor-parallel {self.tensor_degree} in a pipeline needs a model "
-                             f"that is an nn.Sequential of blocks (tensor layers are named in "
-                             f"it); run this model with --strategy dp --tensor-parallel")
-        own = self.job.objects is not None and self.job.objects.model is not None
-        whole_plan = tensor_plan(None if own else self.config.model, model, self.tensor_degree,
-                                 self.plan.tensor_layers)
-        plan, self.tensor_whole = stage_plan(whole_plan, start, end)
-        if self.tensor_whole and self.tensor_rank == 0 and self.replica == 0:
-            print(f"tandem: warning: layers {', '.join(self.tensor_whole)} stay whole: a heads "
-                  f"layer needs its row-wise layer in its stage", file=sys.stderr)
-        self.tensor_plan = plan
-        self.whole_bytes = parameter_bytes(self.module)
-        mesh = layout_mesh(self.env.device.type, replicas=self.layout.replicas[0],
-                           stages=self.layout.num_stages, degree=self.tensor_degree,
-                           worker_of=self.schedule.worker_of)
-        split_model(self.module, plan, mesh["tensor"])
-        return mesh
 
     def _stage_groups(self) -> list[dist.ProcessGroup | None]:
         """A process group for each replicated stage (every rank creates every group; with
         tensor parallelism, the mesh's ``data`` groups)."""
         groups: list[dist.ProcessGroup | None] = []
-        if self.mesh is not None:
-            group = self.mesh["data"].get_group() if self.layout.replicas[0] > 1 else None
-            return [group if stage == self.stage else None
+        if self.split is not None:
+            group = self.split.mesh["data"].get_group() if self.layout.replicas[0] > 1 else None
+            return [group if stage == self.place.stage else None
                     for stage in range(self.layout.num_stages)]
         for stage, count in enumerate(self.layout.replicas):
             ranks = [self.schedule.worker_of(stage, replica) for replica in range(count)]
@@ -210,71 +181,30 @@ class PipelineTrainer(BaseTrainer):
     def _counted(self, ties: list[Tie]) -> list[nn.Parameter]:
         """The parameters whose gradient this worker adds to the whole model's norm: replica 0's,
         less the tied ones a lower stage holds (their copies' gradients are equal)."""
-        if self.replica != 0:
+        if self.place.replica != 0:
             return []
-        elsewhere = {id(p) for tie in ties if tie.stages[0] != self.stage for p in tie.params}
+        elsewhere = {id(p) for tie in ties if tie.stages[0] != self.place.stage for p in tie.params}
         return [p for p in self.module.parameters() if id(p) not in elsewhere]
 
     # -- training --------------------------------------------------------------------------------
 
-    @property
-    def reads_data(self) -> bool:
-        """Whether this stage takes batches: the first (inputs) and the last (targets)."""
-        return self.stage in (0, self.layout.num_stages - 1)
-
     def planned_batches(self, first: int, last: int) -> list[torch.Tensor]:
-        if not self.reads_data:
-            return []
-        return [self.feed.sampler.global_indices(step) for step in range(first, last)]
-
-    @functools.lru_cache(maxsize=4)  # noqa: B019 - bounded, per trainer
-    def _global_batch(self, step: int) -> Batch:
-        """The whole global batch of ``step`` (the stage takes its micro-batches from it)."""
-        return self.feed.take(self.feed.sampler.global_indices(step))
-
-    def _step_microbatches(self, step: int, parts: int) -> list[Microbatch]:
-        """The ``parts`` micro-batches of step ``step``: consecutive rows of its global batch,
-        the first ``samples % parts`` one sample larger (as ``torch.tensor_split``); the inputs
-        on the first stage, the targets on the last."""
-        count = len(self.feed.sampler.global_indices(step))
-        whole = self._global_batch(step) if self.reads_data else None
-        first, last = self.stage == 0, self.stage == self.layout.num_stages - 1
-        quotient, remainder = divmod(count, parts)
-        inputs = whole.inputs if whole is not None and first else None
-        targets = whole.targets if whole is not None and last else None
-        micros, start = [], 0
-        for m in range(parts):
-            size = quotient + (m < remainder)
-            rows = slice(start, start + size)
-            micros.append(Microbatch(
-                size=size, scale=1.0 / count, step=step,
-                inputs=None if inputs is None else structures.take(inputs, rows),
-                targets=None if targets is None else structures.take(targets, rows),
-            ))
-            start += size
-        return micros
-
-    @functools.lru_cache(maxsize=64)  # noqa: B019 - bounded, per trainer
-    def _minibatch(self, m: int) -> Microbatch:
-        """Minibatch ``m`` of the asynchronous schedule: the global batch of step
-        ``first_step + m`` (the schedule starts at the run's first step)."""
-        step = self.first_step + m
-        return self._step_microbatches(step, 1)[0]
+        return self.batches.planned(first, last)
 
     def train_step(self, step: int) -> torch.Tensor:
         """Run this worker's actions of step ``step``: the whole schedule of a flush schedule,
         the step's chunk of the asynchronous one."""
         if self.asynchronous:
-            loss = self.engine.execute(self.programs[step - self.first_step], self._minibatch,
-                                       step)
+            loss = self.engine.execute(self.programs[step - self.first_step],
+                                       self.batches.minibatch, step)
             self.engine.prune_sends(before_step=step + 1 - self.layout.num_stages)
             if step == self.last_step - 1:
                 self.engine.finish_sends()
             return loss
-        micros = self._step_microbatches(step, self.schedule.num_microbatches)
+        micros = self.batches.step_microbatches(step, self.schedule.num_microbatches)
         loss = self.engine.execute(self.programs[0], micros.__getitem__, step)
         self.engine.finish_sends()
-        return loss if self.tensor_rank == 0 else torch.zeros_like(loss)
+        return loss if self.place.tensor_rank == 0 else torch.zeros_like(loss)
 
     # -- checkpoints -----------------------------------------------------------------------------
 
@@ -305,7 +235,7 @@ class PipelineTrainer(BaseTrainer):
         """After this worker's update for minibatch ``step`` of the asynchronous schedule: if
         its stage has now applied ``done`` updates (whole rounds of its replicas) and a
         checkpoint of step ``done`` will be saved before the schedule drains, keep the state."""
-        replicas = self.layout.replicas[self.stage]
+        replicas = self.layout.replicas[self.place.stage]
         done = (step // replicas + 1) * replicas
         every = self.config.checkpoint_every
         if self.out is not None and every and done % every == 0 and done < self.last_step:
