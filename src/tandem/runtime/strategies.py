@@ -14,6 +14,7 @@ from collections.abc import Callable
 from tandem.runtime.learning_rate import scaled_lr
 from tandem.runtime.job import Job
 from tandem.runtime.ps import ElasticClient, ParameterServerClient
+from tandem.spec.codec import CodecSpec
 from tandem.spec.sync import (
     AllReduceSync,
     ElasticAveragingSync,
@@ -43,7 +44,7 @@ def _gossip(job: Job, rank: int, world_size: int) -> SyncStrategy:
         return AsyncGossip(graph, rank, job.run.seed, job.run.timeout_s)
     matrix = mixing_matrix(graph, sync.weights)
     if job.plan.compress is not None:
-        return ChocoGossip(graph, matrix, rank, job.plan.compress.text, sync.step)
+        return ChocoGossip(graph, matrix, rank, job.plan.compress, sync.step)
     return Gossip(GossipMixer(graph, matrix, rank))
 
 
@@ -59,8 +60,8 @@ def _elastic(job: Job, rank: int, world_size: int) -> SyncStrategy:
     return ElasticAveraging(sync.period, sync.rho, scaled_lr(job.run))
 
 
-def _codec(job: Job) -> str | None:
-    return job.plan.compress.text if job.plan.compress else None
+def _codec(job: Job) -> CodecSpec | None:
+    return job.plan.compress
 
 
 SYNC_STRATEGIES: dict[type, Callable[[Job, int, int], SyncStrategy]] = {

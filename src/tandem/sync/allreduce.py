@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from tandem.compress import ByteMeter, Compression, build_compression
+from tandem.spec.codec import CodecSpec
 from tandem.sync.base import SyncStrategy
 from tandem.sync.flat import broadcast_buffers
 from tandem.sync.grad_norms import BucketNorms, MeasuredHookState, mean_allreduce, measured_hook
@@ -37,7 +38,7 @@ class AllReduce(SyncStrategy):
 
     name = "dp"
 
-    def __init__(self, compress: str | None = None) -> None:
+    def __init__(self, compress: CodecSpec | str | None = None) -> None:
         self.compression: Compression | None = build_compression(compress) if compress else None
         self.meter = ByteMeter(world_size=1)
         self.steps = 0
@@ -66,7 +67,8 @@ class AllReduce(SyncStrategy):
             self.compression.load_state_dict(state["codec"])
 
     def unwrap(self, module: nn.Module) -> nn.Module:
-        return cast(DistributedDataParallel, module).module
+        inner: nn.Module = cast(DistributedDataParallel, module).module
+        return inner
 
     def accumulating(self, module: nn.Module) -> ContextManager[None]:
         return cast(DistributedDataParallel, module).no_sync()

@@ -27,6 +27,7 @@ from tandem.compress import Codec, ErrorFeedback, Payload, build_codec
 from tandem.compress.hooks import from_bytes, to_bytes
 from tandem.compress.qsgd import QSGD
 from tandem.compress.sparse import RandomK
+from tandem.spec.codec import CodecSpec, CodecUse
 from tandem.sync.base import SyncStrategy
 from tandem.sync.flat import average_model, flatten, float_buffers, model_state, unflatten_into
 from tandem.sync.side_group import cpu_group, source_rank
@@ -148,12 +149,12 @@ class ChocoGossip(SyncStrategy):
     name = "gossip"
     replicas_agree = False
 
-    def __init__(self, graph: Graph, matrix: np.ndarray, rank: int, compress: str,
+    def __init__(self, graph: Graph, matrix: np.ndarray, rank: int, compress: CodecSpec | str,
                  step: float | None = None) -> None:
         self.rank, self.world_size = rank, len(graph)
         self.neighbours = sorted(graph[rank])
         self.weights = [float(matrix[rank, j]) for j in self.neighbours]
-        self.codec = build_codec(compress, strategy="gossip")
+        self.codec = build_codec(compress, strategy=CodecUse.PARAMETERS)
         self.codec.start(rank, len(graph))
         self.step = default_gossip_step(self.codec) if step is None else step
         """The consensus step size gamma."""
@@ -210,7 +211,7 @@ class ChocoGossip(SyncStrategy):
         return mixed
 
     def _encode(self, difference: torch.Tensor) -> list[Payload]:
-        parts = difference.split([shape.numel() for shape in self.shapes])
+        parts = torch.split(difference, [shape.numel() for shape in self.shapes])
         return [self.codec.encode(part.view(shape), key)
                 for part, shape, key in zip(parts, self.shapes, self.keys)]
 
@@ -321,6 +322,7 @@ class AsyncGossip(SyncStrategy):
             while remaining:
                 header = torch.empty(1, dtype=torch.float64)
                 work = dist.irecv(header, src=None, group=self.group, tag=_TAG_HEADER)
+                assert work is not None  # None only for a rank outside the group
                 work.wait()
                 peer = source_rank(work, self.group)
                 if header[0] == _STOP:

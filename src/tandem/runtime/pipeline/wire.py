@@ -26,6 +26,7 @@ import torch
 from tandem.compress.codec import Codec
 from tandem.compress.hooks import from_bytes, to_bytes
 from tandem.compress.registry import build_codec
+from tandem.spec.codec import CodecSpec, CodecUse
 
 Template = tuple[tuple[torch.Size, torch.dtype], ...]
 """Shape and dtype of each tensor of a codec's payload."""
@@ -58,13 +59,13 @@ class Wire:
         self.templates: dict[tuple[torch.Size, torch.dtype], Template] = {}
 
     @classmethod
-    def build(cls, spec: str | None, *, rank: int, world_size: int) -> Wire:
+    def build(cls, spec: CodecSpec | str | None, *, rank: int, world_size: int) -> Wire:
         """The wire of ``--compress spec`` (plain for None) for worker ``rank``."""
         if spec is None:
             return cls()
-        codec = build_codec(spec, strategy="pipeline")
+        codec = build_codec(spec, strategy=CodecUse.ACTIVATIONS)
         codec.start(rank, world_size)
-        return cls(codec, build_codec(spec, strategy="pipeline"))
+        return cls(codec, build_codec(spec, strategy=CodecUse.ACTIVATIONS))
 
     def compresses(self, dtype: torch.dtype) -> bool:
         """Whether tensors of ``dtype`` are encoded (only floating-point ones are)."""
