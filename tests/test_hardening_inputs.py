@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tandem.data import build_dataset, load_data
-from tandem.errors import UsageError
+from tandem.errors import UsageError, shown_on_stderr
 from tandem.runtime import preflight
 from tandem.runtime.config import RunConfig
 from tandem.runtime.run import make_job
@@ -169,11 +169,12 @@ def test_check_job_warns_once_after_every_check(monkeypatch: pytest.MonkeyPatch,
 
     monkeypatch.setattr(preflight, "usable_cores", lambda: 1)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    check_job(make_job("dp", nproc=2, steps=2, batch_size=32))
+    with shown_on_stderr():  # as the command line shows tandem's warnings
+        check_job(make_job("dp", nproc=2, steps=2, batch_size=32))
     assert capsys.readouterr().err == (
         "tandem: warning: --nproc 2 on 1 core: workers will time-share the cores; expect each "
         "step to take ~2x longer than with one worker per core\n")
-    with pytest.raises(UsageError, match="--batch-size 5000"):  # an error, and no warning
+    with shown_on_stderr(), pytest.raises(UsageError, match="--batch-size 5000"):  # no warning
         check_job(make_job("dp", nproc=2, steps=2, batch_size=5000))
     assert capsys.readouterr().err == ""
 

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import GradBucket  # dist.GradBucket, which torch's stubs hide
 
 from tandem.compress.meter import ByteMeter
 from tandem.compress.payload import Payload, payload_bytes
@@ -43,7 +42,7 @@ class CodecHookState:
         """The process group the payloads travel in (None: the default group)."""
         self.started = False
 
-    def keys(self, bucket: GradBucket) -> list[str]:
+    def keys(self, bucket: dist.GradBucket) -> list[str]:
         """The names of the bucket's parameters."""
         keys = [self.names.get(id(p)) for p in bucket.parameters()]
         assert None not in keys, "a bucket holds a parameter of another module"
@@ -51,7 +50,7 @@ class CodecHookState:
 
 
 def codec_hook(state: CodecHookState,
-               bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+               bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Encode, exchange and decode one bucket; the future holds the averaged gradients."""
     return _exchange(state, bucket.buffer(), bucket.gradients(), state.keys(bucket))
 

@@ -11,7 +11,6 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import GradBucket  # dist.GradBucket, which torch's stubs hide
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
@@ -49,7 +48,7 @@ class CountingState:
 
 
 def counting_powersgd_hook(state: CountingState,
-                           bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+                           bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """``powerSGD_hook``; its payload is what its own statistics say it allreduced."""
     inner = state.state
     buffer = bucket.buffer()

@@ -179,6 +179,7 @@ def _ring_hops(rank: int, world_size: int, settings: _Settings) -> float:
         time.sleep(settings.compute_s)
         buf[0] = time.perf_counter()
         work = dist.isend(buf, (rank + 1) % world_size)
+        assert work is not None  # None only for a rank outside the (default) group
         posted = time.perf_counter()
         dist.recv(into, (rank - 1) % world_size)
         arrived = time.perf_counter()

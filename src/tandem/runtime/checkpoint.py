@@ -3,8 +3,8 @@ the component that saves them at ``--checkpoint-every`` steps and the last."""
 
 from __future__ import annotations
 
+import logging
 import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any, cast
@@ -13,6 +13,8 @@ import torch
 
 from tandem.errors import UsageError
 from tandem.output_files import atomic, write_all
+
+logger = logging.getLogger(__name__)
 from tandem.runtime.component import Component, StepEnd
 
 CHECKPOINT_VERSION = 3
@@ -129,8 +131,8 @@ def load_schedule(optimizer: torch.optim.Optimizer, scheduler: Any, state: dict[
         group["lr"] = base * factor(scheduler.last_epoch)
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # noqa: SLF001
     if announce:
-        print(f"tandem: resuming with the learning rate {base_lrs[0]:g} (the checkpoint was "
-              f"trained with {saved[0]:g})", file=sys.stderr, flush=True)
+        logger.info(f"resuming with the learning rate {base_lrs[0]:g} (the checkpoint was "
+                    f"trained with {saved[0]:g})")
 
 
 class Checkpoints(Component):

@@ -41,7 +41,8 @@ def new_group(ranks: list[int], *, timeout_s: float) -> dist.ProcessGroup:
     """A process group over ``ranks`` (every rank of the job must call this) whose operations
     give up after ``timeout_s`` seconds, like the default group's (``--timeout``); without it
     torch gives a new gloo group 30 minutes."""
-    return dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s))
+    group: dist.ProcessGroup = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s))
+    return group
 
 
 def choose_backend(requested: str) -> str:

@@ -13,13 +13,15 @@ Usage::
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
-import sys
 from pathlib import Path
 
 from tandem.errors import UsageError
+
+logger = logging.getLogger(__name__)
 
 FAULT = "TANDEM_FAULT"
 ATTEMPT = "TANDEM_ATTEMPT"
@@ -87,8 +89,7 @@ def maybe_fail(rank: int, step: int) -> None:
     fault = parse_fault(os.environ.get(FAULT)) if FAULT in os.environ else None
     if fault is None or fault != (rank, step) or attempt() != 0:
         return
-    print(f"tandem: TANDEM_FAULT={rank}:{step}: killing rank {rank} at step {step}",
-          file=sys.stderr, flush=True)
+    logger.warning(f"TANDEM_FAULT={rank}:{step}: killing rank {rank} at step {step}")
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -98,4 +99,4 @@ def announce_resume(rank: int, path: Path | None, step: int | None) -> None:
         return
     where = (f"resuming from step {step} ({path})" if path is not None
              else "no checkpoint yet, starting afresh")
-    print(f"tandem: restart {attempt()}: {where}", file=sys.stderr, flush=True)
+    logger.info(f"restart {attempt()}: {where}")

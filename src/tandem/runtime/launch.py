@@ -30,10 +30,10 @@ from torch.distributed.elastic.multiprocessing.errors import (
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from torch.multiprocessing.spawn import start_processes as start_worker_processes
 
-from tandem.errors import Diverged, Interrupted, UsageError, WorkerFailure
+from tandem.errors import Diverged, Interrupted, UsageError, WorkerFailure, show_on_stderr
 from tandem.runtime import divergence
-from tandem.runtime.dist import under_launcher
 from tandem.runtime.faults import ATTEMPT, PROGRESS_DIR, last_progress
+from tandem.runtime.launcher_env import under_launcher
 from tandem.runtime.zygote import Carried, start, start_method
 
 R = TypeVar("R")
@@ -52,6 +52,8 @@ SIGNALS_VARIABLE = "TORCHELASTIC_SIGNALS_TO_HANDLE"
 RESEND_S = 0.05
 """How soon a stop signal that came while the workers were being started is sent again."""
 _START_PROCESSES = start_worker_processes.__code__
+
+logger = logging.getLogger(__name__)
 
 
 def launch(fn: Callable[[Any], R], arg: Any, *, nproc: int, threads: int = 1,
@@ -85,9 +87,8 @@ def launch(fn: Callable[[Any], R], arg: Any, *, nproc: int, threads: int = 1,
                         raise WorkerFailure(f"{failure} (after {max_restarts} restart"
                                             f"{'s' if max_restarts > 1 else ''})") from None
                     raise
-                print(f"tandem: {_with_step(str(failure), progress)}; restarting the {nproc} "
-                      f"workers (restart {restarts + 1} of {max_restarts})", file=sys.stderr,
-                      flush=True)
+                logger.warning(f"{_with_step(str(failure), progress)}; restarting the {nproc} "
+                               f"workers (restart {restarts + 1} of {max_restarts})")
         return None
     finally:
         os.environ.pop(ATTEMPT, None)
@@ -100,13 +101,13 @@ def _with_step(message: str, progress: str | None) -> str:
     """``message`` with the step its worker last reached, where it left one."""
     match = re.match(r"worker rank (\d+)", message)
     step = last_progress(progress, int(match.group(1))) if match and progress else None
-    if step is None:
+    if step is None or match is None:
         return message
-    return message.replace(f"worker rank {match.group(1)}",  # type: ignore[union-attr]
+    return message.replace(f"worker rank {match.group(1)}",
                            f"worker rank {match.group(1)} at step {step}", 1)
 
 
-def _shutdown_option() -> dict[str, float]:
+def _shutdown_option() -> dict[str, Any]:
     """``shutdown_timeout`` where the elastic agent takes it (torch 2.13; 2.11 does not)."""
     names = {field.name for field in dataclasses.fields(LaunchConfig)}
     return {"shutdown_timeout": SHUTDOWN_S} if "shutdown_timeout" in names else {}
@@ -142,7 +143,8 @@ def _launch_once(fn: Callable[[Any], R], arg: Any, *, nproc: int, threads: int) 
         _restore(handlers)
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)
-    return results.get(0)
+    result: R | None = results.get(0)  # elastic_launch's results: rank -> return value
+    return result
 
 
 def _catch_stop_signals() -> dict[str, Any]:
@@ -197,7 +199,8 @@ def _started_some(frame: FrameType | None) -> bool:
 
 def prepare_worker() -> None:
     """In a worker this module started: end at once, silently, on SIGINT, SIGTERM and SIGHUP
-    (the launcher reports the signal in one line), and die with the launcher if it is killed.
+    (the launcher reports the signal in one line), die with the launcher if it is killed, and
+    show tandem's warnings and log records on stderr as the command line does.
 
     A worker stopped this way writes nothing more; checkpoints are replaced by an atomic rename,
     so the last one stays whole.
@@ -207,6 +210,7 @@ def prepare_worker() -> None:
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_DFL)
     die_with_parent()
+    show_on_stderr()  # forked from the forkserver, not from the command line that shows them
 
 
 def end_diverged(error: Diverged) -> None:
@@ -240,7 +244,7 @@ def _message(failure: ProcessFailure) -> str:
     return str(message or "").strip()
 
 
-def _failure(exc: ChildFailedError) -> Exception:
+def _failure(exc: ChildFailedError) -> BaseException:
     """One line naming the worker that caused the job to stop, and why.
 
     In order of preference: a user mistake a worker found, a worker's divergence (the first

@@ -29,7 +29,7 @@ from pathlib import Path
 from tandem.errors import UsageError
 from tandem.output_files import remove_abandoned, write_failure
 from tandem.runtime.config import RunConfig
-from tandem.runtime.dist import under_launcher
+from tandem.runtime.launcher_env import under_launcher
 
 LOCK_NAME = ".tandem.lock"
 RUN_FILES = ("checkpoint.pt", "final.pt", "metrics.jsonl", "trace.json", "gantt.png",

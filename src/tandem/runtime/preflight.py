@@ -9,13 +9,13 @@ Usage::
     check_output(model, data, job.run)
     note = check_machine(job.run, model)     # raises if the workers cannot fit in memory
     if note:
-        warn(note)                           # once, on stderr, just before the workers start
+        warn(note)                           # a MachineWarning, just before the workers start
 """
 
 from __future__ import annotations
 
 import os
-import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from torch import nn
 
 from tandem import structures
 from tandem.data import Data, dataset_bytes
-from tandem.errors import UsageError
+from tandem.errors import MachineWarning, TandemWarning, UsageError
 from tandem.loss import checked_loss, cross_entropy, load_loss, loss_name
 from tandem.models import build_model
 from tandem.runtime.config import RunConfig
@@ -39,9 +39,9 @@ MEMORY_FRACTION = 0.75
 machine's other users and the workers' start-up peaks (the estimate is of their steady state)."""
 
 
-def warn(message: str) -> None:
-    """Print a warning line on stderr."""
-    print(f"tandem: warning: {message}", file=sys.stderr, flush=True)
+def warn(message: str, category: type[TandemWarning] = MachineWarning) -> None:
+    """Warn the user (``tandem: warning: <message>`` on the command line's stderr)."""
+    warnings.warn(message, category, stacklevel=3)
 
 
 def build_checked(run: RunConfig, objects: Any = None) -> tuple[Data, nn.Module]:

@@ -147,7 +147,7 @@ def profile_model(
             name=f"{index}: {getattr(block, 'label', type(block).__name__)}",
             forward_s=forward_s, backward_s=backward_s,
             activation_bytes=float(_nbytes(output)), parameter_bytes=float(params))  # fmt: skip
-        if fit:
+        if fit and batch is not None:
             forward_fixed, backward_fixed = _fixed_costs(block, value, batch, (forward_s, backward_s),
                                                          warmup, repeats, device)
             layers.append(replace(layer, forward_fixed_s=forward_fixed,

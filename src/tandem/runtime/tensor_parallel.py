@@ -88,6 +88,7 @@ def _split_layer(model: nn.Module, name: str, style: str, mesh: DeviceMesh,
     """Cut layer ``name`` of ``model`` to this worker's share in ``style``."""
     layer = model.get_submodule(name)
     if style == "heads":
+        assert isinstance(layer, nn.Linear)  # tensor_plan checked each style's module type
         order = heads_order(layer.out_features, mesh.size())
         with torch.no_grad():
             layer.weight.copy_(layer.weight[order])
@@ -183,12 +184,12 @@ class _CopyToShards(torch.autograd.Function):
     computed the part that flows back through its own share of the layer)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
         ctx.group = group
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
@@ -199,7 +200,7 @@ class _GatherChannels(torch.autograd.Function):
     this worker's own channels (every worker holds the whole gradient after *f*)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any, rank: int,  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, group: Any, rank: int,
                 degree: int) -> torch.Tensor:
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(degree)]
@@ -208,7 +209,7 @@ class _GatherChannels(torch.autograd.Function):
         return torch.cat(parts, dim=1)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         return grad.narrow(1, ctx.rank * ctx.share, ctx.share).contiguous(), None, None, None
 
 
@@ -225,10 +226,15 @@ def _split_channels(conv: nn.Module, mesh: DeviceMesh) -> None:
 
     def copy_input(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         x = args[0]
-        return (_CopyToShards.apply(x, group), *args[1:]) if x.requires_grad else args
+        if not x.requires_grad:
+            return args
+        copied = _CopyToShards.apply(x, group)  # type: ignore[no-untyped-call]  # torch's
+        return (copied, *args[1:])
 
     def gather_output(_: nn.Module, __: Any, out: torch.Tensor) -> torch.Tensor:
-        return _GatherChannels.apply(out, group, rank, degree)
+        gathered: torch.Tensor = _GatherChannels.apply(  # type: ignore[no-untyped-call]
+            out, group, rank, degree)
+        return gathered
 
     conv.register_forward_pre_hook(copy_input)
     conv.register_forward_hook(gather_output)

@@ -8,6 +8,7 @@ trainer). Rank 0 returns the run's summary and writes the outputs.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import sys
@@ -40,6 +41,8 @@ from tandem.spec.sync import (
 )
 
 SUPERVISED = "TANDEM_SUPERVISED"
+
+logger = logging.getLogger(__name__)
 
 
 def train_worker(job: Job, *, mirror: Any = None) -> dict[str, Any] | None:
@@ -120,8 +123,8 @@ def _supervise(job: Job) -> None:
     if child.exitcode not in (0, FENCED_EXIT):
         code = child.exitcode or 0
         how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-        print(f"tandem: worker rank {os.environ.get('RANK')} died ({how}); asynchronous training "
-              f"goes on without it", file=sys.stderr, flush=True)
+        logger.warning(f"worker rank {os.environ.get('RANK')} died ({how}); asynchronous "
+                       f"training goes on without it")
 
 
 def _supervised_worker(job: Job, mirror: Any, mistake: Any) -> None:

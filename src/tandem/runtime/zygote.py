@@ -102,7 +102,7 @@ def _let_go_of_the_forkserver() -> None:
     forkserver ends (and every worker with it, see :mod:`tandem.runtime.zygote_boot`) as soon as
     the launcher ends, however it ends; a worker that kept it would keep the forkserver, and so
     itself, alive after a killed launcher. A worker's own children fork (:func:`child_context`)."""
-    server = multiprocessing.forkserver._forkserver  # noqa: SLF001 - no public accessor
+    server: Any = multiprocessing.forkserver._forkserver  # noqa: SLF001 - no public accessor
     fd = getattr(server, "_forkserver_alive_fd", None)
     if fd is not None and multiprocessing.parent_process() is not None:
         with contextlib.suppress(OSError):
@@ -125,10 +125,10 @@ def stop() -> None:
     importing would make the command wait for its imports). Its children end with it."""
     if not (available() and _running()):
         return
-    server = multiprocessing.forkserver._forkserver  # noqa: SLF001 - no public stop
+    server: Any = multiprocessing.forkserver._forkserver  # noqa: SLF001 - no public stop
     with contextlib.suppress(ProcessLookupError):
         os.kill(server._forkserver_pid, signal.SIGKILL)  # noqa: SLF001
     server._stop()  # noqa: SLF001 - closes its pipe and socket, and reaps it
-    tracker = multiprocessing.resource_tracker._resource_tracker  # started with the forkserver
+    tracker: Any = multiprocessing.resource_tracker._resource_tracker  # started with the server
     if getattr(tracker, "_fd", None) is not None:
         tracker._stop()  # noqa: SLF001 - it cleans up what is left, and is reaped

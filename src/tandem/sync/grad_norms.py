@@ -21,9 +21,8 @@ from typing import Any, Callable, cast
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import GradBucket  # dist.GradBucket, which torch's stubs hide
 
-Hook = Callable[[Any, GradBucket], torch.futures.Future[torch.Tensor]]
+Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
 
 class BucketNorms:
@@ -54,7 +53,7 @@ def squared_norm(tensor: torch.Tensor) -> torch.Tensor:
     return norm.double().square()
 
 
-def mean_allreduce(group: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+def mean_allreduce(group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP's allreduce as a Python hook: the bucket divided by the workers, summed over them
     (``group``, or every worker for None). PyTorch's ``allreduce_hook`` computes the same, through
     ``dist.all_reduce``'s Python checks and wrappers; this calls the process group directly,
@@ -79,7 +78,7 @@ class MeasuredHookState:
 
 
 def measured_hook(state: MeasuredHookState,
-                  bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+                  bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Record the bucket's squared norm, run the wrapped hook, keep its future (whose result's
     norm :meth:`BucketNorms.take` reads)."""
     if not state.norms.enabled:

@@ -25,7 +25,9 @@ def cpu_group(*, timeout_s: float, own: bool = False) -> dist.ProcessGroup | Non
     thread whose messages must not interleave with the main thread's collectives)."""
     if dist.get_backend() == "gloo" and not own:
         return None
-    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    group: dist.ProcessGroup = dist.new_group(backend="gloo",
+                                              timeout=datetime.timedelta(seconds=timeout_s))
+    return group
 
 
 def source_rank(work: dist.Work, group: dist.ProcessGroup | None) -> int:
