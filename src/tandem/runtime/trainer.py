@@ -7,7 +7,7 @@ same update as one process on the same data.
 
 from __future__ import annotations
 
-import sys
+import logging
 from typing import Any
 
 import torch
@@ -38,6 +38,8 @@ from tandem.sync import SyncStrategy
 from tandem.sync.allreduce import AllReduce
 from tandem.spec.codec import CodecSpec
 from tandem.spec.sync import ParameterServerSync
+
+logger = logging.getLogger(__name__)
 
 SYNC_NAMES = {kind.value: str(Action(0, kind))
               for kind in (Kind.ALLREDUCE, Kind.STEP, Kind.PUSH, Kind.PULL, Kind.EXCHANGE)}
@@ -335,10 +337,9 @@ def resized_checkpoint(checkpoint: dict[str, Any], *, world: int, rank: int,
     optimizers = [saved["optimizer"] for saved in ranks]
     keep = strategy.name == "easgd"
     if rank == 0:
-        print(f"tandem: the checkpoint holds {len(ranks)} {strategy.name} workers' own "
-              f"models and this run has {world}: each starts from their mean (and the mean "
-              f"of their optimizer state){', with the saved center' if keep else ''}",
-              file=sys.stderr, flush=True)
+        logger.info(f"the checkpoint holds {len(ranks)} {strategy.name} workers' own models "
+                    f"and this run has {world}: each starts from their mean (and the mean of "
+                    f"their optimizer state){', with the saved center' if keep else ''}")
     own = {**common, "optimizer": _mean_state(optimizers),
            "sync": ranks[0]["sync"] if keep else {}}
     return {**checkpoint, "model": _mean_state(models), "ranks": [own] * world}

@@ -10,13 +10,13 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
-import sys
+import warnings
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from tandem.errors import UsageError
+from tandem.errors import PlanWarning, UsageError
 from tandem.models.tensor import TensorPlan, tensor_plan
 from tandem.runtime.job import Job
 from tandem.runtime.pipeline.layout import PipelineLayout, StagePlace
@@ -54,8 +54,8 @@ def split_stage(job: Job, module: nn.Module, model: nn.Module, blocks: nn.Sequen
                              job.plan.tensor_layers)
     plan, whole_layers = stage_plan(whole_plan, start, end)
     if whole_layers and place.tensor_rank == 0 and place.replica == 0:
-        print(f"tandem: warning: layers {', '.join(whole_layers)} stay whole: a heads "
-              f"layer needs its row-wise layer in its stage", file=sys.stderr)
+        warnings.warn(f"layers {', '.join(whole_layers)} stay whole: a heads layer needs its "
+                      f"row-wise layer in its stage", PlanWarning, stacklevel=2)
     whole_bytes = parameter_bytes(module)
     mesh = layout_mesh(device.type, replicas=layout.replicas[0], stages=layout.num_stages,
                        degree=place.tensor_degree, worker_of=schedule.worker_of)
