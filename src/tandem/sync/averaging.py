@@ -88,6 +88,7 @@ class ElasticAveraging(SyncStrategy):
 
     name = "easgd"
     replicas_agree = False
+    state_agrees = True
 
     def __init__(self, period: int, rho: float, lr: float) -> None:
         self.period = period

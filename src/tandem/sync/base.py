@@ -36,6 +36,9 @@ class SyncStrategy(abc.ABC):
     replicas_agree: bool = True
     """Whether every worker holds the same model and optimizer state after each step (False:
     checkpoints keep each worker's own)."""
+    state_agrees: bool = False
+    """Whether the strategy's own state is the same on every worker even where the models
+    differ (EASGD's center), so a checkpoint resized to another worker count keeps one copy."""
     overlapped_allreduce: bool = False
     """Whether gradients are allreduced during the last backward (DDP's buckets), so the
     schedule's ``AR`` spans that backward rather than following it."""
