@@ -335,7 +335,7 @@ def resized_checkpoint(checkpoint: dict[str, Any], *, world: int, rank: int,
         return {**checkpoint, "ranks": [{**common, "sync": {}}] * world}
     models = [saved["model"] for saved in ranks]
     optimizers = [saved["optimizer"] for saved in ranks]
-    keep = strategy.name == "easgd"
+    keep = strategy.state_agrees
     if rank == 0:
         logger.info(f"the checkpoint holds {len(ranks)} {strategy.name} workers' own models "
                     f"and this run has {world}: each starts from their mean (and the mean of "
