@@ -153,6 +153,9 @@ def add_train_arguments(parser: argparse.ArgumentParser, defaults: RunConfig) ->
         help="stop (with a checkpoint) after this many steps; finish later with --resume")
     add("--eval-every", type=int, default=defaults.eval_every)
     add("--log-every", type=int, default=defaults.log_every)
+    add("--noise-every", type=int, default=defaults.noise_every, metavar="N",
+        help="measure the gradient noise scale every N steps (data parallelism; default: at "
+        "the --log-every steps, every step with --batch-schedule auto)")
     add("--threads", type=int, default=defaults.threads, help="intra-op threads per CPU worker")
     add("--backend", default=defaults.backend, help=f"one of: {', '.join(BACKENDS)}")
     add("--timeout", type=_duration("--timeout"), default=defaults.timeout_s, dest="timeout_s",

@@ -106,6 +106,11 @@ class RunConfig:
     """Evaluate on the test split every this many steps (0: only at the end)."""
     log_every: int = 10
     """Write the global loss to ``metrics.jsonl`` every this many steps."""
+    noise_every: int | None = None
+    """Measure the gradient noise scale (data parallelism, two or more workers) every this many
+    steps; None: at the ``--log-every`` steps, or every step with ``--batch-schedule auto``,
+    whose growth reads the estimate. A measured step reduces its gradients after the backward
+    instead of overlapping the reduction with it (without a codec)."""
     threads: int = 1
     """Intra-op threads per worker on CPU."""
     loader_workers: int | None = None
@@ -163,6 +168,8 @@ class RunConfig:
                                  f"{MAX_LOADER_WORKERS}, e.g. --loader-workers 2")
         _at_least("--eval-every", self.eval_every, 0)
         _at_least("--log-every", self.log_every, 1)
+        if self.noise_every is not None:
+            _at_least("--noise-every", self.noise_every, 1)
         _at_least("--warmup-steps", self.warmup_steps, 0)
         if self.warmup_steps > self.steps:
             raise UsageError(f"--warmup-steps {self.warmup_steps} is more than --steps "

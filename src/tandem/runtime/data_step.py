@@ -58,6 +58,9 @@ class DataParallelStep:
         """Open from a non-last micro-batch's forward to the end of its backward."""
         self.backward_span = (0.0, 0.0)
         """Start and end of the last backward (the overlapped allreduce's span)."""
+        self.measuring = False
+        """This step's noise scale is measured outside a hook: its last backward reads the local
+        gradients, and ``AR`` the averaged ones (:meth:`AllReduce.finish_measuring`)."""
         self.forward_start = 0.0
         self.batch = (0, 0, 0)
         """The step's global batch (an asynchronous ps worker's may be another step's), this
@@ -80,6 +83,8 @@ class DataParallelStep:
         if index < len(self.micros) - 1 and self.strategy is not None:
             self.accumulating = contextlib.ExitStack()
             self.accumulating.enter_context(self.strategy.accumulating(self.module))
+        elif self.measuring and isinstance(self.strategy, AllReduce):
+            self.strategy.arm(self.module)
         with self.precision.autocast():
             output = call_model(self.module, micro.inputs)
             self.pending = self.loss(output, micro.targets) * micro.size
@@ -103,8 +108,11 @@ class DataParallelStep:
             self.after_backwards()
 
     def allreduce(self, action: Action, span: Span) -> None:
-        """DDP reduced the gradients during the last backward: its span is the allreduce's."""
+        """DDP reduced the gradients during the last backward: its span is the allreduce's; on
+        a step measured outside DDP's reduction, reduce them now."""
         span.start, span.end = self.backward_span
+        if self.measuring and isinstance(self.strategy, AllReduce):
+            self.strategy.finish_measuring(self.module)
 
 
 def apply_update(strategy: SyncStrategy, module: nn.Module, optimizer: torch.optim.Optimizer,
@@ -132,10 +140,12 @@ class NoiseSamples:
     reads them (per-step work: two appends)."""
 
     def __init__(self, *, data_world: int, population: int | None, log_every: int,
-                 last_step: int) -> None:
+                 last_step: int, every: int) -> None:
         self.data_world = data_world
         self.log_every, self.last_step = log_every, last_step
         """The steps whose report reads the estimates: every ``log_every``-th, and the last."""
+        self.every = every
+        """The steps measured: every ``every``-th, and the last."""
         self.population = population
         """Samples the batches are drawn from without replacement (None: streamed shards)."""
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -145,6 +155,11 @@ class NoiseSamples:
         """``(local, global)`` samples of the pending steps (a change flushes them first)."""
         self.window: torch.Tensor | None = None
         """Estimates of flushed steps not yet read: ``[sum |G|², sum tr(Σ), count]``."""
+
+    def wanted(self, step: int) -> bool:
+        """Whether step ``step``'s norms are measured."""
+        done = step + 1
+        return done % self.every == 0 or done == self.last_step
 
     def measure(self, step: int, norms: tuple[torch.Tensor, torch.Tensor] | None,
                 local_count: int, global_count: int, loss_scale: float) -> torch.Tensor | None:
@@ -193,8 +208,8 @@ class NoiseSamples:
 
 
 def noise_measure(strategy: SyncStrategy, feed: BatchFeed, *, data_world: int,
-                  compress: CodecSpec | None, log_every: int,
-                  last_step: int) -> tuple[NoiseScale | None, NoiseSamples | None]:
+                  compress: CodecSpec | None, log_every: int, last_step: int,
+                  every: int) -> tuple[NoiseScale | None, NoiseSamples | None]:
     """The gradient noise scale where ``strategy`` is DDP's allreduce among two or more workers,
     and the samples it is estimated from; with one worker, why not (and no samples); with
     another strategy, neither (the trainer's own reason: not data parallelism)."""
@@ -210,7 +225,7 @@ def noise_measure(strategy: SyncStrategy, feed: BatchFeed, *, data_world: int,
     # batches are drawn without replacement from the shuffled training set
     return noise, NoiseSamples(data_world=data_world,
                                population=None if streams else len(feed.train),
-                               log_every=log_every, last_step=last_step)
+                               log_every=log_every, last_step=last_step, every=every)
 
 
 def noise_notes(compress: CodecSpec | None, *, streams: bool) -> str | None:

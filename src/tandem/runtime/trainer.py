@@ -36,6 +36,7 @@ from tandem.runtime.strategies import build_strategy
 from tandem.runtime.ps import ElasticClient, ParameterServerClient
 from tandem.sync import SyncStrategy
 from tandem.sync.allreduce import AllReduce
+from tandem.spec.batch_schedule import AUTO
 from tandem.spec.codec import CodecSpec
 from tandem.spec.sync import ParameterServerSync
 
@@ -91,7 +92,9 @@ class Trainer(BaseTrainer):
         noise, self.noise_samples = noise_measure(
             self.strategy, self.feed, data_world=self.data_world, compress=self.plan.compress,
             log_every=config.log_every,
-            last_step=config.stop_after if config.stop_after is not None else config.steps)
+            last_step=config.stop_after if config.stop_after is not None else config.steps,
+            every=config.noise_every or (1 if config.batch_schedule == AUTO
+                                         else config.log_every))
         if noise is not None:  # else BaseTrainer's reason: not data parallelism
             self.noise = noise
         if self.noise_samples is not None:
@@ -215,6 +218,10 @@ class Trainer(BaseTrainer):
         work.begin(self.feed.take(indices).split(self.plan.accumulate), step, self.env.device,
                    scale=self.data_world / global_count)
         work.batch = (batch_step, len(indices), global_count)
+        if self.noise_samples is not None and isinstance(self.strategy, AllReduce):
+            wanted = self.noise_samples.wanted(step)
+            self.strategy.bucket_norms.enabled = wanted  # a hook measures only the steps wanted
+            work.measuring = wanted and not self.strategy.measures_in_hook
         self.executor.run(self.program, step)
         if not self.interprets_update:
             self._update(step)

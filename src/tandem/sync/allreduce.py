@@ -8,11 +8,12 @@ With ``--compress CODEC``, a DDP communication hook encodes each bucket's gradie
 the payloads (allreduce when they can be summed, allgather otherwise) and decodes their mean;
 see :mod:`tandem.compress`.
 
-Either way the hook DDP runs is wrapped by :func:`~tandem.sync.grad_norms.measured_hook`
-(:func:`~tandem.sync.grad_norms.mean_allreduce` stands for DDP's built-in allreduce, with the same
-result), which
-records each step's local and averaged squared gradient norms in :attr:`AllReduce.bucket_norms`
-for the gradient noise scale.
+For the gradient noise scale a measured step records its local and averaged squared gradient
+norms in :attr:`AllReduce.bucket_norms`. Without a codec DDP reduces with its own allreduce,
+overlapped with the backward as always: each parameter's gradient is read as it is accumulated
+(before the reduction replaces it), and the averaged ones after the backward. With a codec, the
+codec's hook is wrapped by :func:`~tandem.sync.grad_norms.measured_hook`. Either way only the
+steps the trainer arms are measured.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from tandem.compress import ByteMeter, Compression, build_compression
 from tandem.spec.codec import CodecSpec
 from tandem.sync.base import SyncStrategy
 from tandem.sync.flat import broadcast_buffers
-from tandem.sync.grad_norms import BucketNorms, MeasuredHookState, mean_allreduce, measured_hook
+from tandem.sync.grad_norms import BucketNorms, MeasuredHookState, measured_hook, squared_norm
 
 
 class AllReduce(SyncStrategy):
@@ -45,6 +46,8 @@ class AllReduce(SyncStrategy):
         self.bucket_norms = BucketNorms()
         """Squared norms of this worker's gradient and of the averaged one, per step."""
         self._parameters: list[nn.Parameter] | None = None
+        self._reading: list[Any] = []
+        """The hooks reading a measured step's local gradients (see :meth:`arm`)."""
 
     def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
         model = model.to(device)
@@ -52,11 +55,53 @@ class AllReduce(SyncStrategy):
         module = DistributedDataParallel(model, device_ids=device_ids,
                                          find_unused_parameters=self.find_unused_parameters)
         self.meter = ByteMeter(world_size=dist.get_world_size())
-        state, hook = (self.compression.ddp_hook(model, self.meter)
-                       if self.compression is not None else (None, mean_allreduce))
-        module.register_comm_hook(MeasuredHookState(self.bucket_norms, state, hook),
-                                  measured_hook)
+        if self.compression is not None:
+            state, hook = self.compression.ddp_hook(model, self.meter)
+            module.register_comm_hook(MeasuredHookState(self.bucket_norms, state, hook),
+                                      measured_hook)
         return module
+
+    @property
+    def measures_in_hook(self) -> bool:
+        """Whether the noise scale's norms are read by the codec's communication hook (which
+        runs on every bucket anyway). Otherwise DDP reduces with its own allreduce, and a
+        measured step reads this worker's gradients as they are accumulated (:meth:`arm`) and
+        the averaged ones after the backward (:meth:`finish_measuring`)."""
+        return self.compression is not None
+
+    def arm(self, module: nn.Module) -> None:
+        """The backward that comes next is a measured step's last: read each parameter's
+        gradient once it is accumulated, before DDP's reduction replaces it by the average
+        (hooks added for this backward only, so that other steps run none)."""
+        norms = self.bucket_norms
+
+        def read(param: torch.Tensor) -> None:
+            if param.grad is not None:
+                norms.local.append(squared_norm(param.grad))
+
+        self._reading = [param.register_post_accumulate_grad_hook(read)  # type: ignore[no-untyped-call]
+                         for param in self._listed(module) if param.requires_grad]
+
+    def finish_measuring(self, module: nn.Module) -> None:
+        """After a measured step's last backward (DDP has averaged the gradients): record its
+        squared norms, this worker's and the averaged one, for the noise scale."""
+        norms = self.bucket_norms
+        for handle in self._reading:
+            handle.remove()
+        self._reading = []
+        if not norms.local:
+            return
+        local = torch.stack(norms.local).sum()
+        norms.local = []
+        averaged = torch.stack([squared_norm(p.grad) for p in self._listed(module)
+                                if p.grad is not None]).sum()
+        norms.record(local, averaged)
+
+    def _listed(self, module: nn.Module) -> list[nn.Parameter]:
+        """The model's parameters, listed once (they do not change)."""
+        if self._parameters is None:
+            self._parameters = list(module.parameters())
+        return self._parameters
 
     def state_dict(self) -> dict[str, Any]:
         """The codec's state (error-feedback residuals, random streams)."""
@@ -86,9 +131,7 @@ class AllReduce(SyncStrategy):
 
     def _count_plain_allreduce(self, module: nn.Module) -> None:
         """DDP's own allreduce sends every gradient that exists (unused parameters have none)."""
-        if self._parameters is None:  # listed once: the model's parameters do not change
-            self._parameters = list(module.parameters())
-        num_bytes = sum(p.grad.numel() * p.grad.element_size() for p in self._parameters
+        num_bytes = sum(p.grad.numel() * p.grad.element_size() for p in self._listed(module)
                         if p.grad is not None)
         self.meter.add(payload_bytes=num_bytes, gradient_bytes=num_bytes, collective="allreduce")
 

@@ -1,23 +1,24 @@
-"""A DDP communication hook that records each bucket's squared norm before and after the exchange.
+"""The squared norms of a step's gradient, this worker's and the averaged one, for the gradient
+noise scale (:mod:`tandem.runtime.noise_scale`); with a codec, read by a DDP communication hook.
 
-It wraps the hook in use (:func:`mean_allreduce`, or a codec's, see
-:mod:`tandem.compress.hooks`): before calling it, it adds up the squared norm of the bucket this
-worker hands in — its own gradient, not yet divided by the number of workers (DDP divides only
-when no hook is registered; a hook divides itself) — and keeps the inner hook's future, whose
-averaged bucket's squared norm is taken after the backward. No communication is added; the norms feed the
-gradient noise scale (:mod:`tandem.runtime.noise_scale`).
+:func:`measured_hook` wraps a codec's hook (:mod:`tandem.compress.hooks`): before calling it,
+it adds up the squared norm of the bucket this worker hands in — its own gradient, not yet
+divided by the number of workers (a hook divides itself) — and keeps the inner hook's future,
+whose averaged bucket's squared norm is taken after the backward. No communication is added.
+Without a codec, :class:`~tandem.sync.allreduce.AllReduce` reads the norms itself and
+:meth:`BucketNorms.record` keeps them.
 
 Usage::
 
     norms = BucketNorms()
-    ddp.register_comm_hook(MeasuredHookState(norms, None, mean_allreduce), measured_hook)
+    ddp.register_comm_hook(MeasuredHookState(norms, codec_state, codec_hook), measured_hook)
     ...backward...
     local_sq, mean_sq = norms.take()        # this step's, as float64 tensors (no host sync)
 
 (No ``from __future__ import annotations`` here: DDP checks the hook's annotations as objects.)
 """
 
-from typing import Any, Callable, cast
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,8 @@ class BucketNorms:
         self.enabled = True
         """False: the hook measures nothing (the noise scale is not measured: one worker)."""
         self.local: list[torch.Tensor] = []
+        self.measured: tuple[torch.Tensor, torch.Tensor] | None = None
+        """Both norms of a step measured without the hook (:meth:`record`)."""
         self.exchanged: list[torch.futures.Future[torch.Tensor]] = []
         """The buckets' exchanges: their averaged norms are read after the backward (in the
         caller's thread, rather than in a callback on the communication thread)."""
@@ -39,6 +42,9 @@ class BucketNorms:
     def take(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The step's squared norms ``(local, averaged)`` summed over buckets, and forget them;
         None if no bucket was exchanged since the last call."""
+        if self.measured is not None:
+            measured, self.measured = self.measured, None
+            return measured
         local, exchanged = self.local, self.exchanged
         self.local, self.exchanged = [], []
         if not local or len(exchanged) != len(local) or not all(f.done() for f in exchanged):
@@ -47,25 +53,15 @@ class BucketNorms:
         return torch.stack(local).sum(), mean
 
 
+    def record(self, local: torch.Tensor, averaged: torch.Tensor) -> None:
+        """A step's squared norms measured outside the hook (``AllReduce.finish_measuring``)."""
+        self.measured = (local, averaged)
+
+
 def squared_norm(tensor: torch.Tensor) -> torch.Tensor:
     """``|tensor|²`` as a float64 scalar tensor, on the tensor's device."""
     norm: torch.Tensor = torch.linalg.vector_norm(tensor.detach().float())
     return norm.double().square()
-
-
-def mean_allreduce(group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP's allreduce as a Python hook: the bucket divided by the workers, summed over them
-    (``group``, or every worker for None). PyTorch's ``allreduce_hook`` computes the same, through
-    ``dist.all_reduce``'s Python checks and wrappers; this calls the process group directly,
-    which costs about half a millisecond less per step on a small model."""
-    group = group if group is not None else dist.distributed_c10d._get_default_group()
-    tensor = bucket.buffer().div_(group.size())
-    future = group.allreduce([tensor]).get_future()
-    return cast(torch.futures.Future[torch.Tensor], future.then(_first))
-
-
-def _first(future: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-    return future.value()[0]
 
 
 class MeasuredHookState:
