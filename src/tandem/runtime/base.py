@@ -249,10 +249,13 @@ class BaseTrainer(Worker):
 
     def train_steps(self, first: int, last: int) -> None:
         """Optimizer steps ``first`` to ``last - 1``, each followed by the components' step hook
-        (logging, evaluation and checkpoints among them)."""
+        (logging, evaluation and checkpoints among them). The run's last step (``--stop-after``,
+        else ``--steps``) is its final one for the components, whatever ``last`` is: a caller
+        that trains in pieces gets no extra log lines or checkpoints at each piece's end."""
         config, components, loss_log = self.config, self.components, self.loss_log
         if not components:  # called without run(): the components of a run
             components = self.components = self.start_components()
+        end = config.stop_after if config.stop_after is not None else config.steps
         for step in range(first, last):
             maybe_fail(self.env.rank, step)
             start = time.perf_counter()
@@ -260,9 +263,9 @@ class BaseTrainer(Worker):
             self.step_times.append(time.perf_counter() - start)
             done = step + 1
             components.after_step(StepEnd(
-                done=done, last=last, logging=done % config.log_every == 0 or done == last,
-                saving=done == last or bool(config.checkpoint_every
-                                            and done % config.checkpoint_every == 0)))
+                done=done, last=end, logging=done % config.log_every == 0 or done == end,
+                saving=done == end or bool(config.checkpoint_every
+                                           and done % config.checkpoint_every == 0)))
 
     def trace(self, name: str, start: float, end: float, step: int, *, num_bytes: int = 0,
               version: int = -1) -> None:
