@@ -13,6 +13,12 @@ from tandem.spec.model import check_model_spec
 from tandem.profile import ModelProfile
 
 
+PIN_SPLIT = ("another profile can split the model elsewhere on a busy machine; to keep one "
+             "split, plan once (tandem plan --profile {profile} -o OUT/plan.json) and train with "
+             "tandem train --plan OUT/plan.json")
+"""The line ``tandem profile`` ends with: how to keep a split across runs."""
+
+
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``tandem profile``."""
     p = subparsers.add_parser(
@@ -20,7 +26,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="measure per-layer time and sizes of a model",
         description="Measure forward/backward time, output activation bytes and parameter "
         "bytes of every top-level block of a model on the local device, and each block's fixed "
-        "cost per call (fitted over the batch, its half, quarter and eighth).",
+        "cost per call (fitted over the batch, its half, quarter and eighth). One thread; every "
+        "block timed once per round; identical blocks share one figure.",
     )
     p.add_argument("--model", required=True, help="model spec, e.g. vgg:width=0.25 or gpt")
     p.add_argument("--batch-size", type=int, required=True, help="minibatch size to profile at")
@@ -29,7 +36,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
                    "package.module:function; default: digits for image models, tokens for gpt)")
     p.add_argument("-o", "--output", default=None, help="write the profile JSON here")
     p.add_argument("--warmup", type=int, default=2, help="untimed runs per block (default 2)")
-    p.add_argument("--repeats", type=int, default=5, help="timed runs per block; median (default 5)")
+    p.add_argument("--repeats", type=int, default=9,
+                   help="timed rounds of every block; a block's time is the least of the "
+                   "medians of groups of three (default 9)")
     p.add_argument("--device", default="cpu", help="torch device to profile on (default cpu)")
     p.add_argument("--split-points", default=None, metavar="NAME,...",
                    help="a model that is not an nn.Sequential: its blocks start at these "
@@ -39,7 +48,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def measure(model_spec: str, batch_size: int, data_spec: str | None, *, warmup: int = 2,
-            repeats: int = 5, device: str = "cpu",
+            repeats: int = 9, device: str = "cpu",
             split_points: str | None = None) -> ModelProfile:  # fmt: skip
     """Build the model and a minibatch of its data, and profile it (a model that is not an
     ``nn.Sequential`` as the blocks of its split, see :mod:`tandem.split`)."""
@@ -133,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
     if args.output:
         profile.save(args.output)
         print(f"wrote {args.output}", file=human)
+    print(PIN_SPLIT.format(profile=args.output or "PROFILE.json"), file=human)
     if args.json:
         print(strict_json.dumps(profile.to_dict()))
     return 0
