@@ -74,10 +74,12 @@ def _options(args: argparse.Namespace) -> PartitionOptions:
 
 def sim_options(args: argparse.Namespace) -> SimOptions:
     """The simulator's options of ``tandem plan``: the plan's compression ratios, the optimizer
-    state the memory budget counts, the fixed overhead."""
+    state the memory budget counts, the fixed overhead; with --no-activation-comm no activation
+    bytes between stages, as the partitioner then assumes."""
     return SimOptions(
         gradient_compression=args.gradient_compression,
         activation_compression=args.activation_compression,
+        activation_comm=not args.no_activation_comm,
         optimizer_state_factor=args.optimizer_state,
         compute_overhead_s=parse_duration(args.overhead, "--overhead"),
     )
@@ -98,8 +100,12 @@ def format_plan(plan: Plan, profile: ModelProfile, cluster: Cluster) -> str:
     rate = f" ({plan.samples_per_s:.1f} samples/s)" if plan.samples_per_s is not None else ""
     estimate = (f"; the partitioner estimated {plan.estimate_s * 1e3:.3f} ms (PipeDream's steady "
                 f"state)" if plan.estimate_s is not None else "")
-    lines.append(f"runs {plan.schedule} with {plan.num_microbatches} micro-batches per step: "
-                 f"simulated {plan.bottleneck_s * 1e3:.3f} ms per step{rate}{estimate}")
+    if plan.schedule.asynchronous:  # a minibatch per step, timed once the pipeline is full
+        lines.append(f"runs {plan.schedule}: simulated {plan.bottleneck_s * 1e3:.3f} ms per "
+                     f"minibatch in steady state{rate}{estimate}")
+    else:
+        lines.append(f"runs {plan.schedule} with {plan.num_microbatches} micro-batches per step: "
+                     f"simulated {plan.bottleneck_s * 1e3:.3f} ms per step{rate}{estimate}")
     lines.append(f"speedup {_ratio(plan.single_s, plan.bottleneck_s)} vs one device, "
                  f"{_ratio(plan.data_parallel_s, plan.bottleneck_s)} vs data parallel on "
                  f"{plan.num_devices} (simulated; planned in {plan.solve_s:.3f} s)")

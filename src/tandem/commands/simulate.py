@@ -253,6 +253,9 @@ def format_result(result: SimResult, cluster: Cluster) -> str:
                  f"communication {result.communication_s * 1e3:.3f} ms{codec} per step "
                  f"(busiest worker)")
     lines.append(f"peak memory {result.peak_memory_bytes / 1e9:.3f} GB per device ({limit})")
+    if result.schedule.asynchronous and result.method == AllReduceSync.method:
+        lines.append(f"steady state: {result.step_time_s * 1e3:.3f} ms per minibatch, after a "
+                     f"fill of {result.fill_s * 1e3:.3f} ms")
     if result.step_meaning:
         updates = f"; {result.updates_per_s:.3f} updates/s" if result.updates_per_s else ""
         lines.append(f"step = {result.step_meaning}{updates}")

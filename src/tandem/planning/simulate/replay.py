@@ -134,8 +134,9 @@ class _Replayer:
         self.first_worker = [schedule.worker_of(s, 0) for s in range(schedule.num_stages)]
         self.actions = [[(_CODE[a.kind], a.microbatch, a.peer) for a in actions]
                         for actions in schedule.workers]
-        self.names = [[str(a) for a in actions] for actions in schedule.workers]
-        """Event names: each action's text, as the runtime's trace names them."""
+        self.names = ([[str(a) for a in actions] for actions in schedule.workers]
+                      if record else [])
+        """Event names: each action's text, as the runtime's trace names them (when recording)."""
         self.receive_names: dict[_Transfer, str] = {}
         self.sizes = unit_sizes(cluster)
         self.heap: list[tuple[float, int, int]] = []
@@ -183,6 +184,10 @@ class _Replayer:
         """What busy and communication times are accounted under: the step or the minibatch."""
         return m if self.pipedream and m is not None else self.step[worker]
 
+    def _name(self, worker: int, index: int) -> str:
+        """The text of the worker's ``index``-th action ("" when not recording)."""
+        return self.names[worker][index] if self.record else ""
+
     def _event(self, worker: int, name: str, start: float, end: float, m: int | None,
                num_bytes: float = 0.0, version: int = -1) -> None:
         if self.record:
@@ -210,14 +215,15 @@ class _Replayer:
             if code in (_RA, _RG):
                 assert peer is not None  # a send or receive names its peer
                 key: _Transfer = (self.step[w], peer, w, _ACT if code == _RA else _GRAD, m)
-                self.receive_names[key] = self.names[w][self.pc[w]]
+                if self.record:
+                    self.receive_names[key] = self.names[w][self.pc[w]]
                 self._post(w, now, key, receiving=True)
             elif code in (_SA, _SG):
                 assert peer is not None
                 key = (self.step[w], w, peer, _ACT if code == _SA else _GRAD, m)
                 end = now + self.work.send_overhead_s
                 message = self._post(w, now, key, receiving=False)
-                self._event(w, self.names[w][self.pc[w]], now, end, m, message[3])
+                self._event(w, self._name(w, self.pc[w]), now, end, m, message[3])
                 if end > now:
                     self.pc[w] += 1
                     self._push(end, w)
@@ -228,7 +234,7 @@ class _Replayer:
                 return
             else:
                 end = now + self.work.step_s[self.stage_of[w]]
-                self._event(w, self.names[w][self.pc[w]], now, end, m)
+                self._event(w, self._name(w, self.pc[w]), now, end, m)
                 self.out.busy_s[w][self._key(w, m)] += end - now
                 self._update_versions(w, m, end)
                 self.pc[w] += 1
@@ -267,11 +273,12 @@ class _Replayer:
                 return
             del self.messages[key]
             start = max(now, message[2])
-            self._event(w, self.receive_names.pop(key), message[1], start, m, message[3])
+            if self.record:
+                self._event(w, self.receive_names.pop(key), message[1], start, m, message[3])
         duration = (self.work.forward_s if code == _F else self.work.backward_s)[stage]
         end = start + duration
         version = self._pin(w, code, m)
-        self._event(w, self.names[w][self.pc[w]], start, end, m, version=version)
+        self._event(w, self._name(w, self.pc[w]), start, end, m, version=version)
         tensor = self.work.tensor_s[stage][code == _B] if self.work.tensor_s else 0.0
         self.out.busy_s[w][self._key(w, m)] += duration - tensor
         if tensor:
@@ -366,7 +373,7 @@ class _Replayer:
         for worker, reached in arrived:
             finish = max(end, reached)
             index = self.pc[worker] - 1  # the worker's own AR (replicas pair k-th with k-th)
-            self._event(worker, self.names[worker][index], reached, finish,
+            self._event(worker, self._name(worker, index), reached, finish,
                         self.actions[worker][index][1])
             self.out.communication_s[worker][self._key(worker, m)] += cost
             if codec:

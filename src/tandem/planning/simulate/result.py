@@ -32,6 +32,10 @@ class SimOptions:
     """Divide the bytes of every allreduce by this ratio (on top of a stage's codec)."""
     activation_compression: float = 1.0
     """Divide the bytes of activations and gradients sent between stages by this ratio."""
+    activation_comm: bool = True
+    """False: activations and their gradients sent between stages carry no bytes (they take only
+    the link's latency), as PipeDream's optimizer assumes by default (``tandem plan
+    --no-activation-comm``)."""
     optimizer_Bps: float | None = None
     """Parameter bytes an optimizer step updates per second; None: steps take no time."""
     optimizer_state_factor: float = 1.0
@@ -56,6 +60,10 @@ class SimOptions:
     """DDP bucket size."""
     record: bool = True
     """Build the timeline (searches turn it off for speed)."""
+    max_replay_actions: int = 40_000
+    """A pipeline whose replay would run more actions than this (all workers, all steps; about
+    a second on one core) is rated in closed form instead (:mod:`tandem.planning.simulate.steady`):
+    time and memory linear in its stages and workers, no timeline."""
     compress: CodecSpec | None = None
     """Gradient codec, ``CODEC[:k=v,...]`` as for ``tandem train --compress`` (e.g.
     ``topk:ratio=0.01``; a text given is parsed once, here): replicas exchange its payloads by its collective and pay its encode
@@ -80,6 +88,8 @@ class SimOptions:
                 raise UsageError(f"{name.replace('_', '-')} must be a positive number (got {value})")
         if self.allreduce_latency_s is not None and not self.allreduce_latency_s >= 0:
             raise UsageError(f"allreduce latency must not be negative (got {self.allreduce_latency_s})")
+        if self.max_replay_actions < 0:
+            raise UsageError(f"max_replay_actions must not be negative (got {self.max_replay_actions})")
         if self.num_steps < 1:
             raise UsageError(f"num_steps must be at least 1 (got {self.num_steps})")
         if not (self.compute_overhead_s >= 0 and math.isfinite(self.compute_overhead_s)):
@@ -137,9 +147,12 @@ class SimResult:
     config: str
     schedule: ScheduleKind
     num_microbatches: int
-    """Micro-batches per step (flush) or minibatches simulated (``pipedream``)."""
+    """Micro-batches per step (flush) or minibatches replayed (``pipedream``; its closed form,
+    for a plan too large to replay, replays none: 1)."""
     step_time_s: float
-    """Seconds per optimizer step (per minibatch in steady state for ``pipedream``)."""
+    """Seconds per optimizer step. Flush schedules: one step is one flush (fill and drain
+    included). ``pipedream``: seconds per minibatch in steady state, the period once the
+    pipeline is full, its start-up apart in ``fill_s``."""
     steps_per_s: float
     samples_per_s: float | None
     """Throughput in samples, when the profile's minibatch size is known."""
@@ -167,6 +180,10 @@ class SimResult:
     each with the row's figures (its ``device`` is the group's first)."""
     recompute: bool = False
     """The plan recomputes activations in the backward."""
+    fill_s: float = 0.0
+    """``pipedream``: seconds a run of ``N`` minibatches takes beyond ``N * step_time_s`` (the
+    pipeline's fill: its first minibatches cross every stage before it reaches its steady
+    state). 0 for flush schedules, whose every step fills and drains."""
 
     @property
     def fits_memory(self) -> bool:

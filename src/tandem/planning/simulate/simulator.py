@@ -19,8 +19,14 @@ codec (``SimOptions.compress``, :mod:`tandem.planning.simulate.codecs`) replicas
 allreduce or allgather and encode and decode them on the device (:mod:`tandem.planning.simulate.replay`
 says when). Flush schedules (GPipe, 1F1B, data parallelism) run ``num_steps`` steps back to
 back and the step time is the last one's on worker 0, as the runtime measures it; PipeDream's
-asynchronous schedule runs long enough to reach its steady state and the step time is the time
-per minibatch there.
+asynchronous schedule runs long enough to reach its steady state (three times the minibatches
+in flight, whole rounds of its replicas) and the step time is the time per minibatch there, the
+period once the pipeline is full, with the start-up apart (``SimResult.fill_s``,
+:func:`steady_state`). A pipeline whose replay would run more than
+``SimOptions.max_replay_actions`` actions (hundreds of stages, or replica counts whose least
+common multiple makes PipeDream's run long) is rated in closed form from the same per-stage
+costs, in time linear in its stages and workers (:mod:`tandem.planning.simulate.steady`, which
+says what that form leaves out).
 
 With a tensor degree ``T`` (``plan.tensor_degree``) every worker of the schedule is a group of
 ``T`` adjacent devices: the layers the profile records as split (``tensor_allreduces``), or
@@ -80,9 +86,12 @@ What it does not model:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from tandem.cluster import Cluster
 from tandem.errors import UsageError
@@ -102,10 +111,11 @@ from tandem.planning.partition.memory import device_memory_bytes
 from tandem.planning.simulate.replay import Replay, Workload, replay
 from tandem.planning.simulate.result import SimOptions, SimResult, WorkerResult
 from tandem.planning.simulate.servers import simulate_ps
+from tandem.planning.simulate.steady import closed_form, plan_microbatches, replay_actions
 from tandem.planning.simulate.tensor import (port_sharing, split_profile, tensor_allreduce_count,
                                     tensor_allreduce_s, tensor_group)
 from tandem.profile import ModelProfile, scale_call, topological_order
-from tandem.schedule import Schedule
+from tandem.schedule import Schedule, generate
 from tandem.spec.kinds import ScheduleKind
 from tandem.spec.sync import (
     AllReduceSync,
@@ -118,10 +128,14 @@ from tandem.timeline import Timeline
 
 __all__ = ["SimOptions", "SimResult", "WorkerResult", "data_parallel_plan", "simulate",
            "simulate_family", "plan_schedule", "pipedream_length", "codec_ratio", "worker_devices",
-           "build_workload", "call_s", "with_codec"]
+           "build_workload", "call_s", "with_codec", "steady_state"]
 
 CODEC_RATIOS = {"fp16": 2.0, "bf16": 2.0, "int8": 4.0, "sign": 32.0, "1bit": 32.0}
 """Compression ratio of the codecs a plan's stage may name (besides a plain number)."""
+
+SCHEDULE_CACHE_SIZE = 32
+"""Generated schedules kept for reuse (each at most ``SimOptions.max_replay_actions`` actions
+when the planner simulates it)."""
 
 MAX_PIPEDREAM_MINIBATCHES = 20_000
 """Longest PipeDream run simulated (its length is a multiple of the replica counts' lcm)."""
@@ -154,11 +168,28 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
     costs = stage_costs(plan, split_profile(profile, plan.tensor_degree),
                         bucket_bytes=options.bucket_bytes,
                         first_bucket_bytes=min(DDP_FIRST_BUCKET_BYTES, options.bucket_bytes))
+    workload = build_workload(plan, costs, cluster, options, profile=profile)
+    if _too_large_to_replay(plan, options):
+        return closed_form(plan, profile.batch_size, cluster, workload, options,
+                           [c.parameter_bytes for c in costs])
     schedule = plan_schedule(plan)
-    workload = build_workload(plan, costs, cluster, schedule, options, profile=profile)
     steps = 1 if schedule.kind.asynchronous else options.num_steps
     run = replay(schedule, workload, cluster, num_steps=steps, record=options.record)
     return _result(plan, profile, cluster, schedule, costs, run, workload, options)
+
+
+def _too_large_to_replay(plan: Plan, options: SimOptions) -> bool:
+    """A generated pipeline schedule whose replay would exceed ``options.max_replay_actions``
+    (PipeDream's run: :func:`pipedream_length` minibatches, or more than it allows)."""
+    if len(plan.stages) < 2 or plan.schedule_text is not None:
+        return False
+    if plan.schedule.asynchronous:
+        length, steps = _pipedream_run(plan.replicas), 1
+        if length > MAX_PIPEDREAM_MINIBATCHES:
+            return True
+    else:
+        length, steps = plan_microbatches(plan), options.num_steps
+    return replay_actions(plan, length, steps) > options.max_replay_actions
 
 
 def simulate_family(plan: Plan, profile: ModelProfile, cluster: Cluster,
@@ -172,23 +203,39 @@ def simulate_family(plan: Plan, profile: ModelProfile, cluster: Cluster,
 def plan_schedule(plan: Plan) -> Schedule:
     """The schedule the runtime runs for ``plan`` (its hand-written one if it has one; a long
     run for ``pipedream``), built by the plan as the runtime builds it."""
-    length = pipedream_length(plan.replicas) if plan.schedule.asynchronous else 1
-    return plan.build_schedule(length)
+    if plan.schedule_text is not None:
+        return plan.build_schedule(1)
+    if plan.schedule.asynchronous:
+        return _generated(plan.schedule, tuple(plan.replicas), pipedream_length(plan.replicas))
+    return _generated(plan.schedule, tuple(plan.replicas), plan_microbatches(plan))
+
+
+@functools.lru_cache(maxsize=SCHEDULE_CACHE_SIZE)
+def _generated(kind: ScheduleKind, replicas: tuple[int, ...], count: int) -> Schedule:
+    """A generated schedule (frozen data), kept for the planner's candidates that share their
+    replica counts."""
+    return generate(kind, replicas, count)
 
 
 def pipedream_length(replicas: list[int]) -> int:
     """Minibatches to simulate PipeDream's schedule over: three times its fill (the most
     minibatches in flight), whole rounds."""
-    rounds = math.lcm(*replicas)
-    wanted = max(3 * max(sum(replicas), len(replicas)) + 12, 3 * rounds)
-    length = -(-wanted // rounds) * rounds
+    length = _pipedream_run(replicas)
     if length > MAX_PIPEDREAM_MINIBATCHES:
+        rounds = math.lcm(*replicas)
         raise UsageError(
             f"pipedream with replicas {'-'.join(map(str, replicas))} pairs its allreduces every "
             f"{rounds} minibatches, too long a run to simulate; use replica counts with a "
             f"smaller least common multiple"
         )
     return length
+
+
+def _pipedream_run(replicas: list[int]) -> int:
+    """:func:`pipedream_length` without its limit."""
+    rounds = math.lcm(*replicas)
+    wanted = max(3 * max(sum(replicas), len(replicas)) + 12, 3 * rounds)
+    return -(-wanted // rounds) * rounds
 
 
 def codec_ratio(name: str | None) -> float:
@@ -221,8 +268,8 @@ def worker_devices(plan: Plan) -> list[int]:
     return devices
 
 
-def build_workload(plan: Plan, costs: list[StageCost], cluster: Cluster, schedule: Schedule,
-                   options: SimOptions, *, profile: ModelProfile | None = None) -> Workload:
+def build_workload(plan: Plan, costs: list[StageCost], cluster: Cluster, options: SimOptions, *,
+                   profile: ModelProfile | None = None) -> Workload:
     """Per-stage durations and sizes of one micro-batch's actions (``costs`` per device of a
     tensor group; ``profile``, the unsplit one, is needed for a tensor degree above 1).
 
@@ -230,8 +277,8 @@ def build_workload(plan: Plan, costs: list[StageCost], cluster: Cluster, schedul
     (:func:`tensor_allreduce_s` among the first replica's tensor group); recomputation runs the
     forward again, allreduces included, at the start of every backward, and stashes only the
     stage's input (the bytes the previous stage sends) per micro-batch."""
-    share = options.batch_scale if schedule.kind.whole_minibatches else (
-        options.batch_scale / schedule.num_microbatches)
+    share = options.batch_scale if plan.schedule.whole_minibatches else (
+        options.batch_scale / plan_microbatches(plan))
     devices = worker_devices(plan)
     groups, first = [], 0
     for stage in plan.stages:
@@ -265,7 +312,8 @@ def build_workload(plan: Plan, costs: list[StageCost], cluster: Cluster, schedul
         step_s=[c.parameter_bytes / options.optimizer_Bps if options.optimizer_Bps else 0.0
                 for c in costs],
         output_bytes=[c.output_bytes * share / options.activation_compression
-                      / codec_ratio(stage.compression) for c, stage in zip(costs, plan.stages)],
+                      / codec_ratio(stage.compression) if options.activation_comm else 0.0
+                      for c, stage in zip(costs, plan.stages)],
         stash_bytes=inputs if plan.recompute else [c.activation_bytes * share for c in costs],
         recompute_bytes=[c.activation_bytes * share for c in costs] if plan.recompute else None,
         tensor_s=[(f, b + (f if plan.recompute else 0.0)) for f, b in tensor]
@@ -357,24 +405,60 @@ def with_codec(workload: Workload, codec: CodecModel, costs: list[StageCost],
     return dataclasses.replace(workload, **changes)
 
 
-def _step_window(schedule: Schedule, run: Replay, options: SimOptions) -> tuple[float, list[int]]:
-    """The reported step time, and the keys (steps or minibatches) it averages over."""
+def _step_window(schedule: Schedule, run: Replay) -> tuple[float, list[int], float]:
+    """The reported step time, the keys (steps or minibatches) it averages over, and the fill.
+
+    Flush schedules: the last step on worker 0 (one step is one flush), no fill. PipeDream's
+    run: the steady state, the slope of the times its minibatches' updates end on stage 0 over
+    the middle third of the run (whole rounds of the replicas' round-robin: the pipeline is
+    full and not yet draining), and the fill, what the first minibatches took beyond that
+    period (:func:`steady_state`)."""
     if schedule.kind.asynchronous:
-        rounds = math.lcm(*schedule.replicas)
-        total = schedule.num_microbatches
-        first = max(rounds, total // 3 // rounds * rounds)
-        last = max(first + rounds, 2 * total // 3 // rounds * rounds)
-        step = (run.done_s[last] - run.done_s[first]) / (last - first)
-        return step, list(range(first, last))
+        period, fill, window = steady_state(run.done_s, schedule.num_microbatches,
+                                            math.lcm(*schedule.replicas))
+        return period, window, fill
     ends = run.step_ends[0]
     step = ends[-1] - ends[-2] if len(ends) > 1 else max(e[-1] for e in run.step_ends)
-    return step, [len(ends) - 1]
+    return step, [len(ends) - 1], 0.0
+
+
+def steady_state(done_s: dict[int, float], num_minibatches: int,
+                 rounds: int) -> tuple[float, float, list[int]]:
+    """``(period, fill, window)`` of a PipeDream run of ``num_minibatches`` whose minibatch
+    ``m``'s update ended at ``done_s[m]``.
+
+    The window is the middle third of the run (whole ``rounds``: the pipeline is full and not
+    yet draining), cut to whole cycles of its pattern: the fewest rounds after which every
+    minibatch ends the same time after the one a cycle before (ports and replicas can make the
+    steady state repeat every few minibatches). The period is the seconds per minibatch over it;
+    the fill, by how much the window's minibatches end later than ``(m + 1)`` periods (on
+    average: a run of ``N`` minibatches takes about ``fill + N * period``)."""
+    first = max(rounds, num_minibatches // 3 // rounds * rounds)
+    last = max(first + rounds, 2 * num_minibatches // 3 // rounds * rounds)
+    done = np.array([done_s[m] for m in range(first, last + 1)])
+    cycle = _cycle(done, rounds)
+    last = first + (last - first) // cycle * cycle
+    period = (done_s[last] - done_s[first]) / (last - first)
+    window = list(range(first, last))
+    fill = sum(done_s[m] - (m + 1) * period for m in window) / len(window)
+    return period, max(0.0, fill), window
+
+
+def _cycle(done: np.ndarray, rounds: int) -> int:
+    """The fewest minibatches, a multiple of ``rounds`` and at most half of ``done``, after
+    which ``done`` repeats shifted by a constant (to a relative ``1e-9``); ``rounds`` if none."""
+    tolerance = 1e-9 * max(1.0, float(abs(done[-1])))
+    for cycle in range(rounds, (len(done) - 1) // 2 + 1, rounds):
+        steps = done[cycle:] - done[:-cycle]
+        if float(steps.max() - steps.min()) <= tolerance:
+            return cycle
+    return rounds
 
 
 def _result(plan: Plan, profile: ModelProfile, cluster: Cluster, schedule: Schedule,
             costs: list[StageCost], run: Replay, workload: Workload,
             options: SimOptions) -> SimResult:
-    step_s, keys = _step_window(schedule, run, options)
+    step_s, keys, fill_s = _step_window(schedule, run)
     workers = []
     for w in range(schedule.num_workers):
         stage, replica = schedule.stage_of(w)
@@ -407,5 +491,5 @@ def _result(plan: Plan, profile: ModelProfile, cluster: Cluster, schedule: Sched
         peak_memory_bytes=max(worker.peak_memory_bytes for worker in workers),
         memory_limit_bytes=cluster.memory_bytes, workers=workers,
         timeline=Timeline(events=run.events, source="simulator"),
-        tensor_degree=plan.tensor_degree, recompute=plan.recompute,
+        tensor_degree=plan.tensor_degree, recompute=plan.recompute, fill_s=fill_s,
     )
