@@ -4,9 +4,10 @@ quiet machine and with another process keeping a core busy, and the stage splits
 Run: ``python benchmarks/profile_repeat.py [--profiles 10]`` (prints a table; the last stdout
 line is one JSON object).
 
-The model is eight identical blocks (layer normalization, then a linear layer; 64 features,
-a batch of 64), not an ``nn.Sequential``: the automatic split cuts it into 16 blocks, planned on
-4 stages. Two statistics are compared on the same machine, one thread each:
+Two user models (not ``nn.Sequential``; a batch of 64, 64 features in), split automatically and
+planned on 4 stages: ``stack``, eight identical blocks (layer normalization, then a linear
+layer) cut into 16 blocks, and ``taper``, eight linear layers of falling width (256 to 32), each
+followed by a ReLU, cut into 16 blocks no two of which are alike. Two statistics are compared on the same machine, one thread each:
 
 - ``tandem``: :func:`tandem.runtime.profiler.profile_model` (rounds over every block, the least
   of the medians of groups of three of 9 repeats, identical blocks sharing their median);
@@ -68,6 +69,19 @@ class Stack(nn.Module):
         return x
 
 
+class Taper(nn.Module):
+    """Linear layers of falling width, each followed by a ReLU: no two blocks alike."""
+
+    def __init__(self, widths: tuple[int, ...] = (64, 256, 224, 192, 160, 128, 96, 64, 32)) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths, widths[1:]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
 def _cv(values: list[float]) -> float:
     mean = statistics.fmean(values)
     return statistics.pstdev(values) / mean if mean > 0 else 0.0
@@ -116,8 +130,8 @@ def _split(times: list[float]) -> tuple[tuple[int, int], ...]:
 
 
 def condition(blocks: nn.Sequential, inputs: torch.Tensor, count: int,
-              measure: Callable[[nn.Sequential, torch.Tensor], tuple[list[float], list[list[float]]]]
-              ) -> dict[str, object]:
+              measure: Callable[[nn.Sequential, torch.Tensor], tuple[list[float], list[list[float]]]],
+              identical: bool) -> dict[str, object]:
     """Profile ``count`` times; the figures of the module docstring."""
     figures: list[list[float]] = []
     within: list[float] = []
@@ -127,8 +141,9 @@ def condition(blocks: nn.Sequential, inputs: torch.Tensor, count: int,
         times, repeats = measure(blocks, inputs)
         figures.append(times)
         within.extend(_cv(r) for r in repeats if len(r) > 1)
-        own = [robust_s(r) for r in repeats]  # each layer's figure before any sharing
-        ratios.append(max(max(g) / min(g) for g in (own[0::2], own[1::2])))
+        if identical:
+            own = [robust_s(r) for r in repeats]  # each layer's figure before any sharing
+            ratios.append(max(max(g) / min(g) for g in (own[0::2], own[1::2])))
         splits.append(_split(times))
     across = [_cv([f[i] for f in figures]) for i in range(len(figures[0]))]
     shares = [[t / sum(f) for t in f] for f in figures]  # what the split depends on
@@ -136,7 +151,7 @@ def condition(blocks: nn.Sequential, inputs: torch.Tensor, count: int,
     return {"within_cv_median": statistics.median(within),
             "across_cv_median": statistics.median(across), "across_cv_max": max(across),
             "share_cv_median": statistics.median(relative), "share_cv_max": max(relative),
-            "identical_ratio_max": max(ratios), "distinct_splits": len(set(splits)),
+            "identical_ratio_max": max(ratios) if ratios else None, "distinct_splits": len(set(splits)),
             "splits": sorted({"|".join(f"{a}-{b - 1}" for a, b in s) for s in splits}),
             "mean_layer_ms": statistics.fmean(statistics.fmean(f) for f in figures) * 1e3}
 
@@ -147,24 +162,28 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     inputs = torch.randn(64, 64)
-    blocks = pipeline_blocks(Stack(), inputs[:2], what="model 'Stack'")
+    models = {"stack": pipeline_blocks(Stack(), inputs[:2], what="model 'Stack'"),
+              "taper": pipeline_blocks(Taper(), inputs[:2], what="model 'Taper'")}
     results: dict[str, dict[str, object]] = {}
     for load in ("quiet", "busy"):
         busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if load == "busy" \
             else None
         try:
-            for name, measure in (("median of 3", median_of_3), ("tandem", tandem_profile)):
-                results[f"{load}, {name}"] = condition(blocks, inputs, args.profiles, measure)
+            for model, blocks in models.items():
+                for name, measure in (("median of 3", median_of_3), ("tandem", tandem_profile)):
+                    results[f"{model}, {load}, {name}"] = condition(
+                        blocks, inputs, args.profiles, measure, identical=model == "stack")
         finally:
             if busy is not None:
                 busy.kill()
                 busy.wait()
-    print(f"{'condition':<22} {'CV in':>6} {'across':>7} {'max':>6} {'share':>6} {'max':>6} "
+    print(f"{'condition':<28} {'CV in':>6} {'across':>7} {'max':>6} {'share':>6} {'max':>6} "
           f"{'same x':>7} {'splits':>6}  layer ms")
     for name, row in results.items():
-        print(f"{name:<22} {row['within_cv_median']:6.3f} {row['across_cv_median']:7.3f} "
+        ratio = row["identical_ratio_max"]
+        print(f"{name:<28} {row['within_cv_median']:6.3f} {row['across_cv_median']:7.3f} "
               f"{row['across_cv_max']:6.3f} {row['share_cv_median']:6.3f} {row['share_cv_max']:6.3f} "
-              f"{row['identical_ratio_max']:7.2f} {row['distinct_splits']:6d}  "
+              f"{'-' if ratio is None else format(ratio, '.2f'):>7} {row['distinct_splits']:6d}  "
               f"{row['mean_layer_ms']:.4f}")
     print(json.dumps({"profiles": args.profiles, "cores": os.cpu_count(),
                       "load_average": os.getloadavg()[0], "torch": torch.__version__,
