@@ -27,8 +27,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "plan",
         help="choose pipeline stages and replication (PipeDream's partitioner)",
         description="Split a model into pipeline stages with a replica count each (PipeDream's "
-        "partitioner), simulate that plan beside the flat plan at the slowest link, data "
-        "parallelism and one device, and return the fastest that fits the devices' memory.",
+        "partitioner) under a ladder of memory budgets (the limit itself among them) and link "
+        "speeds, simulate each beside the flat plan at the slowest link, data parallelism and "
+        "one device, and return the fastest that fits the devices' memory.",
     )
     add_source_args(p, batch_help="with --model: minibatch to profile", batch_default=32)
     add_cluster_args(p)
@@ -46,8 +47,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
                    help="schedule the plan runs and is simulated with (default 1f1b); given, "
                    "the plan is a pipeline even where data parallelism or one device is faster")
     p.add_argument("--microbatches", type=int, default=None,
-                   help="micro-batches per step the plan runs (default: the fastest the simulator "
-                   "finds among max(stages, replicas) and 2 and 4 times that)")
+                   help="micro-batches per step the plan runs, a divisor of the minibatch; "
+                   "given, every pipeline runs it, one-stage ones too (default: the fastest the "
+                   "simulator finds among the smallest divisors of the minibatch at least "
+                   "max(stages, replicas) and 2 and 4 times that)")
     p.add_argument("--profile-batch", type=int,
                    help="minibatch the profile was measured at, if it does not say (PipeDream's "
                    "graph.txt): the plan then predicts samples per second")

@@ -22,6 +22,21 @@ Piece = tuple[int, int, int, float, float, float]
 _CHUNK_ELEMENTS = 4_000_000
 
 
+@dataclass(kw_only=True, slots=True, frozen=True)
+class DeviceStages:
+    """The devices of the plans a level chose, per segment ``[row, state]`` on all its units
+    (one unit of the level above), padded along the last axis (``replicas`` 0: no stage)."""
+
+    parameter_bytes: np.ndarray
+    """Parameter bytes of each device stage."""
+    activation_bytes: np.ndarray
+    """Activation bytes per minibatch each device stage stashes."""
+    replicas: np.ndarray
+    """Devices running each stage inside the unit."""
+    after: np.ndarray
+    """Devices inside the unit running the stages after it."""
+
+
 @dataclass(kw_only=True, slots=True)
 class LevelProblem:
     """The inputs of one level: segment costs over states and the level's links."""
@@ -56,6 +71,9 @@ class LevelProblem:
     """The schedule whose memory is budgeted (:mod:`tandem.planning.partition.memory`)."""
     optimizer_state_factor: float = 1.0
     """Optimizer state bytes per parameter byte."""
+    inner: DeviceStages | None = None
+    """At an outer level: the devices of the plan the level below chose for every segment, so
+    that a stage's memory is checked device by device (None: the innermost level)."""
     transfer_bytes: np.ndarray = field(init=False)
     """``[p, j]``: bytes a non-first stage moves per minibatch in its larger direction."""
 
@@ -107,22 +125,46 @@ class LevelProblem:
 
     def fits(self, row: np.ndarray | int, state: np.ndarray | int,
              replicas: np.ndarray, used: np.ndarray) -> np.ndarray:  # fmt: skip
-        """Whether a device of the stage holds its weights, gradients, optimizer state, stashed
-        versions and in-flight activations (:mod:`tandem.planning.partition.memory`) within the limit.
+        """Whether every device of the stage holds its weights, gradients, optimizer state,
+        stashed versions and in-flight activations (:mod:`tandem.planning.partition.memory`)
+        within the limit (vectorized).
 
         ``used`` counts the units up to and including this stage, so ``num_units - used`` follow
-        it. At an outer level a unit's ``D`` devices share the segment's bytes evenly, an
-        estimate: the level below has checked each of its own stages, and the planner checks the
-        whole plan's devices again (:func:`tandem.planning.search.planner.make_plan`).
-        """
+        it. At an outer level each device of the plan the level below chose for the segment is
+        checked with its replicas times ``replicas`` and the devices after it (those of its unit
+        after it, in every replica, and the units after this stage): exactly the memory of the
+        whole plan's devices. The innermost level checks a stage as if nothing followed its
+        level (for PipeDream's schedule fewer minibatches in flight than the whole plan may
+        hold, which the levels above then check; for flush schedules more activations than
+        once replicated above)."""
         if self.memory_bytes is None:
             return np.ones(np.broadcast(replicas, used).shape, dtype=bool)
-        share = 1.0 / self.devices_per_unit
+        if self.inner is not None:
+            return np.asarray(self._devices_need(row, state, replicas, used) <= self.memory_bytes)
         need = stage_memory_bytes(
-            self.schedule, parameter_bytes=self.parameter_bytes[row, state] * share,
-            activation_bytes=self.stash_bytes[row, state] * share, replicas=replicas,
+            self.schedule, parameter_bytes=self.parameter_bytes[row, state],
+            activation_bytes=self.stash_bytes[row, state], replicas=replicas,
             downstream=self.num_units - used, optimizer_state_factor=self.optimizer_state_factor)
         return np.asarray(need <= self.memory_bytes)
+
+    def _devices_need(self, row: np.ndarray | int, state: np.ndarray | int,
+                      replicas: np.ndarray, used: np.ndarray) -> np.ndarray:  # fmt: skip
+        """The most any device of the segment's inner plan holds on ``replicas`` units with
+        ``num_units - used`` units after it (nan for an invalid segment)."""
+        inner = self.inner
+        assert inner is not None
+        units = np.asarray(replicas, dtype=np.float64)[..., None]
+        after = (self.num_units - np.asarray(used, dtype=np.float64))[..., None]
+        count = inner.replicas[row, state]
+        need = stage_memory_bytes(
+            self.schedule, parameter_bytes=inner.parameter_bytes[row, state],
+            activation_bytes=inner.activation_bytes[row, state],
+            replicas=np.maximum(count, 1) * units,
+            downstream=inner.after[row, state] * units + after * self.devices_per_unit,
+            optimizer_state_factor=self.optimizer_state_factor)
+        need = np.where(count > 0, need, 0.0)
+        invalid = np.isnan(self.parameter_bytes[row, state])
+        return np.where(invalid, np.nan, np.max(need, axis=-1))
 
     def piece(self, before: int, state: int, replicas: int, *, first: bool) -> Piece:
         """The stage after ``before`` up to ``state`` as a :data:`Piece`."""
@@ -148,6 +190,59 @@ class LevelTable:
     pieces: list[Piece] | None = None
     """For the fast path: the row-0 stages directly."""
 
+    def device_stages(self) -> DeviceStages:
+        """For every segment on all of this level's units (one unit of the level above), the
+        devices of the plan chosen for it: one backtrack step for every segment at once."""
+        assert self.split is not None and self.replicas is not None  # a full table
+        rows, n, N = self.best.shape
+        grid_row, grid_state = np.meshgrid(np.arange(rows), np.arange(n), indexing="ij")
+        row, state = grid_row.ravel(), grid_state.ravel()
+        units = np.full(row.size, N - 1)
+        active = np.isfinite(self.best[row, state, units])
+        consumed = np.zeros(row.size, dtype=np.int64)
+        parts: list[tuple[np.ndarray, ...]] = []
+        while active.any():
+            choice = np.where(active, self.split[row, state, units], -3)
+            idle = choice == -2
+            units = np.where(idle, units - 1, units)
+            whole, cut = choice == -1, choice >= 0
+            count = np.where(whole, units + 1,
+                             np.where(cut, self.replicas[row, state, units], 0))
+            start = np.where(whole, row, choice + 1)  # the row of the stage's segment
+            parts.append(self._device_part(np.where(whole | cut, start, 0), state, count,
+                                           consumed))
+            consumed = consumed + np.where(cut, count, 0)
+            state = np.where(cut, choice, state)
+            units = np.where(cut, units - count, units)
+            active = active & (idle | cut)
+        if not parts:  # no segment fits on this level: one empty stage each
+            nothing = np.zeros((row.size, 1), dtype=np.int64)
+            parts.append((nothing.astype(np.float64), nothing.astype(np.float64), nothing,
+                          nothing))
+        shape = (rows, n, -1)
+        stacked = [np.concatenate([part[i] for part in parts], axis=1).reshape(shape)
+                   for i in range(4)]
+        return DeviceStages(parameter_bytes=stacked[0], activation_bytes=stacked[1],
+                            replicas=stacked[2], after=stacked[3])
+
+    def _device_part(self, start: np.ndarray, state: np.ndarray, count: np.ndarray,
+                     consumed: np.ndarray) -> tuple[np.ndarray, ...]:  # fmt: skip
+        """One stage per segment (``count`` 0: none) as devices: ``(parameter bytes,
+        activation bytes, replicas, devices after)``, each ``[segment, device stage]``."""
+        problem = self.problem
+        inner = problem.inner
+        on = count > 0
+        if inner is None:
+            params = np.where(on, problem.parameter_bytes[start, state], 0.0)
+            acts = np.where(on, problem.stash_bytes[start, state], 0.0)
+            return params[:, None], acts[:, None], count[:, None], consumed[:, None]
+        size = problem.devices_per_unit
+        reps = inner.replicas[start, state] * count[:, None]
+        after = inner.after[start, state] * count[:, None] + (consumed * size)[:, None]
+        return (np.where(on[:, None], inner.parameter_bytes[start, state], 0.0),
+                np.where(on[:, None], inner.activation_bytes[start, state], 0.0),
+                np.where(on[:, None], reps, 0), after)
+
     def backtrack(self, row: int, state: int) -> list[Piece]:
         """The stages behind ``best[row, state, -1]`` in pipeline order."""
         if self.pieces is not None and row == 0:
@@ -169,7 +264,8 @@ class LevelTable:
 
 
 def solve_level(problem: LevelProblem) -> LevelTable:
-    """The full dynamic program (every row when ``problem.all_rows``, else row 0)."""
+    """The full dynamic program (every row when ``problem.all_rows``, else row 0), a column of
+    states at a time, vectorized over the rows of that column."""
     n = problem.states.num_states
     N = problem.num_units
     rows = n + 1 if problem.all_rows else 1
@@ -179,20 +275,20 @@ def solve_level(problem: LevelProblem) -> LevelTable:
     units = np.arange(1, N + 1)
     for j in range(n):
         below = np.flatnonzero(problem.states.below[:, j])
-        valid_rows = [0] + ([int(p) + 1 for p in below] if problem.all_rows else [])
-        last = _last_stage_times(problem, below, j) if below.size else None
-        for p in valid_rows:
-            base = _base_times(problem, p, j, units)
-            rec, rec_k, rec_r = _recursive(problem, best, p, below, j, last)
-            _combine(problem, best, split, reps, (p, j), base, (rec, rec_k, rec_r))
+        valid = np.concatenate(([0], below + 1)) if problem.all_rows else np.zeros(1, np.int64)
+        base = _base_times(problem, valid, j, units)
+        rec = _recursive(problem, best, valid, below, j)
+        _combine(problem, (best, split, reps), valid, j, base, rec)
     return LevelTable(problem=problem, best=best, split=split, replicas=reps)
 
 
-def _base_times(problem: LevelProblem, p: int, j: int, units: np.ndarray) -> np.ndarray:
-    times = problem.stage_time(p, j, units.astype(np.float64), first=True)
-    times = np.where(problem.fits(p, j, units, units), times, np.inf)
+def _base_times(problem: LevelProblem, rows: np.ndarray, j: int, units: np.ndarray) -> np.ndarray:
+    """``[row, m]``: the segment as one stage on ``m + 1`` units (inf where it does not fit)."""
+    grid_rows, grid_units = rows[:, None], units[None, :]
+    times = problem.stage_time(grid_rows, j, grid_units.astype(np.float64), first=True)
+    times = np.where(problem.fits(grid_rows, j, grid_units, grid_units), times, np.inf)
     if problem.straight:
-        times[1:] = np.inf
+        times[:, 1:] = np.inf
     return np.where(np.isnan(times), np.inf, times)
 
 
@@ -208,52 +304,60 @@ def _last_stage_times(problem: LevelProblem, below: np.ndarray, j: int) -> np.nd
 
 
 def _recursive(
-    problem: LevelProblem, best: np.ndarray, p: int, below: np.ndarray, j: int,
-    last: np.ndarray | None,
+    problem: LevelProblem, best: np.ndarray, rows: np.ndarray, below: np.ndarray, j: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
-    """Best split per unit count m: min over k, r of max(best[p, k, m - r], last[k, r])."""
+    """Best split per row and unit count m: min over k, r of max(best[row, k, m - r],
+    last[k, r]), the first minimum in the order of ``below`` then ``r``."""
     N = problem.num_units
-    rec = np.full(N, np.inf)
-    rec_k = np.full(N, -3, dtype=np.int64)
-    rec_r = np.zeros(N, dtype=np.int64)
-    if last is None or N < 2:
+    rec = np.full((rows.size, N), np.inf)
+    rec_k = np.full((rows.size, N), -3, dtype=np.int64)
+    rec_r = np.zeros((rows.size, N), dtype=np.int64)
+    if below.size == 0 or N < 2:
         return rec, rec_k, rec_r
-    pick = np.ones(below.size, dtype=bool) if p == 0 else problem.states.below[p - 1, below]
-    index = np.flatnonzero(pick)
+    last = _last_stage_times(problem, below, j)  # [k, r]
     m = np.arange(N)[:, None]
     r = np.arange(1, N + 1)[None, :]
-    prior = m - r  # units index of the prefix
-    ok = prior >= 0
-    step = max(1, _CHUNK_ELEMENTS // (N * N))
-    for start in range(0, index.size, step):
-        chunk = index[start : start + step]
-        ks = below[chunk]
-        prefix = best[p, ks][:, np.clip(prior, 0, None)]
-        cand = np.maximum(np.where(ok, prefix, np.inf), last[chunk][:, None, :])
-        if problem.memory_bytes is not None:
-            fits = problem.fits((ks + 1)[:, None, None], j, r[None], (m + 1)[None])
-            cand = np.where(fits, cand, np.inf)
-        flat = cand.transpose(1, 0, 2).reshape(N, -1)
-        arg = np.argmin(flat, axis=1)
-        value = flat[np.arange(N), arg]
-        better = value < rec
-        rec = np.where(better, value, rec)
-        rec_k = np.where(better, ks[arg // N], rec_k)
-        rec_r = np.where(better, arg % N + 1, rec_r)
+    prior = np.clip(m - r, 0, None)
+    blocked = (m - r < 0)[None, None]  # [1, 1, m, r]
+    if problem.memory_bytes is not None:
+        fits = problem.fits((below + 1)[:, None, None], j, r[None], (m + 1)[None])
+        blocked = blocked | ~fits[None]
+    # a prefix up to k must start after row - 1: state row - 1 below k (row 0: any k)
+    starts = np.ones((rows.size, below.size), dtype=bool)
+    inner = rows > 0
+    starts[inner] = problem.states.below[rows[inner] - 1][:, below]
+    step = max(1, _CHUNK_ELEMENTS // max(1, below.size * N * N))
+    for first in range(0, rows.size, step):
+        part = slice(first, first + step)
+        prefix = best[rows[part]][:, below][:, :, prior]  # [row, k, m, r]
+        cand = np.maximum(prefix, last[None, :, None, :])
+        cand = np.where(blocked | ~starts[part, :, None, None], np.inf, cand)
+        flat = cand.transpose(0, 2, 1, 3).reshape(cand.shape[0], N, -1)
+        arg = np.argmin(flat, axis=2)
+        value = np.take_along_axis(flat, arg[:, :, None], axis=2)[:, :, 0]
+        found = np.isfinite(value)
+        rec[part] = value
+        rec_k[part] = np.where(found, below[arg // N], -3)
+        rec_r[part] = np.where(found, arg % N + 1, 0)
     return rec, rec_k, rec_r
 
 
 def _combine(
-    problem: LevelProblem, best: np.ndarray, split: np.ndarray, reps: np.ndarray,
-    cell: tuple[int, int], base: np.ndarray, rec: tuple[np.ndarray, np.ndarray, np.ndarray],
+    problem: LevelProblem, table: tuple[np.ndarray, np.ndarray, np.ndarray], rows: np.ndarray,
+    j: int, base: np.ndarray, rec: tuple[np.ndarray, np.ndarray, np.ndarray],
 ) -> None:  # fmt: skip
     """PipeDream's order: one stage first, then idle units if strictly better, then splits."""
-    p, j = cell
+    best, split, reps = table
     values, ks, rs = rec
     for m in range(problem.num_units):
-        value, choice, count = base[m], -1, m + 1
-        if problem.allow_idle and m > 0 and best[p, j, m - 1] < value:
-            value, choice, count = best[p, j, m - 1], -2, 0
-        if values[m] < value:
-            value, choice, count = values[m], int(ks[m]), int(rs[m])
-        best[p, j, m], split[p, j, m], reps[p, j, m] = value, choice, count
+        value = base[:, m]
+        choice = np.full(rows.size, -1, dtype=np.int64)
+        count = np.full(rows.size, m + 1, dtype=np.int64)
+        if problem.allow_idle and m > 0:
+            idle = best[rows, j, m - 1] < value
+            value = np.where(idle, best[rows, j, m - 1], value)
+            choice, count = np.where(idle, -2, choice), np.where(idle, 0, count)
+        splits = values[:, m] < value
+        best[rows, j, m] = np.where(splits, values[:, m], value)
+        split[rows, j, m] = np.where(splits, ks[:, m], choice)
+        reps[rows, j, m] = np.where(splits, rs[:, m], count)

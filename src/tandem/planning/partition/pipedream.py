@@ -169,6 +169,7 @@ def partition(
             all_rows=level_index < top,
             schedule=options.schedule,
             optimizer_state_factor=options.optimizer_state_factor,
+            inner=tables[-1].device_stages() if tables and memory is not None else None,
         )
         table = _solve(problem, options, final=level_index == top)
         tables.append(table)

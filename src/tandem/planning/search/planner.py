@@ -7,28 +7,34 @@ Usage::
     bare = partition_plan(profile, cluster, PartitionOptions(activation_compression=None))
 
 :func:`partition_plan` is PipeDream's partitioner alone, its times its cost model's. The planner
-(:func:`make_plan`) asks it for a plan on the cluster as it is and, for a hierarchical cluster,
-on a flat cluster of as many devices at the slowest link; it adds data parallelism on every
-device and one device, simulates each (:mod:`tandem.planning.simulate.simulator`) with the schedule the
-plan will run, and returns the fastest that fits the devices' memory, its time the simulator's
-(``bottleneck_s``) beside the partitioner's estimate (``estimate_s``). Every candidate, with
-both figures and its memory, is listed in ``plan.candidates``. A memory limit that no candidate
-meets is an error naming the smallest memory at which one would.
+(:func:`make_plan`) asks it for plans on the cluster as it is and, for a hierarchical cluster,
+on a flat cluster of as many devices at the slowest link, each under a ladder of memory budgets
+(the limit itself among them) and of link speeds (:mod:`tandem.planning.search.candidates`); it
+adds data parallelism and one device, simulates each (:mod:`tandem.planning.simulate.simulator`)
+as it will run (the schedule, micro-batches that divide the minibatch), and returns the fastest
+that fits the devices' memory, its time the simulator's (``bottleneck_s``) beside the
+partitioner's estimate (``estimate_s``). It is never slower than a candidate it built, and
+monotone along the ladders: more bandwidth, faster devices or a looser limit a rung apart never
+give a slower plan. Every candidate, with both figures and its memory, is listed in
+``plan.candidates``. A memory limit that no candidate meets is an error naming the smallest
+memory at which one would.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
-from collections.abc import Callable
 from typing import Any
 
 from tandem.cluster import Cluster, Level
 from tandem.errors import UsageError
-from tandem.plan import Plan, Stage, default_microbatches
+from tandem.plan import Plan, Stage
 from tandem.planning.partition.branches import compress_for_planning
 from tandem.planning.partition.memory import stage_memory_bytes
+from tandem.planning.search.candidates import (Candidate, CandidatePool, microbatch_counts,
+                                               minibatch)
 from tandem.planning.partition.pipedream import (NoPlanFits, Partition, PartitionOptions,
                                                  partition, schedule_kind)
 from tandem.planning.simulate.simulator import SimOptions, SimResult, data_parallel_plan, simulate
@@ -37,16 +43,9 @@ from tandem.spec.kinds import ScheduleKind
 
 PIPELINE_CANDIDATES = ("partition", "flat")
 """The candidates that are the partitioner's pipelines (the others: ``dp`` and ``single``)."""
-MICROBATCH_FACTORS = (1, 2, 4)
-"""Flush schedules without a given count: micro-batches tried, as multiples of the default."""
-MEMORY_RETRIES = 3
-"""Times the partitioner re-solves under a tighter limit when its plan's simulated devices
-exceed the memory (outer levels of a hierarchy estimate a unit's memory as an even share, and
-flush schedules' micro-batches may not divide evenly among a stage's replicas)."""
-TIGHTER_BUDGETS = (0.5, 0.25)
-"""Memory budgets besides none, as fractions of the unconstrained partition's simulated peak."""
 BUDGET_SCALES = (1.0, 2.0, 4.0, 8.0)
-"""Flush schedules: the partitioner's memory budget as multiples of the limit, tried in turn."""
+"""Flush schedules: the partitioner's memory budget as multiples of the limit that
+:func:`smallest_memory_bytes` tries at each limit."""
 MEMORY_TOLERANCE = 1e-3
 """Relative precision of the smallest memory reported when nothing fits."""
 
@@ -95,204 +94,88 @@ def _recorded(options: PartitionOptions) -> dict[str, Any]:
     }
 
 
-@dataclasses.dataclass(kw_only=True, slots=True)
-class _Candidate:
-    """One plan the planner compared."""
-
-    name: str
-    plan: Plan | None
-    estimate_s: float | None = None
-    result: SimResult | None = None
-    note: str = ""
-
-    @property
-    def fits(self) -> bool:
-        return self.result is not None and self.result.fits_memory
-
-    def row(self, chosen: bool) -> dict[str, Any]:
-        result = self.result
-        return {
-            "name": self.name, "chosen": chosen,
-            "config": self.plan.config if self.plan else None,
-            "schedule": self.plan.schedule if self.plan else None,
-            "num_microbatches": self.plan.num_microbatches if self.plan else None,
-            "estimate_s": self.estimate_s,
-            "simulated_s": result.step_time_s if result else None,
-            "samples_per_s": result.samples_per_s if result else None,
-            "peak_memory_bytes": result.peak_memory_bytes if result else None,
-            "fits_memory": self.fits if result else None,
-            "note": self.note,
-        }
-
-
 def make_plan(
     profile: ModelProfile, cluster: Cluster, options: PartitionOptions | None = None, *,
     schedule: ScheduleKind | str = ScheduleKind.ONE_F_ONE_B, num_microbatches: int | None = None,
     sim: SimOptions | None = None,
     pipeline_only: bool = False,
 ) -> Plan:  # fmt: skip
-    """The fastest plan, by the simulator, among the partitioner's on ``cluster``, the
-    partitioner's on a flat cluster at the slowest link, data parallelism and one device; run
-    with ``schedule`` (pipelines) and ``num_microbatches`` (None: the best of the default and
-    its multiples :data:`MICROBATCH_FACTORS` for flush schedules). :class:`UsageError` when no
-    candidate fits the memory limit (``options.memory_bytes`` or the cluster's), naming the
-    smallest memory that would do. ``pipeline_only`` (and ``options.straight``: the caller asked
-    for a pipeline's layout or schedule) still simulates data parallelism and one device, for
-    reference, but returns one of the partitioner's plans."""
+    """The fastest plan, by the simulator, among the partitioner's on ``cluster`` and on a flat
+    cluster at the slowest link, each under the ladders of memory budgets and link speeds of
+    :mod:`tandem.planning.search.candidates`, data parallelism and one device; pipelines run
+    ``schedule`` with ``num_microbatches`` (None: the best of the default and its multiples for
+    flush schedules, always a divisor of the minibatch). :class:`UsageError` when no candidate
+    fits the memory limit (``options.memory_bytes`` or the cluster's), naming the smallest
+    memory that would do, or when the micro-batches asked for cannot run. ``pipeline_only``
+    (and ``options.straight``: the caller asked for a pipeline's layout or schedule) still
+    simulates data parallelism and one device, for reference, but returns one of the
+    partitioner's plans, run as asked even where the partitioner gives one stage."""
     options = options or PartitionOptions()
-    kind = ScheduleKind.parse(schedule)
-    if kind is not None and kind.whole_minibatches and num_microbatches not in (None, 1):
+    kind = schedule_kind(schedule)
+    if kind.whole_minibatches and num_microbatches not in (None, 1):
         raise UsageError(f"the pipedream schedule runs whole minibatches: --microbatches "
                          f"{num_microbatches} does not apply; drop it or use --schedule 1f1b or "
                          f"gpipe")
     sim = dataclasses.replace(sim or SimOptions(), record=False)
     memory = options.memory_bytes if options.memory_bytes is not None else cluster.memory_bytes
     cluster = dataclasses.replace(cluster, memory_bytes=memory)
-    options = dataclasses.replace(options, memory_bytes=memory, schedule=schedule_kind(schedule),
+    options = dataclasses.replace(options, memory_bytes=memory, schedule=kind,
                                   optimizer_state_factor=sim.optimizer_state_factor)
+    asked = pipeline_only or options.straight
     started = time.perf_counter()
-    candidates = _candidates(profile, cluster, options, options.schedule, num_microbatches, sim)
+    pool = CandidatePool(profile, cluster, kind, num_microbatches, sim,
+                         reschedule_all=asked or num_microbatches is not None)
+    _check_asked_microbatches(num_microbatches, pool.batch)
+    views = [("partition", cluster)]
+    if len(cluster.levels) > 1:
+        views.append(("flat", _flat_at_slowest_link(cluster)))
+    candidates = pool.ladders(views, options, functools.partial(partition_plan, profile))
+    candidates += _references(profile, cluster, pool, candidates)
     eligible = candidates
-    if pipeline_only or options.straight:
+    if asked:
         eligible = [c for c in candidates if c.name in PIPELINE_CANDIDATES]
         for reference in candidates:
             if reference.name not in PIPELINE_CANDIDATES:
                 reference.note = "for reference: a pipeline was asked for"
     fitting = [c for c in eligible if c.fits]
     if not fitting:
+        runnable = [c for c in eligible if c.plan is not None]
+        if not runnable and candidates:
+            reasons = "; ".join(dict.fromkeys(c.note for c in eligible if c.note))
+            raise UsageError(f"no {kind} plan on {cluster.num_devices} devices can run as asked: "
+                             f"{reasons}")
         raise NoPlanFits(_no_fit_message(profile, cluster, options, sim, memory, eligible))
-    best = min(fitting, key=lambda c: c.result.step_time_s)  # type: ignore[union-attr]
-    return _chosen_plan(best, candidates, options, time.perf_counter() - started)
+    best = min(fitting, key=lambda c: c.step_s)
+    rows = sorted(candidates, key=lambda c: (c.name not in PIPELINE_CANDIDATES, not c.fits,
+                                             c.step_s))
+    return _chosen_plan(best, rows, options, time.perf_counter() - started)
 
 
-def _candidates(profile: ModelProfile, cluster: Cluster, options: PartitionOptions,
-                schedule: ScheduleKind, num_microbatches: int | None,
-                sim: SimOptions) -> list[_Candidate]:  # fmt: skip
-    evaluate = _evaluator(profile, cluster, schedule, num_microbatches, sim)
-    found = [_partitioned("partition", profile, cluster, options, evaluate)]
-    if len(cluster.levels) > 1:
-        flat = _flat_at_slowest_link(cluster)
-        found.append(_partitioned("flat", profile, flat, options, evaluate))
-    dp = data_parallel_plan(profile, cluster.num_devices)
-    found.append(evaluate("dp", dp, _dp_estimate(found)))
+def _check_asked_microbatches(count: int | None, batch: int | None) -> None:
+    """A micro-batch count given that cannot split the minibatch, refused in one line."""
+    if count is None or batch is None:
+        return
+    if count < 1 or batch % count:
+        divisors = [d for d in range(1, batch + 1) if batch % d == 0]
+        near = min(divisors, key=lambda d: (abs(d - count), d))
+        raise UsageError(f"--microbatches {count} does not divide the minibatch of {batch} "
+                         f"samples (tandem train refuses it): use a divisor such as {near}")
+
+
+def _references(profile: ModelProfile, cluster: Cluster, pool: CandidatePool,
+                found: list[Candidate]) -> list[Candidate]:  # fmt: skip
+    """Data parallelism (on as many devices as divide the minibatch) and one device, both run
+    as data parallelism."""
+    devices = cluster.num_devices
+    if pool.batch is not None:
+        devices = max(d for d in range(1, devices + 1) if pool.batch % d == 0)
+    dp = dataclasses.replace(data_parallel_plan(profile, devices), num_devices=cluster.num_devices)
     single = dataclasses.replace(data_parallel_plan(profile, 1), num_devices=cluster.num_devices)
-    found.append(evaluate("single", single, _single_estimate(found)))
-    return found
-
-
-Evaluate = Callable[[str, Plan, "float | None"], _Candidate]
-
-
-def _evaluator(profile: ModelProfile, cluster: Cluster, schedule: ScheduleKind,
-               num_microbatches: int | None, sim: SimOptions) -> Evaluate:
-    """Simulate a candidate as it would run: pipelines with ``schedule`` and the best
-    micro-batch count tried; one-stage plans as data parallelism."""
-    batch = profile.batch_size * sim.batch_scale if profile.batch_size else None
-
-    def evaluate(name: str, plan: Plan, estimate_s: float | None) -> _Candidate:
-        if len(plan.stages) == 1:
-            variants = [plan]
-        else:
-            variants = [plan.rescheduled(schedule, count)
-                        for count in _microbatch_counts(plan, schedule, num_microbatches, batch)]
-        best: _Candidate | None = None
-        for variant in variants:
-            result = simulate(variant, profile, cluster, sim)
-            trial = _Candidate(name=name, plan=variant, estimate_s=estimate_s, result=result)
-            if best is None or _better(trial, best):
-                best = trial
-        assert best is not None
-        return best
-
-    return evaluate
-
-
-def _better(trial: _Candidate, best: _Candidate) -> bool:
-    """Fitting before not fitting, then faster."""
-    if trial.fits != best.fits:
-        return trial.fits
-    return trial.result.step_time_s < best.result.step_time_s  # type: ignore[union-attr]
-
-
-def _microbatch_counts(plan: Plan, schedule: ScheduleKind, given: int | None,
-                       batch: float | None) -> list[int | None]:
-    if not schedule.flushes:
-        return [None]
-    if given is not None:
-        return [given]
-    base = default_microbatches(plan.replicas, schedule)
-    counts = [base * factor for factor in MICROBATCH_FACTORS]
-    if batch is not None:  # no micro-batch smaller than one sample
-        counts = [count for count in counts if count <= batch] or [base]
-    return list(dict.fromkeys(counts))
-
-
-def _partitioned(name: str, profile: ModelProfile, cluster: Cluster, options: PartitionOptions,
-                 evaluate: Evaluate) -> _Candidate:
-    """The fastest partition, by the simulator, among the partitioner's answers under several
-    memory budgets: none, :data:`TIGHTER_BUDGETS` of that plan's simulated peak (or of the
-    limit, if smaller: the partitioner's cost model can prefer a plan that the simulator finds
-    slower than one holding less), and, when none of those fits the limit, budgets of
-    :data:`BUDGET_SCALES` times the limit, loosest first (flush schedules' budget counts every
-    micro-batch of a replica's share in flight, where 1F1B holds few), until one fits; at the
-    limit itself a plan that overflows is solved again under a limit shrunk by the overflow
-    (:data:`MEMORY_RETRIES` times)."""
-    limit = options.memory_bytes
-    free = _solved(name, profile, dataclasses.replace(cluster, memory_bytes=None),
-                   dataclasses.replace(options, memory_bytes=None), evaluate)
-    tried = [free]
-    if free.result is not None:
-        ceiling = free.result.peak_memory_bytes
-        ceiling = ceiling if limit is None else min(ceiling, limit)
-        tried += [_solved(name, profile, cluster,
-                          dataclasses.replace(options, memory_bytes=ceiling * fraction), evaluate)
-                  for fraction in TIGHTER_BUDGETS]
-    if limit is not None and not any(c.fits for c in tried):
-        tried.append(_within_limit(name, profile, cluster, options, evaluate))
-    solved = [c for c in tried if c.plan is not None]
-    if not solved:
-        return free
-    best = solved[0]
-    for candidate in solved[1:]:
-        if _better(candidate, best):
-            best = candidate
-    if not best.fits:
-        best.note = "its devices exceed the memory limit"
-    return best
-
-
-def _within_limit(name: str, profile: ModelProfile, cluster: Cluster, options: PartitionOptions,
-                  evaluate: Evaluate) -> _Candidate:
-    """The first partition that fits the limit under budgets of :data:`BUDGET_SCALES` times
-    it, loosest first (the last tried if none does)."""
-    limit = options.memory_bytes
-    assert limit is not None
-    scales = BUDGET_SCALES if options.schedule.flushes else (1.0,)
-    candidate = _Candidate(name=name, plan=None)
-    for scale in sorted(scales, reverse=True):
-        budget = dataclasses.replace(options, memory_bytes=limit * scale)
-        candidate = _solved(name, profile, cluster, budget, evaluate)
-        for _ in range(MEMORY_RETRIES if scale == 1.0 else 0):
-            if candidate.plan is None or candidate.fits:
-                break
-            assert candidate.result is not None and budget.memory_bytes is not None  # solved
-            shrink = limit / candidate.result.peak_memory_bytes
-            budget = dataclasses.replace(budget, memory_bytes=budget.memory_bytes * shrink * 0.999)
-            candidate = _solved(name, profile, cluster, budget, evaluate)
-        if candidate.fits:
-            return candidate
-    return candidate
-
-
-def _solved(name: str, profile: ModelProfile, cluster: Cluster, options: PartitionOptions,
-            evaluate: Evaluate) -> _Candidate:
-    """The partitioner's plan under ``options``, simulated; no plan (with the partitioner's
-    reason) when none fits its budget."""
-    try:
-        plan = partition_plan(profile, cluster, options)
-    except NoPlanFits as exc:
-        return _Candidate(name=name, plan=None, note=str(exc))
-    return evaluate(name, plan, plan.estimate_s)
+    note = "" if devices == cluster.num_devices else (
+        f"on {devices} devices: the minibatch of {pool.batch} does not split among "
+        f"{cluster.num_devices}")
+    return [pool.evaluate("dp", dp, _dp_estimate(found), note=note, as_is=True),
+            pool.evaluate("single", single, _single_estimate(found), as_is=True)]
 
 
 def _flat_at_slowest_link(cluster: Cluster) -> Cluster:
@@ -303,15 +186,17 @@ def _flat_at_slowest_link(cluster: Cluster) -> Cluster:
     return dataclasses.replace(cluster, levels=(level,), name=f"{cluster.num_devices} devices")
 
 
-def _dp_estimate(found: list[_Candidate]) -> float | None:
-    return next((c.plan.data_parallel_s for c in found if c.plan is not None), None)
+def _dp_estimate(found: list[Candidate]) -> float | None:
+    return next((c.plan.data_parallel_s for c in found
+                 if c.plan is not None and c.estimate_s is not None), None)
 
 
-def _single_estimate(found: list[_Candidate]) -> float | None:
-    return next((c.plan.single_s for c in found if c.plan is not None), None)
+def _single_estimate(found: list[Candidate]) -> float | None:
+    return next((c.plan.single_s for c in found
+                 if c.plan is not None and c.estimate_s is not None), None)
 
 
-def _chosen_plan(best: _Candidate, candidates: list[_Candidate], options: PartitionOptions,
+def _chosen_plan(best: Candidate, candidates: list[Candidate], options: PartitionOptions,
                  solve_s: float) -> Plan:
     """The winner, its predictions the simulator's, the references and every candidate."""
     by_name = {c.name: c for c in candidates}
@@ -345,18 +230,34 @@ def _stage_peak(result: SimResult, stage: int) -> float:
 
 
 def _no_fit_message(profile: ModelProfile, cluster: Cluster, options: PartitionOptions,
-                    sim: SimOptions, memory: float | None, eligible: list[_Candidate]) -> str:
+                    sim: SimOptions, memory: float | None, eligible: list[Candidate]) -> str:
     assert memory is not None  # without a limit every plan fits
     peaks = [c.result.peak_memory_bytes for c in eligible if c.result is not None]
     need = min([smallest_memory_bytes(profile, cluster, options, sim), *peaks])
     words = {"partition": "straight pipelines" if options.straight else "pipelines",
              "flat": "straight pipelines" if options.straight else "pipelines",
              "dp": "data parallelism", "single": "one device"}
-    kinds = ", ".join(dict.fromkeys(words[c.name] for c in eligible))
+    kinds = ", ".join(dict.fromkeys(words[c.name] for c in eligible)) or words["partition"]
+    search = (", or let `tandem search` split layers across devices (tensor parallelism "
+              "fits)" if _tensor_fits(profile, cluster, options, memory) else "")
     return (f"no plan fits in {memory / 1e9:g} GB per device on {cluster.num_devices} devices "
             f"({kinds}, {options.schedule}): the smallest needs "
             f"{math.ceil(need / 1e7) / 100:g} GB; raise --memory to at least that, add "
-            f"devices, or use a smaller batch")
+            f"devices, use a smaller batch{search}")
+
+
+def _tensor_fits(profile: ModelProfile, cluster: Cluster, options: PartitionOptions,
+                 memory: float) -> bool:
+    """Whether every layer's parameters split across all devices (one replica, its activations
+    whole) would fit ``memory``, by the shared memory model: then ``tandem search`` has a plan."""
+    if cluster.num_devices < 2:
+        return False
+    params = sum(layer.parameter_bytes for layer in profile.layers) / cluster.num_devices
+    acts = sum(layer.activation_bytes for layer in profile.layers)
+    need = stage_memory_bytes(options.schedule, parameter_bytes=params, activation_bytes=acts,
+                              replicas=1, downstream=0,
+                              optimizer_state_factor=options.optimizer_state_factor)
+    return float(need) <= memory
 
 
 def smallest_memory_bytes(profile: ModelProfile, cluster: Cluster, options: PartitionOptions,
@@ -372,15 +273,18 @@ def smallest_memory_bytes(profile: ModelProfile, cluster: Cluster, options: Part
     scales = BUDGET_SCALES if options.schedule.flushes else (1.0,)
     unlimited = dataclasses.replace(flat, memory_bytes=None)
 
+    batch = minibatch(profile, sim)
+
     def peak(limit: float) -> float | None:
         reached = []
         for scale in scales:
             budget = dataclasses.replace(relaxed, memory_bytes=limit * scale)
             try:
-                plan = partition_plan(profile, flat, budget).rescheduled(options.schedule)
+                plan = partition_plan(profile, flat, budget)
             except NoPlanFits:
                 continue
-            reached.append(simulate(plan, profile, unlimited, sim).peak_memory_bytes)
+            reached += [simulate(variant, profile, unlimited, sim).peak_memory_bytes
+                        for variant in _as_run(plan, options.schedule, batch)]
         fitting = [value for value in reached if value <= limit * (1 + MEMORY_TOLERANCE)]
         return min(fitting) if fitting else None
 
@@ -401,6 +305,18 @@ def smallest_memory_bytes(profile: ModelProfile, cluster: Cluster, options: Part
         else:
             high, found = middle, min(found, reached)
     return found
+
+
+def _as_run(plan: Plan, schedule: ScheduleKind, batch: int | None) -> list[Plan]:
+    """``plan`` as the planner runs it (:class:`CandidatePool`): one stage as data
+    parallelism, a pipeline with each micro-batch count it tries."""
+    if len(plan.stages) == 1:
+        return [plan.rescheduled(ScheduleKind.ONE_F_ONE_B)]
+    try:
+        counts = microbatch_counts(plan, schedule, None, batch)
+    except UsageError:
+        return []
+    return [plan.rescheduled(schedule, count) for count in counts]
 
 
 def _layer_order(profile: ModelProfile, solved: Partition) -> list[int]:

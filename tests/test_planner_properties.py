@@ -1,0 +1,150 @@
+"""The planner's promises as properties (issue 28), on a seeded sample of models, device
+counts, link speeds (1-400 Gb/s), device speeds, memory limits and schedules: no plan slower,
+simulated on its own cluster, than the plan for half the bandwidth, for devices half as fast or
+for a tighter limit re-simulated there, nor than data parallelism or one device; every plan's
+micro-batches divide its minibatch."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from tandem.cluster import Cluster, flat_cluster, parse_cluster
+from tandem.errors import UsageError
+from tandem.plan import Plan
+from tandem.planning import PartitionOptions, make_plan
+from tandem.planning.simulate.simulator import SimOptions, data_parallel_plan, simulate
+from tandem.profile import LayerProfile, ModelProfile, load_profile
+from tests.conftest import PROFILES
+
+pytestmark = pytest.mark.pure
+
+SIM = SimOptions(record=False)
+TOLERANCE = 1e-9
+"""Relative slack for comparing two simulated times (the same arithmetic in another order)."""
+
+
+def _chain(num_layers: int, batch_size: int, seed: int) -> ModelProfile:
+    """A chain of random layers: ms-scale compute, MB-scale activations, a heavy tail."""
+    rng = random.Random(seed)
+    return ModelProfile(batch_size=batch_size, layers=[
+        LayerProfile(name=f"layer{i}", forward_s=rng.uniform(1e-3, 6e-3),
+                     backward_s=rng.uniform(2e-3, 1.2e-2),
+                     activation_bytes=rng.uniform(2e7, 4e8) / (1 + i),
+                     parameter_bytes=rng.uniform(1e6, 4e8) * (1 + i) / num_layers)
+        for i in range(num_layers)])  # fmt: skip
+
+
+MODELS = {
+    "vgg16": dataclasses.replace(load_profile(str(PROFILES / "vgg16.graph.txt")), batch_size=64),
+    "gnmt": dataclasses.replace(load_profile(str(PROFILES / "gnmt.graph.txt")), batch_size=128),
+    "chain": _chain(14, batch_size=48, seed=28),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One sampled planning problem."""
+
+    model: str
+    devices: int
+    bandwidth_gbps: float
+    speed: float
+    limit_gb: float | None
+    schedule: str
+
+    def cluster(self, *, bandwidth_scale: float = 1.0, speed_scale: float = 1.0,
+                limit_gb: float | None = None) -> Cluster:
+        limit = self.limit_gb if limit_gb is None else limit_gb
+        flat = flat_cluster(num_devices=self.devices,
+                            bandwidth=self.bandwidth_gbps * bandwidth_scale * 1e9 / 8)
+        return dataclasses.replace(flat, speed=self.speed * speed_scale,
+                                   memory_bytes=None if limit is None else limit * 1e9)
+
+
+def _cases(count: int, seed: int) -> list[Case]:
+    rng = random.Random(seed)
+    cases = []
+    for _ in range(count):
+        model = rng.choice(sorted(MODELS))
+        cases.append(Case(model=model, devices=rng.choice((4, 8, 16)),
+                          bandwidth_gbps=round(10 ** rng.uniform(0, 2.6), 2),
+                          speed=rng.choice((0.5, 1.0, 2.0)),
+                          limit_gb=rng.choice((None, 16.0, 8.0, 4.0)),
+                          schedule=rng.choice(("1f1b", "pipedream", "gpipe"))))
+    return cases
+
+
+CASES = _cases(12, seed=28)
+
+
+def _plan(case: Case, cluster: Cluster) -> Plan | None:
+    """The planner's plan, or None when no plan fits the limit."""
+    try:
+        return make_plan(MODELS[case.model], cluster, PartitionOptions(), schedule=case.schedule,
+                         sim=SIM)
+    except UsageError:
+        return None
+
+
+def _step(plan: Plan, case: Case, cluster: Cluster) -> tuple[float, bool]:
+    result = simulate(plan, MODELS[case.model], cluster, SIM)
+    return result.step_time_s, result.fits_memory
+
+
+def _runs_on_its_minibatch(plan: Plan, batch: int) -> bool:
+    count = plan.num_microbatches or 1
+    if plan.pipelined:
+        return batch % count == 0
+    replicas = plan.stages[0].replicas
+    return batch % replicas == 0 and batch % count == 0 and count % replicas == 0
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda case: (
+    f"{case.model}-{case.devices}-{case.bandwidth_gbps}Gbps-x{case.speed}-"
+    f"{case.limit_gb}GB-{case.schedule}"))
+def test_no_plan_is_slower_than_one_it_could_have_made(case: Case) -> None:
+    cluster = case.cluster()
+    plan = _plan(case, cluster)
+    if plan is None:  # a limit no plan meets: then no tighter one does either
+        assert _plan(case, case.cluster(limit_gb=(case.limit_gb or 0) / 2)) is None
+        return
+    profile = MODELS[case.model]
+    assert profile.batch_size is not None
+    assert _runs_on_its_minibatch(plan, profile.batch_size), plan.to_dict()
+    chosen, fits = _step(plan, case, cluster)
+    assert fits and chosen == pytest.approx(plan.bottleneck_s, rel=1e-9)
+    peak = max(stage.memory_bytes for stage in plan.stages)
+    others = {
+        "half the bandwidth": case.cluster(bandwidth_scale=0.5),
+        "devices half as fast": case.cluster(speed_scale=0.5),
+        "a tighter limit": case.cluster(limit_gb=0.75 * (case.limit_gb or peak / 1e9)),
+    }
+    for what, other_cluster in others.items():
+        other = _plan(case, other_cluster)
+        if other is None:
+            continue
+        assert _runs_on_its_minibatch(other, profile.batch_size), (what, other.to_dict())
+        step, other_fits = _step(other, case, cluster)
+        if other_fits:
+            assert chosen <= step * (1 + TOLERANCE), (what, plan.config, other.config)
+    references = {"data parallelism": data_parallel_plan(profile, case.devices),
+                  "one device": data_parallel_plan(profile, 1)}
+    for what, reference in references.items():
+        step, reference_fits = _step(reference, case, cluster)
+        if reference_fits and profile.batch_size % reference.stages[0].replicas == 0:
+            assert chosen <= step * (1 + TOLERANCE), (what, plan.config)
+
+
+def test_a_hierarchical_plan_is_never_slower_than_the_flat_plans_and_fits() -> None:
+    """The hierarchical partitioner holds the limit itself, device by device."""
+    profile = MODELS["vgg16"]
+    cluster = dataclasses.replace(parse_cluster("4x16GB/s,2x10Gb/s"), memory_bytes=8e9)
+    plan = make_plan(profile, cluster, schedule="pipedream", sim=SIM)
+    result = simulate(plan, profile, cluster, SIM)
+    assert result.fits_memory
+    flat = make_plan(profile, flat_cluster(num_devices=8, bandwidth=1.25e9),
+                     PartitionOptions(memory_bytes=8e9), schedule="pipedream", sim=SIM)
+    assert result.step_time_s <= simulate(flat, profile, cluster, SIM).step_time_s * (1 + 1e-9)
