@@ -173,11 +173,13 @@ def test_search_keeps_whole_layers_with_ample_memory() -> None:
 
 
 def test_search_recomputes_when_activations_do_not_fit() -> None:
-    """One device, GPipe only: all M micro-batches' activations (20 GB) are held unless they
-    are recomputed, then one micro-batch's (20 / M GB)."""
-    heavy = ModelProfile(layers=[layer(f"l{i}", 0.01, 0.02, 10 * GB, 1e6) for i in range(2)])
-    cluster = dataclasses.replace(flat_cluster(num_devices=1, bandwidth="10GB/s"),
-                                  memory_bytes=12 * GB)
+    """Two devices, GPipe only: a stage holds all M micro-batches' activations (10 GB) unless
+    they are recomputed, then its input and one micro-batch's (``tandem train`` recomputes in
+    pipelines of 2 stages or more only)."""
+    heavy = ModelProfile(layers=[layer(f"l{i}", 0.01, 0.02, (10 if i % 2 == 0 else 0.01) * GB,
+                                       1 * GB) for i in range(4)])
+    cluster = dataclasses.replace(flat_cluster(num_devices=2, bandwidth="10GB/s"),
+                                  memory_bytes=8 * GB)
     found = search(heavy, cluster, SearchOptions(max_iterations=100, seed=0,
                                                  schedules=("gpipe",), max_microbatches=8))
     assert found.best.plan.recompute and found.best.result.fits_memory

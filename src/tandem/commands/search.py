@@ -18,6 +18,7 @@ from tandem.plan import Plan
 from tandem.planning import PartitionOptions, make_plan
 from tandem.planning.search.family_search import FAMILIES, best_of_families, describe_sync
 from tandem.planning.search.flexflow import Candidate, SearchOptions, SearchResult, search
+from tandem.planning.simulate.simulator import SimOptions
 from tandem.planning.simulate.tensor import DEFAULT_MAX_TENSOR_DEGREE, layout_text, split_layer
 from tandem.profile import ModelProfile
 from tandem.schedule import SCHEDULE_KINDS
@@ -80,9 +81,12 @@ def parse_duration(text: str) -> float:
     return seconds
 
 
-def _partitioner(profile: ModelProfile, cluster: Cluster) -> tuple[Plan | None, str]:
+def _partitioner(profile: ModelProfile, cluster: Cluster,
+                 sim: SimOptions) -> tuple[Plan | None, str]:
+    """The planner's plan with the search's simulator options (its memory model's optimizer
+    state, ``--optimizer-state``, among them), or why it has none."""
     try:
-        return make_plan(profile, cluster, PartitionOptions()), ""
+        return make_plan(profile, cluster, PartitionOptions(), sim=sim), ""
     except UsageError as exc:
         return None, str(exc)
 
@@ -120,14 +124,24 @@ def format_search(found: SearchResult, profile: ModelProfile, cluster: Cluster,
     step = best.result.step_time_s
     lines.append(f"predicted step {step * 1e3:.3f} ms, bubble {best.result.bubble_fraction:.1%}, "
                  f"peak memory {best.result.peak_memory_bytes / 1e9:.3f} GB per device")
+    reasons = {"data parallelism": f"tandem train refuses it: {found.data_parallel_refusal}"
+               if found.data_parallel_refusal else "",
+               "the partitioner's plan": partitioner_error}
     for label, ref in (("data parallelism", found.data_parallel), ("the partitioner's plan", found.partitioner)):
         if ref is None:
-            reason = f" ({partitioner_error})" if ref is found.partitioner and partitioner_error else ""
-            lines.append(f"vs {label}: none{reason}")
+            lines.append(f"vs {label}: none" + (f" ({reasons[label]})" if reasons[label] else ""))
             continue
         fits = "" if ref.result.fits_memory else ", does not fit in memory"
+        if ref.note:  # refused by tandem train, or another training run: not compared
+            lines.append(f"vs {label} ({describe(ref)}): {ref.result.step_time_s * 1e3:.3f} ms"
+                         f"{fits}; not compared: {ref.note}")
+            continue
         lines.append(f"vs {label} ({describe(ref)}): {ref.result.step_time_s * 1e3:.3f} ms{fits}; "
                      f"best is {ref.result.step_time_s / step:.2f}x as fast")
+    if found.apart is not None:
+        lines.append(f"not compared: {describe(found.apart)}, "
+                     f"{found.apart.result.step_time_s * 1e3:.3f} ms per minibatch, is "
+                     f"{found.apart.note}")
     target = output or "best.json"
     lines.append(f"run it: tandem train --plan {target} --model ... (the plan holds its "
                  f"{plan.num_workers} workers, {plan.schedule} and "
@@ -138,7 +152,8 @@ def format_search(found: SearchResult, profile: ModelProfile, cluster: Cluster,
 def _candidate_dict(candidate: Candidate | None) -> dict[str, Any] | None:
     if candidate is None:
         return None
-    return {"plan": candidate.plan.to_dict(), "result": candidate.result.to_dict()}
+    return {"plan": candidate.plan.to_dict(), "result": candidate.result.to_dict(),
+            "note": candidate.note or None}
 
 
 def family_command(plan: Plan) -> str:
@@ -181,11 +196,14 @@ def result_dict(found: SearchResult) -> dict[str, Any]:
         "best": _candidate_dict(found.best),
         "iterations": found.iterations, "evaluated": found.evaluated,
         "accepted": found.accepted, "elapsed_s": found.elapsed_s,
+        "apart": _candidate_dict(found.apart),
+        "data_parallel_refusal": found.data_parallel_refusal or None,
     }
     for name, ref in refs.items():
         data[name] = _candidate_dict(ref)
         data[f"{name}_step_time_s"] = None if ref is None else ref.result.step_time_s
-        data[f"speedup_vs_{name}"] = None if ref is None else ref.result.step_time_s / step
+        data[f"speedup_vs_{name}"] = (None if ref is None or ref.note
+                                      else ref.result.step_time_s / step)
     return data
 
 
@@ -206,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
     profile, cluster = planning_inputs(args)  # --model: measured with torch, after the checks
     options = dataclasses.replace(options, batch_samples=_batch_samples(args, profile))
     sim = sim_options(args, profile)
-    partitioner, error = _partitioner(profile, cluster)
+    partitioner, error = _partitioner(profile, cluster, sim)
     found = search(profile, cluster, options, sim, partitioner)
     families = best_of_families(profile, cluster, sim, methods, _batch_samples(args, profile))
     chosen = found.best if args.pick == "allreduce" else families.get(args.pick)

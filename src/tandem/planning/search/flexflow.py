@@ -13,7 +13,12 @@ degree (the replicas rescaled to the devices), turn recomputation on or off, cha
 or the micro-batches — simulates it, and accepts it with probability
 ``min(1, exp(-(new - current) / (temperature * current)))`` on step time. A plan whose peak
 memory exceeds the devices' is never reported; the chain may pass through one at a cost raised
-by how far it overflows. Chains start from data parallelism and from the partitioner's plan
+by how far it overflows. Only plans that ``tandem train --plan`` runs as written are
+simulated (:mod:`tandem.spec.trainable`: layouts it accepts, micro-batches that divide a known
+batch), and only those that train as data parallelism does (one update of the whole minibatch
+per step) may be the answer: a PipeDream plan with replicated stages averages several minibatches
+per update, a different training run, so the fastest such plan is reported apart
+(:attr:`SearchResult.apart`) and never as faster. Chains start from data parallelism and from the partitioner's plan
 (and from a balanced straight pipeline, and data parallelism at the largest tensor degree when
 tensor degrees are searched), share the budget in turns, and the best plan any chain
 has seen is the answer — so it is never slower than either starting point.
@@ -36,6 +41,7 @@ from tandem.planning.simulate.tensor import DEFAULT_MAX_TENSOR_DEGREE, tensor_de
 from tandem.profile import ModelProfile
 from tandem.schedule import SCHEDULE_KINDS
 from tandem.spec.kinds import ScheduleKind
+from tandem.spec.trainable import batch_refusal, layout_refusal, update_change
 
 OVERFLOW_PENALTY = 10.0
 """A plan overflowing memory by a fraction ``x`` costs ``(1 + 10 x)`` times its step time."""
@@ -117,6 +123,9 @@ class Candidate:
 
     plan: Plan
     result: SimResult
+    note: str = ""
+    """Why the plan is not comparable with data parallelism (``tandem train`` refuses it, or its
+    updates differ: :mod:`tandem.spec.trainable`); empty when it runs as the same training."""
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -125,7 +134,7 @@ class SearchResult:
 
     best: Candidate
     data_parallel: Candidate | None
-    """Data parallelism on every device (None if it cannot run, e.g. out of memory)."""
+    """Data parallelism on every device (None if it cannot run: see :attr:`data_parallel_refusal`)."""
     partitioner: Candidate | None
     """PipeDream's partitioner's plan, simulated as it is (None if it has none)."""
     iterations: int
@@ -135,6 +144,12 @@ class SearchResult:
     """Distinct strategies simulated."""
     trace: list[tuple[int, float]]
     """``(iteration, best step time)`` each time the best improved."""
+    apart: Candidate | None = None
+    """The fastest plan seen that fits but trains differently (its :attr:`Candidate.note` says
+    how), never the answer; None when the search met none faster than the best."""
+    data_parallel_refusal: str = ""
+    """Why ``tandem train`` would refuse data parallelism on every device (e.g. the batch does
+    not split among them); empty when it runs it."""
 
 
 def search(profile: ModelProfile, cluster: Cluster, options: SearchOptions | None = None,
@@ -154,6 +169,8 @@ class _Search:
         self.random = random.Random(options.seed)
         self.cache: dict[Strategy, tuple[float, Candidate | None]] = {}
         self.best: tuple[float, Candidate] | None = None
+        self.apart: tuple[float, Candidate] | None = None
+        self.refused: dict[Strategy, str] = {}
         self.trace: list[tuple[int, float]] = []
         self.iteration = 0
 
@@ -166,19 +183,33 @@ class _Search:
         if strategy not in self.cache:
             self.cache[strategy] = self._evaluate(strategy)
         value, candidate = self.cache[strategy]
-        if candidate is not None and candidate.result.fits_memory:
-            if self.best is None or value < self.best[0]:
-                self.best = (value, candidate)
-                self.trace.append((self.iteration, value))
+        if candidate is not None:
+            self._offer(value, candidate)
         return value if candidate is None else self._penalized(candidate.result)
+
+    def _offer(self, value: float, candidate: Candidate) -> None:
+        """Keep ``candidate`` as the best (or the fastest apart) if it fits and is faster."""
+        if not candidate.result.fits_memory:
+            return
+        if candidate.note:
+            if self.apart is None or value < self.apart[0]:
+                self.apart = (value, candidate)
+        elif self.best is None or value < self.best[0]:
+            self.best = (value, candidate)
+            self.trace.append((self.iteration, value))
 
     def _evaluate(self, strategy: Strategy) -> tuple[float, Candidate | None]:
         plan = strategy.plan(self.num_devices)
+        refusal = layout_refusal(plan) or batch_refusal(plan, self.options.batch_samples)
+        if refusal is not None:  # tandem train would not run it: not worth simulating
+            self.refused[strategy] = refusal
+            return math.inf, None
         try:
             result = simulate(plan, self.profile, self.cluster, self.sim)
         except UsageError:
             return math.inf, None
-        return result.step_time_s, Candidate(plan=plan, result=result)
+        return result.step_time_s, Candidate(plan=plan, result=result,
+                                             note=update_change(plan) or "")
 
     def _penalized(self, result: SimResult) -> float:
         if result.fits_memory or result.memory_limit_bytes is None:
@@ -191,13 +222,16 @@ class _Search:
     def run(self, partitioner_plan: Plan | None) -> SearchResult:
         started = time.perf_counter()
         order = tuple(layer_order(self.profile))
-        dp = self._dp_strategy(order)
+        dp = self._dp_strategy(order, self.num_devices)
         starts = [dp, self._straight(order)]
         if partitioner_plan is not None:
             starts.insert(1, self._from_plan(partitioner_plan))
         if self.degrees[-1] > 1:  # the least memory per device
             starts.append(self._repair(self._retensored(dp, self.degrees[-1])))
         chains = [(s, self.cost(s)) for s in starts if s is not None]
+        if dp in self.refused:  # e.g. the batch does not split among every device
+            narrower = self._dp_strategy(order, self._dp_width())
+            chains.append((narrower, self.cost(narrower)))
         dp_candidate = self.cache[dp][1] if dp in self.cache else None
         part_candidate = self._as_is(partitioner_plan)
         accepted = 0
@@ -215,14 +249,19 @@ class _Search:
                 chains[index] = (proposal, value)
                 accepted += 1
         if self.best is None:
-            assert self.cluster.memory_bytes is not None  # without a limit every plan fits
+            memory = self.cluster.memory_bytes
+            where = ("that tandem train runs as written" if memory is None
+                     else f"fits in {memory / 1e9:g} GB per device")
             raise UsageError(
-                f"no plan fits in {self.cluster.memory_bytes / 1e9:g} GB per device on "
-                f"{self.num_devices} devices: raise --memory, add devices or use a smaller batch")
+                f"no plan {where} on {self.num_devices} devices (among those that train as data "
+                f"parallelism does): raise --memory, add devices, use a smaller batch or a "
+                f"longer --budget")
+        apart = self.apart[1] if self.apart and self.apart[0] < self.best[0] else None
         return SearchResult(best=self.best[1], data_parallel=dp_candidate,
                             partitioner=part_candidate, iterations=self.iteration,
                             accepted=accepted, elapsed_s=time.perf_counter() - started,
-                            evaluated=len(self.cache), trace=self.trace)
+                            evaluated=len(self.cache), trace=self.trace, apart=apart,
+                            data_parallel_refusal=self.refused.get(dp, ""))
 
     def _accept(self, current: float, value: float) -> bool:
         if value <= current:
@@ -232,25 +271,32 @@ class _Search:
         return self.random.random() < math.exp(-(value - current) / (self.options.temperature * current))
 
     def _as_is(self, plan: Plan | None) -> Candidate | None:
-        """The partitioner's plan simulated exactly as it was written."""
+        """The partitioner's plan simulated exactly as it was written (the answer only if
+        ``tandem train`` runs it and it trains as data parallelism does)."""
         if plan is None:
             return None
         try:
             result = simulate(plan, self.profile, self.cluster, self.sim)
         except UsageError:
             return None
-        candidate = Candidate(plan=plan, result=result)
-        if result.fits_memory and (self.best is None or result.step_time_s < self.best[0]):
-            self.best = (result.step_time_s, candidate)
-            self.trace.append((self.iteration, result.step_time_s))
+        refusal = layout_refusal(plan) or batch_refusal(plan, self.options.batch_samples)
+        note = f"tandem train refuses it: {refusal}" if refusal else update_change(plan) or ""
+        candidate = Candidate(plan=plan, result=result, note=note)
+        if not refusal:
+            self._offer(result.step_time_s, candidate)
         return candidate
 
     # -- starting points -------------------------------------------------------------------------
 
-    def _dp_strategy(self, order: tuple[int, ...]) -> Strategy:
-        plan = data_parallel_plan(self.profile, self.num_devices)
-        return Strategy(order=order, ends=(len(order),), replicas=(self.num_devices,),
-                        schedule=plan.schedule, microbatches=plan.num_microbatches or self.num_devices)
+    def _dp_strategy(self, order: tuple[int, ...], replicas: int) -> Strategy:
+        plan = data_parallel_plan(self.profile, replicas)
+        return Strategy(order=order, ends=(len(order),), replicas=(replicas,),
+                        schedule=plan.schedule, microbatches=plan.num_microbatches or replicas)
+
+    def _dp_width(self) -> int:
+        """Most data-parallel replicas among which a known batch splits evenly."""
+        batch = self.options.batch_samples
+        return max(r for r in range(1, self.num_devices + 1) if batch is None or batch % r == 0)
 
     def _from_plan(self, plan: Plan) -> Strategy | None:
         replicas = tuple(stage.replicas for stage in plan.stages)
