@@ -18,6 +18,7 @@ from tandem.planning.search.scaling import ScaleOptions, ScaleResult, device_cou
 from tandem.planning.simulate.simulator import SimOptions, data_parallel_plan, simulate
 from tandem.profile import ModelProfile, load_profile
 from tandem.spec.kinds import ScheduleKind
+from tandem.spec.trainable import layout_refusal
 from tests.conftest import PROFILES, VGG, run_cli
 
 pytestmark = pytest.mark.pure
@@ -112,6 +113,13 @@ def test_3d_curve_is_never_below_hybrid(vgg_on_servers) -> None:  # type: ignore
     assert all(three_d[n] >= hybrid[n] * (1 - 1e-12) for n in hybrid)
 
 
+def test_3d_curve_counts_only_layouts_train_accepts(vgg_on_servers) -> None:  # type: ignore[no-untyped-def]
+    """The partitioner's plans for groups of T devices replicate their stages unevenly
+    (``2-1 x tensor 2``), which ``tandem train`` refuses; the 3d curve leaves them out."""
+    three_d = {n: plan for (name, n), plan in vgg_on_servers.plans.items() if name == "3d"}
+    assert three_d and all(layout_refusal(plan) is None for plan in three_d.values())
+
+
 # --- weak scaling: B samples per device, the global batch N * B -----------------------------
 
 GNMT, RESNET = str(PROFILES / "gnmt.graph.txt"), str(PROFILES / "resnet50.graph.txt")
@@ -178,9 +186,10 @@ def test_weak_dp_points_are_direct_simulations(path: str) -> None:
 # --- strong scaling: the hybrid curve, once not monotone ------------------------------------
 
 def hybrid_speedups(path: str, spec: str, max_devices: int) -> dict[int, tuple[float, int]]:
-    """Per device count M: the speedup of the partitioner's plan for M devices under 1F1B with 4
-    micro-batches per stage or per replica of the widest stage, 8 profile minibatches per step,
-    and the devices that plan occupies."""
+    """Per device count M: the best speedup of the planner's plan for M devices (as it chose
+    its micro-batches, and under 1F1B with 4 micro-batches per stage or per replica of the
+    widest stage) and of data parallelism on M devices, 8 profile minibatches per step, and the
+    devices that plan occupies."""
     profile, sim = load_profile(path), SimOptions(batch_scale=8, record=False)
     single_s = simulate(data_parallel_plan(profile, 1), profile, resized(parse_cluster(spec), 1),
                         sim).step_time_s
@@ -188,8 +197,10 @@ def hybrid_speedups(path: str, spec: str, max_devices: int) -> dict[int, tuple[f
     for m in device_counts(max_devices):
         sized = resized(parse_cluster(spec), m)
         plan = make_plan(profile, sized, PartitionOptions(), sim=sim)
-        plan.schedule, plan.num_microbatches = ScheduleKind.ONE_F_ONE_B, 4 * max(len(plan.stages), *plan.replicas)
-        found[m] = (single_s / simulate(plan, profile, sized, sim).step_time_s, plan.num_workers)
+        micro = dataclasses.replace(plan, schedule=ScheduleKind.ONE_F_ONE_B,
+                                    num_microbatches=4 * max(len(plan.stages), *plan.replicas))
+        found[m] = max((single_s / simulate(p, profile, sized, sim).step_time_s, p.num_workers)
+                       for p in (plan, micro, data_parallel_plan(profile, m)))
     return found
 
 
@@ -198,7 +209,8 @@ def hybrid_speedups(path: str, spec: str, max_devices: int) -> dict[int, tuple[f
 def test_strong_hybrid_curve_is_the_best_plan_so_far(path: str, spec: str) -> None:
     """Simulated on exactly N devices, the partitioner's plans were slower at 16 than at 8
     devices (VGG-16, 6.4x vs 6.5x) and at 64 than at 32 (GNMT, 3.0x vs 5.0x); the curve now
-    holds the best plan on at most N devices."""
+    holds the best plan on at most N devices, and never lies below data parallelism (it once
+    did for the very same plan, run with other micro-batches)."""
     result = scale(load_profile(path), parse_cluster(spec),
                    ScaleOptions(max_devices=64, families=(), max_tensor_degree=1),
                    SimOptions(batch_scale=8))
@@ -209,6 +221,26 @@ def test_strong_hybrid_curve_is_the_best_plan_so_far(path: str, spec: str) -> No
         best = max(fitting.values(), key=lambda value: value[0])
         assert point.speedup == pytest.approx(best[0], rel=1e-9)
         assert point.devices_used == best[1]
+    dp = {p.num_devices: p.speedup for p in result.series("dp")}
+    assert all(p.speedup >= dp[p.num_devices] for p in result.series("hybrid"))
+    same = [(p, q) for p in result.simulated_series("hybrid") for q in
+            result.simulated_series("dp") if (p.num_devices, p.config) == (q.num_devices, q.config)]
+    assert same and all(p.speedup == q.speedup for p, q in same)
+
+
+def test_memory_limit_is_honoured_by_every_curve() -> None:
+    """VGG-16 at 512 samples per device needs 60.4 GB per device under data parallelism: under
+    a 32 GB limit no dp point is drawn (64x was, once), and every point drawn fits."""
+    limited = dataclasses.replace(parse_cluster(SERVERS), memory_bytes=32e9)
+    result = scale(measured(VGG), limited, ScaleOptions(
+        max_devices=8, per_device_batch=512, families=(), compressions=(), max_tensor_degree=1))
+    assert not result.series("dp") and result.series("hybrid")
+    assert "dp on 8: 8 needs 60.4 GB per device, over the limit of 32 GB" in result.skipped
+    for point in result.simulated:
+        plan = result.plans[point.strategy, point.num_devices]
+        outcome = simulate(plan, measured(VGG), resized(limited, point.num_devices),
+                           SimOptions(batch_scale=point.batch_scale))
+        assert outcome.fits_memory, point
 
 
 def test_weak_scaling_needs_the_profile_batch_and_no_global_batch() -> None:

@@ -30,12 +30,14 @@ and these strategies are simulated:
 - ``dp+CODEC``: the same with a gradient codec (``sign``, ``topk:ratio=0.01``, ...), its
   collective and its encode/decode time modelled (:mod:`tandem.planning.simulate.codecs`);
 - ``pipeline``: a straight pipeline of ``min(N, layers)`` compute-balanced stages;
-- ``hybrid``: PipeDream's partitioner's plan for the ``N`` devices (replicated stages);
-- ``3d``: tensor + pipeline + data parallelism: for every tensor degree ``T`` of
-  :func:`tandem.planning.simulate.tensor.tensor_degrees` (up to ``max_tensor_degree``), the partitioner's
-  plan for ``N / T`` groups of ``T`` adjacent devices on the profile as one device of a group
-  computes it, each replica then split ``T`` ways; the fastest that fits in memory (``T = 1`` is
-  ``hybrid``'s plan, so where that fits, ``3d`` is never below ``hybrid``);
+- ``hybrid``: the fastest of the planner's plan for the ``N`` devices (replicated stages), as
+  it chose its micro-batches and at the pipelines' count below, and ``dp``'s plan: so never
+  below ``dp``, and the same figure when the plans are the same;
+- ``3d``: tensor + pipeline + data parallelism: the fastest of ``hybrid``'s candidates and, for
+  every tensor degree ``T`` of :func:`tandem.planning.simulate.tensor.tensor_degrees` (up to
+  ``max_tensor_degree``), data parallelism over ``N / T`` groups of ``T`` adjacent devices and
+  the partitioner's plan for those groups on the profile as one device of a group computes it,
+  each replica then split ``T`` ways (so never below ``hybrid``);
 - ``ps``: synchronous parameter servers: ``ps_servers`` of the ``N`` devices serve, the rest
   train (from 2 devices on);
 - ``gossip``: D-PSGD on a ring of the ``N`` devices;
@@ -50,6 +52,11 @@ micro-batches per stage, or per replica of the widest stage if that is more, cut
 global batch (capped at its samples and at ``MAX_MICROBATCHES``). Under weak scaling a straight
 pipeline of ``S`` stages thus takes ``S * B`` samples per step in ``K * S`` micro-batches of
 ``B / K`` samples (``K = microbatches_per_stage``).
+
+Only plans that ``tandem train --plan`` runs as written are counted (:mod:`tandem.spec.trainable`:
+layouts it accepts, micro-batches that divide a known global batch), and a plan that needs more
+memory per device than the cluster's (``--memory``) is no point: both are listed in
+``ScaleResult.skipped`` with the reason.
 
 **Every curve is the best plan up to that device count**: the point of a strategy at ``N`` is
 the fastest (highest speedup) of its simulations on ``1, 2, 4, ... N`` devices, leaving the
@@ -85,6 +92,7 @@ from tandem.profile import ModelProfile
 from tandem.spec.codec import CodecSpec
 from tandem.spec.kinds import ScheduleKind
 from tandem.spec.sync import SYNC_METHODS, GossipSync, LocalSGDSync, ParameterServerSync, SyncSpec
+from tandem.spec.trainable import batch_refusal, layout_refusal
 
 FAMILY_SPECS = (ParameterServerSync, GossipSync, LocalSGDSync)
 """Synchronization families the analysis can draw (each with its defaults, see
@@ -212,6 +220,9 @@ class ScaleResult:
     """``strong`` (fixed global batch) or ``weak`` (fixed per-device batch)."""
     per_device_batch: int | None = None
     """Weak scaling: samples per training device and step."""
+    plans: dict[tuple[str, int], Plan] = dataclasses.field(default_factory=dict)
+    """The plan of each point of :attr:`simulated`, by ``(strategy, device count)``: what
+    ``tandem train --plan`` runs for it."""
 
     def strategies(self) -> list[str]:
         """Strategy names in the order they were analysed."""
@@ -275,7 +286,15 @@ def scale(profile: ModelProfile, cluster: Cluster, options: ScaleOptions | None 
             trained = plan.num_workers - plan.num_servers
             options_n = dataclasses.replace(options_n, batch_scale=batch(trained))
             outcome = simulate(plan, profile, sized, options_n)
+            if not outcome.fits_memory:
+                assert outcome.memory_limit_bytes is not None  # no limit: everything fits
+                result.skipped.append(
+                    f"{name} on {n}: {layout_text(plan)} needs "
+                    f"{outcome.peak_memory_bytes / 1e9:.3g} GB per device, over the limit of "
+                    f"{outcome.memory_limit_bytes / 1e9:g} GB")
+                continue
             speedup = (options_n.batch_scale / outcome.step_time_s) / (batch(1) / single)
+            result.plans[name, n] = plan
             result.simulated.append(ScalePoint(
                 strategy=name, num_devices=n, devices_used=plan.num_workers,
                 config=layout_text(plan),
@@ -330,7 +349,7 @@ def _strategies(profile: ModelProfile, cluster: Cluster, n: int, options: ScaleO
     """``(name, plan or the reason it cannot run, simulation options)`` for ``n`` devices."""
     batch = options.samples(n)
     too_few = f"fewer samples ({batch}) than devices" if batch is not None and batch < n else ""
-    dp = too_few or data_parallel_plan(profile, n)
+    dp = too_few or _runnable(data_parallel_plan(profile, n), options)
     strategies: list[tuple[str, Plan | str, SimOptions]] = [("dp", dp, sim)]
     for ratio in options.compressions:
         if isinstance(ratio, CodecSpec):
@@ -342,53 +361,95 @@ def _strategies(profile: ModelProfile, cluster: Cluster, n: int, options: ScaleO
     strategies.append(("pipeline", _micro(balanced_plan(
         profile, [1] * stages, schedule=ScheduleKind.ONE_F_ONE_B, num_microbatches=None),
         options), sim))
-    try:
-        hybrid: Plan | str = _micro(make_plan(profile, cluster, PartitionOptions(), sim=sim),
-                                    options)
-    except UsageError as exc:
-        hybrid = str(exc)
-    strategies.append(("hybrid", hybrid, sim))
+    planning = dataclasses.replace(sim, batch_scale=batch_scale_of(n))  # the planner's batch
+    hybrid, reasons = _hybrid_candidates(profile, cluster, options, planning, dp)
+    choose = _Chooser(profile, cluster, sim, batch_scale_of)
+    strategies.append(("hybrid", choose.fastest(hybrid) if hybrid else reasons[0], sim))
     if options.max_tensor_degree > 1:
-        three_d = _three_d(profile, cluster, hybrid, options, sim, batch_scale_of)
-        strategies.append(("3d", three_d, sim))
+        three_d, more = _three_d_candidates(profile, cluster, options, planning)
+        plans = hybrid + three_d
+        strategies.append(("3d", choose.fastest(plans) if plans else (reasons + more)[0], sim))
     strategies += [(name, _family(name, profile, n, options), sim) for name in options.families]
     return strategies
 
 
-def _three_d(profile: ModelProfile, cluster: Cluster, hybrid: Plan | str, options: ScaleOptions,
-             sim: SimOptions, batch: Callable[[int], float]) -> Plan | str:
-    """The fastest tensor + pipeline + data plan on ``cluster`` (see the module docstring):
-    ``hybrid`` for ``T = 1``, the fastest that fits in memory (else the fastest)."""
-    plans: list[Plan] = [] if isinstance(hybrid, str) else [hybrid]
-    reasons = [] if plans else [hybrid]
-    for degree in tensor_degrees(cluster, options.max_tensor_degree)[1:]:
-        try:
-            found = make_plan(split_profile(profile, degree), grouped_cluster(cluster, degree),
-                              PartitionOptions())
-        except UsageError as exc:
-            reasons.append(str(exc))
-            continue
-        stages = [dataclasses.replace(stage, devices=None if stage.devices is None
-                                      else [d * degree for d in stage.devices])
-                  for stage in found.stages]
-        plan = _micro(dataclasses.replace(found, stages=stages, num_devices=cluster.num_devices,
-                                          tensor_degree=degree, candidates=[]), options)
+def _hybrid_candidates(profile: ModelProfile, cluster: Cluster, options: ScaleOptions,
+                       sim: SimOptions, dp: Plan | str) -> tuple[list[Plan], list[str]]:
+    """The plans ``hybrid`` picks from (the planner's, as it is and at the pipelines'
+    micro-batches, and ``dp``'s), those that ``tandem train`` runs; and why others are not."""
+    plans: list[Plan] = [] if isinstance(dp, str) else [dp]
+    reasons: list[str] = [dp] if isinstance(dp, str) else []
+    try:
+        planned = make_plan(profile, cluster, PartitionOptions(), sim=sim)
+    except UsageError as exc:
+        return plans, [*reasons, str(exc)]
+    for plan in (_runnable(planned, options), _micro(planned, options)):
         if isinstance(plan, str):
             reasons.append(plan)
-        else:
+        elif all(plan != other for other in plans):
             plans.append(plan)
-    if not plans:
-        return reasons[0]
-    results = [(simulate(plan, profile, cluster, dataclasses.replace(
-        sim, batch_scale=batch(plan.num_workers))), plan) for plan in plans]
-    fitting = [pair for pair in results if pair[0].fits_memory] or results
-    return min(fitting, key=lambda pair: _seconds_per_minibatch(pair, batch))[1]
+    return plans, reasons
+
+
+def _three_d_candidates(profile: ModelProfile, cluster: Cluster, options: ScaleOptions,
+                        sim: SimOptions) -> tuple[list[Plan], list[str]]:
+    """Per tensor degree ``T > 1`` (see the module docstring): data parallelism over groups of
+    ``T`` devices and the partitioner's plan for those groups, those ``tandem train`` runs."""
+    plans: list[Plan] = []
+    reasons: list[str] = []
+    for degree in tensor_degrees(cluster, options.max_tensor_degree)[1:]:
+        groups = cluster.num_devices // degree
+        found: list[Plan | str] = [dataclasses.replace(
+            data_parallel_plan(profile, groups), num_devices=cluster.num_devices,
+            tensor_degree=degree)]
+        try:
+            split = make_plan(split_profile(profile, degree), grouped_cluster(cluster, degree),
+                              PartitionOptions(), sim=sim)
+            stages = [dataclasses.replace(stage, devices=None if stage.devices is None
+                                          else [d * degree for d in stage.devices])
+                      for stage in split.stages]
+            found.append(_micro(dataclasses.replace(
+                split, stages=stages, num_devices=cluster.num_devices, tensor_degree=degree,
+                candidates=[]), options))
+        except UsageError as exc:
+            reasons.append(str(exc))
+        for checked in (p if isinstance(p, str) else _runnable(p, options) for p in found):
+            if isinstance(checked, str):
+                reasons.append(checked)
+            else:
+                plans.append(checked)
+    return plans, reasons
+
+
+@dataclasses.dataclass(slots=True)
+class _Chooser:
+    """Picks the fastest plan per profile minibatch, preferring those that fit in memory."""
+
+    profile: ModelProfile
+    cluster: Cluster
+    sim: SimOptions
+    batch: Callable[[int], float]
+
+    def fastest(self, plans: list[Plan]) -> Plan:
+        results = [(simulate(plan, self.profile, self.cluster, dataclasses.replace(
+            self.sim, batch_scale=self.batch(plan.num_workers - plan.num_servers))), plan)
+            for plan in plans]
+        fitting = [pair for pair in results if pair[0].fits_memory] or results
+        return min(fitting, key=lambda pair: _seconds_per_minibatch(pair, self.batch))[1]
+
+
+def _runnable(plan: Plan, options: ScaleOptions) -> Plan | str:
+    """``plan``, or why ``tandem train --plan`` would refuse it (its layout, or micro-batches
+    that do not divide the step's samples)."""
+    samples = options.samples(plan.num_workers - plan.num_servers)
+    refusal = layout_refusal(plan) or batch_refusal(plan, samples)
+    return plan if refusal is None else f"{layout_text(plan)}: tandem train refuses it: {refusal}"
 
 
 def _seconds_per_minibatch(pair: tuple[SimResult, Plan], batch: Callable[[int], float]) -> float:
     """Step time per profile minibatch of a simulated plan (weak scaling: batches differ)."""
     result, plan = pair
-    return result.step_time_s / batch(plan.num_workers)
+    return result.step_time_s / batch(plan.num_workers - plan.num_servers)
 
 
 def _family(name: str, profile: ModelProfile, n: int, options: ScaleOptions) -> Plan | str:
@@ -401,7 +462,8 @@ def _family(name: str, profile: ModelProfile, n: int, options: ScaleOptions) -> 
     samples = options.samples(workers)
     if samples is not None and samples < workers:
         return f"fewer samples ({samples}) than workers"
-    return dataclasses.replace(data_parallel_plan(profile, workers), num_devices=n, sync=sync)
+    return _runnable(dataclasses.replace(data_parallel_plan(profile, workers), num_devices=n,
+                                         sync=sync), options)
 
 
 def _family_sync(cls: type[SyncSpec], options: ScaleOptions) -> SyncSpec:
@@ -415,13 +477,18 @@ def _family_sync(cls: type[SyncSpec], options: ScaleOptions) -> SyncSpec:
 
 def _micro(plan: Plan, options: ScaleOptions) -> Plan | str:
     """``plan`` on 1F1B with ``microbatches_per_stage`` micro-batches per stage and per replica
-    of its widest stage (capped at the step's samples and at ``MAX_MICROBATCHES``)."""
+    of its widest stage, or the nearest count below that divides the step's samples (a
+    one-stage plan's: a multiple of its replicas), at most ``MAX_MICROBATCHES``; or why no
+    count does."""
     widest = max(stage.replicas for stage in plan.stages)
-    count = options.microbatches_per_stage * max(len(plan.stages), widest)
-    cap = min(MAX_MICROBATCHES, options.samples(plan.num_workers) or MAX_MICROBATCHES)
-    if count > cap:
-        if cap < max(widest, len(plan.stages)):
-            return f"fewer samples ({cap}) than the plan's {max(widest, len(plan.stages))} micro-batches"
-        count = max(cap // widest * widest, max(widest, len(plan.stages)))
-    plan.schedule, plan.num_microbatches = ScheduleKind.ONE_F_ONE_B, count
-    return plan
+    needed = max(len(plan.stages), widest)
+    samples = options.samples(plan.num_workers - plan.num_servers)
+    step = widest if len(plan.stages) == 1 else 1
+    counts = [m for m in range(needed, min(MAX_MICROBATCHES, samples or MAX_MICROBATCHES) + 1)
+              if m % step == 0 and (samples is None or samples % m == 0)]
+    if not counts:
+        return (f"{plan.config}: no micro-batch count from {needed} up divides the batch of "
+                f"{samples} samples{f' into a multiple of {step}' if step > 1 else ''}")
+    target = options.microbatches_per_stage * needed
+    count = max((m for m in counts if m <= target), default=counts[0])
+    return dataclasses.replace(plan, schedule=ScheduleKind.ONE_F_ONE_B, num_microbatches=count)
