@@ -222,6 +222,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--pick {args.pick!r} is not allreduce or one of --families "
                          f"{','.join(methods) or 'none'}; e.g. --pick ps")
     profile, cluster = planning_inputs(args)  # --model: measured with torch, after the checks
+    if profile.batch_size is None and args.profile_batch:  # the planner then knows the samples
+        profile = dataclasses.replace(profile, batch_size=args.profile_batch)
     options = dataclasses.replace(options, batch_samples=_batch_samples(args, profile))
     sim = sim_options(args, profile)
     partitioner, error = _partitioner(profile, cluster, sim)
