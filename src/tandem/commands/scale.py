@@ -250,6 +250,8 @@ def run(args: argparse.Namespace) -> int:
                  f"grows with the devices)")
     else:
         batch_scale, samples = _global_batch(args, profile)
+        if profile.batch_size is None and args.profile_batch:  # the planner knows the samples
+            profile = dataclasses.replace(profile, batch_size=args.profile_batch)
         batch = (f"global minibatch {batch_scale:g} profile minibatches"
                  + (f" ({samples} samples)" if samples else ""))
     sim = dataclasses.replace(sim_options(args, profile), batch_scale=batch_scale or 1.0)

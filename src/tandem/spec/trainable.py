@@ -51,10 +51,13 @@ def batch_refusal(plan: Plan, batch_samples: int | None) -> str | None:
     if batch_samples is None:
         return None
     parts = plan.num_microbatches or 1
-    if batch_samples % parts:
-        return (f"its {parts} micro-batches do not divide the batch of {batch_samples} "
-                f"samples")
-    return None
+    if batch_samples % parts == 0:
+        return None
+    if plan.pipelined:
+        return f"its {parts} micro-batches do not divide the batch of {batch_samples} samples"
+    workers = plan.stages[0].replicas
+    share = "" if parts == workers else f" in {parts // workers} micro-batches each"
+    return f"the batch of {batch_samples} samples does not split among {workers} workers{share}"
 
 
 def update_change(plan: Plan) -> str | None:
