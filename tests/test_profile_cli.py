@@ -20,6 +20,7 @@ def test_profile_then_plan(tmp_path) -> None:
     data = json.loads(done.stdout.strip().splitlines()[-1])
     profile = ModelProfile.load(str(target))
     assert profile.to_dict() == data and profile.batch_size == 8
+    assert f"tandem plan --profile {target} -o OUT/plan.json" in done.stderr  # how to keep a split
     assert profile.num_layers >= 2 and profile.is_chain
     assert all(layer.forward_s > 0 and layer.backward_s > 0 for layer in profile.layers)
     assert profile.layers[0].parameter_bytes > 0 and profile.layers[-1].activation_bytes > 0

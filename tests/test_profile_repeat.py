@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 import warnings
 
 import pytest
@@ -110,3 +111,44 @@ def test_robust_s_ignores_a_slow_burst() -> None:
     assert robust_s([4.0]) == 4.0
     with pytest.raises(ValueError):
         robust_s([])
+
+
+class Hidden(nn.Module):
+    """A block whose cost hides in a private attribute, so that blocks of different cost look
+    identical: the profiler measures them again, warns, and gives both their median."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__()
+        self._delay_s = delay_s
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self._delay_s)
+        return self.linear(x)
+
+
+def test_identical_blocks_that_disagree_are_measured_again_and_named() -> None:
+    model = nn.Sequential(Hidden(0.0), Hidden(3e-3), nn.Linear(4, 2))
+    with pytest.warns(MachineWarning, match=r"2 identical blocks \(0, 1: Hidden\) took .* ms "
+                                            r"forward even when measured again"):
+        profile = profile_model(model, torch.randn(8, 4), warmup=0, repeats=3)
+    first, second, last = profile.layers
+    assert first.forward_s == second.forward_s >= 1.5e-3  # the median of the two
+    assert last.forward_s < first.forward_s
+
+
+def test_profiling_runs_on_one_thread_and_restores_the_setting() -> None:
+    seen: list[int] = []
+
+    class Spy(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(torch.get_num_threads())
+            return x * 2
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        profile_model(nn.Sequential(Spy(), nn.Linear(4, 4)), torch.randn(4, 4), warmup=0, repeats=1)
+        assert set(seen) == {1} and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
