@@ -9,8 +9,9 @@ planned on 4 stages: ``stack``, eight identical blocks (layer normalization, the
 layer) cut into 16 blocks, and ``taper``, eight linear layers of falling width (256 to 32), each
 followed by a ReLU, cut into 16 blocks no two of which are alike. Two statistics are compared on the same machine, one thread each:
 
-- ``tandem``: :func:`tandem.runtime.profiler.profile_model` (rounds over every block, the least
-  of the medians of groups of three of 9 repeats, identical blocks sharing their median);
+- ``tandem``: :func:`tandem.runtime.profiler.profile_model` as the auto-split runs it (rounds
+  over every block, 1 warm-up round, the least of the medians of groups of three of 21
+  repeats, identical blocks sharing their median; no fixed-cost fit);
 - ``median of 3``: the profiler before issue 28 (each block alone, 1 warm-up, the median of 3
   repeats, every block its own figure).
 
@@ -19,7 +20,7 @@ layer's repeats within one profile (median over layers and profiles); of a layer
 across profiles (median and largest over layers), and of its share of the model's total (what
 the split depends on: a busy machine that slows every layer alike moves no cut); the largest ratio between the own figures of
 two identical layers in one profile (before tandem's profiler lets them share one: for
-``tandem``, the least of the medians of groups of three of one more set of 9 rounds); and the
+``tandem``, the least of the medians of groups of three of one more set of 21 rounds); and the
 number of distinct splits among the profiles.
 """
 
@@ -38,6 +39,7 @@ from torch import nn
 
 from tandem.planning.search.balance import pipeline_bounds
 from tandem.profile import LayerProfile, ModelProfile
+from tandem.runtime.pipeline.bounds import PROFILE_REPEATS, PROFILE_WARMUP
 from tandem.runtime.pipeline.setup import pipeline_blocks
 from tandem.runtime.profiler import measure_rounds, profile_model, robust_s, threads_set
 
@@ -109,15 +111,16 @@ def median_of_3(blocks: nn.Sequential, inputs: torch.Tensor) -> tuple[list[float
 def tandem_profile(blocks: nn.Sequential, inputs: torch.Tensor) -> tuple[list[float], list[list[float]]]:
     """Each block's forward+backward seconds by tandem's profiler, and each block's repeats of
     one more set of rounds (what the profiler's statistic is taken over)."""
-    profile = profile_model(blocks, inputs)
+    profile = profile_model(blocks, inputs, warmup=PROFILE_WARMUP, repeats=PROFILE_REPEATS,
+                            fit_fixed=False)
     with threads_set(1), torch.no_grad():
         values, value = [], inputs
         for block in blocks:
             values.append(value)
             value = block(value)
     with threads_set(1):
-        rounds = measure_rounds(list(blocks), values, warmup=2, repeats=9,
-                                device=torch.device("cpu"))
+        rounds = measure_rounds(list(blocks), values, warmup=PROFILE_WARMUP,
+                                repeats=PROFILE_REPEATS, device=torch.device("cpu"))
     return ([layer.compute_s for layer in profile.layers],
             [[f + b for f, b in zip(s.forward_s, s.backward_s)] for s in rounds])
 

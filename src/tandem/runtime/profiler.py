@@ -290,11 +290,12 @@ def _shared_figures(blocks: Sequence[nn.Module], ins: Sequence[Any], groups: lis
 
 def profile_model(
     model: nn.Module, inputs: Any, *, warmup: int = 2, repeats: int = 9, model_name: str = "",
-    split_points: list[str] | None = None, threads: int = 1,
+    split_points: list[str] | None = None, threads: int = 1, fit_fixed: bool = True,
 ) -> ModelProfile:  # fmt: skip
     """Profile each top-level block of ``model`` on one minibatch (``inputs``, as the model is
     called with them) on ``threads`` threads; a model that is not an ``nn.Sequential`` is split
-    first (before the submodules ``split_points``, or automatically)."""
+    first (before the submodules ``split_points``, or automatically). ``fit_fixed=False`` skips
+    timing the smaller batches that fit the fixed costs (the profile gets the defaults)."""
     if repeats < 1 or warmup < 0 or threads < 1:
         raise UsageError(f"need repeats >= 1, warmup >= 0 and threads >= 1 (got {repeats}, "
                          f"{warmup}, {threads})")
@@ -305,14 +306,15 @@ def profile_model(
         model = split_model(model, _first(inputs), split_points=split_points,
                             what=f"model {model_name or type(model).__name__!r}")
     with threads_set(threads):
-        layers, fit = _measure_model(model, inputs, _Run(warmup, repeats, device))
+        layers, fit = _measure_model(model, inputs, _Run(warmup, repeats, device), fit_fixed)
     batch = _tensors(inputs)[0].shape[0] if _tensors(inputs) else None
     return ModelProfile(layers=layers, model=model_name, batch_size=batch,
                         source=f"tandem profile on {device}",
                         fixed_costs="measured" if fit else "default")  # fmt: skip
 
 
-def _measure_model(model: nn.Sequential, inputs: Any, run: _Run) -> tuple[list[LayerProfile], bool]:
+def _measure_model(model: nn.Sequential, inputs: Any, run: _Run,
+                   fit_fixed: bool) -> tuple[list[LayerProfile], bool]:
     blocks = list(model)
     ins, outs = _block_values(blocks, inputs)
     groups = _groups([signature(b, i, o) for b, i, o in zip(blocks, ins, outs)])
@@ -320,7 +322,7 @@ def _measure_model(model: nn.Sequential, inputs: Any, run: _Run) -> tuple[list[L
                              device=run.device)
     figures = _shared_figures(blocks, ins, groups, samples, run)
     batch = _tensors(inputs)[0].shape[0] if _tensors(inputs) else None
-    fit = batch is not None and len(fit_batches(batch)) >= 2
+    fit = fit_fixed and batch is not None and len(fit_batches(batch)) >= 2
     layers = []
     for index, (block, (forward_s, backward_s)) in enumerate(zip(blocks, figures)):
         params = sum(p.numel() * p.element_size() for p in block.parameters())

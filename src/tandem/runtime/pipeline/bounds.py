@@ -25,9 +25,11 @@ from tandem.runtime.profiler import profile_model
 
 PROFILE_WARMUP = 1
 """Untimed runs per block before the timed ones."""
-PROFILE_REPEATS = 9
-"""Timed runs per block (the least of the medians of three groups of three counts, see
-:func:`tandem.runtime.profiler.robust_s`): tens of milliseconds for a small model."""
+PROFILE_REPEATS = 21
+"""Timed rounds of every block (the least of the medians of seven groups of three counts, see
+:func:`tandem.runtime.profiler.robust_s`): tens of milliseconds for a small model. Only the
+micro-batch size is timed (the split needs no fixed costs), so this costs less than the 9
+rounds at four batch sizes of ``tandem profile``."""
 
 LOG = logging.getLogger(__name__)
 
@@ -39,7 +41,7 @@ def profiled_plan(plan: Plan, blocks: nn.Sequential, samples: Any, *, batch_size
     threads than idle cores make the timings noise); the replica counts stay."""
     size = max(1, batch_size // (plan.num_microbatches or 1))
     profile = profile_model(blocks, _first(samples, size), warmup=PROFILE_WARMUP,
-                            repeats=PROFILE_REPEATS, threads=threads)
+                            repeats=PROFILE_REPEATS, threads=threads, fit_fixed=False)
     replicas = [stage.replicas for stage in plan.stages]
     bounds = pipeline_bounds(profile, replicas)
     stages = [Stage(start=start, end=end, replicas=count,
