@@ -94,11 +94,13 @@ def paper_config(profile: ModelProfile, cluster: Cluster, config: str) -> dict[s
     if len(counts) == 1:
         plan = data_parallel_plan(profile, counts[0])
     else:
-        plan = balanced_plan(profile, counts, schedule=ScheduleKind.PIPEDREAM, num_microbatches=None)
+        plan = balanced_plan(profile, counts, schedule=ScheduleKind.PIPEDREAM,
+                             num_microbatches=None)
     result = simulate(plan, profile, cluster)
     dp = simulate(data_parallel_plan(profile, cluster.num_devices), profile, cluster)
     return {"step_ms": result.step_time_s * 1e3, "dp_ms": dp.step_time_s * 1e3,
-            "speedup": dp.step_time_s / result.step_time_s, "peak_gb": result.peak_memory_bytes / GB}
+            "speedup": dp.step_time_s / result.step_time_s,
+            "peak_gb": result.peak_memory_bytes / GB}
 
 
 def inplace_share(profile: ModelProfile) -> float:
@@ -175,7 +177,8 @@ def differences(entry: dict[str, Any], inplace_share: float) -> list[str]:
                      f"simulates at {own['speedup']:.2f}x; PipeDream's cost model, like the "
                      f"paper's runs (a minibatch per GPU), does one allreduce per "
                      f"{entry['devices']} minibatches ({bare['dp_ms']:.1f} ms per minibatch), "
-                     f"against which {paper['config']} simulates at {own['speedup_vs_pd_dp']:.2f}x; "
+                     f"against which {paper['config']} simulates at "
+                     f"{own['speedup_vs_pd_dp']:.2f}x; "
                      f"the paper's {paper['speedup']:.2f}x is measured epoch time on the real "
                      f"cluster")
     if free["config"] not in (None, paper["config"]):
@@ -213,7 +216,8 @@ def main() -> None:
         own = entry["paper_config"]
         print(f"{row.model:<9} {entry['devices']:>4} {row.cluster_name:<14} {paper:>11} "
               f"{_cell(entry['partitioner']):>16} {own['step_ms']:>13.1f} "
-              f"{own['speedup']:>5.2f}x {_times(own['speedup_vs_pd_dp']):>7} {own['peak_gb']:>5.1f} "
+              f"{own['speedup']:>5.2f}x {_times(own['speedup_vs_pd_dp']):>7} "
+              f"{own['peak_gb']:>5.1f} "
               f"{_cell(entry['planner']):>14} {_cell(entry['planner_16gb']):>14}")
     model, config, verdict = NOT_REPRODUCIBLE
     print(f"{model:<9} paper: {config}; {verdict}")

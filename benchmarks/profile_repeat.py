@@ -7,7 +7,8 @@ line is one JSON object).
 Two user models (not ``nn.Sequential``; a batch of 64, 64 features in), split automatically and
 planned on 4 stages: ``stack``, eight identical blocks (layer normalization, then a linear
 layer) cut into 16 blocks, and ``taper``, eight linear layers of falling width (256 to 32), each
-followed by a ReLU, cut into 16 blocks no two of which are alike. Two statistics are compared on the same machine, one thread each:
+followed by a ReLU, cut into 16 blocks no two of which are alike. Two statistics are compared
+on the same machine, one thread each:
 
 - ``tandem``: :func:`tandem.runtime.profiler.profile_model` as the auto-split runs it (rounds
   over every block, 1 warm-up round, the least of the medians of groups of three of 21
@@ -18,10 +19,10 @@ followed by a ReLU, cut into 16 blocks no two of which are alike. Two statistics
 Figures per condition: the coefficient of variation (standard deviation over mean) of a
 layer's repeats within one profile (median over layers and profiles); of a layer's figure
 across profiles (median and largest over layers), and of its share of the model's total (what
-the split depends on: a busy machine that slows every layer alike moves no cut); the largest ratio between the own figures of
-two identical layers in one profile (before tandem's profiler lets them share one: for
-``tandem``, the least of the medians of groups of three of one more set of 21 rounds); and the
-number of distinct splits among the profiles.
+the split depends on: a busy machine that slows every layer alike moves no cut); the largest
+ratio between the own figures of two identical layers in one profile (before tandem's profiler
+lets them share one: for ``tandem``, the least of the medians of groups of three of one more
+set of 21 rounds); and the number of distinct splits among the profiles.
 """
 
 from __future__ import annotations
@@ -89,7 +90,12 @@ def _cv(values: list[float]) -> float:
     return statistics.pstdev(values) / mean if mean > 0 else 0.0
 
 
-def median_of_3(blocks: nn.Sequential, inputs: torch.Tensor) -> tuple[list[float], list[list[float]]]:
+Measure = Callable[[nn.Sequential, torch.Tensor], tuple[list[float], list[list[float]]]]
+"""A way to profile: each block's seconds, and each block's repeats."""
+
+
+def median_of_3(blocks: nn.Sequential, inputs: torch.Tensor
+                ) -> tuple[list[float], list[list[float]]]:
     """Each block's forward+backward seconds as the profiler before issue 28 measured them
     (the block alone: 1 warm-up, the median of 3), and each block's repeats."""
     times, repeats, value = [], [], inputs
@@ -108,7 +114,8 @@ def median_of_3(blocks: nn.Sequential, inputs: torch.Tensor) -> tuple[list[float
     return times, repeats
 
 
-def tandem_profile(blocks: nn.Sequential, inputs: torch.Tensor) -> tuple[list[float], list[list[float]]]:
+def tandem_profile(blocks: nn.Sequential, inputs: torch.Tensor
+                   ) -> tuple[list[float], list[list[float]]]:
     """Each block's forward+backward seconds by tandem's profiler, and each block's repeats of
     one more set of rounds (what the profiler's statistic is taken over)."""
     profile = profile_model(blocks, inputs, warmup=PROFILE_WARMUP, repeats=PROFILE_REPEATS,
@@ -133,7 +140,7 @@ def _split(times: list[float]) -> tuple[tuple[int, int], ...]:
 
 
 def condition(blocks: nn.Sequential, inputs: torch.Tensor, count: int,
-              measure: Callable[[nn.Sequential, torch.Tensor], tuple[list[float], list[list[float]]]],
+              measure: Measure,
               identical: bool) -> dict[str, object]:
     """Profile ``count`` times; the figures of the module docstring."""
     figures: list[list[float]] = []
@@ -154,7 +161,8 @@ def condition(blocks: nn.Sequential, inputs: torch.Tensor, count: int,
     return {"within_cv_median": statistics.median(within),
             "across_cv_median": statistics.median(across), "across_cv_max": max(across),
             "share_cv_median": statistics.median(relative), "share_cv_max": max(relative),
-            "identical_ratio_max": max(ratios) if ratios else None, "distinct_splits": len(set(splits)),
+            "identical_ratio_max": max(ratios) if ratios else None,
+            "distinct_splits": len(set(splits)),
             "splits": sorted({"|".join(f"{a}-{b - 1}" for a, b in s) for s in splits}),
             "mean_layer_ms": statistics.fmean(statistics.fmean(f) for f in figures) * 1e3}
 
@@ -185,7 +193,8 @@ def main() -> None:
     for name, row in results.items():
         ratio = row["identical_ratio_max"]
         print(f"{name:<28} {row['within_cv_median']:6.3f} {row['across_cv_median']:7.3f} "
-              f"{row['across_cv_max']:6.3f} {row['share_cv_median']:6.3f} {row['share_cv_max']:6.3f} "
+              f"{row['across_cv_max']:6.3f} {row['share_cv_median']:6.3f} "
+              f"{row['share_cv_max']:6.3f} "
               f"{'-' if ratio is None else format(ratio, '.2f'):>7} {row['distinct_splits']:6d}  "
               f"{row['mean_layer_ms']:.4f}")
     print(json.dumps({"profiles": args.profiles, "cores": os.cpu_count(),

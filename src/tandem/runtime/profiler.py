@@ -56,6 +56,8 @@ AGREE_TOLERANCE = 0.5
 than :data:`AGREE_FLOOR_S`) are measured again, and a warning is given if they still do."""
 AGREE_FLOOR_S = 20e-6
 """Differences below this many seconds are timer and cache noise, never a disagreement."""
+OPERATOR = re.compile(r"torch\.ops\.[\w.]+|operator\.\w+")
+"""An operator call in a split block's code."""
 
 
 def robust_s(samples: Sequence[float], group: int = GROUP) -> float:
@@ -180,7 +182,7 @@ def signature(block: nn.Module, inputs: Any, output: Any) -> tuple[Any, ...]:
     not their names; for a split block also the operators its graph calls, in order; the shapes
     and types of their parameters and buffers, inputs and outputs."""
     code = getattr(block, "code", None)
-    ops = tuple(re.findall(r"torch\.ops\.[\w.]+|operator\.\w+", code)) if isinstance(code, str) else ()
+    ops = tuple(OPERATOR.findall(code)) if isinstance(code, str) else ()
     modules = tuple((type(module).__qualname__, _settings(module)) for module in block.modules())
     tensors = [*block.parameters(), *block.buffers()]
     return (modules, ops, _shapes(tensors), _shapes(inputs), _shapes(output))
@@ -232,7 +234,8 @@ def _agreed(blocks: Sequence[nn.Module], inputs: Sequence[Any], samples: list[Sa
     return shared
 
 
-def _spread(samples: Sequence[Samples], members: list[int]) -> tuple[list[tuple[float, float]], list[int]]:
+def _spread(samples: Sequence[Samples],
+            members: list[int]) -> tuple[list[tuple[float, float]], list[int]]:
     """The members' figures, and the directions (0 forward, 1 backward) they disagree in."""
     figures = [samples[index].robust() for index in members]
     return figures, [direction for direction in (0, 1)
@@ -244,12 +247,13 @@ def _warn_spread(blocks: Sequence[nn.Module], members: list[int],
     values = [figure[direction] for figure in figures]
     name = getattr(blocks[members[0]], "label", type(blocks[members[0]]).__name__)
     listed = members if len(members) <= 4 else [*members[:2], "...", members[-1]]
+    what = ("forward", "backward")[direction]
     warnings.warn(
         f"{len(members)} identical blocks ({', '.join(map(str, listed))}: {name}) took "
-        f"{min(values) * 1e3:.3f} to {max(values) * 1e3:.3f} ms {('forward', 'backward')[direction]}"
-        f" even when measured again: other work on this machine slowed some of them; each is "
-        f"given their median, {shared * 1e3:.3f} ms (profile on a quiet machine, or keep a "
-        f"split with tandem train --plan)", MachineWarning, stacklevel=3)
+        f"{min(values) * 1e3:.3f} to {max(values) * 1e3:.3f} ms {what} even when measured "
+        f"again: other work on this machine slowed some of them; each is given their median, "
+        f"{shared * 1e3:.3f} ms (profile on a quiet machine, or keep a split with tandem train "
+        f"--plan)", MachineWarning, stacklevel=3)
 
 
 def _fixed(blocks: Sequence[nn.Module], inputs: Sequence[Any], batch: int,
@@ -329,7 +333,8 @@ def _measure_model(model: nn.Sequential, inputs: Any, run: _Run,
         layers.append(LayerProfile(
             name=f"{index}: {getattr(block, 'label', type(block).__name__)}",
             forward_s=forward_s, backward_s=backward_s,
-            activation_bytes=float(_nbytes(outs[index])), parameter_bytes=float(params)))  # fmt: skip
+            activation_bytes=float(_nbytes(outs[index])),
+            parameter_bytes=float(params)))  # fmt: skip
     if not fit or batch is None:
         return [with_default_fixed(layer) for layer in layers], False
     fixed = _fixed(blocks, ins, batch, figures, run)
