@@ -75,7 +75,9 @@ def fit(model: nn.Module | Callable[..., nn.Module] | str,
             (default ``dp``), with its options as keyword arguments named like its flags
             (``servers=1, mode="async"``, ``stages=2, schedule="gpipe"``, ``compress="fp16"``;
             tensor parallelism of your model: ``tensor_parallel=2, tensor_layers={"fc1":
-            "colwise", "fc2": "rowwise"}``, see :mod:`tandem.models.tensor`).
+            "colwise", "fc2": "rowwise"}``, see :mod:`tandem.models.tensor`; sharded data
+            parallelism: ``shard=4, shard_level=3, shard_units=["encoder.0", "encoder.1"]``,
+            see :mod:`tandem.sync.sharded`).
         plan: a :class:`tandem.plan.Plan` or the path of a ``plan.json`` (instead of
             ``strategy``); ``nproc`` defaults to its workers.
         nproc: local worker processes (default: the plan's, else 1; ignored under torchrun).

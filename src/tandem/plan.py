@@ -1,8 +1,9 @@
 """Plans: the whole strategy of a run as data — layout, schedule, synchronization and codec.
 
 A plan says how many workers run what: pipeline stages as layer ranges with a replica count
-each (one stage replicated on every worker is data parallelism), a tensor degree, the schedule
-kind and its number of micro-batches, how the replicas synchronize (a typed spec of
+each (one stage replicated on every worker is data parallelism), a tensor degree, a shard
+degree (ZeRO / FSDP: data-parallel workers that share the model's state), the schedule kind
+and its number of micro-batches, how the replicas synchronize (a typed spec of
 :mod:`tandem.spec.sync`) and the compression codec (a :class:`tandem.spec.codec.CodecSpec`).
 ``tandem plan``, ``tandem search`` and the command-line flags of ``tandem train`` all build a
 ``Plan``; the simulator and the runtime read it, and nothing else decides how workers cooperate.
@@ -119,6 +120,18 @@ class Plan:
     ``named_modules`` gives it) -> style, one of :data:`TENSOR_STYLES`
     (``{"encoder.0.fc1": "colwise", "encoder.0.fc2": "rowwise"}``); layers it does not name
     stay whole. None: the reference model's own plan (:mod:`tandem.models.tensor`)."""
+    shard_degree: int = 1
+    """Sharded data parallelism (ZeRO / FSDP): the data-parallel workers are split into groups
+    of this many, each group sharding the model's state among its workers (1: none; every
+    worker holds all of it). Workers beyond one group replicate the groups (hybrid sharding,
+    HSDP): ``replicas / shard_degree`` groups."""
+    shard_level: int = 3
+    """With ``shard_degree`` above 1, what is sharded: 1 the optimizer state, 2 also the
+    gradients, 3 also the parameters (ZeRO's stages)."""
+    shard_units: list[str] | None = None
+    """With ``shard_degree`` above 1, the submodules (``named_modules`` names) sharded as one
+    unit each, gathered for their forward and backward only; None: each block of the model (the
+    children of its sequence of blocks), then the rest of the model."""
     recompute: bool = False
     """Activation recomputation: each stage keeps only its input per micro-batch in flight and
     runs its forward again before each backward."""
@@ -156,6 +169,7 @@ class Plan:
             raise UsageError(f"tensor degree must be a whole number of at least 1 (got "
                              f"{self.tensor_degree!r})")
         self._check_tensor_layers()
+        self._check_shard()
         if not isinstance(self.recompute, bool):
             raise UsageError(f"a plan's recompute must be true or false (got {self.recompute!r})")
         if self.num_microbatches is None:
@@ -182,6 +196,37 @@ class Plan:
             raise UsageError(f"the plan names {len(layers)} tensor layers but its tensor degree "
                              f"is 1, which splits none; add --tensor-parallel T (tensor_degree "
                              f"in a plan file), or drop the tensor layers")
+
+    def _check_shard(self) -> None:
+        degree, level, units = self.shard_degree, self.shard_level, self.shard_units
+        if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
+            raise UsageError(f"a plan's shard degree must be a whole number of at least 1 (got "
+                             f"{degree!r}); e.g. 4, or 1 for none")
+        if level not in SHARD_LEVELS or isinstance(level, bool):
+            raise UsageError(f"shard level {level!r} is not one of 1 (optimizer state), "
+                             f"2 (+ gradients), 3 (+ parameters)")
+        if units is not None and (not isinstance(units, list) or not units
+                                  or not all(isinstance(name, str) and name for name in units)):
+            raise UsageError(f"a plan's shard_units lists submodule names, e.g. "
+                             f'["transformer.h.0", "transformer.h.1"] (got {units!r})')
+        if degree == 1:
+            if units is not None or level != 3:
+                raise UsageError("the plan sets shard_level or shard_units but its shard degree "
+                                 "is 1, which shards nothing; add --shard S (shard_degree in a "
+                                 "plan file), or drop them")
+            return
+        if self.pipelined or not isinstance(self.sync, AllReduceSync):
+            raise UsageError(f"shard degree {degree} is sharded data parallelism, which runs on "
+                             f"allreduce's one-stage plans only (this plan is "
+                             f"{'a pipeline' if self.pipelined else self.sync.method}); use "
+                             f"--strategy dp")
+        if self.tensor_degree > 1:
+            raise UsageError(f"shard degree {degree} with tensor degree {self.tensor_degree} "
+                             f"(sharding x tensor) is not supported yet; set one of them to 1")
+        replicas = self.stages[0].replicas
+        if replicas % degree:
+            raise UsageError(f"shard degree {degree} does not divide the plan's {replicas} "
+                             f"data-parallel workers; use a divisor of {replicas}")
 
     def _check_schedule(self) -> None:
         count = self.num_microbatches
@@ -310,6 +355,9 @@ class Plan:
             "vertical_sync": self.vertical_sync,
             "tensor_degree": self.tensor_degree,
             "tensor_layers": self.tensor_layers,
+            "shard_degree": self.shard_degree,
+            "shard_level": self.shard_level,
+            "shard_units": self.shard_units,
             "recompute": self.recompute,
             "sync": sync_to_dict(self.sync),
             "compress": self.compress.text if self.compress else None,
@@ -360,9 +408,13 @@ _STAGE_KEYS = ("start", "end", "replicas", "time_s", "compute_s", "parameter_byt
 _PLAN_KEYS = ("num_layers", "num_devices", "bottleneck_s", "single_s", "data_parallel_s",
               "layer_order", "level_configs", "schedule", "num_microbatches", "schedule_text",
               "vertical_sync", "tensor_degree", "tensor_layers",
-              "recompute", "predicted_schedule", "estimate_s", "samples_per_s",
+              "shard_degree", "shard_level", "shard_units", "recompute", "predicted_schedule", "estimate_s", "samples_per_s",
               "candidates", "solve_s", "options")  # fmt: skip
 
+
+SHARD_LEVELS = (1, 2, 3)
+"""What sharded data parallelism shards (ZeRO's stages): 1 optimizer state; 2 + gradients;
+3 + parameters."""
 
 TENSOR_STYLES = ("colwise", "rowwise", "heads", "channels")
 """How a tensor plan splits a layer (see :mod:`tandem.models.tensor`)."""

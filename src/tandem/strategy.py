@@ -75,7 +75,17 @@ PIPELINE_FLAGS = ("--schedule", "--microbatches", "--stages", "--replicas", "--v
                   "--recompute")
 """Flags that shape a pipeline (``pipeline`` only)."""
 
-DATA_PARALLEL_FLAGS = {"--accumulate": ("dp", "gossip", "easgd", "localsgd")}
+SHARD_FLAG = "--shard"
+"""The shard degree: data-parallel workers that share the model's state (ZeRO / FSDP)."""
+
+SHARD_LEVEL_FLAG = "--shard-level"
+"""What ``--shard`` shards: 1 optimizer state, 2 + gradients, 3 + parameters (default 3)."""
+
+SHARD_UNITS_FLAG = "--shard-units"
+"""The submodules ``--shard`` gathers one at a time, ``NAME,...`` (default: the model's blocks)."""
+
+DATA_PARALLEL_FLAGS = {"--accumulate": ("dp", "gossip", "easgd", "localsgd"),
+                       SHARD_FLAG: ("dp",), SHARD_LEVEL_FLAG: ("dp",), SHARD_UNITS_FLAG: ("dp",)}
 """Flags of the data-parallel trainer, by the strategies that take them."""
 
 TENSOR_FLAG = "--tensor-parallel"
@@ -201,11 +211,63 @@ def plan_from_flags(strategy: str, given: Mapping[str, Any], *, num_processes: i
     if accumulate < 1:
         raise UsageError(f"--accumulate must be at least 1 (got {accumulate})")
     layers, replicas = num_blocks or 1, workers // degree
+    shard, level, units = shard_options(given, replicas, degree, spelling)
     return Plan(stages=[Stage(start=0, end=layers, replicas=replicas)], num_layers=layers,
                 num_devices=num_processes, schedule=ScheduleKind.ONE_F_ONE_B,
                 num_microbatches=replicas * accumulate, tensor_degree=degree,
                 tensor_layers=parse_tensor_layers(given.get(TENSOR_LAYERS_FLAG)), sync=sync,
-                compress=compress)
+                compress=compress, shard_degree=shard, shard_level=level, shard_units=units)
+
+
+def shard_options(given: Mapping[str, Any], workers: int, tensor: int = 1,
+                  spelling: Spelling = TRAIN_SPELLING) -> tuple[int, int, list[str] | None]:
+    """``--shard S`` (default 1: none), ``--shard-level`` (default 3) and ``--shard-units``
+    (default None: the model's blocks), checked against the ``workers`` that share each batch:
+    ``S`` must divide them (``workers / S`` replicas of ``S``-way shards, HSDP)."""
+    degree = int(given.get(SHARD_FLAG, 1))
+    nproc = spelling.processes
+    if degree < 1:
+        raise UsageError(f"{SHARD_FLAG} must be at least 1 (got {degree}); e.g. {SHARD_FLAG} "
+                         f"{max(2, workers)}, or 1 for none")
+    extra = next((flag for flag in (SHARD_LEVEL_FLAG, SHARD_UNITS_FLAG) if flag in given), None)
+    if degree == 1:
+        if extra is not None:
+            raise UsageError(f"{extra} says how {SHARD_FLAG} shards, but this run shards "
+                             f"nothing; add {SHARD_FLAG} S (e.g. {SHARD_FLAG} {max(2, workers)}) "
+                             f"or drop {extra}")
+        return 1, 3, None
+    if tensor > 1:
+        raise UsageError(f"{SHARD_FLAG} {degree} with {TENSOR_FLAG} {tensor} (2-D sharding x "
+                         f"tensor) is not supported yet; drop one of them")
+    if degree > workers or workers % degree:
+        divisors = [d for d in range(2, workers + 1) if workers % d == 0]
+        fix = (f"use {SHARD_FLAG} {' or '.join(map(str, divisors))}" if divisors
+               else f"use {nproc} 2 or more")
+        raise UsageError(f"{SHARD_FLAG} {degree} does not divide {nproc} {workers}: the workers "
+                         f"are {nproc}/S replicas of S-way shards; {fix}")
+    level = given.get(SHARD_LEVEL_FLAG, 3)
+    if isinstance(level, bool) or level not in (1, 2, 3):
+        raise UsageError(f"{SHARD_LEVEL_FLAG} {level} is not one of 1 (optimizer state), "
+                         f"2 (+ gradients) or 3 (+ parameters)")
+    if level == 1 and SHARD_UNITS_FLAG in given:
+        raise UsageError(f"{SHARD_UNITS_FLAG} picks the modules whose parameters are gathered "
+                         f"together, which {SHARD_LEVEL_FLAG} 1 (the optimizer state only) does "
+                         f"not shard; use {SHARD_LEVEL_FLAG} 2 or 3, or drop {SHARD_UNITS_FLAG}")
+    return degree, int(level), parse_shard_units(given.get(SHARD_UNITS_FLAG))
+
+
+def parse_shard_units(value: Any) -> list[str] | None:
+    """``--shard-units transformer.h.0,transformer.h.1`` (or a list, from the Python API) into
+    the plan's ``shard_units``; None when not given. The names are checked against the model
+    when it is built."""
+    if value is None:
+        return None
+    names = ([str(name).strip() for name in value] if isinstance(value, (list, tuple))
+             else [name.strip() for name in str(value).split(",")])
+    if not names or not all(names):
+        raise UsageError(f"{SHARD_UNITS_FLAG} {value!r}: write submodule names separated by "
+                         f"commas, e.g. transformer.h.0,transformer.h.1")
+    return names
 
 
 def parse_tensor_layers(value: Any) -> dict[str, str] | None:

@@ -94,6 +94,15 @@ def add_train_arguments(parser: argparse.ArgumentParser, defaults: RunConfig) ->
     add("--tensor-layers", metavar="NAME=STYLE,...",
         help="with --tensor-parallel: the layers of any model to split, by module name, and how "
         "(colwise, rowwise, heads, channels), e.g. fc1=colwise,fc2=rowwise")
+    add("--shard", type=int, metavar="S",
+        help="--strategy dp: shard the model's state over groups of S workers (ZeRO / FSDP2's "
+        "fully_shard); --nproc above S replicates the groups (hybrid, HSDP); S divides --nproc")
+    add("--shard-level", type=int, metavar="1|2|3",
+        help="with --shard: what is sharded: 1 optimizer state, 2 + gradients, 3 + parameters "
+        "(default 3)")
+    add("--shard-units", metavar="NAME,...",
+        help="with --shard: the submodules gathered one at a time, by module name (default: "
+        "each block of the model's sequence of blocks, e.g. transformer.h.*, then the rest)")
     add("--vertical-sync", action="store_true", default=None,
         help="pipedream schedule: every stage uses the weight version stage 0 used")
     add("--recompute", action="store_true", default=None,
@@ -214,7 +223,7 @@ def print_summary(summary: dict[str, Any], as_json: bool) -> None:
     if as_json:
         print(strict_json.dumps(summary), flush=True)
         return
-    for key in ("strategy", "mode", "schedule", "pipeline", "model", "world_size", "steps",
+    for key in ("strategy", "mode", "shard", "schedule", "pipeline", "model", "world_size", "steps",
                 "final_loss", "test_accuracy", "samples_per_s", "updates_per_s", "step_time_s",
                 "sent_bytes_per_step", "compression_ratio", "activation_compression_ratio",
                 "dropped_pushes", "wall_s", "out"):

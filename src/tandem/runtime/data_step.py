@@ -211,8 +211,11 @@ def noise_measure(strategy: SyncStrategy, feed: BatchFeed, *, data_world: int,
                   compress: CodecSpec | None, log_every: int, last_step: int,
                   every: int) -> tuple[NoiseScale | None, NoiseSamples | None]:
     """The gradient noise scale where ``strategy`` is DDP's allreduce among two or more workers,
-    and the samples it is estimated from; with one worker, why not (and no samples); with
-    another strategy, neither (the trainer's own reason: not data parallelism)."""
+    and the samples it is estimated from; with one worker, or a strategy that says why it has
+    none (:attr:`SyncStrategy.noise_scale_note`), why not (and no samples); with another
+    strategy, neither (the trainer's own reason: not data parallelism)."""
+    if strategy.noise_scale_note is not None:
+        return NoiseScale.unavailable(strategy.noise_scale_note), None
     if not isinstance(strategy, AllReduce):
         return None, None
     if data_world < 2:

@@ -39,6 +39,7 @@ class Job:
             raise UsageError("--find-unused-parameters is for data-parallel strategies (pipeline "
                              "stages skip a parameter without a gradient); drop it")
         self._check_tensor()
+        check_shard(self.plan, self.run)
         self._check_straggler()
         self._check_precision()
         self._check_async_ps()
@@ -236,6 +237,47 @@ class Job:
                 "batch_size": run.batch_size, "batch_schedule": run.batch_schedule,
                 "optimizer": run.optimizer, "seed": run.seed,
                 "compress": self.plan.compress.text if self.plan.compress else None}
+
+
+def check_shard(plan: Plan, run: RunConfig) -> None:
+    """Sharded data parallelism (``--shard S``) runs without checkpoints and compression for
+    now; at levels 2 and 3 (sharded gradients) also without what needs each worker's whole
+    gradient: fp16's loss scaler (an overflow seen in one shard would skip the step there
+    only), the noise scale and ``--find-unused-parameters``. One line for each setting it
+    would not honour."""
+    if plan.shard_degree == 1:
+        return
+    shard = f"--shard {plan.shard_degree}"
+    saved = "it writes no checkpoint of sharded state yet, only final.pt"
+    refused = {
+        "--resume": (run.resume, saved), "--stop-after": (run.stop_after, saved),
+        "--checkpoint-every": (run.checkpoint_every or None, saved),
+        "--max-restarts": (run.max_restarts or None, f"a restart resumes a checkpoint, and "
+                           f"{saved}"),
+        "--compress": (plan.compress.text if plan.compress else None,
+                       "FSDP's and ZeRO's own collectives reduce the gradients, uncompressed"),
+    }
+    if plan.shard_level > 1:
+        level = (f"--shard-level {plan.shard_level} reduce-scatters each gradient as the "
+                 f"backward makes it")
+        refused.update({
+            "--precision": (run.precision if run.precision == "fp16" else None,
+                            f"{level}, so an overflow would skip the step on one shard only "
+                            f"(use bf16, or --shard-level 1)"),
+            "--noise-every": (run.noise_every, f"{level}, and the noise scale needs each "
+                              f"worker's whole gradient (--shard-level 1 measures it)"),
+            "--batch-schedule": (run.batch_schedule if run.batch_schedule == AUTO else None,
+                                 f"it follows the noise scale, which is not measured as "
+                                 f"{level} (give the schedule, or --shard-level 1)"),
+            "--find-unused-parameters": (True if run.find_unused_parameters else None,
+                                         f"{level}, for the parameters used only "
+                                         f"(--shard-level 1 takes it)"),
+        })
+    for flag, (value, why) in refused.items():
+        if value is not None:
+            shown = "" if value is True else f" {value}"
+            raise UsageError(f"{flag}{shown} is not supported with {shard} yet: {why}; "
+                             f"drop {flag} or {shard}")
 
 
 def sketch_job(strategy: str, flags: Mapping[str, Any], run: RunConfig,

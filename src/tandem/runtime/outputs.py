@@ -27,10 +27,13 @@ GANTT_STEPS = 3
 
 
 def plan_summary(plan: Plan) -> dict[str, Any]:
-    """What every run's summary says of its plan: strategy, layout, schedule, micro-batches."""
+    """What every run's summary says of its plan: strategy, layout, schedule, micro-batches,
+    codec, and a shard degree with its level where the plan shards."""
+    shard = ({"shard": plan.shard_degree, "shard_level": plan.shard_level}
+             if plan.shard_degree > 1 else {})
     return {"strategy": strategy_of(plan), "plan": plan.config, "schedule": plan.schedule,
             "microbatches": plan.num_microbatches,
-            "compress": plan.compress.text if plan.compress else None}
+            "compress": plan.compress.text if plan.compress else None, **shard}
 
 
 def write_run_files(job: Job, out: Path) -> None:

@@ -32,6 +32,7 @@ from tandem.sync import (
     LocalSGD,
     SyncStrategy,
 )
+from tandem.sync.sharded import sharded_strategy
 from tandem.topology import build_topology, mixing_matrix
 
 
@@ -77,7 +78,12 @@ SYNC_STRATEGIES: dict[type, Callable[[Job, int, int], SyncStrategy]] = {
 
 
 def build_strategy(job: Job, rank: int, world_size: int) -> SyncStrategy:
-    """The synchronization strategy of ``job``'s plan for worker ``rank`` of ``world_size``."""
-    strategy = SYNC_STRATEGIES[type(job.plan.sync)](job, rank, world_size)
+    """The synchronization strategy of ``job``'s plan for worker ``rank`` of ``world_size``
+    (allreduce's sharded data parallelism with a shard degree above 1)."""
+    plan = job.plan
+    if plan.shard_degree > 1:
+        strategy = sharded_strategy(plan.shard_degree, plan.shard_level, plan.shard_units)
+    else:
+        strategy = SYNC_STRATEGIES[type(plan.sync)](job, rank, world_size)
     strategy.find_unused_parameters = job.run.find_unused_parameters
     return strategy

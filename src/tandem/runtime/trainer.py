@@ -8,6 +8,7 @@ same update as one process on the same data.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,10 +30,12 @@ from tandem.runtime.dist import WorkerEnv
 from tandem.runtime.divergence import DivergenceCheck
 from tandem.runtime.executor import Executor, Handler, Program, compile_program
 from tandem.runtime.faults import announce_resume, maybe_fail
+from tandem.runtime.memory import PeakMemory
 from tandem.runtime.precision import Precision
 from tandem.runtime.watchdog import Heartbeat
 from tandem.schedule import Action, Kind
 from tandem.runtime.strategies import build_strategy
+from tandem.runtime.task import Task
 from tandem.runtime.ps import ElasticClient, ParameterServerClient
 from tandem.sync import SyncStrategy
 from tandem.sync.allreduce import AllReduce
@@ -84,6 +87,8 @@ class Trainer(BaseTrainer):
         self.module.train()
         self.model = self.strategy.unwrap(self.module)
         self.setup_optimizer(self.module.parameters())
+        self.optimizer, self.scheduler = sharded_optimizer(self.strategy, self.optimizer,
+                                                           self.scheduler, self.lr_multiplier)
         sync = self.plan.sync
         server_clips = isinstance(sync, ParameterServerSync) and sync.server_clips
         self.precision = Precision(config.precision, env.device,
@@ -247,10 +252,10 @@ class Trainer(BaseTrainer):
     def evaluate(self) -> dict[str, float | None]:
         """Accuracy and mean loss on the test split, each worker scoring its own shard."""
         self.beat.phase = "evaluate"
-        test = self.feed.test
-        sizes = shard_sizes(len(test), self.env.world_size)
-        start = sum(sizes[: self.env.rank])
-        totals = self.task.score(self.model, start, start + sizes[self.env.rank], samples=test)
+        sizes = shard_sizes(len(self.feed.test), self.env.world_size)
+        with self.strategy.evaluating(self.module):
+            totals = score_shard(self.task, self.model, self.feed.test, sizes, self.env.rank,
+                                 lockstep=self.strategy.collective_forward)
         dist.all_reduce(totals)
         return evaluation(totals)
 
@@ -259,12 +264,10 @@ class Trainer(BaseTrainer):
         self.strategy.consensus(self.module)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        if self.env.rank != 0:
-            return None
-        return {name: tensor.detach().cpu() for name, tensor in self.model.state_dict().items()}
+        return self.strategy.gathered_state(self.model, self.env.rank)
 
     def save_checkpoint(self, step: int) -> None:
-        if self.out is None:
+        if self.out is None or not self.strategy.checkpoints:
             return
         own: dict[str, Any] = {"rng": torch.get_rng_state(), "sync": self.strategy.state_dict(),
                                "components": self.components.state_dict()}
@@ -296,7 +299,51 @@ class Trainer(BaseTrainer):
         dist.all_reduce(skipped, op=dist.ReduceOp.MAX)
         return {"parameters": sum(p.numel() for p in self.model.parameters()), **summed,
                 "precision": self.config.precision, "clip_grad_norm": self.config.clip_grad_norm,
-                "skipped_steps": int(skipped)}
+                "skipped_steps": int(skipped), **self.strategy.summary(),
+                "worker_memory": worker_memory(self.env, self.strategy, self.memory)}
+
+
+def sharded_optimizer(strategy: SyncStrategy, optimizer: torch.optim.Optimizer,
+                      scheduler: torch.optim.lr_scheduler.LambdaLR,
+                      multiplier: Callable[[int], float],
+                      ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """The optimizer and schedule a worker steps: ``optimizer`` and ``scheduler``, or where
+    ``strategy`` shards the optimizer state, its sharded optimizer with a schedule of the
+    same ``multiplier``."""
+    sharded = strategy.shard_optimizer(optimizer)
+    if sharded is optimizer:
+        return optimizer, scheduler
+    return sharded, torch.optim.lr_scheduler.LambdaLR(sharded, multiplier)
+
+
+def worker_memory(env: WorkerEnv, strategy: SyncStrategy,
+                  memory: PeakMemory) -> list[dict[str, Any]]:
+    """Every worker's memory, in rank order (collective): the state it held after its first
+    step (:attr:`SyncStrategy.held_state_bytes`) and its resident memory
+    (:meth:`PeakMemory.summary`)."""
+    values: list[Any] = [None] * env.world_size
+    dist.all_gather_object(values, {"rank": env.rank, "held_state_bytes":
+                                    strategy.held_state_bytes, **memory.summary()})
+    return values
+
+
+def score_shard(task: Task, model: torch.nn.Module, test: Any, sizes: list[int], rank: int, *,
+                lockstep: bool) -> torch.Tensor:
+    """This worker's evaluation totals (:meth:`Task.score`) on its share ``sizes[rank]`` of
+    ``test``. ``lockstep`` (a forward is collective): in as many pieces as every other worker,
+    of up to 1024 samples; where the share has fewer samples than pieces, the forward the
+    others run is run on one sample and not counted."""
+    start, size = sum(sizes[:rank]), sizes[rank]
+    if not lockstep:
+        return task.score(model, start, start + size, samples=test)
+    totals: torch.Tensor | None = None
+    for piece in shard_sizes(size, max(1, -(-sizes[0] // 1024))):
+        part = task.score(model, start, start + piece, samples=test) if piece else \
+            0 * task.score(model, 0, 1, samples=test)
+        totals = part if totals is None else totals + part
+        start += piece
+    assert totals is not None
+    return totals
 
 
 def summed_over_workers(stats: dict[str, float], device: torch.device) -> dict[str, float]:

@@ -44,6 +44,15 @@ class SyncStrategy(abc.ABC):
     schedule's ``AR`` spans that backward rather than following it."""
     recorder: Callable[[str, float, float], None] | None = None
     """Where :meth:`action` reports the actions of :meth:`update` (set by the trainer)."""
+    checkpoints: bool = True
+    """Whether the trainer's checkpoint (rank 0's model and optimizer) holds the workers'
+    state (False: each holds a shard that the checkpoint does not gather yet; none is written)."""
+    collective_forward: bool = False
+    """Whether a forward of the model is collective (its parameters are gathered as it runs),
+    so that every worker must run as many forwards as the others, evaluations included."""
+    noise_scale_note: str | None = None
+    """Why runs of this strategy measure no gradient noise scale, where the trainer's own
+    reason (not data parallelism) does not apply; None: see :mod:`tandem.runtime.data_step`."""
     find_unused_parameters: bool = False
     """``--find-unused-parameters``: a parameter that got no gradient in a step is treated as
     having a zero gradient (DDP searches the graph for them); without it, it is an error."""
@@ -57,6 +66,11 @@ class SyncStrategy(abc.ABC):
         if self.recorder is not None:
             self.recorder(code, start, time.perf_counter())
 
+    held_state_bytes: int | None = None
+    """The parameter, gradient and optimizer-state bytes this worker held after its first
+    :meth:`step_optimizer` (:func:`held_state_bytes`); None before it, or where the worker
+    steps no optimizer of its own."""
+
     step_fn: Callable[[torch.optim.Optimizer], None] | None = None
     """How the optimizer applies the gradients (set by the trainer: with fp16 the loss scaler's
     step, which skips an overflowed one); None: ``optimizer.step()``."""
@@ -68,6 +82,8 @@ class SyncStrategy(abc.ABC):
                 self.step_fn(optimizer)
             else:
                 optimizer.step()
+        if self.held_state_bytes is None:
+            self.held_state_bytes = held_state_bytes(optimizer)
         optimizer.zero_grad(set_to_none=True)
 
     @abc.abstractmethod
@@ -81,6 +97,22 @@ class SyncStrategy(abc.ABC):
     def accumulating(self, module: nn.Module) -> ContextManager[None]:
         """Context for a backward whose gradients are only accumulated locally."""
         return contextlib.nullcontext()
+
+    def evaluating(self, module: nn.Module) -> ContextManager[None]:
+        """Context for an evaluation's forwards (no backward follows them)."""
+        return contextlib.nullcontext()
+
+    def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer the worker steps, built from ``optimizer`` (after :meth:`wrap`, before
+        its learning-rate schedule): ``optimizer`` itself unless the strategy shards its state."""
+        return optimizer
+
+    def gathered_state(self, model: nn.Module, rank: int) -> dict[str, torch.Tensor] | None:
+        """The whole model's state under its own names, on the CPU, on rank 0 (None elsewhere);
+        collective where the workers hold parts of it. ``model`` is :meth:`unwrap`'s."""
+        if rank != 0:
+            return None
+        return {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
 
     _trainable: list[tuple[str, nn.Parameter]] | None = None
     """The unwrapped model's parameters that require a gradient (listed at the first check)."""
@@ -136,3 +168,27 @@ class SyncStrategy(abc.ABC):
     def stats(self) -> dict[str, float]:
         """Strategy counters for the run's summary (bytes sent, dropped updates, ...)."""
         return {}
+
+    def summary(self) -> dict[str, Any]:
+        """Fields of the run's summary that describe this strategy's layout (rank 0's)."""
+        return {}
+
+
+def held_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the parameters ``optimizer`` updates, their gradients and its state, as this
+    worker holds them: each tensor's local part (a sharded or split parameter's own shard; a
+    ``ZeroRedundancyOptimizer``'s own share of the state), each tensor once."""
+    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's local optimizer
+    tensors: dict[int, torch.Tensor] = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            for tensor in (param, param.grad):
+                if tensor is not None:
+                    tensors[id(tensor)] = tensor
+    for state in inner.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                tensors[id(value)] = value
+    # a DTensor counts its local shard, read without importing DTensor into every worker
+    local = (t.to_local() if hasattr(t, "to_local") else t for t in tensors.values())
+    return sum(t.numel() * t.element_size() for t in local)

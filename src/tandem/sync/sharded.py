@@ -1,0 +1,296 @@
+"""Sharded data parallelism (ZeRO / FSDP): each group of ``S`` data-parallel workers holds the
+model's state in ``S`` shards, on PyTorch's own FSDP2 (``fully_shard``) or, for the optimizer
+state alone, its ``ZeroRedundancyOptimizer`` over DDP.
+
+Usage::
+
+    strategy = sharded_strategy(degree=4, level=3, units=None)
+    module = strategy.wrap(model, device)        # before the optimizer is built
+    optimizer = strategy.shard_optimizer(optimizer)
+
+The levels are ZeRO's stages: 1 shards the optimizer state (each worker steps its share of the
+parameters and broadcasts them; gradients are DDP's allreduced ones); 2 also the gradients
+(FSDP2 with ``reshard_after_forward=False``: the parameters gathered for a forward stay gathered
+until its backward, whose gradients are reduce-scattered); 3 also the parameters
+(``reshard_after_forward=True``: gathered again for the backward). With more workers than ``S``
+the groups are replicas of each other (hybrid sharding, HSDP): a 2-D mesh ``(replicas, S)``,
+where FSDP2 reduce-scatters within a group and allreduces each shard across the groups.
+
+A *unit* is gathered and freed as one piece: each block of the model (the children of its
+sequence of blocks, :func:`block_units`: gpt's transformer blocks, an ``nn.Sequential``'s
+layers, a Hugging Face GPT-2's ``transformer.h.*``) or the submodules a user names, then the
+rest of the model as the root unit.
+
+The update equals DDP's: the workers start from rank 0's parameters and buffers (as DDP
+broadcasts them), each gradient is the mean of the workers', and buffers (BatchNorm's running
+statistics) follow DDP's default: rank 0's are broadcast before the first forward of each step
+and once more at the end (:meth:`ShardedDataParallel.consensus`).
+
+Not done here yet: checkpoints of sharded state (the run writes ``final.pt`` only), the
+gradient noise scale at levels 2 and 3, compression, and sharding composed with tensor
+parallelism or pipelines (each refused in one line by :class:`tandem.runtime.job.Job`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+from collections.abc import Iterator
+from typing import Any, ContextManager, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tandem.errors import UsageError
+from tandem.sync.allreduce import AllReduce
+from tandem.sync.base import SyncStrategy
+from tandem.sync.flat import flatten, state_buffers, unflatten_into
+
+SHOWN_NAMES = 4
+"""Module names a message about ``--shard-units`` lists."""
+
+
+def block_units(model: nn.Module) -> list[str]:
+    """The default units: the children that hold parameters of the model's sequence of blocks,
+    the ``nn.Sequential`` or ``nn.ModuleList`` with the most such children (the model itself
+    when it is one; the first met on a tie), as ``named_modules`` names them."""
+    best: list[str] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.Sequential, nn.ModuleList)):
+            continue
+        holders = [f"{name}.{child}" if name else child
+                   for child, sub in module.named_children() if _holds_parameters(sub)]
+        if len(holders) > len(best):
+            best = holders
+    return best
+
+
+def _holds_parameters(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def check_units(model: nn.Module, names: list[str] | None) -> list[str]:
+    """The units of ``model``: ``names`` (``--shard-units``), each checked to name one of its
+    submodules, or its blocks (:func:`block_units`), in that order. A parameter shared by two
+    units (tied weights) is one line naming both."""
+    modules = dict(model.named_modules())
+    chosen = block_units(model) if names is None else names
+    for name in chosen:
+        if name not in modules or not name:
+            close = difflib.get_close_matches(name, [n for n in modules if n], n=SHOWN_NAMES)
+            shown = close or block_units(model)[:SHOWN_NAMES] or [n for n in modules if n][:SHOWN_NAMES]
+            raise UsageError(f"--shard-units {name!r} is not a submodule of the model; its "
+                             f"modules include {', '.join(shown)} (names as named_modules() "
+                             f"gives them)")
+    units = list(dict.fromkeys(chosen))
+    _check_ties(model, units)
+    return units
+
+
+def _check_ties(model: nn.Module, units: list[str]) -> None:
+    """One line if a parameter belongs to two units (``fully_shard`` shards each unit's
+    parameters on their own, so a tie between units would be broken)."""
+    deepest = sorted(units, key=len, reverse=True)
+    owners: dict[int, dict[str, str]] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        unit = next((u for u in deepest if path == u or path.startswith(u + ".")), "")
+        for name, param in module.named_parameters(recurse=False):
+            owners.setdefault(id(param), {}).setdefault(unit, f"{path}.{name}" if path else name)
+    for places in owners.values():
+        if len(places) > 1:
+            first, second = list(places.values())[:2]
+            raise UsageError(f"--shard-units: parameter {first} is the same as {second}, which "
+                             f"another unit holds (tied weights); name a module that holds "
+                             f"both as one unit, or leave them out of the units")
+
+
+def shard_mesh(device: torch.device, degree: int) -> Any:
+    """The device mesh of ``degree``-way shards over all workers: 1-D ``(shard,)``, or 2-D
+    ``(replicate, shard)`` when there are more workers than ``degree`` (HSDP)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if world == degree:
+        return init_device_mesh(device.type, (degree,), mesh_dim_names=("shard",))
+    return init_device_mesh(device.type, (world // degree, degree),
+                            mesh_dim_names=("replicate", "shard"))
+
+
+def broadcast_from_first(tensors: list[torch.Tensor]) -> None:
+    """Give every worker rank 0's ``tensors`` (collective; one broadcast per dtype)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    for group in by_dtype.values():
+        flat = flatten(group)
+        dist.broadcast(flat, 0)
+        unflatten_into(flat, group)
+
+
+class ShardedDataParallel(SyncStrategy):
+    """Levels 2 and 3: FSDP2's ``fully_shard`` on each unit, then on the whole model."""
+
+    name = "dp"
+    overlapped_allreduce = True
+    checkpoints = False
+    collective_forward = True
+    noise_scale_note = (
+        "not measured with --shard-level 2 or 3: each worker's gradient is reduce-scattered "
+        "unit by unit as the backward computes it, and the noise scale needs the norm of the "
+        "whole local gradient beside the averaged one; use --shard-level 1 to measure it")
+
+    def __init__(self, degree: int, level: int, units: list[str] | None = None) -> None:
+        self.degree, self.level, self.unit_names = degree, level, units
+        self.units: list[str] = []
+        """The units sharded besides the root (the whole model)."""
+        self.mesh: Any = None
+        self._buffers: list[torch.Tensor] = []
+        self._sync_buffers = True
+        """Whether the next training forward broadcasts rank 0's buffers (DDP's rule: before
+        the first forward, and after one that synchronized its gradients)."""
+        self._accumulating = False
+        self.steps = 0
+        self._bytes_per_step: float | None = None
+
+    def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
+        from torch.distributed.fsdp import fully_shard
+
+        model = model.to(device)
+        self.units = check_units(model, self.unit_names)
+        saved = set(dict(state_buffers(model)))
+        for tensor in [*model.parameters(), *(b for _, b in state_buffers(model))]:
+            dist.broadcast(tensor.detach(), 0)  # one at a time: no flat copy of the model
+        self.mesh = shard_mesh(device, self.degree)
+        modules = dict(model.named_modules())
+        reshard = self.level == 3
+        for name in sorted(self.units, key=lambda unit: -unit.count(".")):  # nested: inner first
+            fully_shard(modules[name], mesh=self.mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=self.mesh, reshard_after_forward=reshard)
+        self._buffers = [buffer for name, buffer in model.named_buffers() if name in saved]
+        if self._buffers:
+            model.register_forward_pre_hook(self._before_forward)
+            model.register_forward_hook(self._after_forward)
+        return model
+
+    def _before_forward(self, module: nn.Module, args: Any) -> None:
+        if module.training and torch.is_grad_enabled() and self._sync_buffers:
+            broadcast_from_first(self._buffers)
+
+    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if module.training and torch.is_grad_enabled():
+            self._sync_buffers = not self._accumulating
+
+    def accumulating(self, module: nn.Module) -> ContextManager[None]:
+        """Gradients accumulate unsharded, without a reduce-scatter (FSDP2's
+        ``set_requires_gradient_sync(False)``), until the step's last backward."""
+        return self._no_sync(module)
+
+    @contextlib.contextmanager
+    def _no_sync(self, module: nn.Module) -> Iterator[None]:
+        fsdp = cast(Any, module)
+        fsdp.set_requires_gradient_sync(False)
+        self._accumulating = True
+        try:
+            yield
+        finally:
+            fsdp.set_requires_gradient_sync(True)
+            self._accumulating = False
+
+    @contextlib.contextmanager
+    def evaluating(self, module: nn.Module) -> Iterator[None]:
+        """Level 2 keeps the parameters an evaluation forward gathered (no backward frees
+        them): shard them again afterwards."""
+        try:
+            yield
+        finally:
+            if self.level == 2:
+                from torch.distributed.fsdp import FSDPModule
+
+                for sub in module.modules():
+                    if isinstance(sub, FSDPModule):
+                        sub.reshard()
+
+    def update(self, module: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> bool:
+        if self._bytes_per_step is None:
+            self._bytes_per_step = self._ring_bytes(module)
+        self.steps += 1
+        return super().update(module, optimizer, step)
+
+    def _ring_bytes(self, module: nn.Module) -> float:
+        """Bytes a worker sends per step (ring collectives, one micro-batch): an all-gather of
+        the parameters for the forward (and the backward at level 3), a reduce-scatter of the
+        gradients, and across replicas an allreduce of its shard of them."""
+        whole = sum(p.numel() * p.element_size() for p in module.parameters())
+        shards, replicas = self.degree, dist.get_world_size() // self.degree
+        gathers = 2 if self.level == 3 else 1
+        within = (gathers + 1) * whole * (shards - 1) / shards
+        across = 2 * (whole / shards) * (replicas - 1) / replicas
+        return within + across
+
+    def consensus(self, module: nn.Module) -> None:
+        """Rank 0's buffers, as DDP would broadcast them before another forward."""
+        if self._buffers:
+            broadcast_from_first(self._buffers)
+
+    def gathered_state(self, model: nn.Module, rank: int) -> dict[str, torch.Tensor] | None:
+        """The full state dict under the model's own names, gathered shard by shard onto rank
+        0's CPU memory (``torch.distributed.checkpoint``'s ``get_model_state_dict``)."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions, get_model_state_dict,
+        )
+
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                     cpu_offload=True))
+        if rank != 0:
+            return None
+        return {name: value.detach() if isinstance(value, torch.Tensor) else cast(Any, value)
+                for name, value in state.items()}  # a module's extra state stays as it is
+
+    def stats(self) -> dict[str, float]:
+        """``sync_bytes``: what this worker sent (estimated for ring collectives)."""
+        return {"sync_bytes": (self._bytes_per_step or 0.0) * self.steps}
+
+    def summary(self) -> dict[str, Any]:
+        """The run summary's description of the sharding."""
+        return {"shard_units": self.units,
+                "shard_mesh": dict(zip(self.mesh.mesh_dim_names, self.mesh.shape))}
+
+
+class ShardedOptimizer(AllReduce):
+    """Level 1 (ZeRO-1): DDP's allreduce, and ``ZeroRedundancyOptimizer`` sharding the
+    optimizer state over each group of ``degree`` workers (each steps its share of the
+    parameters and broadcasts them within the group)."""
+
+    checkpoints = False
+
+    def __init__(self, degree: int) -> None:
+        super().__init__(None)
+        self.degree = degree
+        self.mesh: Any = None
+
+    def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
+        self.mesh = shard_mesh(device, self.degree)
+        return super().wrap(model, device)
+
+    def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """``optimizer``'s class, groups and settings as a ``ZeroRedundancyOptimizer`` over the
+        worker's shard group."""
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        groups = [{key: value for key, value in group.items() if key != "initial_lr"}
+                  for group in optimizer.param_groups]
+        return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer),
+                                       process_group=self.mesh.get_group("shard"),
+                                       **optimizer.defaults)
+
+    def summary(self) -> dict[str, Any]:
+        """The run summary's description of the sharding."""
+        return {"shard_mesh": dict(zip(self.mesh.mesh_dim_names, self.mesh.shape))}
+
+
+def sharded_strategy(degree: int, level: int, units: list[str] | None) -> SyncStrategy:
+    """The strategy of ``--shard degree --shard-level level [--shard-units units]``."""
+    if level == 1:
+        return ShardedOptimizer(degree)
+    return ShardedDataParallel(degree, level, units)
