@@ -177,6 +177,12 @@ def format_bandwidth(value_Bps: float) -> str:
     return f"{value_Bps / 1e9:g} GB/s"
 
 
+FLAT_MEMORY = "16GB"
+"""Per-device memory of a flat cluster given on the command line (``--devices N --bandwidth
+BW``) without ``--memory``: the V100s of the presets ``pipedream-a``, ``pipedream-b`` and
+``dgx1``, whose profiles the planning commands ship."""
+
+
 def flat_cluster(
     *, num_devices: int, bandwidth: str | float, memory: str | None = None, latency: str = "0s"
 ) -> Cluster:

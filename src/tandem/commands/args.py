@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from tandem.cluster import Cluster, flat_cluster, parse_cluster, parse_size
+from tandem.cluster import FLAT_MEMORY, Cluster, flat_cluster, parse_cluster, parse_size
 from tandem.errors import UsageError
 from tandem.profile import ModelProfile, load_profile
 
@@ -25,20 +25,22 @@ def add_source_args(p: argparse.ArgumentParser, *, batch_help: str, batch_defaul
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
     """``--devices``/``--bandwidth`` or ``--cluster``."""
-    p.add_argument("--devices", type=int, help="number of devices of a flat cluster")
+    p.add_argument("--devices", type=int,
+                   help="number of devices of a flat cluster (16GB each unless --memory)")
     p.add_argument("--bandwidth", help="link bandwidth of a flat cluster, e.g. 10Gb/s")
     p.add_argument("--cluster", help="cluster spec (8x300GB/s,4x25Gb/s), YAML file or preset")
 
 
 def build_cluster(args: argparse.Namespace) -> Cluster:
-    """The cluster from ``--cluster`` or ``--devices``/``--bandwidth``."""
+    """The cluster from ``--cluster`` or ``--devices``/``--bandwidth`` (a flat cluster, its
+    devices :data:`tandem.cluster.FLAT_MEMORY` each, as the V100 presets)."""
     if args.cluster is not None:
         if args.devices is not None or args.bandwidth is not None:
             raise UsageError("give either --cluster or --devices with --bandwidth, not both")
         return parse_cluster(args.cluster)
     if args.devices is None or args.bandwidth is None:
         raise UsageError("describe the cluster: --devices N --bandwidth 10Gb/s, or --cluster SPEC")
-    return flat_cluster(num_devices=args.devices, bandwidth=args.bandwidth)
+    return flat_cluster(num_devices=args.devices, bandwidth=args.bandwidth, memory=FLAT_MEMORY)
 
 
 def with_memory(cluster: Cluster, memory: str | None) -> Cluster:

@@ -33,7 +33,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     add_source_args(p, batch_help="with --model: minibatch to profile", batch_default=32)
     add_cluster_args(p)
-    p.add_argument("--memory", help="per-device memory limit, e.g. 16GB (default: the cluster's)")
+    p.add_argument("--memory", help="per-device memory limit, e.g. 16GB (default: the cluster's; "
+                   "16GB with --devices and --bandwidth)")
     p.add_argument("--activation-compression", type=float, default=1.0, metavar="R",
                    help="divide activation transfer time by R (default 1: full transfer)")
     p.add_argument("--gradient-compression", type=float, default=1.0, metavar="R",
