@@ -249,9 +249,8 @@ class BaseTrainer(Worker):
 
     def train_steps(self, first: int, last: int) -> None:
         """Optimizer steps ``first`` to ``last - 1``, each followed by the components' step hook
-        (logging, evaluation and checkpoints among them). The run's last step (``--stop-after``,
-        else ``--steps``) is its final one for the components, whatever ``last`` is: a caller
-        that trains in pieces gets no extra log lines or checkpoints at each piece's end."""
+        (logging, evaluation and checkpoints among them), for which the run's last step is
+        final, not ``last``: a caller training in pieces gets no log or checkpoint per piece."""
         config, components, loss_log = self.config, self.components, self.loss_log
         if not components:  # called without run(): the components of a run
             components = self.components = self.start_components()
