@@ -78,8 +78,9 @@ def check_units(model: nn.Module, names: list[str] | None) -> list[str]:
     chosen = block_units(model) if names is None else names
     for name in chosen:
         if name not in modules or not name:
-            close = difflib.get_close_matches(name, [n for n in modules if n], n=SHOWN_NAMES)
-            shown = close or block_units(model)[:SHOWN_NAMES] or [n for n in modules if n][:SHOWN_NAMES]
+            named = [n for n in modules if n]
+            close = difflib.get_close_matches(name, named, n=SHOWN_NAMES)
+            shown = close or block_units(model)[:SHOWN_NAMES] or named[:SHOWN_NAMES]
             raise UsageError(f"--shard-units {name!r} is not a submodule of the model; its "
                              f"modules include {', '.join(shown)} (names as named_modules() "
                              f"gives them)")
@@ -150,8 +151,10 @@ class ShardedDataParallel(SyncStrategy):
         """Whether the next training forward broadcasts rank 0's buffers (DDP's rule: before
         the first forward, and after one that synchronized its gradients)."""
         self._accumulating = False
-        self.steps = 0
-        self._bytes_per_step: float | None = None
+        self._micro_batches = 1
+        """Micro-batches of the step so far (each gathers the units again)."""
+        self._whole_bytes: int | None = None
+        self._sent_bytes = 0.0
 
     def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
         from torch.distributed.fsdp import fully_shard
@@ -191,6 +194,7 @@ class ShardedDataParallel(SyncStrategy):
         fsdp = cast(Any, module)
         fsdp.set_requires_gradient_sync(False)
         self._accumulating = True
+        self._micro_batches += 1
         try:
             yield
         finally:
@@ -212,21 +216,22 @@ class ShardedDataParallel(SyncStrategy):
                         sub.reshard()
 
     def update(self, module: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> bool:
-        if self._bytes_per_step is None:
-            self._bytes_per_step = self._ring_bytes(module)
-        self.steps += 1
+        self._sent_bytes += self._ring_bytes(module, self._micro_batches)
+        self._micro_batches = 1
         return super().update(module, optimizer, step)
 
-    def _ring_bytes(self, module: nn.Module) -> float:
-        """Bytes a worker sends per step (ring collectives, one micro-batch): an all-gather of
-        the parameters for the forward (and the backward at level 3), a reduce-scatter of the
-        gradients, and across replicas an allreduce of its shard of them."""
-        whole = sum(p.numel() * p.element_size() for p in module.parameters())
-        shards, replicas = self.degree, dist.get_world_size() // self.degree
-        gathers = 2 if self.level == 3 else 1
+    def _ring_bytes(self, module: nn.Module, micro_batches: int) -> float:
+        """Bytes a worker sent in a step of ``micro_batches`` (ring collectives): per
+        micro-batch an all-gather of the parameters for the forward (and again for the backward
+        at level 3), then a reduce-scatter of the gradients and, across replicas, an allreduce
+        of its shard of them."""
+        if self._whole_bytes is None:
+            self._whole_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+        whole, shards = self._whole_bytes, self.degree
+        replicas = dist.get_world_size() // shards
+        gathers = (2 if self.level == 3 else 1) * micro_batches
         within = (gathers + 1) * whole * (shards - 1) / shards
-        across = 2 * (whole / shards) * (replicas - 1) / replicas
-        return within + across
+        return within + 2 * (whole / shards) * (replicas - 1) / replicas
 
     def consensus(self, module: nn.Module) -> None:
         """Rank 0's buffers, as DDP would broadcast them before another forward."""
@@ -249,7 +254,7 @@ class ShardedDataParallel(SyncStrategy):
 
     def stats(self) -> dict[str, float]:
         """``sync_bytes``: what this worker sent (estimated for ring collectives)."""
-        return {"sync_bytes": (self._bytes_per_step or 0.0) * self.steps}
+        return {"sync_bytes": self._sent_bytes}
 
     def summary(self) -> dict[str, Any]:
         """The run summary's description of the sharding."""
@@ -260,7 +265,8 @@ class ShardedDataParallel(SyncStrategy):
 class ShardedOptimizer(AllReduce):
     """Level 1 (ZeRO-1): DDP's allreduce, and ``ZeroRedundancyOptimizer`` sharding the
     optimizer state over each group of ``degree`` workers (each steps its share of the
-    parameters and broadcasts them within the group)."""
+    parameters and broadcasts them within the group). Its stats are DDP's allreduce's (the
+    broadcasts of the updated parameters are not counted)."""
 
     checkpoints = False
 
