@@ -17,7 +17,7 @@ from tandem.plan import Plan
 from tandem.planning import PartitionOptions, make_plan
 from tandem.planning.simulate.simulator import SimOptions, data_parallel_plan, simulate
 from tandem.profile import LayerProfile, ModelProfile, load_profile
-from tests.conftest import PROFILES
+from tests.conftest import PROFILES, run_cli
 
 pytestmark = pytest.mark.pure
 
@@ -148,3 +148,24 @@ def test_a_hierarchical_plan_is_never_slower_than_the_flat_plans_and_fits() -> N
     flat = make_plan(profile, flat_cluster(num_devices=8, bandwidth=1.25e9),
                      PartitionOptions(memory_bytes=8e9), schedule="pipedream", sim=SIM)
     assert result.step_time_s <= simulate(flat, profile, cluster, SIM).step_time_s * (1 + 1e-9)
+
+
+def test_a_requested_schedule_and_count_are_run_even_on_one_stage() -> None:
+    """Defect: ``--schedule gpipe --microbatches 8`` returned data parallelism under 1F1B with 2
+    micro-batches when the partitioner gave one stage."""
+    profile = dataclasses.replace(load_profile(str(PROFILES / "resnet50.graph.txt")),
+                                  batch_size=64)
+    cluster = flat_cluster(num_devices=2, bandwidth="400Gb/s")
+    plan = make_plan(profile, cluster, schedule="gpipe", num_microbatches=8, pipeline_only=True,
+                     sim=SIM)
+    assert (plan.schedule, plan.num_microbatches) == ("gpipe", 8)
+    assert all(row["schedule"] == "gpipe" and row["num_microbatches"] == 8
+               for row in plan.candidates if row["name"] == "partition" and row["config"])
+
+
+def test_a_count_that_does_not_divide_the_minibatch_is_refused_in_one_line(capsys) -> None:
+    code, out, err = run_cli(capsys, "plan", "--profile", str(PROFILES / "vgg16.graph.txt"),
+                             "--profile-batch", "32", "--devices", "4", "--bandwidth", "10Gb/s",
+                             "--schedule", "gpipe", "--microbatches", "12")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "--microbatches 12 does not divide the minibatch of 32" in err and "such as 8" in err

@@ -10,23 +10,27 @@ Usage::
 
 Why ladders: the partitioner's cost model (PipeDream's steady state) is not the simulator's,
 so the plan it rates best under the limit is not always the fastest simulated one, and a plan
-the planner can make for a tighter limit, for slower links or slower devices can beat it. The
-planner therefore asks the partitioner for each rung of two fixed ladders and keeps the fastest
-simulated plan:
+the planner can make for a tighter limit, for slower links or for slower devices can beat it.
+The planner therefore asks the partitioner along two ladders and keeps the fastest simulated
+plan that fits:
 
-- memory budgets: no budget, then the limit times :data:`FLUSH_BUDGET_SCALES` (flush
+- link speeds: every level's bandwidth times :data:`BANDWIDTH_RUNGS`, nearest first (twice
+  the bandwidth is the partitioner's plan for devices half as fast: its cost model depends on
+  bandwidth over speed only), each way until :data:`STABLE_RUNGS` rungs add no new layout;
+- memory, on every link rung: the free plan, the limit times :data:`FLUSH_BUDGET_SCALES` (flush
   schedules, whose budget counts a replica's whole share of the minibatch in flight where 1F1B
-  holds less) and the limit halved again and again (:data:`MAX_BUDGETS` rungs at most, until
-  nothing fits the budget); without a limit, halves of the free plan's need;
-- link speeds: every level's bandwidth times :data:`BANDWIDTH_RUNGS` (twice the bandwidth is
-  the partitioner's plan for devices half as fast: its cost model depends on bandwidth over
-  speed only).
+  holds less), the limit itself, then down the memory axis one plan at a time (the budget the
+  last plan's need less :data:`BUDGET_STEP`: the partitioner's best plan among those that hold
+  less), :data:`MAX_BUDGETS` plans at most.
 
-Rungs are fractions of the cluster's own figures, so the ladder of a looser limit, more
-bandwidth or faster devices contains the rungs of one step tighter or slower (all but that
-ladder's last), which makes the planner monotone along them. Identical layouts are simulated
-once (cached by stages, layer order, schedule and micro-batches), and at most
-:data:`MAX_LAYOUTS` distinct layouts per planning are simulated.
+The ladders are the cluster's own figures scaled, so the candidates of a looser limit, twice
+the bandwidth or devices twice as fast include those of the tighter or slower cluster (all but
+the far end of its ladders), which makes the planner monotone along them; the property test
+(``tests/test_planner_properties.py``) checks it. Identical layouts are simulated once (by
+stages, layer order, schedule and micro-batches). Work is bounded: solves beyond the essential
+ones (the free plan, the limit's and :data:`ESSENTIAL_STEPS` below it on the cluster's own
+links) stop at :data:`MAX_SOLVE_WORK` (:func:`solve_work`), and at most :data:`MAX_LAYOUTS`
+layouts are simulated.
 
 Micro-batch counts divide the minibatch (what ``tandem train`` requires): the smallest divisor
 at least each multiple :data:`MICROBATCH_FACTORS` of the default; with the minibatch unknown
@@ -63,9 +67,8 @@ MAX_BUDGETS = 4
 """Plans down the memory axis below the limit (or the free plan), at most, per link speed."""
 ESSENTIAL_STEPS = 2
 """Steps down the memory axis from the limit on the cluster's own links taken whatever the
-:data:`MAX_SOLVE_WORK` (the plans
-nearest the limit, which the simulator often rates far apart: ResNet-50 on 4x16GB/s,4x10Gb/s
-at 16 GB, 4-12 at 334 ms, then 4-4-4-4 at 65 ms)."""
+:data:`MAX_SOLVE_WORK` (the plans nearest the limit, which the simulator often rates far
+apart: ResNet-50 on 4x16GB/s,4x10Gb/s at 16 GB, 4-12 at 334 ms, then 4-4-4-4 at 65 ms)."""
 ESSENTIAL_WORK = 2e8
 """Under a limit, the :data:`ESSENTIAL_STEPS` are taken whatever the work up to this size of a
 solve (ResNet-50 on servers of 4 is 9e7); a 1,000-layer chain on 1,024 devices (1e9) takes
@@ -78,7 +81,6 @@ MEMORY_RETRIES = 3
 shrunk by the overflow."""
 MAX_LAYOUTS = 24
 """Distinct pipeline layouts simulated per planning, at most (the first rungs first)."""
-
 MAX_SOLVE_WORK = 4e6
 """Partitioner work (:func:`solve_work`) per planning beyond the free plan and the limit's on
 the cluster's own links: small models climb every rung, large ones and hierarchies fewer."""
