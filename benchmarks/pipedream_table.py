@@ -194,6 +194,12 @@ def differences(entry: dict[str, Any], inplace_share: float) -> list[str]:
                   if free["step_ms"] < own["step_ms"] * 0.99 else "")
         notes.append(f"without a memory limit tandem's planner picks the paper's "
                      f"{paper['config']} ({free['step_ms']:.1f} ms simulated{better})")
+    if limited["config"] is not None and free["config"] is not None \
+            and limited["step_ms"] < free["step_ms"] * 0.999:
+        notes.append(f"tandem's planner without a memory limit ({free['config']}, "
+                     f"{free['step_ms']:.1f} ms) is slower in simulation than at "
+                     f"{entry['memory_gb']:.0f} GB ({limited['config']}, "
+                     f"{limited['step_ms']:.1f} ms): a looser limit gives a slower plan here")
     return notes
 
 
