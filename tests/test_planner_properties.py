@@ -14,7 +14,7 @@ import pytest
 from tandem.cluster import Cluster, flat_cluster, parse_cluster
 from tandem.errors import UsageError
 from tandem.plan import Plan
-from tandem.planning import PartitionOptions, make_plan
+from tandem.planning import PartitionOptions, make_plan, partition_plan
 from tandem.planning.simulate.simulator import SimOptions, data_parallel_plan, simulate
 from tandem.profile import LayerProfile, ModelProfile, load_profile
 from tests.conftest import PROFILES, run_cli
@@ -169,3 +169,21 @@ def test_a_count_that_does_not_divide_the_minibatch_is_refused_in_one_line(capsy
                              "--schedule", "gpipe", "--microbatches", "12")
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
     assert "--microbatches 12 does not divide the minibatch of 32" in err and "such as 8" in err
+
+
+@pytest.mark.parametrize("spec", ["4x16GB/s,2x10Gb/s", "2x16GB/s,2x10Gb/s,2x1Gb/s"])
+@pytest.mark.parametrize("limit", [16e9, 8e9])
+def test_the_hierarchical_partitioner_holds_the_limit_on_every_device(spec: str,
+                                                                      limit: float) -> None:
+    """Defect: outer levels checked a unit's even share of a segment's bytes, so a plan's
+    device could hold twice the limit (the planner then fell back to the flat plan)."""
+    profile = MODELS["vgg16"]
+    cluster = dataclasses.replace(parse_cluster(spec), memory_bytes=limit)
+    plan = partition_plan(profile, cluster, PartitionOptions(memory_bytes=limit,
+                                                             schedule="pipedream"))
+    result = simulate(plan.rescheduled("pipedream"), profile, cluster, SIM)
+    assert len(plan.level_configs) == len(cluster.levels) and result.fits_memory
+    for index, stage in enumerate(plan.stages):  # the partitioner's model is the simulator's
+        peaks = [w.peak_memory_bytes for w in result.workers if w.stage == index]
+        assert stage.memory_bytes == pytest.approx(max(peaks), rel=1e-9)
+        assert stage.memory_bytes <= limit
