@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -193,6 +193,18 @@ def test_the_plan_carries_the_sharding_through_json() -> None:
         Plan.from_dict({**plan.to_dict(), "shard_degree": 3})
     with pytest.raises(UsageError, match="--shard conflicts with --plan p.json"):
         plan_with_flags(again, None, {"--shard": 4}, "p.json")
+
+
+@pytest.mark.pure
+def test_the_simulator_refuses_a_sharded_plan(tmp_path: Path) -> None:
+    """It does not model sharding yet: one line, not plain data parallelism's figures."""
+    from tandem.commands.simulate import load_plan
+
+    path = tmp_path / "plan.json"
+    plan_from_flags("dp", {"--shard": 4}, num_processes=4, num_blocks=3).save(str(path))
+    with pytest.raises(UsageError, match="shards data parallelism .shard degree 4., which the "
+                                         "simulator does not model yet"):
+        load_plan(str(path), cast(Any, None), cast(Any, None))
 
 
 @pytest.mark.pure
