@@ -195,6 +195,37 @@ def test_the_plan_carries_the_sharding_through_json() -> None:
         plan_with_flags(again, None, {"--shard": 4}, "p.json")
 
 
+class _CountingTask:
+    """A stand-in for :class:`tandem.runtime.task.Task` that records the ranges it scores."""
+
+    def __init__(self) -> None:
+        self.ranges: list[tuple[int, int]] = []
+
+    def score(self, model: Any, start: int, end: int, *, samples: Any = None) -> torch.Tensor:
+        self.ranges.append((start, end))
+        return torch.tensor([1.0, float(end - start), 0.0, float(end - start)],
+                            dtype=torch.float64)
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize(("sizes", "rank", "ranges", "counted"), [
+    ([2, 1, 1, 0], 3, [(0, 1)], 0.0),  # no test sample: the others' forward, on one, not counted
+    ([2, 1, 1, 0], 0, [(0, 2)], 2.0),
+    ([1025, 1024], 1, [(1025, 1537), (1537, 2049)], 1024.0),  # as many pieces as rank 0's
+    ([1025, 1024], 0, [(0, 513), (513, 1025)], 1025.0),
+])
+def test_a_collective_forward_evaluates_in_lockstep(sizes: list[int], rank: int,
+                                                     ranges: list[tuple[int, int]],
+                                                     counted: float) -> None:
+    """Every worker runs as many evaluation forwards as the others (FSDP's gather them)."""
+    from tandem.runtime.trainer import score_shard
+
+    task = _CountingTask()
+    totals = score_shard(cast(Any, task), torch.nn.Linear(1, 1), None, sizes, rank,
+                         lockstep=True)
+    assert task.ranges == ranges and float(totals[3]) == counted
+
+
 @pytest.mark.pure
 def test_the_simulator_refuses_a_sharded_plan(tmp_path: Path) -> None:
     """It does not model sharding yet: one line, not plain data parallelism's figures."""
