@@ -110,6 +110,9 @@ def format_plan(plan: Plan, profile: ModelProfile, cluster: Cluster) -> str:
     else:
         lines.append(f"runs {plan.schedule} with {plan.num_microbatches} micro-batches per step: "
                      f"simulated {plan.bottleneck_s * 1e3:.3f} ms per step{rate}{estimate}")
+    if plan.options.get("chosen_from"):
+        lines.append(f"(the partitioner's plan for {plan.options['chosen_from']}: its ladders "
+                     f"of link speeds and memory budgets, simulated on this cluster)")
     lines.append(f"speedup {_ratio(plan.single_s, plan.bottleneck_s)} vs one device, "
                  f"{_ratio(plan.data_parallel_s, plan.bottleneck_s)} vs data parallel on "
                  f"{plan.num_devices} (simulated; planned in {plan.solve_s:.3f} s)")

@@ -79,7 +79,7 @@ the partitioner's best plan among those that hold less."""
 MEMORY_RETRIES = 3
 """Times a plan at the limit whose simulated devices exceed it is solved again, the limit
 shrunk by the overflow."""
-MAX_LAYOUTS = 24
+MAX_LAYOUTS = 48
 """Distinct pipeline layouts simulated per planning, at most (the first rungs first)."""
 MAX_SOLVE_WORK = 4e6
 """Partitioner work (:func:`solve_work`) per planning beyond the free plan and the limit's on

@@ -214,7 +214,7 @@ def _chosen_plan(best: Candidate, candidates: list[Candidate], options: Partitio
         solve_s=solve_s,
         stages=[dataclasses.replace(stage, memory_bytes=_stage_peak(best.result, index))
                 for index, stage in enumerate(best.plan.stages)],
-        options={**_recorded(options), "chosen": best.name,
+        options={**_recorded(options), "chosen": best.name, "chosen_from": best.note,
                  **{key: value for key, value in best.plan.options.items()
                     if key == "branch_compression"}},
     )
