@@ -53,10 +53,10 @@ from tandem.spec.kinds import ScheduleKind
 
 MICROBATCH_FACTORS = (1, 2, 4)
 """Flush schedules without a given count: micro-batches tried, as multiples of the default."""
-BANDWIDTH_RUNGS = (1.0, 0.5, 2.0, 0.25, 4.0, 0.125, 8.0, 1 / 16, 1 / 32, 1 / 64)
+BANDWIDTH_RUNGS = (1.0, 0.5, 2.0, 0.25, 4.0, 0.125, 8.0, 1 / 16, 16.0, 1 / 32, 32.0, 1 / 64, 64.0)
 """Every level's bandwidth times these when partitioning, nearest first (1: the cluster as it
-is; 2, 4, 8: the plans for devices 2, 4, 8 times slower; below 1: for slower links); each plan
-simulated on the real cluster."""
+is; above 1: the plans for devices that many times slower; below 1: for slower links); each
+plan simulated on the real cluster."""
 STABLE_RUNGS = 2
 """Rungs in one direction that add no new layout after which the ladder stops that way (the
 partitioner's plan no longer changes with the links there)."""
