@@ -116,6 +116,7 @@ def test_search_never_recommends_replicated_pipedream(capsys, tmp_path: Path) ->
     out = tmp_path / "best.json"
     code, out_text, _ = run_cli(capsys, "search", "--profile", str(PROFILES / "resnet50.graph.txt"),
                            "--profile-batch", "64", "--devices", "4", "--bandwidth", "10Gb/s",
+                           "--memory", "64GB",  # 4 replicas of PipeDream's stage need 30 GB
                            "--iterations", "200", "--families", "none", "-o", str(out))
     assert code == 0
     best = Plan.load(str(out))
