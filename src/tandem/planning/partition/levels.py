@@ -3,7 +3,9 @@
 ``solve_level`` fills ``best[p, j, m]``: the smallest bottleneck for the layers of state ``j``
 minus state ``p - 1`` (row 0: from the start) on ``m + 1`` units, vectorized over the last
 stage's start and replica count. Row 0 alone is solved faster by :mod:`.bounded` and, for
-many units, by :mod:`.parametric`.
+many units, by :mod:`.parametric`. Under a memory limit an outer level checks every device of
+the plan the level below chose for a segment (:meth:`LevelTable.device_stages`), with the
+replicas and the devices after it that the whole plan gives it.
 """
 
 from __future__ import annotations
