@@ -44,6 +44,20 @@ def test_table_and_cluster_spec(capsys) -> None:
     assert {"partition", "flat", "dp", "single"} <= rows, out
 
 
+def test_plan_that_trains_differently_says_so(capsys) -> None:
+    """PipeDream's replicated stages average several minibatches per update: the speedups
+    are not to the same model, and the output says so; a flush schedule's plan has no note."""
+    argv = ("plan", "--profile", str(DATA / "vgg16.graph.txt"), "--devices", "8",
+            "--bandwidth", "10Gb/s", "--no-activation-comm")
+    code, out, _ = run(capsys, *argv, "--schedule", "pipedream")
+    assert code == 0
+    chosen = next(line for line in out.splitlines() if line.startswith("plan "))
+    assert any(r > 1 for r in parse_config(chosen.split()[1].rstrip(":"))), out
+    assert "note: a different training run" in out and "as many updates" in out
+    code, out, _ = run(capsys, *argv)
+    assert code == 0 and "note:" not in out
+
+
 def test_plan_round_trip_and_text_form() -> None:
     plan = Plan(stages=[Stage(start=0, end=3, replicas=3), Stage(start=3, end=5, replicas=1)],
                 num_layers=5, num_devices=4, bottleneck_s=1.0, single_s=3.0)

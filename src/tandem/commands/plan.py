@@ -19,6 +19,7 @@ from tandem.planning.simulate.simulator import SimOptions
 from tandem.profile import ModelProfile
 from tandem.schedule import SCHEDULE_KINDS
 from tandem.spec.kinds import ScheduleKind
+from tandem.spec.trainable import update_change
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -116,6 +117,10 @@ def format_plan(plan: Plan, profile: ModelProfile, cluster: Cluster) -> str:
     lines.append(f"speedup {_ratio(plan.single_s, plan.bottleneck_s)} vs one device, "
                  f"{_ratio(plan.data_parallel_s, plan.bottleneck_s)} vs data parallel on "
                  f"{plan.num_devices} (simulated; planned in {plan.solve_s:.3f} s)")
+    change = update_change(plan)
+    if change is not None:
+        lines.append(f"note: {change}; the speedups compare time per minibatch, not time to "
+                     f"the same model")
     if plan.candidates:
         lines.append(f"{'candidate':>10} {'plan':>16} {'schedule':>9} {'micro':>5} {'est. ms':>10} "
                      f"{'sim. ms':>10} {'peak MB':>10}  ")
