@@ -68,10 +68,12 @@ MAX_BUDGETS = 4
 ESSENTIAL_STEPS = 2
 """Steps down the memory axis from the limit (or, without one, from the free plan) on the
 cluster's own links taken whatever the :data:`MAX_SOLVE_WORK` (the plans nearest the limit,
-which the simulator often rates far apart: ResNet-50 on 4x16GB/s,4x10Gb/s at 16 GB, 4-12 at 334 ms, then 4-4-4-4 at 65 ms)."""
+which the simulator often rates far apart: ResNet-50 on 4x16GB/s,4x10Gb/s at 16 GB, 4-12 at
+334 ms, then 4-4-4-4 at 65 ms)."""
 ESSENTIAL_WORK = 2e8
-"""The :data:`ESSENTIAL_STEPS` are taken whatever the work up to this size of a solve (ResNet-50 on servers of 4 is 9e7); a 1,000-layer chain on 1,024 devices (1e9) takes
-only the free plan and the limit's (a solve under a budget there fills a table of gigabytes)."""
+"""The :data:`ESSENTIAL_STEPS` are taken whatever the work up to this size of a solve
+(ResNet-50 on servers of 4 is 9e7); a 1,000-layer chain on 1,024 devices (1e9) takes only the
+free plan and the limit's (a solve under a budget there fills a table of gigabytes)."""
 BUDGET_STEP = 1e-6
 """Down the memory axis, the next budget is the last plan's need less this fraction of it:
 the partitioner's best plan among those that hold less."""
