@@ -11,7 +11,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from tandem.errors import UsageError
-from tandem.runtime.learning_rate import build_optimizer, scaled_lr
+from tandem.runtime.learning_rate import (StepSchedule, build_optimizer, constant_lr,
+                                         lr_factor, scaled_lr)
 from tandem.runtime.config import RunConfig
 
 from tests.conftest import max_abs_diff, run_cli, run_json
@@ -169,6 +170,36 @@ def test_lr_scaling_values() -> None:
                                     small_model().parameters())
         assert [group["lr"] for group in optimizer.param_groups] == pytest.approx(
             [0.8] * len(optimizer.param_groups))
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize("flags", [{}, {"warmup_steps": 3}, {"lr_schedule": "cosine"},
+                                   {"lr_schedule": "step:0.5@4"}])
+def test_step_schedule_is_lambda_lr(flags: dict[str, object]) -> None:
+    """The schedule that only counts its steps where the rate is constant gives LambdaLR's
+    rates and state at every step, also loaded into a fresh one halfway (a resume)."""
+    config = RunConfig(lr=0.1, steps=8, **flags)  # type: ignore[arg-type]
+    assert constant_lr(config) == (not flags)
+
+    def pair() -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
+        return (torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1),
+                torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1))
+
+    ours_opt, ref_opt = pair()
+    multiplier = lambda step: lr_factor(config, step)  # noqa: E731
+    ours = StepSchedule(ours_opt, multiplier, constant=constant_lr(config))
+    reference = torch.optim.lr_scheduler.LambdaLR(ref_opt, multiplier)
+    for step in range(config.steps):
+        assert ours.get_last_lr() == pytest.approx(reference.get_last_lr()), step
+        assert ours.last_epoch == reference.last_epoch
+        ours_opt.step(), ref_opt.step(), ours.step(), reference.step()
+        if step == 4:
+            resumed_opt, _ = pair()
+            resumed_opt.load_state_dict(ours_opt.state_dict())
+            resumed = StepSchedule(resumed_opt, multiplier, constant=constant_lr(config))
+            resumed.load_state_dict(ours.state_dict())
+            ours, ours_opt = resumed, resumed_opt
+    assert ours_opt.param_groups[0]["lr"] == pytest.approx(ref_opt.param_groups[0]["lr"])
 
 
 @pytest.mark.pure

@@ -67,3 +67,18 @@ def test_rank_batch_sampler_in_a_data_loader() -> None:
     batches = [[batch[0].tolist() for batch in loader] for loader in loaders]
     assert [len(b) for b in batches] == [3, 3]
     assert sorted(i for rank in batches for batch in rank for i in batch) == list(range(10))
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("schedule", [(), ((3, 5), (11, 2))])
+def test_batch_samples_counts_the_global_batch(drop_last: bool,
+                                               schedule: tuple[tuple[int, int], ...]) -> None:
+    """The count the trainers read each step without cutting the order is the batch's length,
+    also for an epoch's short last batch and across a batch schedule."""
+    for num_samples in (5, 17, 30):
+        sampler = GlobalBatchSampler(num_samples, global_batch_size=4, seed=3,
+                                     drop_last=drop_last)
+        for step, batch in schedule:
+            sampler.extend(step, batch)
+        for step in range(40):
+            assert sampler.batch_samples(step) == len(sampler.global_indices(step)), step

@@ -36,7 +36,9 @@ def cross_entropy(output: Any, targets: torch.Tensor) -> torch.Tensor:
         raise UsageError(f"the model returns {structures.describe(output)}, with no logits for "
                          f"the default loss (cross-entropy); return a logits tensor or give "
                          f"--loss package.module:function")
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+    if logits.dim() != 2 or targets.dim() != 1:  # per position: flatten (else no view)
+        logits, targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+    return F.cross_entropy(logits.float(), targets)
 
 
 def load_loss(spec: str | None) -> LossFn:

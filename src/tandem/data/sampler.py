@@ -165,6 +165,12 @@ class GlobalBatchSampler:
         epoch, start = self._locate(step)
         return self.epoch_order(epoch)[start : start + self.batch_size_at(step)]
 
+    def batch_samples(self, step: int) -> int:
+        """Samples in the global batch of step ``step``: ``len(global_indices(step))``, without
+        cutting the epoch's order (the last batch of an epoch may be short)."""
+        start = self._locate(step)[1]
+        return min(self.batch_size_at(step), self.num_samples - start)
+
     def position(self, step: int) -> dict[str, int]:
         """Where step ``step`` starts: its epoch and the samples of that epoch already read."""
         epoch, start = self._locate(step)

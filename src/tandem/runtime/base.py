@@ -29,7 +29,8 @@ from tandem.runtime.dist import WorkerEnv
 from tandem.runtime.divergence import DivergenceCheck, LossWatch
 from tandem.runtime.faults import maybe_fail
 from tandem.runtime.job import Job
-from tandem.runtime.learning_rate import batch_lr_factor, build_optimizer, lr_factor, scaled_lr
+from tandem.runtime.learning_rate import (StepSchedule, batch_lr_factor, build_optimizer,
+                                         constant_lr, lr_factor, scaled_lr)
 from tandem.runtime.loss_log import LogHooks, LossLog
 from tandem.runtime.memory import PeakMemory
 from tandem.runtime.noise_scale import NoiseScale
@@ -68,7 +69,7 @@ class BaseTrainer(Worker):
     precision: Precision | StagePrecision
     """Its mixed precision and clipping (set by the subclass)."""
     optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LambdaLR
+    scheduler: StepSchedule
     """Set by :meth:`setup_optimizer`."""
 
     def __init__(self, job: Job, env: WorkerEnv, beat: Heartbeat) -> None:
@@ -152,7 +153,8 @@ class BaseTrainer(Worker):
         self.optimizer = build_optimizer(self.config, params, nesterov=nesterov)
         self.compensation = compensation_for(self.config, delay, every_stage=every_stage)
         apply_compensation(self.optimizer, self.compensation)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.lr_multiplier)
+        self.scheduler = StepSchedule(self.optimizer, self.lr_multiplier,
+                                      constant=constant_lr(self.config))
 
     def lr_multiplier(self, step: int) -> float:
         """The scheduler's factor of the optimizer's learning rate at ``step``: warm-up and

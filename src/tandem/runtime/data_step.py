@@ -53,7 +53,9 @@ class DataParallelStep:
         sample)."""
         self.loss_total = torch.zeros(())
         self.pending: torch.Tensor | None = None
-        """The loss of the forward whose backward comes next."""
+        """The mean loss of the forward whose backward comes next..."""
+        self.pending_size = 0
+        """...over this many samples."""
         self.accumulating: contextlib.ExitStack | None = None
         """Open from a non-last micro-batch's forward to the end of its backward."""
         self.backward_span = (0.0, 0.0)
@@ -87,18 +89,21 @@ class DataParallelStep:
             self.strategy.arm(self.module)
         with self.precision.autocast():
             output = call_model(self.module, micro.inputs)
-            self.pending = self.loss(output, micro.targets) * micro.size
+            self.pending = self.loss(output, micro.targets)
+        self.pending_size = micro.size
 
     def backward(self, action: Action, span: Span) -> None:
         """Backward of the micro-batch just forwarded (its gradients reduced if it is the last)."""
         loss, self.pending = self.pending, None
         assert loss is not None, "a backward without its forward"
         self.beat.phase = "backward"
-        self.precision.backward(loss * self.scale if self.divisor is None else loss / self.divisor)
+        size = self.pending_size  # the mean loss times the samples, scaled: one multiplication
+        self.precision.backward(loss * (size * self.scale if self.divisor is None
+                                        else size / self.divisor))
         if self.accumulating is not None:
             self.accumulating.close()
             self.accumulating = None
-        self.loss_total += loss.detach()
+        self.loss_total.add_(loss.detach(), alpha=size)
         span.end = time.perf_counter()
         self.backward_span = (span.start, span.end)
         if self.slowdown > 1.0:

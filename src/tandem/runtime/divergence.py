@@ -169,8 +169,12 @@ class LossWatch:
         if not self.pending:
             return
         pending, self.pending = self.pending, []
-        sums = torch.stack([loss.to(torch.float64).reshape(()) for _, loss, _ in pending]).cpu()
-        for (step_index, _, count), total in zip(pending, sums.tolist()):
+        if len(pending) == 1:  # polled every step (on CPU): read the one loss, no stack
+            sums = [pending[0][1].item()]
+        else:
+            sums = torch.stack([loss.to(torch.float64).reshape(())
+                                for _, loss, _ in pending]).cpu().tolist()
+        for (step_index, _, count), total in zip(pending, sums):
             mean = total / count
             problem = self.rule.judge(mean)
             if problem is not None:

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tandem.runtime.config import DEFAULT_BASE_BATCH, RunConfig, step_decay
 from tandem.runtime.optimizers import Lamb, Lars
+
+if TYPE_CHECKING:
+    from tandem.sync import SyncStrategy
 
 
 def build_optimizer(config: RunConfig,
@@ -79,3 +82,39 @@ def batch_lr_factor(config: RunConfig, batch_size: int) -> float:
     if config.lr_scaling is None:
         return 1.0
     return scaled_lr(config, batch_size) / scaled_lr(config)
+
+
+def constant_lr(config: RunConfig) -> bool:
+    """Whether the learning rate never changes during the run: no warm-up, a constant schedule
+    and no ``--lr-scaling`` (which follows a growing batch)."""
+    return (config.warmup_steps == 0 and config.lr_schedule == "constant"
+            and config.lr_scaling is None)
+
+
+class StepSchedule(torch.optim.lr_scheduler.LambdaLR):
+    """``LambdaLR`` over ``multiplier`` that, where the run's rate is constant
+    (:func:`constant_lr`), only counts its steps: its state (``last_epoch``) and rates are the
+    same as ``LambdaLR``'s, without recomputing them after every optimizer step."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, multiplier: Callable[[int], float], *,
+                 constant: bool, last_epoch: int = -1) -> None:
+        self.constant = constant
+        super().__init__(optimizer, multiplier, last_epoch=last_epoch)
+
+    def step(self, epoch: int | None = None) -> None:
+        if self.constant and epoch is None and self.last_epoch >= 0:
+            self.last_epoch += 1
+            return
+        super().step(epoch)
+
+
+def sharded_optimizer(strategy: SyncStrategy, optimizer: torch.optim.Optimizer,
+                      scheduler: StepSchedule, multiplier: Callable[[int], float],
+                      ) -> tuple[torch.optim.Optimizer, StepSchedule]:
+    """The optimizer and schedule a worker steps: ``optimizer`` and ``scheduler``, or where
+    ``strategy`` shards the optimizer state, its sharded optimizer with a schedule of the
+    same ``multiplier``."""
+    sharded = strategy.shard_optimizer(optimizer)
+    if sharded is optimizer:
+        return optimizer, scheduler
+    return sharded, StepSchedule(sharded, multiplier, constant=scheduler.constant)

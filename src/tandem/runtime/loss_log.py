@@ -79,7 +79,7 @@ class LossLog(Component):
             self.noise_window = torch.zeros_like(self.noise_window)
         self.logged_bytes = sent
         if self.collective:
-            count = sum(len(self.sampler.global_indices(s)) for s in steps)
+            count = sum(self.sampler.batch_samples(s) for s in steps)
             count *= self.terms_per_sample
             work = dist.all_reduce(total, async_op=True)
         else:

@@ -134,7 +134,7 @@ class TensorParallelTrainer(BaseTrainer):
         ``0F{m}``/``0B{m}`` for its micro-batches ``m = replica + replicas * k``, ``0AR`` (the
         data dimension's sum, with more than one replica) and ``0ST``."""
         indices = self._indices(step)
-        global_count = len(self.feed.sampler.global_indices(step))
+        global_count = self.feed.sampler.batch_samples(step)
         self.work.begin(self.feed.take(indices).split(self.plan.accumulate), step,
                         self.env.device, divisor=global_count)
         self.work.batch = (step, len(indices), global_count)

@@ -31,6 +31,7 @@ from tandem.runtime.divergence import DivergenceCheck
 from tandem.runtime.executor import Executor, Handler, Program, compile_program
 from tandem.runtime.faults import announce_resume, maybe_fail
 from tandem.runtime.memory import PeakMemory
+from tandem.runtime.learning_rate import StepSchedule, constant_lr, sharded_optimizer
 from tandem.runtime.precision import Precision
 from tandem.runtime.watchdog import Heartbeat
 from tandem.schedule import Action, Kind
@@ -217,7 +218,7 @@ class Trainer(BaseTrainer):
         self.current_step = step
         batch_step, share = self.batch_share(step)
         sampler = self.feed.sampler
-        global_count = len(sampler.global_indices(batch_step))
+        global_count = sampler.batch_samples(batch_step)
         indices = sampler.local_indices(batch_step, rank=share, world_size=self.data_world)
         work = self.work
         work.begin(self.feed.take(indices).split(self.plan.accumulate), step, self.env.device,
@@ -301,19 +302,6 @@ class Trainer(BaseTrainer):
                 "precision": self.config.precision, "clip_grad_norm": self.config.clip_grad_norm,
                 "skipped_steps": int(skipped), **self.strategy.summary(),
                 "worker_memory": worker_memory(self.env, self.strategy, self.memory)}
-
-
-def sharded_optimizer(strategy: SyncStrategy, optimizer: torch.optim.Optimizer,
-                      scheduler: torch.optim.lr_scheduler.LambdaLR,
-                      multiplier: Callable[[int], float],
-                      ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """The optimizer and schedule a worker steps: ``optimizer`` and ``scheduler``, or where
-    ``strategy`` shards the optimizer state, its sharded optimizer with a schedule of the
-    same ``multiplier``."""
-    sharded = strategy.shard_optimizer(optimizer)
-    if sharded is optimizer:
-        return optimizer, scheduler
-    return sharded, torch.optim.lr_scheduler.LambdaLR(sharded, multiplier)
 
 
 def worker_memory(env: WorkerEnv, strategy: SyncStrategy,
@@ -495,6 +483,7 @@ class ElasticWorker(ParameterServerWorker):
             raise TypeError(f"an EASGD worker needs an elastic client, not {client!r}")
         client.pull()
         if client.next_step:
-            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-                self.optimizer, self.lr_multiplier, last_epoch=client.next_step - 1)
+            self.scheduler = StepSchedule(self.optimizer, self.lr_multiplier,
+                                          constant=constant_lr(self.config),
+                                          last_epoch=client.next_step - 1)
         return super().run()

@@ -29,7 +29,7 @@ from tandem.compress import ByteMeter, Compression, build_compression
 from tandem.spec.codec import CodecSpec
 from tandem.sync.base import SyncStrategy
 from tandem.sync.flat import broadcast_buffers
-from tandem.sync.grad_norms import BucketNorms, MeasuredHookState, measured_hook, squared_norm
+from tandem.sync.grad_norms import BucketNorms, MeasuredHookState, measured_hook, squared_sum
 
 
 class AllReduce(SyncStrategy):
@@ -48,6 +48,8 @@ class AllReduce(SyncStrategy):
         self._parameters: list[nn.Parameter] | None = None
         self._reading: list[Any] = []
         """The hooks reading a measured step's local gradients (see :meth:`arm`)."""
+        self._local_norms: list[torch.Tensor] = []
+        """Their norms (float32 scalars, squared and summed in float64 at the end)."""
 
     def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
         model = model.to(device)
@@ -73,11 +75,11 @@ class AllReduce(SyncStrategy):
         """The backward that comes next is a measured step's last: read each parameter's
         gradient once it is accumulated, before DDP's reduction replaces it by the average
         (hooks added for this backward only, so that other steps run none)."""
-        norms = self.bucket_norms
+        local = self._local_norms
 
         def read(param: torch.Tensor) -> None:
             if param.grad is not None:
-                norms.local.append(squared_norm(param.grad))
+                local.append(torch.linalg.vector_norm(param.grad.detach().float()))
 
         self._reading = [param.register_post_accumulate_grad_hook(read)  # type: ignore[no-untyped-call]
                          for param in self._listed(module) if param.requires_grad]
@@ -85,17 +87,15 @@ class AllReduce(SyncStrategy):
     def finish_measuring(self, module: nn.Module) -> None:
         """After a measured step's last backward (DDP has averaged the gradients): record its
         squared norms, this worker's and the averaged one, for the noise scale."""
-        norms = self.bucket_norms
         for handle in self._reading:
             handle.remove()
         self._reading = []
-        if not norms.local:
+        if not self._local_norms:
             return
-        local = torch.stack(norms.local).sum()
-        norms.local = []
-        averaged = torch.stack([squared_norm(p.grad) for p in self._listed(module)
-                                if p.grad is not None]).sum()
-        norms.record(local, averaged)
+        local = squared_sum(self._local_norms)
+        self._local_norms.clear()
+        grads = [p.grad.detach().float() for p in self._listed(module) if p.grad is not None]
+        self.bucket_norms.record(local, squared_sum(torch._foreach_norm(grads)))
 
     def _listed(self, module: nn.Module) -> list[nn.Parameter]:
         """The model's parameters, listed once (they do not change)."""

@@ -64,6 +64,12 @@ def squared_norm(tensor: torch.Tensor) -> torch.Tensor:
     return norm.double().square()
 
 
+def squared_sum(norms: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """``sum(norm²)`` of float32 scalar ``norms`` (each squared in float64, as
+    :func:`squared_norm` does), in three operations whatever their number."""
+    return torch.stack(norms).double().square().sum()
+
+
 class MeasuredHookState:
     """Where :func:`measured_hook` records, and the hook (with its state) that it wraps."""
 

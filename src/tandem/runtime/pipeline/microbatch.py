@@ -52,7 +52,7 @@ class StageBatches:
         """The ``parts`` micro-batches of step ``step``: consecutive rows of its global batch,
         the first ``samples % parts`` one sample larger (as ``torch.tensor_split``); the inputs
         on the first stage, the targets on the last."""
-        count = len(self.feed.sampler.global_indices(step))
+        count = self.feed.sampler.batch_samples(step)
         whole = self.global_batch(step) if self.reads_data else None
         quotient, remainder = divmod(count, parts)
         inputs = whole.inputs if whole is not None and self.first else None
