@@ -30,7 +30,7 @@ from tandem.runtime.divergence import DivergenceCheck, LossWatch
 from tandem.runtime.faults import maybe_fail
 from tandem.runtime.job import Job
 from tandem.runtime.learning_rate import (StepSchedule, batch_lr_factor, build_optimizer,
-                                         constant_lr, lr_factor, scaled_lr)
+                                         lr_factor, scaled_lr, schedule_for)
 from tandem.runtime.loss_log import LogHooks, LossLog
 from tandem.runtime.memory import PeakMemory
 from tandem.runtime.noise_scale import NoiseScale
@@ -153,8 +153,7 @@ class BaseTrainer(Worker):
         self.optimizer = build_optimizer(self.config, params, nesterov=nesterov)
         self.compensation = compensation_for(self.config, delay, every_stage=every_stage)
         apply_compensation(self.optimizer, self.compensation)
-        self.scheduler = StepSchedule(self.optimizer, self.lr_multiplier,
-                                      constant=constant_lr(self.config))
+        self.scheduler = schedule_for(self.config, self.optimizer, self.lr_multiplier)
 
     def lr_multiplier(self, step: int) -> float:
         """The scheduler's factor of the optimizer's learning rate at ``step``: warm-up and

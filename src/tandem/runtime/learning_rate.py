@@ -108,6 +108,13 @@ class StepSchedule(torch.optim.lr_scheduler.LambdaLR):
         super().step(epoch)
 
 
+def schedule_for(config: RunConfig, optimizer: torch.optim.Optimizer,
+                 multiplier: Callable[[int], float], last_epoch: int = -1) -> StepSchedule:
+    """The run's learning-rate schedule over ``optimizer``: ``multiplier`` of each step."""
+    return StepSchedule(optimizer, multiplier, constant=constant_lr(config),
+                        last_epoch=last_epoch)
+
+
 def sharded_optimizer(strategy: SyncStrategy, optimizer: torch.optim.Optimizer,
                       scheduler: StepSchedule, multiplier: Callable[[int], float],
                       ) -> tuple[torch.optim.Optimizer, StepSchedule]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import shutil
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,7 +36,7 @@ LOCK_NAME = ".tandem.lock"
 RUN_FILES = ("checkpoint.pt", "final.pt", "metrics.jsonl", "trace.json", "gantt.png",
              "config.json")
 """Files that show a run wrote to a directory (with :data:`RUN_PATTERNS`)."""
-RUN_PATTERNS = ("server-*.pt", "worker-*.pt", "trace-rank*.json")
+RUN_PATTERNS = ("server-*.pt", "worker-*.pt", "trace-rank*.json", "checkpoint-*.dcp")
 
 
 @contextlib.contextmanager
@@ -99,7 +100,7 @@ def _make_room(out: Path, *, overwrite: bool) -> None:
                          f"or --overwrite to start over")
     for path in found:
         try:
-            path.unlink()
+            shutil.rmtree(path) if path.is_dir() else path.unlink()  # a sharded checkpoint
         except OSError as exc:
             raise UsageError(f"--overwrite cannot remove {path} ({exc.strerror}); remove it "
                              f"yourself or choose another --out") from None

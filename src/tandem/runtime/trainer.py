@@ -31,7 +31,9 @@ from tandem.runtime.divergence import DivergenceCheck
 from tandem.runtime.executor import Executor, Handler, Program, compile_program
 from tandem.runtime.faults import announce_resume, maybe_fail
 from tandem.runtime.memory import PeakMemory
-from tandem.runtime.learning_rate import StepSchedule, constant_lr, sharded_optimizer
+from tandem.runtime.learning_rate import schedule_for, sharded_optimizer
+from tandem.runtime.sharded_checkpoint import (check_sharded_resume, held_state, load_whole_model,
+                                               remove_older, restore_state)
 from tandem.runtime.precision import Precision
 from tandem.runtime.watchdog import Heartbeat
 from tandem.schedule import Action, Kind
@@ -81,7 +83,7 @@ class Trainer(BaseTrainer):
         if checkpoint is not None:
             checkpoint = resized_checkpoint(checkpoint, world=env.world_size, rank=env.rank,
                                             strategy=self.strategy, compress=self.plan.compress)
-            model.load_state_dict(checkpoint["model"])
+            load_whole_model(checkpoint, model)
         self.module = self.strategy.wrap(model, env.device)
         self.current_step = 0
         self.strategy.recorder = self._record_sync
@@ -172,7 +174,7 @@ class Trainer(BaseTrainer):
             path, self.job.fingerprint(), steps=self.config.steps,
             stop_after=self.config.stop_after)
         announce_resume(self.env.rank, path, checkpoint["step"] if checkpoint else None)
-        return checkpoint
+        return check_sharded_resume(checkpoint, path, self.strategy.sharded_checkpoint)
 
     def _restore(self, checkpoint: dict[str, Any]) -> None:
         """Optimizer, schedule, step and this worker's own state (random stream, strategy state,
@@ -182,7 +184,7 @@ class Trainer(BaseTrainer):
         own = checkpoint["ranks"][self.env.rank]
         if "model" in own:
             self.model.load_state_dict(own["model"])
-        self.optimizer.load_state_dict(own.get("optimizer", checkpoint["optimizer"]))
+        restore_state(checkpoint, own, self.model, self.optimizer)
         restore_momentum(self.optimizer, self.compensation)
         load_schedule(self.optimizer, self.scheduler, checkpoint["scheduler"],
                       announce=self.env.rank == 0)
@@ -273,18 +275,18 @@ class Trainer(BaseTrainer):
         own: dict[str, Any] = {"rng": torch.get_rng_state(), "sync": self.strategy.state_dict(),
                                "components": self.components.state_dict()}
         if not self.strategy.replicas_agree:
-            own["model"] = self.model.state_dict()
-            own["optimizer"] = self.optimizer.state_dict()
+            own.update(model=self.model.state_dict(), optimizer=self.optimizer.state_dict())
         ranks: list[dict[str, Any] | None] = [None] * self.env.world_size
+        held = held_state(self.strategy, self.out, step, self.model, self.optimizer)
         dist.all_gather_object(ranks, own)
         if self.env.rank != 0:
             return
         save_atomic({
             "version": CHECKPOINT_VERSION, "step": step, "fingerprint": self.job.fingerprint(),
-            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(), "ranks": ranks,
+            **held, "scheduler": self.scheduler.state_dict(), "ranks": ranks,
             "data": self.feed.position(step),
         }, self.out / "checkpoint.pt")
+        remove_older(self.out, held.get("sharded"))
 
     def sent_bytes(self) -> float:
         return self.strategy.sent_bytes()
@@ -483,7 +485,6 @@ class ElasticWorker(ParameterServerWorker):
             raise TypeError(f"an EASGD worker needs an elastic client, not {client!r}")
         client.pull()
         if client.next_step:
-            self.scheduler = StepSchedule(self.optimizer, self.lr_multiplier,
-                                          constant=constant_lr(self.config),
+            self.scheduler = schedule_for(self.config, self.optimizer, self.lr_multiplier,
                                           last_epoch=client.next_step - 1)
         return super().run()

@@ -45,8 +45,11 @@ class SyncStrategy(abc.ABC):
     recorder: Callable[[str, float, float], None] | None = None
     """Where :meth:`action` reports the actions of :meth:`update` (set by the trainer)."""
     checkpoints: bool = True
-    """Whether the trainer's checkpoint (rank 0's model and optimizer) holds the workers'
-    state (False: each holds a shard that the checkpoint does not gather yet; none is written)."""
+    """Whether the trainer writes checkpoints of this strategy (False: each worker holds a
+    shard that no checkpoint format takes yet; none is written)."""
+    sharded_checkpoint: bool = False
+    """Whether each worker writes its own shards of the model and optimizer state
+    (:mod:`tandem.runtime.sharded_checkpoint`) instead of rank 0 writing them whole."""
     collective_forward: bool = False
     """Whether a forward of the model is collective (its parameters are gathered as it runs),
     so that every worker must run as many forwards as the others, evaluations included."""

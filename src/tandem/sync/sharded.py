@@ -26,9 +26,11 @@ broadcasts them), each gradient is the mean of the workers', and buffers (BatchN
 statistics) follow DDP's default: rank 0's are broadcast before the first forward of each step
 and once more at the end (:meth:`ShardedDataParallel.consensus`).
 
-Not done here yet: checkpoints of sharded state (the run writes ``final.pt`` only), the
-gradient noise scale at levels 2 and 3, compression, and sharding composed with tensor
-parallelism or pipelines (each refused in one line by :class:`tandem.runtime.job.Job`).
+Levels 2 and 3 checkpoint each worker's own shards (:mod:`tandem.runtime.sharded_checkpoint`).
+Not done here yet: checkpoints at level 1 (``ZeroRedundancyOptimizer`` consolidates its state
+on one rank), the gradient noise scale at levels 2 and 3, compression, and sharding composed
+with tensor parallelism or pipelines (each refused in one line by
+:class:`tandem.runtime.job.Job`).
 """
 
 from __future__ import annotations
@@ -134,7 +136,7 @@ class ShardedDataParallel(SyncStrategy):
 
     name = "dp"
     overlapped_allreduce = True
-    checkpoints = False
+    sharded_checkpoint = True
     collective_forward = True
     noise_scale_note = (
         "not measured with --shard-level 2 or 3: each worker's gradient is reduce-scattered "

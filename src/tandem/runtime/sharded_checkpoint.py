@@ -1,0 +1,118 @@
+"""Checkpoints of sharded model and optimizer state through ``torch.distributed.checkpoint``
+(DCP): each rank writes and reads only the shards it holds, and a checkpoint resumes on another
+world size or layout (DCP reshards on load).
+
+A sharded run's checkpoint is two parts in ``OUT``: the folder ``checkpoint-STEP.dcp`` (the
+model's and the optimizer's state, one file per rank, written collectively) and
+``checkpoint.pt``, which rank 0 writes last, atomically, with everything else (step, schedule,
+data position, each rank's random stream and components) and the folder's name under
+``"sharded"``. ``checkpoint.pt`` therefore always names a complete folder; the folders of older
+steps are removed after it is written. Any synchronous data-parallel run resumes it (a sharded
+run on another shard degree, or a plain ``dp`` run, whose ranks then read whole tensors).
+
+Usage::
+
+    name = save_sharded(out, step, model, optimizer)       # collective
+    ...rank 0: save_atomic({..., "sharded": name}, out / "checkpoint.pt"); remove_older(out, name)
+    load_sharded(out / checkpoint["sharded"], model, optimizer)   # collective, after wrapping
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from tandem.errors import UsageError
+
+if TYPE_CHECKING:
+    from tandem.sync import SyncStrategy
+
+PATTERN = "checkpoint-*.dcp"
+"""The folders of sharded checkpoints in ``OUT``."""
+
+
+def folder_name(step: int) -> str:
+    """The folder of the sharded checkpoint taken after ``step`` steps."""
+    return f"checkpoint-{step}.dcp"
+
+
+def save_sharded(out: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    """Write ``model``'s and ``optimizer``'s state, each rank its own shards, into ``OUT``'s
+    folder for ``step`` (collective); returns the folder's name."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    name = folder_name(step)
+    save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(out / name))
+    return name
+
+
+def load_sharded(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load the state :func:`save_sharded` wrote into ``model`` and ``optimizer`` as this run
+    holds them (sharded or whole; collective)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    if not folder.is_dir():
+        raise UsageError(f"the checkpoint's sharded state {folder} is missing; resume from the "
+                         f"run directory as it was written, or start afresh without --resume")
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(folder))
+    set_state_dict(model, optimizer, model_state_dict=model_state,
+                   optim_state_dict=optimizer_state)  # loaded in place
+
+
+def held_state(strategy: SyncStrategy, out: Path, step: int, model: nn.Module,
+               optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The model's and optimizer's part of ``checkpoint.pt``: where ``strategy`` shards them,
+    the name of the folder into which each rank has written its own shards (collective), else
+    the whole state dicts (rank 0's are saved)."""
+    if strategy.sharded_checkpoint:
+        return {"sharded": save_sharded(out, step, model, optimizer)}
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+
+
+def load_whole_model(checkpoint: dict[str, Any], model: nn.Module) -> None:
+    """A whole checkpoint's model, loaded before wrapping (a sharded one is loaded into the
+    wrapped model with the optimizer: :func:`restore_state`)."""
+    if "sharded" not in checkpoint:
+        model.load_state_dict(checkpoint["model"])
+
+
+def restore_state(checkpoint: dict[str, Any], own: dict[str, Any], model: nn.Module,
+                  optimizer: torch.optim.Optimizer) -> None:
+    """Load a checkpoint's optimizer state (this worker's ``own``, or the common one), or its
+    sharded model and optimizer state (collective); a whole model is loaded before wrapping."""
+    if "sharded" in checkpoint:
+        load_sharded(checkpoint["sharded"], model, optimizer)
+    else:
+        optimizer.load_state_dict(own.get("optimizer", checkpoint["optimizer"]))
+
+
+def check_sharded_resume(checkpoint: dict[str, Any] | None, path: Path | None,
+                         sharded: bool) -> dict[str, Any] | None:
+    """``checkpoint`` (loaded from ``path``) with its ``"sharded"`` entry pointing at its folder
+    beside ``path``; a run that writes sharded checkpoints (``sharded``) resumes only those (a
+    whole optimizer state is not cut into shards yet): one line otherwise."""
+    if checkpoint is None or path is None:
+        return checkpoint
+    if "sharded" in checkpoint:
+        checkpoint["sharded"] = path.parent / checkpoint["sharded"]
+    elif sharded:
+        raise UsageError(f"checkpoint {path} holds a whole model and optimizer state (a run "
+                         f"without --shard wrote it), which a --shard run cannot resume yet; "
+                         f"resume it without --shard")
+    return checkpoint
+
+
+def remove_older(out: Path, keep: str | None) -> None:
+    """Remove ``OUT``'s sharded checkpoint folders other than ``keep`` (rank 0, after
+    ``checkpoint.pt`` names ``keep``; all of them after a whole checkpoint)."""
+    for folder in out.glob(PATTERN):
+        if folder.name != keep:
+            shutil.rmtree(folder, ignore_errors=True)
