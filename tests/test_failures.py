@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from tandem.runtime.faults import PROGRESS_DIR, last_progress, record_progress
 from tests.conftest import run_here, run_json, run_tandem
 
 BAD_INPUTS = {
@@ -102,3 +103,13 @@ def test_failed_worker_stops_the_job_and_is_named(how: str, expected: str, run: 
     assert len(lines) == 1, result.stderr
     assert expected in lines[0]
     assert time.monotonic() - start < 60
+
+
+@pytest.mark.pure
+def test_progress_is_rewritten_in_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each step rewrites the worker's progress file in place (it stays open); a smaller step
+    after a larger one (a resumed attempt) reads back as itself."""
+    monkeypatch.setenv(PROGRESS_DIR, str(tmp_path))
+    for step in (120, 121, 5):
+        record_progress(3, step)
+        assert last_progress(tmp_path, 3) == step

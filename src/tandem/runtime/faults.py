@@ -63,13 +63,24 @@ def attempt() -> int:
     return 0
 
 
+_progress_files: dict[tuple[str, int], int] = {}
+"""Each worker's progress file, open for the run (a step rewrites it in place: one system
+call, where opening and closing it cost ~0.1 ms a step)."""
+STEP_WIDTH = 20
+"""Characters a recorded step takes (right-aligned), so a smaller number overwrites a larger."""
+
+
 def record_progress(rank: int, step: int) -> None:
     """Leave ``step`` where the launcher reads it if this worker fails (best effort)."""
     folder = os.environ.get(PROGRESS_DIR)
     if not folder:
         return
     try:
-        Path(folder, f"rank-{rank}").write_text(str(step))
+        fd = _progress_files.get((folder, rank))
+        if fd is None:
+            fd = _progress_files[(folder, rank)] = os.open(
+                Path(folder, f"rank-{rank}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.pwrite(fd, f"{step:>{STEP_WIDTH}}".encode(), 0)
     except OSError:
         pass
 
