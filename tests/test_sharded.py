@@ -167,6 +167,25 @@ def test_a_sharded_checkpoint_resumes_on_another_world_and_as_dp(shared_run: Sha
         "checkpoint-8.dcp"]  # the older folder is removed once checkpoint.pt names the new
 
 
+@pytest.mark.multiprocess
+def test_a_model_four_times_the_memory_limit_trains_only_sharded(shared_run: SharedRun) -> None:
+    """``--memory-limit`` emulates a device's memory, checked against what each worker holds
+    after its first step. gpt with SGD's momentum holds three fp32 copies of its parameters;
+    under a limit of a quarter of that, plain dp on 4 workers stops in one line naming
+    ``--shard 4`` (exit 2), and ``--shard 4`` trains, every worker within the limit."""
+    _, whole = shared_run(*GPT, *FULL)
+    limit = 3 * 4 * whole["parameters"] // 4  # bytes: the whole state is 4x the limit
+    refused = run_here("train", *GPT, "--nproc", "4", "--memory-limit", f"{limit}B")
+    assert refused.returncode == 2, refused.stderr
+    lines = [line for line in refused.stderr.strip().splitlines()  # 4 workers on 2 cores
+             if not line.startswith("tandem: warning: --nproc 4 on")]
+    assert len(lines) == 1 and "over --memory-limit" in lines[0], refused.stderr
+    assert "shard it with --shard 4" in lines[0], lines[0]
+    _, sharded = shared_run(*GPT, *FULL, "--memory-limit", f"{limit}B")
+    assert sharded["finished"]
+    assert all(w["held_state_bytes"] <= limit for w in sharded["worker_memory"])
+
+
 REFUSED: dict[str, tuple[tuple[dict[str, Any], dict[str, Any]], str]] = {
     # flags and settings -> the line that refuses them
     "not a divisor": (({"--shard": 3}, {}), "--shard 3 does not divide --nproc 4: the workers "
@@ -208,6 +227,19 @@ def test_unsupported_settings_are_refused_in_one_line(case: str) -> None:
     with pytest.raises(UsageError) as raised:
         sketch_job("dp", flags, RunConfig(nproc=4, **settings))
     assert expected in str(raised.value) and "\n" not in str(raised.value)
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize(("strategy", "flags"), [("pipeline", {}), ("localsgd", {}),
+                                                 ("dp", {"--tensor-parallel": 2})])
+def test_a_memory_limit_applies_to_data_parallelism_only(strategy: str,
+                                                        flags: dict[str, Any]) -> None:
+    with pytest.raises(UsageError, match="--memory-limit 1GB checks the state a data-parallel "
+                       "worker holds") as raised:
+        sketch_job(strategy, flags, RunConfig(nproc=4, memory_limit="1GB"))
+    assert "\n" not in str(raised.value)
+    with pytest.raises(UsageError, match="--memory-limit '1XB' is not a memory size"):
+        RunConfig(nproc=4, memory_limit="1XB")
 
 
 @pytest.mark.pure

@@ -120,6 +120,10 @@ def add_train_arguments(parser: argparse.ArgumentParser, defaults: RunConfig) ->
     add("--find-unused-parameters", action="store_true", default=defaults.find_unused_parameters,
         help="data parallelism: parameters forward does not use get a zero gradient (DDP's "
         "find_unused_parameters); without it they stop the run, named")
+    add("--memory-limit", default=defaults.memory_limit, metavar="SIZE",
+        help="data parallelism: the most parameter, gradient and optimizer-state bytes a worker "
+        "may hold (e.g. 16GB, an emulated device's memory); over it, the run stops after its "
+        "first step naming the --shard that fits")
     add("--optimizer", default=defaults.optimizer,
         help=f"one of: {', '.join(OPTIMIZERS)} (lars and lamb: layer-wise trust ratios for large "
         f"batches, see docs/large_batch.md)")

@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 from tandem.spec.batch_schedule import AUTO, BatchSchedule, parse_batch_schedule
+from tandem.cluster import parse_size
 from tandem.errors import UsageError
 from tandem.spec.options import MAX_SEED
 
@@ -121,6 +122,10 @@ class RunConfig:
     find_unused_parameters: bool = False
     """Data parallelism: a parameter that gets no gradient in a step has a zero gradient (DDP's
     ``find_unused_parameters=True``); without it, such a parameter stops the run, named."""
+    memory_limit: str | None = None
+    """Data parallelism: the most parameter, gradient and optimizer-state bytes a worker may
+    hold (``40MB``, ``16GB``; an emulated device's memory). A worker over it after its first
+    step stops the run in one line that names the ``--shard`` degree that would fit."""
     backend: str = "auto"
     """``gloo``, ``nccl``, or ``auto`` (NCCL when CUDA is available, else gloo)."""
     timeout_s: float = 300.0
@@ -142,9 +147,20 @@ class RunConfig:
             raise UsageError(f"--seed must be between 0 and {MAX_SEED} (got {self.seed}); "
                              f"e.g. --seed 0")
         self.straggler_factor()
+        self.memory_limit_bytes()
         self._check_batch_schedule()
         if self.resume is not None and self.resume == "auto" and self.out is None:
             raise UsageError("--resume without a path needs --out DIR (it resumes DIR/checkpoint.pt)")
+
+    def memory_limit_bytes(self) -> float | None:
+        """``--memory-limit`` in bytes (None without one)."""
+        if self.memory_limit is None:
+            return None
+        try:
+            return parse_size(self.memory_limit)
+        except UsageError:
+            raise UsageError(f"--memory-limit {self.memory_limit!r} is not a memory size; write "
+                             f"a positive number with a unit, e.g. --memory-limit 16GB") from None
 
     def _check_counts(self) -> None:
         _at_least("--nproc", self.nproc, 1)

@@ -40,6 +40,13 @@ class Job:
                              "stages skip a parameter without a gradient); drop it")
         self._check_tensor()
         check_shard(self.plan, self.run)
+        if self.run.memory_limit is not None and (
+                self.plan.pipelined or self.plan.tensor_degree > 1
+                or not isinstance(self.plan.sync, AllReduceSync)):
+            raise UsageError(f"--memory-limit {self.run.memory_limit} checks the state a "
+                             f"data-parallel worker holds (--strategy dp, with or without "
+                             f"--shard); this plan is {strategy_of(self.plan)}: drop "
+                             f"--memory-limit")
         self._check_straggler()
         self._check_precision()
         self._check_async_ps()

@@ -86,4 +86,5 @@ def build_strategy(job: Job, rank: int, world_size: int) -> SyncStrategy:
     else:
         strategy = SYNC_STRATEGIES[type(plan.sync)](job, rank, world_size)
     strategy.find_unused_parameters = job.run.find_unused_parameters
+    strategy.memory_limit = job.run.memory_limit_bytes()
     return strategy

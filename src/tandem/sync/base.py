@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, ContextManager
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tandem.errors import UsageError
@@ -73,6 +74,11 @@ class SyncStrategy(abc.ABC):
     """The parameter, gradient and optimizer-state bytes this worker held after its first
     :meth:`step_optimizer` (:func:`held_state_bytes`); None before it, or where the worker
     steps no optimizer of its own."""
+    memory_limit: float | None = None
+    """``--memory-limit`` in bytes: :attr:`held_state_bytes` over it stops the run
+    (:func:`check_memory_limit`)."""
+    shard_degree: int = 1
+    """Workers each group splits the state over (``--shard``; 1: each holds it whole)."""
 
     step_fn: Callable[[torch.optim.Optimizer], None] | None = None
     """How the optimizer applies the gradients (set by the trainer: with fp16 the loss scaler's
@@ -87,6 +93,9 @@ class SyncStrategy(abc.ABC):
                 optimizer.step()
         if self.held_state_bytes is None:
             self.held_state_bytes = held_state_bytes(optimizer)
+            if self.memory_limit is not None:
+                check_memory_limit(self.held_state_bytes, self.memory_limit,
+                                   degree=self.shard_degree, workers=dist.get_world_size())
         optimizer.zero_grad(set_to_none=True)
 
     @abc.abstractmethod
@@ -175,6 +184,24 @@ class SyncStrategy(abc.ABC):
     def summary(self) -> dict[str, Any]:
         """Fields of the run's summary that describe this strategy's layout (rank 0's)."""
         return {}
+
+
+def check_memory_limit(held: int, limit: float, *, degree: int, workers: int) -> None:
+    """One line if a worker holding ``held`` bytes of state, split ``degree`` ways, is over
+    ``limit``, naming the smallest ``--shard`` among the divisors of ``workers`` under which
+    each would hold no more (up to FSDP's padding of a parameter's first dimension), or
+    saying that none does."""
+    if held <= limit:
+        return
+    whole = held * degree
+    fits = [shards for shards in range(degree + 1, workers + 1)
+            if workers % shards == 0 and whole / shards <= limit]
+    fix = (f"shard it with --shard {fits[0]} (about {whole / fits[0] / 1e6:.3g} MB each)"
+           if fits else f"even --shard {workers} leaves about {whole / workers / 1e6:.3g} MB "
+           f"each: add workers or raise --memory-limit")
+    raise UsageError(f"worker rank {dist.get_rank()} holds {held / 1e6:.3g} MB of parameters, "
+                     f"gradients and optimizer state, over --memory-limit {limit / 1e6:.3g} MB; "
+                     f"{fix}")
 
 
 def held_state_bytes(optimizer: torch.optim.Optimizer) -> int:

@@ -144,7 +144,7 @@ class ShardedDataParallel(SyncStrategy):
         "whole local gradient beside the averaged one; use --shard-level 1 to measure it")
 
     def __init__(self, degree: int, level: int, units: list[str] | None = None) -> None:
-        self.degree, self.level, self.unit_names = degree, level, units
+        self.shard_degree, self.level, self.unit_names = degree, level, units
         self.units: list[str] = []
         """The units sharded besides the root (the whole model)."""
         self.mesh: Any = None
@@ -166,7 +166,7 @@ class ShardedDataParallel(SyncStrategy):
         saved = set(dict(state_buffers(model)))
         for tensor in [*model.parameters(), *(b for _, b in state_buffers(model))]:
             dist.broadcast(tensor.detach(), 0)  # one at a time: no flat copy of the model
-        self.mesh = shard_mesh(device, self.degree)
+        self.mesh = shard_mesh(device, self.shard_degree)
         modules = dict(model.named_modules())
         reshard = self.level == 3
         for name in sorted(self.units, key=lambda unit: -unit.count(".")):  # nested: inner first
@@ -229,7 +229,7 @@ class ShardedDataParallel(SyncStrategy):
         of its shard of them."""
         if self._whole_bytes is None:
             self._whole_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
-        whole, shards = self._whole_bytes, self.degree
+        whole, shards = self._whole_bytes, self.shard_degree
         replicas = dist.get_world_size() // shards
         gathers = (2 if self.level == 3 else 1) * micro_batches
         within = (gathers + 1) * whole * (shards - 1) / shards
@@ -274,11 +274,11 @@ class ShardedOptimizer(AllReduce):
 
     def __init__(self, degree: int) -> None:
         super().__init__(None)
-        self.degree = degree
+        self.shard_degree = degree
         self.mesh: Any = None
 
     def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
-        self.mesh = shard_mesh(device, self.degree)
+        self.mesh = shard_mesh(device, self.shard_degree)
         return super().wrap(model, device)
 
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
