@@ -147,7 +147,8 @@ def test_a_sharded_checkpoint_resumes_on_another_world_and_as_dp(shared_run: Sha
     """``--shard 4`` on 4 ranks stopped after 4 of 8 steps: each rank wrote only its own shards
     (one file each, through ``torch.distributed.checkpoint``; ``checkpoint.pt`` names the
     folder and holds no model). Resumed as ``--shard 2`` on 2 ranks and as plain dp on 2, both
-    end within 1e-6 of the uninterrupted run (parameters and SGD's momentum resharded)."""
+    end within 1e-6 of the uninterrupted run (parameters and SGD's momentum resharded); so does
+    a plain dp checkpoint resumed as ``--shard 2``."""
     whole, _ = shared_run(*MLP, *FULL)
     first = tmp_path / "first"
     run_json("train", *MLP, *FULL, "--stop-after", "4", "--out", str(first))
@@ -165,6 +166,11 @@ def test_a_sharded_checkpoint_resumes_on_another_world_and_as_dp(shared_run: Sha
         assert max_abs_diff(whole / "final.pt", again / "final.pt") <= 1e-6, name
     assert sorted(p.name for p in (tmp_path / "shard2").glob("checkpoint-*.dcp")) == [
         "checkpoint-8.dcp"]  # the older folder is removed once checkpoint.pt names the new
+    # and back: a whole checkpoint of dp on 2 resumed as --shard 2, each rank cutting its shards
+    dp = tmp_path / "dp-first"
+    run_json("train", *MLP, "--nproc", "2", "--stop-after", "4", "--out", str(dp))
+    run_json("train", *MLP, "--nproc", "2", "--shard", "2", "--resume", "--out", str(dp))
+    assert max_abs_diff(whole / "final.pt", dp / "final.pt") <= 1e-6
 
 
 @pytest.mark.multiprocess

@@ -84,29 +84,46 @@ def load_whole_model(checkpoint: dict[str, Any], model: nn.Module) -> None:
         model.load_state_dict(checkpoint["model"])
 
 
-def restore_state(checkpoint: dict[str, Any], own: dict[str, Any], model: nn.Module,
-                  optimizer: torch.optim.Optimizer) -> None:
+def restore_state(checkpoint: dict[str, Any], own: dict[str, Any], strategy: SyncStrategy,
+                  model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Load a checkpoint's optimizer state (this worker's ``own``, or the common one), or its
-    sharded model and optimizer state (collective); a whole model is loaded before wrapping."""
+    sharded model and optimizer state (collective); a whole model is loaded before wrapping.
+    A sharded run cuts a whole optimizer state into its shards (:func:`shard_whole_optimizer`)."""
     if "sharded" in checkpoint:
         load_sharded(checkpoint["sharded"], model, optimizer)
+        return
+    saved = own.get("optimizer", checkpoint["optimizer"])
+    if strategy.sharded_checkpoint:
+        shard_whole_optimizer(saved, model, optimizer)
     else:
-        optimizer.load_state_dict(own.get("optimizer", checkpoint["optimizer"]))
+        optimizer.load_state_dict(saved)
 
 
-def check_sharded_resume(checkpoint: dict[str, Any] | None, path: Path | None,
-                         sharded: bool) -> dict[str, Any] | None:
+def shard_whole_optimizer(saved: dict[str, Any], model: nn.Module,
+                          optimizer: torch.optim.Optimizer) -> None:
+    """Load a whole optimizer state (``optimizer.state_dict()`` of the same model and optimizer,
+    keyed by the parameters' positions in its groups) into ``optimizer`` over ``model``'s
+    shards: keyed by the parameters' names, as DCP's state dicts are, then each rank keeps its
+    shards (collective)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions, set_optimizer_state_dict,
+    )
+
+    names = {id(parameter): name for name, parameter in model.named_parameters()}
+    ordered = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    state = {ordered[index]: value for index, value in saved["state"].items()}
+    groups = [{**group, "params": [ordered[index] for index in group["params"]]}
+              for group in saved["param_groups"]]
+    set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": groups},
+                             options=StateDictOptions(full_state_dict=True))
+
+
+def check_sharded_resume(checkpoint: dict[str, Any] | None,
+                         path: Path | None) -> dict[str, Any] | None:
     """``checkpoint`` (loaded from ``path``) with its ``"sharded"`` entry pointing at its folder
-    beside ``path``; a run that writes sharded checkpoints (``sharded``) resumes only those (a
-    whole optimizer state is not cut into shards yet): one line otherwise."""
-    if checkpoint is None or path is None:
-        return checkpoint
-    if "sharded" in checkpoint:
+    beside ``path``."""
+    if checkpoint is not None and path is not None and "sharded" in checkpoint:
         checkpoint["sharded"] = path.parent / checkpoint["sharded"]
-    elif sharded:
-        raise UsageError(f"checkpoint {path} holds a whole model and optimizer state (a run "
-                         f"without --shard wrote it), which a --shard run cannot resume yet; "
-                         f"resume it without --shard")
     return checkpoint
 
 

@@ -174,7 +174,7 @@ class Trainer(BaseTrainer):
             path, self.job.fingerprint(), steps=self.config.steps,
             stop_after=self.config.stop_after)
         announce_resume(self.env.rank, path, checkpoint["step"] if checkpoint else None)
-        return check_sharded_resume(checkpoint, path, self.strategy.sharded_checkpoint)
+        return check_sharded_resume(checkpoint, path)
 
     def _restore(self, checkpoint: dict[str, Any]) -> None:
         """Optimizer, schedule, step and this worker's own state (random stream, strategy state,
@@ -184,7 +184,7 @@ class Trainer(BaseTrainer):
         own = checkpoint["ranks"][self.env.rank]
         if "model" in own:
             self.model.load_state_dict(own["model"])
-        restore_state(checkpoint, own, self.model, self.optimizer)
+        restore_state(checkpoint, own, self.strategy, self.model, self.optimizer)
         restore_momentum(self.optimizer, self.compensation)
         load_schedule(self.optimizer, self.scheduler, checkpoint["scheduler"],
                       announce=self.env.rank == 0)
