@@ -174,6 +174,20 @@ def test_a_sharded_checkpoint_resumes_on_another_world_and_as_dp(shared_run: Sha
 
 
 @pytest.mark.multiprocess
+def test_a_sharded_checkpoint_holds_no_more_than_each_ranks_shard(tmp_path: Path) -> None:
+    """No rank gathers the model to save it: over its checkpoints (steps 2 and 4), no rank's
+    peak resident memory rose above the peak before by more than the state it holds (a gpt of
+    3.2M parameters, 9.5 MB of parameters, gradients and momentum per rank; measured 0-3.5 MB
+    of growth, the first save's own buffers)."""
+    summary = run_json("train", "--model", "gpt:layers=4,dim=256,heads=4,dropout=0", "--data",
+                       "tokens:n=256,seq=12,vocab=32", "--steps", "4", "--checkpoint-every", "2",
+                       "--batch-size", "16", *FULL, "--out", str(tmp_path))
+    for worker in summary["worker_memory"]:
+        assert worker["checkpoint_peak_growth_bytes"] <= worker["held_state_bytes"], worker
+    assert len(list((tmp_path / "checkpoint-4.dcp").glob("*.distcp"))) == 4
+
+
+@pytest.mark.multiprocess
 def test_a_model_four_times_the_memory_limit_trains_only_sharded(shared_run: SharedRun) -> None:
     """``--memory-limit`` emulates a device's memory, checked against what each worker holds
     after its first step. gpt with SGD's momentum holds three fp32 copies of its parameters;

@@ -196,8 +196,7 @@ class BaseTrainer(Worker):
     def build_components(self) -> Components:
         """The components of this run, in the order they act after a step: progress, the loss
         watch, the metrics line, the batch's growth, evaluations, memory, checkpoints (those
-        the run's settings turn off are left out); then those that only give the summary its
-        fields (noise scale, compensation) or hold state (precision)."""
+        off are left out); then those that only give the summary its fields or hold state."""
         config = self.config
         return Components(
             self.reporter,
@@ -208,8 +207,9 @@ class BaseTrainer(Worker):
             (PeriodicEvaluation(config.eval_every, self.evaluate, self.reporter)
              if config.eval_every else None),
             self.memory,
-            Checkpoints(self.save_checkpoint, check=lambda step: self.divergence.check_parameters(
-                self.module.parameters(), step)),
+            Checkpoints(self.memory.measured(self.save_checkpoint),
+                        check=lambda step: self.divergence.check_parameters(
+                            self.module.parameters(), step)),
             self.noise, self.compensation, self.precision,
         )
 

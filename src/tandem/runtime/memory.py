@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import resource
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from tandem.runtime.component import Component, StepEnd
@@ -53,6 +54,17 @@ class PeakMemory(Component):
 
     def __init__(self) -> None:
         self.training_bytes = 0
+        self.checkpoint_growth = 0
+        """The most a checkpoint raised this process's peak (0: each stayed under it)."""
+
+    def measured(self, save: Callable[[int], None]) -> Callable[[int], None]:
+        """``save`` recording how far each call raises this process's peak resident memory
+        above the peak before it (the summary's ``checkpoint_peak_growth_bytes``)."""
+        def run(done: int) -> None:
+            before = peak_rss_bytes()
+            save(done)
+            self.checkpoint_growth = max(self.checkpoint_growth, peak_rss_bytes() - before)
+        return run
 
     def after_step(self, end: StepEnd) -> None:
         if end.final:
@@ -65,4 +77,5 @@ class PeakMemory(Component):
 
     def summary(self) -> dict[str, Any]:
         return {"training_peak_rss_bytes": self.training_bytes,
+                "checkpoint_peak_growth_bytes": self.checkpoint_growth,
                 "peak_rss_bytes": peak_rss_bytes(), "start_rss_bytes": START_RSS_BYTES}

@@ -159,6 +159,9 @@ class ShardedDataParallel(SyncStrategy):
         self._sent_bytes = 0.0
 
     def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
+        # checkpoints and final.pt use these: imported now, a checkpoint's memory is its own
+        import torch.distributed.checkpoint.state_dict_loader  # noqa: F401
+        import torch.distributed.checkpoint.state_dict_saver  # noqa: F401
         from torch.distributed.fsdp import fully_shard
 
         model = model.to(device)
