@@ -193,6 +193,10 @@ def test_the_launcher_names_the_first_divergence_over_other_failures() -> None:
 EXPLODED = (r"loss exploded to \S+ \(over 1000 x max\(its first value [0-9.]+, 1\)\) at step "
             r"{step} on {where}: the learning rate 1e\+06 is likely too large for this model; "
             r"lower --lr \(e\.g\. 0\.05\), add --warmup-steps or --clip-grad-norm")
+BECAME = EXPLODED.replace(r"loss exploded to \S+ \(over 1000 x max\(its first value [0-9.]+, "
+                          r"1\)\)", r"loss became (nan|inf|-inf)")
+"""Asynchronous updates: a worker's first bad loss may come after two updates at once, when
+the parameters are already non-finite (as timing has it)."""
 
 
 def _one_line(stderr: str) -> str:
@@ -228,7 +232,9 @@ def test_lr_1e6_stops_the_run_with_one_line(tmp_path: Path, strategy: tuple[str,
     elapsed = time.monotonic() - start
     assert result.returncode == 1, result.stderr
     line = _one_line(result.stderr)
-    assert re.fullmatch("tandem train: " + EXPLODED.format(step=step, where=where), line), line
+    allowed = [EXPLODED] + ([BECAME] if "async" in strategy else [])
+    assert any(re.fullmatch("tandem train: " + form.format(step=step, where=where), line)
+               for form in allowed), line
     assert elapsed < 90  # the others stopped at once, not at --timeout (300 s)
     records = [r for r in _records(tmp_path) if "diverged" in r]
     assert line.removeprefix("tandem train: ") in [r["message"] for r in records]
