@@ -275,6 +275,12 @@ def test_the_plan_carries_the_sharding_through_json() -> None:
         Plan.from_dict({**plan.to_dict(), "shard_degree": 3})
     with pytest.raises(UsageError, match="--shard conflicts with --plan p.json"):
         plan_with_flags(again, None, {"--shard": 4}, "p.json")
+    one = plan_from_flags("dp", {"--shard": 1}, num_processes=2, num_blocks=3)
+    assert (one.sharded, one.shard_degree) == (True, 1)
+    assert Plan.from_dict(json.loads(json.dumps(one.to_dict()))).sharded
+    older = {key: value for key, value in plan.to_dict().items() if key != "sharded"}
+    assert Plan.from_dict(older).sharded  # written before the key: a degree above 1 says it
+    assert not plan_from_flags("dp", {}, num_processes=4, num_blocks=3).sharded
 
 
 class _CountingTask:
@@ -338,3 +344,34 @@ def test_unknown_unit_names_the_modules_there_are() -> None:
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "--shard-units 'blok' is not a submodule of the model; its " \
         "modules include 0, 1, 2, 3" in lines[0], result.stderr
+
+
+@pytest.mark.multiprocess
+def test_shard_1_is_fsdp_on_each_worker_and_equals_one_process(shared_run: SharedRun) -> None:
+    """``--shard 1``: FSDP2 with groups of one (one device: its mixed precision; more workers:
+    a replicated mesh of one-worker shards), still the one-process update."""
+    single, _ = shared_run(*MLP, "--nproc", "1")
+    for nproc, mesh in (("1", {"shard": 1}), ("2", {"replicate": 2, "shard": 1})):
+        out, summary = shared_run(*MLP, "--nproc", nproc, "--shard", "1")
+        assert (summary["shard"], summary["shard_mesh"]) == (1, mesh)
+        assert summary["shard_mixed_precision"] is None
+        assert max_abs_diff(single / "final.pt", out / "final.pt") <= 1e-5, nproc
+
+
+@pytest.mark.multiprocess
+def test_bf16_computes_in_bf16_on_fp32_shards(shared_run: SharedRun) -> None:
+    """``--precision bf16`` is FSDP2's mixed precision: the parameters end in fp32 near the fp32
+    run's, but not equal to them (the forward and backward ran in bf16); BatchNorm keeps fp32
+    statistics in a unit of its own."""
+    full, fp32 = shared_run(*GPT, *FULL)
+    out, bf16 = shared_run(*GPT, *FULL, "--precision", "bf16")
+    assert bf16["shard_mixed_precision"] == {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+    state = torch.load(out / "final.pt")
+    assert all(value.dtype == torch.float32 for value in state.values())
+    differs = max_abs_diff(full / "final.pt", out / "final.pt")
+    assert 1e-4 < differs < 0.05, differs
+    assert abs(bf16["final_loss"] - fp32["final_loss"]) < 0.05 * fp32["final_loss"]
+    bn_out, bn = shared_run(*BN, "--nproc", "2", "--shard", "2", "--precision", "bf16")
+    bn_state = torch.load(bn_out / "final.pt")
+    assert bn["finished"] and bn_state["block.bn2.running_mean"].dtype == torch.float32
+    assert float(bn_state["block.bn2.running_mean"].abs().max()) > 1e-3

@@ -120,16 +120,20 @@ class Plan:
     ``named_modules`` gives it) -> style, one of :data:`TENSOR_STYLES`
     (``{"encoder.0.fc1": "colwise", "encoder.0.fc2": "rowwise"}``); layers it does not name
     stay whole. None: the reference model's own plan (:mod:`tandem.models.tensor`)."""
+    sharded: bool = False
+    """Sharded data parallelism (ZeRO / FSDP): the workers keep the model's state in FSDP2's
+    (or ZeRO's) sharded form, in groups of ``shard_degree`` (set whenever that is above 1; with
+    1, each worker's group is itself: FSDP2's mixed precision on one device)."""
     shard_degree: int = 1
-    """Sharded data parallelism (ZeRO / FSDP): the data-parallel workers are split into groups
-    of this many, each group sharding the model's state among its workers (1: none; every
+    """With ``sharded``: the data-parallel workers are split into groups of this many, each
+    group sharding the model's state among its workers (1 and not ``sharded``: none; every
     worker holds all of it). Workers beyond one group replicate the groups (hybrid sharding,
     HSDP): ``replicas / shard_degree`` groups."""
     shard_level: int = 3
-    """With ``shard_degree`` above 1, what is sharded: 1 the optimizer state, 2 also the
+    """With ``sharded``, what is sharded: 1 the optimizer state, 2 also the
     gradients, 3 also the parameters (ZeRO's stages)."""
     shard_units: list[str] | None = None
-    """With ``shard_degree`` above 1, the submodules (``named_modules`` names) sharded as one
+    """With ``sharded``, the submodules (``named_modules`` names) sharded as one
     unit each, gathered for their forward and backward only; None: each block of the model (the
     children of its sequence of blocks), then the rest of the model."""
     recompute: bool = False
@@ -202,6 +206,9 @@ class Plan:
         if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
             raise UsageError(f"a plan's shard degree must be a whole number of at least 1 (got "
                              f"{degree!r}); e.g. 4, or 1 for none")
+        if not isinstance(self.sharded, bool):
+            raise UsageError(f"a plan's sharded must be true or false (got {self.sharded!r})")
+        self.sharded = self.sharded or degree > 1
         if level not in SHARD_LEVELS or isinstance(level, bool):
             raise UsageError(f"shard level {level!r} is not one of 1 (optimizer state), "
                              f"2 (+ gradients), 3 (+ parameters)")
@@ -209,11 +216,11 @@ class Plan:
                                   or not all(isinstance(name, str) and name for name in units)):
             raise UsageError(f"a plan's shard_units lists submodule names, e.g. "
                              f'["transformer.h.0", "transformer.h.1"] (got {units!r})')
-        if degree == 1:
+        if not self.sharded:
             if units is not None or level != 3:
-                raise UsageError("the plan sets shard_level or shard_units but its shard degree "
-                                 "is 1, which shards nothing; add --shard S (shard_degree in a "
-                                 "plan file), or drop them")
+                raise UsageError("the plan sets shard_level or shard_units but is not sharded; "
+                                 "add --shard S (sharded and shard_degree in a plan file), or "
+                                 "drop them")
             return
         if self.pipelined or not isinstance(self.sync, AllReduceSync):
             raise UsageError(f"shard degree {degree} is sharded data parallelism, which runs on "
@@ -355,6 +362,7 @@ class Plan:
             "vertical_sync": self.vertical_sync,
             "tensor_degree": self.tensor_degree,
             "tensor_layers": self.tensor_layers,
+            "sharded": self.sharded,
             "shard_degree": self.shard_degree,
             "shard_level": self.shard_level,
             "shard_units": self.shard_units,
@@ -407,7 +415,7 @@ _STAGE_KEYS = ("start", "end", "replicas", "time_s", "compute_s", "parameter_byt
                "memory_bytes", "devices", "compression")  # fmt: skip
 _PLAN_KEYS = ("num_layers", "num_devices", "bottleneck_s", "single_s", "data_parallel_s",
               "layer_order", "level_configs", "schedule", "num_microbatches", "schedule_text",
-              "vertical_sync", "tensor_degree", "tensor_layers",
+              "vertical_sync", "tensor_degree", "tensor_layers", "sharded",
               "shard_degree", "shard_level", "shard_units", "recompute", "predicted_schedule", "estimate_s", "samples_per_s",
               "candidates", "solve_s", "options")  # fmt: skip
 

@@ -213,38 +213,38 @@ def plan_from_flags(strategy: str, given: Mapping[str, Any], *, num_processes: i
     layers, replicas = num_blocks or 1, workers // degree
     shard, level, units = shard_options(given, replicas, degree, spelling)
     return Plan(stages=[Stage(start=0, end=layers, replicas=replicas)], num_layers=layers,
-                num_devices=num_processes, schedule=ScheduleKind.ONE_F_ONE_B,
+                num_devices=num_processes, sharded=shard > 0, schedule=ScheduleKind.ONE_F_ONE_B,
                 num_microbatches=replicas * accumulate, tensor_degree=degree,
                 tensor_layers=parse_tensor_layers(given.get(TENSOR_LAYERS_FLAG)), sync=sync,
-                compress=compress, shard_degree=shard, shard_level=level, shard_units=units)
+                compress=compress, shard_degree=max(shard, 1), shard_level=level, shard_units=units)
 
 
 def shard_options(given: Mapping[str, Any], workers: int, tensor: int = 1,
                   spelling: Spelling = TRAIN_SPELLING) -> tuple[int, int, list[str] | None]:
-    """``--shard S`` (default 1: none), ``--shard-level`` (default 3) and ``--shard-units``
-    (default None: the model's blocks), checked against the ``workers`` that share each batch:
-    ``S`` must divide them (``workers / S`` replicas of ``S``-way shards, HSDP)."""
-    degree = int(given.get(SHARD_FLAG, 1))
+    """``--shard S`` (not given: none; 1: each worker's own group, FSDP2 on one device),
+    ``--shard-level`` (default 3) and ``--shard-units`` (default None: the model's blocks),
+    checked against the ``workers`` that share each batch: ``S`` must divide them (``workers /
+    S`` replicas of ``S``-way shards, HSDP). The degree is 0 when the run is not sharded."""
     nproc = spelling.processes
-    if degree < 1:
-        raise UsageError(f"{SHARD_FLAG} must be at least 1 (got {degree}); e.g. {SHARD_FLAG} "
-                         f"{max(2, workers)}, or 1 for none")
     extra = next((flag for flag in (SHARD_LEVEL_FLAG, SHARD_UNITS_FLAG) if flag in given), None)
-    if degree == 1:
+    if SHARD_FLAG not in given:
         if extra is not None:
             raise UsageError(f"{extra} says how {SHARD_FLAG} shards, but this run shards "
                              f"nothing; add {SHARD_FLAG} S (e.g. {SHARD_FLAG} {max(2, workers)}) "
                              f"or drop {extra}")
-        return 1, 3, None
+        return 0, 3, None
+    degree = int(given[SHARD_FLAG])
+    if degree < 1:
+        raise UsageError(f"{SHARD_FLAG} must be at least 1 (got {degree}); e.g. {SHARD_FLAG} "
+                         f"{max(2, workers)}, or leave it out to shard nothing")
     if tensor > 1:
         raise UsageError(f"{SHARD_FLAG} {degree} with {TENSOR_FLAG} {tensor} (2-D sharding x "
                          f"tensor) is not supported yet; drop one of them")
     if degree > workers or workers % degree:
-        divisors = [d for d in range(2, workers + 1) if workers % d == 0]
-        fix = (f"use {SHARD_FLAG} {' or '.join(map(str, divisors))}" if divisors
-               else f"use {nproc} 2 or more")
+        divisors = [d for d in range(2, workers + 1) if workers % d == 0] or [1]
         raise UsageError(f"{SHARD_FLAG} {degree} does not divide {nproc} {workers}: the workers "
-                         f"are {nproc}/S replicas of S-way shards; {fix}")
+                         f"are {nproc}/S replicas of S-way shards; use {SHARD_FLAG} "
+                         f"{' or '.join(map(str, divisors))}")
     level = given.get(SHARD_LEVEL_FLAG, 3)
     if isinstance(level, bool) or level not in (1, 2, 3):
         raise UsageError(f"{SHARD_LEVEL_FLAG} {level} is not one of 1 (optimizer state), "

@@ -219,10 +219,10 @@ def load_plan(text: str, profile: ModelProfile, cluster: Cluster,
             raise UsageError(f"{first} applies to --plan {'|'.join(ONE_STAGE)}; the plan "
                              f"file {text!r} carries its own sync (drop {first})")
         plan = Plan.load(text)
-        if plan.shard_degree > 1:
+        if plan.sharded:
             raise UsageError(f"the plan {text!r} shards data parallelism (shard degree "
                              f"{plan.shard_degree}), which the simulator does not model yet; "
-                             f"set its shard_degree to 1 to simulate plain data parallelism")
+                             f"set its sharded to false to simulate plain data parallelism")
         return plan
     codec = getattr(args, "codec", None)
     if codec:

@@ -252,7 +252,7 @@ def check_shard(plan: Plan, run: RunConfig) -> None:
     needs each worker's whole gradient: fp16's loss scaler (an overflow seen in one shard
     would skip the step there only), the noise scale and ``--find-unused-parameters``. One
     line for each setting it would not honour."""
-    if plan.shard_degree == 1:
+    if not plan.sharded:
         return
     shard = f"--shard {plan.shard_degree}"
     refused: dict[str, tuple[Any, str]] = {

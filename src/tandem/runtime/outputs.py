@@ -30,7 +30,7 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
     """What every run's summary says of its plan: strategy, layout, schedule, micro-batches,
     codec, and a shard degree with its level where the plan shards."""
     shard = ({"shard": plan.shard_degree, "shard_level": plan.shard_level}
-             if plan.shard_degree > 1 else {})
+             if plan.sharded else {})
     return {"strategy": strategy_of(plan), "plan": plan.config, "schedule": plan.schedule,
             "microbatches": plan.num_microbatches,
             "compress": plan.compress.text if plan.compress else None, **shard}

@@ -51,8 +51,12 @@ class Precision(Component):
 
     name = "precision"
 
-    def __init__(self, precision: str, device: torch.device, *, clip: float | None = None) -> None:
+    def __init__(self, precision: str, device: torch.device, *, clip: float | None = None,
+                 autocast: bool = True) -> None:
         self.precision, self.device, self.clip = precision, device, clip
+        self.autocasts = autocast and precision != "fp32"
+        """Whether the forward runs under autocast (False: fp32, or a strategy that casts the
+        parameters itself, FSDP2's mixed precision)."""
         self.scaler = (torch.amp.GradScaler(device.type) if precision == "fp16" else None)
         self.skipped_steps = 0
         self.skipped_in_a_row = 0
@@ -62,8 +66,9 @@ class Precision(Component):
         """The global gradient norm before clipping, at the last :meth:`unscale_and_clip`."""
 
     def autocast(self) -> ContextManager[Any]:
-        """The forward's context: autocast to bf16/fp16, or nothing for fp32."""
-        if self.precision == "fp32":
+        """The forward's context: autocast to bf16/fp16, or nothing (fp32, or a strategy that
+        casts the parameters itself)."""
+        if not self.autocasts:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=DTYPES[self.precision])
 

@@ -80,7 +80,7 @@ def check_job(job: Job) -> None:
 
         tensor_plan(run.model if job.objects is None or job.objects.model is None else None,
                     model, plan.tensor_degree, plan.tensor_layers)
-    if plan.shard_degree > 1 and plan.shard_level > 1:
+    if plan.sharded and plan.shard_level > 1:
         from tandem.sync.sharded import check_units  # delays torch
 
         check_units(model, plan.shard_units)

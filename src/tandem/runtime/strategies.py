@@ -81,8 +81,9 @@ def build_strategy(job: Job, rank: int, world_size: int) -> SyncStrategy:
     """The synchronization strategy of ``job``'s plan for worker ``rank`` of ``world_size``
     (allreduce's sharded data parallelism with a shard degree above 1)."""
     plan = job.plan
-    if plan.shard_degree > 1:
-        strategy = sharded_strategy(plan.shard_degree, plan.shard_level, plan.shard_units)
+    if plan.sharded:
+        strategy = sharded_strategy(plan.shard_degree, plan.shard_level, plan.shard_units,
+                                    job.run.precision)
     else:
         strategy = SYNC_STRATEGIES[type(plan.sync)](job, rank, world_size)
     strategy.find_unused_parameters = job.run.find_unused_parameters

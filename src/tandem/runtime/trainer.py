@@ -24,6 +24,7 @@ from tandem.runtime.component import Components, StepEnd
 from tandem.runtime.checkpoint import (
     CHECKPOINT_VERSION, load_checkpoint, load_schedule, resume_path, save_atomic,
 )
+from tandem.runtime.config import RunConfig
 from tandem.runtime.job import Job
 from tandem.runtime.data_step import DataParallelStep, apply_update, noise_measure
 from tandem.runtime.dist import WorkerEnv
@@ -44,7 +45,7 @@ from tandem.sync import SyncStrategy
 from tandem.sync.allreduce import AllReduce
 from tandem.spec.batch_schedule import AUTO
 from tandem.spec.codec import CodecSpec
-from tandem.spec.sync import ParameterServerSync
+from tandem.spec.sync import ParameterServerSync, SyncSpec
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,15 @@ SYNC_NAMES = {kind.value: str(Action(0, kind))
               for kind in (Kind.ALLREDUCE, Kind.STEP, Kind.PUSH, Kind.PULL, Kind.EXCHANGE)}
 """The trace name of each action a sync strategy's own loop reports (``0PU``, ``0GX``; see
 :meth:`SyncStrategy.action`)."""
+
+
+def worker_precision(config: RunConfig, env: WorkerEnv, strategy: SyncStrategy,
+                     sync: SyncSpec) -> Precision:
+    """A worker's precision: it clips where the gradient it applies is its own (not where a
+    server clips), and autocasts unless the strategy casts itself (FSDP2's mixed precision)."""
+    server_clips = isinstance(sync, ParameterServerSync) and sync.server_clips
+    return Precision(config.precision, env.device, autocast=not strategy.casts_forward,
+                     clip=None if server_clips else config.clip_grad_norm)
 
 
 class Trainer(BaseTrainer):
@@ -92,10 +102,7 @@ class Trainer(BaseTrainer):
         self.setup_optimizer(self.module.parameters())
         self.optimizer, self.scheduler = sharded_optimizer(self.strategy, self.optimizer,
                                                            self.scheduler, self.lr_multiplier)
-        sync = self.plan.sync
-        server_clips = isinstance(sync, ParameterServerSync) and sync.server_clips
-        self.precision = Precision(config.precision, env.device,
-                                   clip=None if server_clips else config.clip_grad_norm)
+        self.precision = worker_precision(config, env, self.strategy, self.plan.sync)
         self.strategy.step_fn = self.precision.step
         noise, self.noise_samples = noise_measure(
             self.strategy, self.feed, data_world=self.data_world, compress=self.plan.compress,

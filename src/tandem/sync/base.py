@@ -79,6 +79,9 @@ class SyncStrategy(abc.ABC):
     (:func:`check_memory_limit`)."""
     shard_degree: int = 1
     """Workers each group splits the state over (``--shard``; 1: each holds it whole)."""
+    casts_forward: bool = False
+    """Whether the strategy runs the forward in the run's half precision itself (FSDP2's
+    ``MixedPrecisionPolicy``), so that the trainer adds no autocast around it."""
 
     step_fn: Callable[[torch.optim.Optimizer], None] | None = None
     """How the optimizer applies the gradients (set by the trainer: with fp16 the loss scaler's

@@ -4,7 +4,7 @@ state alone, its ``ZeroRedundancyOptimizer`` over DDP.
 
 Usage::
 
-    strategy = sharded_strategy(degree=4, level=3, units=None)
+    strategy = sharded_strategy(degree=4, level=3, units=None, precision="bf16")
     module = strategy.wrap(model, device)        # before the optimizer is built
     optimizer = strategy.shard_optimizer(optimizer)
 
@@ -15,6 +15,14 @@ until its backward, whose gradients are reduce-scattered); 3 also the parameters
 (``reshard_after_forward=True``: gathered again for the backward). With more workers than ``S``
 the groups are replicas of each other (hybrid sharding, HSDP): a 2-D mesh ``(replicas, S)``,
 where FSDP2 reduce-scatters within a group and allreduces each shard across the groups.
+
+``--precision bf16`` at levels 2 and 3 is FSDP2's mixed precision (``MixedPrecisionPolicy``):
+each unit's parameters are gathered in bf16 and its forward and backward compute in bf16, while
+the shards the optimizer steps stay in fp32 and the gradients are reduced in fp32; the model's
+output is cast back to fp32, so the loss is computed in fp32. No autocast runs around it. A
+normalization layer with running statistics (BatchNorm) stays fp32 as a unit of its own (its
+input cast to fp32, its output to bf16), as FSDP1 kept it: its fp32 statistics would not mix
+with bf16 weights, nor should they be kept in bf16.
 
 A *unit* is gathered and freed as one piece: each block of the model (the children of its
 sequence of blocks, :func:`block_units`: gpt's transformer blocks, an ``nn.Sequential``'s
@@ -108,6 +116,13 @@ def _check_ties(model: nn.Module, units: list[str]) -> None:
                              f"both as one unit, or leave them out of the units")
 
 
+def _normalizations(model: nn.Module) -> list[str]:
+    """The names of ``model``'s normalization layers that keep running statistics."""
+    return [name for name, module in model.named_modules()
+            if name and isinstance(module, nn.modules.batchnorm._NormBase)  # noqa: SLF001
+            and module.track_running_stats]
+
+
 def shard_mesh(device: torch.device, degree: int) -> Any:
     """The device mesh of ``degree``-way shards over all workers: 1-D ``(shard,)``, or 2-D
     ``(replicate, shard)`` when there are more workers than ``degree`` (HSDP)."""
@@ -143,8 +158,12 @@ class ShardedDataParallel(SyncStrategy):
         "unit by unit as the backward computes it, and the noise scale needs the norm of the "
         "whole local gradient beside the averaged one; use --shard-level 1 to measure it")
 
-    def __init__(self, degree: int, level: int, units: list[str] | None = None) -> None:
+    def __init__(self, degree: int, level: int, units: list[str] | None = None,
+                 param_dtype: torch.dtype | None = None) -> None:
         self.shard_degree, self.level, self.unit_names = degree, level, units
+        self.param_dtype = param_dtype
+        """The dtype units compute in (None: their own, fp32)."""
+        self.casts_forward = param_dtype is not None
         self.units: list[str] = []
         """The units sharded besides the root (the whole model)."""
         self.mesh: Any = None
@@ -162,7 +181,7 @@ class ShardedDataParallel(SyncStrategy):
         # checkpoints and final.pt use these: imported now, a checkpoint's memory is its own
         import torch.distributed.checkpoint.state_dict_loader  # noqa: F401
         import torch.distributed.checkpoint.state_dict_saver  # noqa: F401
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         model = model.to(device)
         self.units = check_units(model, self.unit_names)
@@ -172,9 +191,18 @@ class ShardedDataParallel(SyncStrategy):
         self.mesh = shard_mesh(device, self.shard_degree)
         modules = dict(model.named_modules())
         reshard = self.level == 3
-        for name in sorted(self.units, key=lambda unit: -unit.count(".")):  # nested: inner first
-            fully_shard(modules[name], mesh=self.mesh, reshard_after_forward=reshard)
-        fully_shard(model, mesh=self.mesh, reshard_after_forward=reshard)
+        half = self.param_dtype
+        inner = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
+        root = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32,
+                                    output_dtype=torch.float32 if half else None)
+        policies = dict.fromkeys(self.units, inner)
+        if half is not None:  # statistics stay fp32, in units of their own
+            policies.update(dict.fromkeys(_normalizations(model), MixedPrecisionPolicy(
+                param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=half)))
+        for name in sorted(policies, key=lambda unit: -unit.count(".")):  # nested: inner first
+            fully_shard(modules[name], mesh=self.mesh, reshard_after_forward=reshard,
+                        mp_policy=policies[name])
+        fully_shard(model, mesh=self.mesh, reshard_after_forward=reshard, mp_policy=root)
         self._buffers = [buffer for name, buffer in model.named_buffers() if name in saved]
         if self._buffers:
             model.register_forward_pre_hook(self._before_forward)
@@ -264,7 +292,10 @@ class ShardedDataParallel(SyncStrategy):
     def summary(self) -> dict[str, Any]:
         """The run summary's description of the sharding."""
         return {"shard_units": self.units,
-                "shard_mesh": dict(zip(self.mesh.mesh_dim_names, self.mesh.shape))}
+                "shard_mesh": dict(zip(self.mesh.mesh_dim_names, self.mesh.shape)),
+                "shard_mixed_precision": None if self.param_dtype is None else {
+                    "param_dtype": str(self.param_dtype).removeprefix("torch."),
+                    "reduce_dtype": "float32"}}
 
 
 class ShardedOptimizer(AllReduce):
@@ -300,8 +331,12 @@ class ShardedOptimizer(AllReduce):
         return {"shard_mesh": dict(zip(self.mesh.mesh_dim_names, self.mesh.shape))}
 
 
-def sharded_strategy(degree: int, level: int, units: list[str] | None) -> SyncStrategy:
-    """The strategy of ``--shard degree --shard-level level [--shard-units units]``."""
+def sharded_strategy(degree: int, level: int, units: list[str] | None,
+                     precision: str = "fp32") -> SyncStrategy:
+    """The strategy of ``--shard degree --shard-level level [--shard-units units]`` under
+    ``--precision precision`` (levels 2 and 3 compute bf16 by FSDP2's mixed precision; level 1
+    leaves the precision to the trainer's autocast)."""
     if level == 1:
         return ShardedOptimizer(degree)
-    return ShardedDataParallel(degree, level, units)
+    return ShardedDataParallel(degree, level, units,
+                               torch.bfloat16 if precision == "bf16" else None)
