@@ -95,6 +95,8 @@ class GlobalBatchSampler:
         return self._segment(step)[1]
 
     def _segment(self, step: int) -> tuple[int, int, int, int]:
+        if len(self._segments) == 1:  # no batch schedule
+            return self._segments[0]
         index = bisect.bisect_right([s[0] for s in self._segments], step) - 1
         return self._segments[index]
 

@@ -98,8 +98,8 @@ class DataParallelStep:
         assert loss is not None, "a backward without its forward"
         self.beat.phase = "backward"
         size = self.pending_size  # the mean loss times the samples, scaled: one multiplication
-        self.precision.backward(loss * (size * self.scale if self.divisor is None
-                                        else size / self.divisor))
+        factor = size * self.scale if self.divisor is None else size / self.divisor
+        self.precision.backward(loss if factor == 1.0 else loss * factor)  # 1: DDP's own mean
         if self.accumulating is not None:
             self.accumulating.close()
             self.accumulating = None

@@ -23,10 +23,11 @@ Steps count from 1, as ``metrics.jsonl`` does: "step 3" is the third optimizer s
 
 Cost: no step waits for the device. Each step's loss stays where it was computed, in a list;
 :meth:`LossWatch.poll` reads the pending ones at once (one transfer) and names the first bad
-one. On CPU, where reading a tensor costs nothing, trainers poll after every step; on an
-accelerator at each ``--log-every`` step (when the loss is read anyway), before every
+one. Trainers poll at each ``--log-every`` step (when the loss is read anyway), before every
 checkpoint and at the end, so a run may go on for up to ``--log-every`` steps after the bad one,
-and the step named is still the first bad one.
+and the step named is still the first bad one. A worker that sends its own gradient (parameter
+servers, gossip, averaging, tensor parallelism) also polls before each update on CPU, where
+reading a tensor costs little, so that a diverged gradient does not leave it.
 
 Usage::
 
@@ -169,9 +170,9 @@ class LossWatch:
         if not self.pending:
             return
         pending, self.pending = self.pending, []
-        if len(pending) == 1:  # polled every step (on CPU): read the one loss, no stack
-            sums = [pending[0][1].item()]
-        else:
+        if len(pending) == 1 or pending[0][1].device.type == "cpu":  # no transfer: read each
+            sums = [loss.item() for _, loss, _ in pending]  # (a stack costs 20x more here)
+        else:  # one transfer
             sums = torch.stack([loss.to(torch.float64).reshape(())
                                 for _, loss, _ in pending]).cpu().tolist()
         for (step_index, _, count), total in zip(pending, sums):
@@ -202,12 +203,11 @@ class LossWatch:
 
     def check(self, step_index: int, *, thorough: bool, overflows_in_a_row: int) -> None:
         """After step ``step_index``: stop the run if its loss, or an earlier one not yet read,
-        diverged (read now if ``thorough``, else only where reading is free), or if fp16 has
+        diverged (read if ``thorough``: at log and checkpoint steps; a strategy whose worker
+        sends its own gradient polls before it does, :meth:`poll_if_cheap`), or if fp16 has
         skipped ``overflows_in_a_row`` steps, too many (:meth:`check_overflows`)."""
         if thorough:
             self.poll()
-        else:
-            self.poll_if_cheap()
         self.check_overflows(step_index, overflows_in_a_row)
 
     def check_parameters(self, parameters: Iterable[torch.Tensor], step_index: int) -> None:

@@ -46,6 +46,8 @@ class AllReduce(SyncStrategy):
         self.bucket_norms = BucketNorms()
         """Squared norms of this worker's gradient and of the averaged one, per step."""
         self._parameters: list[nn.Parameter] | None = None
+        self._gradient_bytes: int | None = None
+        """Bytes of the gradients DDP reduces each step (all of them, without unused ones)."""
         self._reading: list[Any] = []
         """The hooks reading a measured step's local gradients (see :meth:`arm`)."""
         self._local_norms: list[torch.Tensor] = []
@@ -130,9 +132,14 @@ class AllReduce(SyncStrategy):
         return super().update(module, optimizer, step)
 
     def _count_plain_allreduce(self, module: nn.Module) -> None:
-        """DDP's own allreduce sends every gradient that exists (unused parameters have none)."""
-        num_bytes = sum(p.grad.numel() * p.grad.element_size() for p in self._listed(module)
-                        if p.grad is not None)
+        """DDP's own allreduce sends every gradient that exists (unused parameters have none:
+        counted each step with ``--find-unused-parameters``, else once, every parameter having
+        one, as :meth:`check_gradients` has made sure)."""
+        num_bytes = self._gradient_bytes
+        if num_bytes is None or self.find_unused_parameters:
+            num_bytes = sum(p.grad.numel() * p.grad.element_size() for p in self._listed(module)
+                            if p.grad is not None)
+            self._gradient_bytes = num_bytes
         self.meter.add(payload_bytes=num_bytes, gradient_bytes=num_bytes, collective="allreduce")
 
     def stats(self) -> dict[str, float]:
