@@ -22,7 +22,7 @@ from torch import nn
 from tandem.data import Batch
 from tandem.runtime.executor import Span
 from tandem.runtime.noise_scale import NoiseScale, two_batch_estimates
-from tandem.runtime.precision import Precision
+from tandem.runtime.precision import Precision, StagePrecision
 from tandem.schedule import Action
 from tandem.spec.codec import CodecSpec
 from tandem.structures import call_model
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 class DataParallelStep:
     """One worker's F, B and AR handlers, and what they share within a step."""
 
-    def __init__(self, module: nn.Module, precision: Precision,
+    def __init__(self, module: nn.Module, precision: Precision | StagePrecision,
                  loss: Callable[[Any, Any], torch.Tensor], beat: Any, *, data_world: int,
                  strategy: SyncStrategy | None = None, slowdown: float = 1.0) -> None:
         self.module, self.strategy, self.precision = module, strategy, precision

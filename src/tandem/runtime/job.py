@@ -66,10 +66,10 @@ class Job:
 
     def _check_tensor(self) -> None:
         """Tensor parallelism runs alone, with data parallelism (allreduce's plan) or in a
-        pipeline whose every stage has the same replicas under a flush schedule, in fp32 or bf16
-        (fp16's loss scaler would skip a step on one worker's share only), with an elementwise
-        optimizer and without checkpoints, for now: one line for each setting it would not
-        honour."""
+        pipeline whose every stage has the same replicas under a flush schedule, with an
+        elementwise optimizer; alone or with data parallelism it also takes fp16, clipping and
+        checkpoints (resume, stop, restart), which a pipeline x tensor layout does not yet: one
+        line for each setting it would not honour."""
         plan, run = self.plan, self.run
         degree = plan.tensor_degree
         if plan.recompute and len(plan.stages) < 2:
@@ -93,12 +93,21 @@ class Job:
                              f"{plan.sync.method!r}; tandem runs tensor parallelism with "
                              f"allreduce's data parallelism or a pipeline only")
         self._check_tensor_compress()
-        refused = {
+        piped = {
             "--precision": run.precision if run.precision == "fp16" else None,
             "--clip-grad-norm": run.clip_grad_norm,
-            "--optimizer": run.optimizer if run.optimizer in ("lars", "lamb") else None,
             "--resume": run.resume, "--stop-after": run.stop_after,
             "--checkpoint-every": run.checkpoint_every or None,
+            "--max-restarts": run.max_restarts or None,
+        }
+        for flag, value in piped.items() if plan.pipelined else ():
+            if value is not None:
+                raise UsageError(f"{flag} {value} is not supported in a pipeline x tensor layout "
+                                 f"yet (tensor parallelism alone or with data parallelism takes "
+                                 f"it); drop {flag}, or run --strategy dp --tensor-parallel "
+                                 f"{degree}")
+        refused = {
+            "--optimizer": run.optimizer if run.optimizer in ("lars", "lamb") else None,
             "--batch-schedule": run.batch_schedule if run.batch_schedule == AUTO else None,
             "--straggler": run.straggler,
             "--find-unused-parameters": True if run.find_unused_parameters else None,
@@ -107,8 +116,8 @@ class Job:
             if value is not None:
                 shown = "" if value is True else f" {value}"
                 raise UsageError(f"{flag}{shown} is not supported with --tensor-parallel "
-                                 f"{degree} yet (it runs fp32 or bf16, sgd/adam/adamw, without "
-                                 f"checkpoints); drop {flag}")
+                                 f"{degree} yet (it runs sgd/adam/adamw, on batches fixed in "
+                                 f"advance); drop {flag}")
 
     def _check_tensor_compress(self) -> None:
         """``--compress`` with tensor parallelism encodes the data dimension's gradients: it

@@ -128,6 +128,13 @@ class Precision(Component):
         self.skipped_steps = int(state.get("skipped_steps", 0))
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of ``tensor`` this worker holds: a DTensor's local shard (tensor parallelism's
+    split layers, without importing DTensor here), else the tensor."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
+
+
 class LossScale:
     """fp16's dynamic loss scale, updated from a found-inf flag the caller gives: the rule of
     ``torch.amp.GradScaler`` (start at ``2**16``; halve after an overflow; double after
@@ -168,7 +175,8 @@ class StagePrecision(Component):
     steps once per optimizer step, so they can decide together).
 
     The last stage multiplies its loss by :attr:`loss_factor`, so the gradients of every stage
-    carry the same scale. At the step each worker unscales its gradients, and one allreduce over
+    carry the same scale. Tensor parallelism's workers use it too (one stage: each counts its
+    shares of the split layers, the first the whole layers, so that the norm is the model's). At the step each worker unscales its gradients, and one allreduce over
     all workers sums each stage's squared gradient norm (of its ``counted`` parameters: replica
     0's, and a tied weight on the first stage that holds it, so each is counted once) and the
     workers that found an overflow. Every worker then skips the step and backs off the scale,
@@ -205,6 +213,12 @@ class StagePrecision(Component):
         """What the last stage multiplies its loss by: the loss scale (1 without fp16)."""
         return self.loss_scale.scale if self.loss_scale is not None else 1.0
 
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, of the loss times :attr:`loss_factor` (a worker that computes
+        the loss itself: tensor parallelism's)."""
+        factor = self.loss_factor
+        torch.autograd.backward(loss if factor == 1.0 else loss * factor)
+
     def step(self, optimizer: torch.optim.Optimizer,
              parameters: Iterable[torch.nn.Parameter]) -> bool:
         """Unscale, agree with every worker, clip, and step unless a gradient anywhere
@@ -214,9 +228,10 @@ class StagePrecision(Component):
             optimizer.step()
             return True
         params = [p for p in parameters if p.grad is not None]
-        grads = [g for g in (p.grad for p in params) if g is not None]
+        grads = [_local(g) for g in (p.grad for p in params) if g is not None]
         found = self.loss_scale.unscale(grads) if self.loss_scale is not None else False
-        counted = [g for g in (p.grad for p in params if id(p) in self.counted) if g is not None]
+        counted = [_local(g) for g in (p.grad for p in params if id(p) in self.counted)
+                   if g is not None]
         squared = (float(torch.linalg.vector_norm(torch.stack(
             [torch.linalg.vector_norm(g) for g in counted]))) ** 2 if counted else 0.0)
         totals = torch.tensor([squared, float(found)], dtype=torch.float64, device=self.device)

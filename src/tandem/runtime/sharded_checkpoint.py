@@ -121,10 +121,24 @@ def shard_whole_optimizer(saved: dict[str, Any], model: nn.Module,
 def check_sharded_resume(checkpoint: dict[str, Any] | None,
                          path: Path | None) -> dict[str, Any] | None:
     """``checkpoint`` (loaded from ``path``) with its ``"sharded"`` entry pointing at its folder
-    beside ``path``."""
-    if checkpoint is not None and path is not None and "sharded" in checkpoint:
-        checkpoint["sharded"] = path.parent / checkpoint["sharded"]
+    beside ``path``; one line if a tensor-parallel run wrote it (:func:`check_tensor_degree`)."""
+    if checkpoint is not None and path is not None:
+        check_tensor_degree(checkpoint, path, 1)
+        if "sharded" in checkpoint:
+            checkpoint["sharded"] = path.parent / checkpoint["sharded"]
     return checkpoint
+
+
+def check_tensor_degree(checkpoint: dict[str, Any], path: Path, degree: int) -> None:
+    """One line if the checkpoint at ``path`` was written by a run of another tensor degree
+    (its shares are cut for that degree's layout)."""
+    saved = int(checkpoint.get("tensor_degree", 1))
+    if saved != degree:
+        written = (f"--tensor-parallel {saved}" if saved > 1
+                   else "a run without tensor parallelism")
+        fix = f"--tensor-parallel {saved}" if saved > 1 else "without --tensor-parallel"
+        raise UsageError(f"checkpoint {path} was written by {written}, and this run has tensor "
+                         f"degree {degree}; resume it {fix}")
 
 
 def remove_older(out: Path, keep: str | None) -> None:

@@ -280,6 +280,16 @@ def sum_gradients(parameters: list[nn.Parameter], group: Any) -> int:
     return flat.numel() * flat.element_size()
 
 
+def split_parameters(model: nn.Module, plan: TensorPlan) -> dict[str, bool]:
+    """The names of ``model``'s parameters each worker holds a share of, each with whether it
+    is a DTensor (split layers; a replicated DTensor, a row-wise layer's bias, is whole) or a
+    plain tensor of its rows (``channels`` layers)."""
+    channels = {name for name, style in plan.items() if style == "channels"}
+    return {name: isinstance(p, DTensor) for name, p in model.named_parameters()
+            if (isinstance(p, DTensor) and any(place.is_shard() for place in p.placements))
+            or name.rpartition(".")[0] in channels}
+
+
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The part of ``tensor`` this worker holds (a DTensor's local shard, else itself)."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor

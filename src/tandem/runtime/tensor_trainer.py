@@ -12,6 +12,13 @@ D = 1); the collectives inside the split layers keep their whole layers (embeddi
 unsplit linear layers) equal. With D > 1 each worker then sums its gradients (its own shares)
 with the workers at its tensor position in the other replicas, the ``data`` dimension. Every
 worker steps its own optimizer; the result is single-process training's.
+
+fp16's loss scale and ``--clip-grad-norm`` are agreed by all workers at each step
+(:class:`~tandem.runtime.precision.StagePrecision`: one allreduce of the overflow flags and of
+the squared gradient norm, each worker of the first replica counting its shares of the split
+layers and the first of them the whole layers). Checkpoints go through
+``torch.distributed.checkpoint``: each worker writes its own shares (the first replica's; the
+others hold the same), and a run resumes on the same tensor degree with any number of replicas.
 """
 
 from __future__ import annotations
@@ -33,10 +40,11 @@ from tandem.runtime.data_step import DataParallelStep
 from tandem.runtime.dist import WorkerEnv
 from tandem.runtime.executor import Executor, Span, compile_program
 from tandem.runtime.noise_scale import NoiseScale
-from tandem.runtime.precision import Precision
+from tandem.runtime.precision import StagePrecision
+from tandem.runtime.tensor_checkpoint import TensorCheckpoints
 from tandem.runtime.tensor_parallel import (
     MESH_DIMS, gathered_state_dict, layout_mesh, local_tensor, materialize_split, memory_report,
-    parameter_bytes, split_model, sum_gradients,
+    parameter_bytes, split_model, split_parameters, sum_gradients,
 )
 from tandem.runtime.watchdog import Heartbeat
 from tandem.schedule import Action, Kind
@@ -45,7 +53,7 @@ from tandem.schedule import Action, Kind
 class TensorParallelTrainer(BaseTrainer):
     """One worker of a tensor-parallel job (see the module docstring)."""
 
-    precision: Precision
+    precision: StagePrecision
 
     def __init__(self, job: Job, env: WorkerEnv, beat: Heartbeat) -> None:
         super().__init__(job, env, beat)
@@ -89,7 +97,12 @@ class TensorParallelTrainer(BaseTrainer):
             "the gradient noise scale is measured in data parallelism only (from each worker's "
             "gradient and their allreduced mean); tensor-parallel workers share every batch")
         self.setup_optimizer(model.parameters())
-        self.precision = Precision(config.precision, env.device)
+        split = split_parameters(model, self.tensor_plan)
+        self.precision = StagePrecision(config.precision, env.device, clip=config.clip_grad_norm,
+                                        counted=[p for name, p in model.named_parameters()
+                                                 if self.data_rank == 0 and (
+                                                     name in split or self.tensor_rank == 0)])
+        TensorCheckpoints(self).restore()
         self.work = DataParallelStep(model, self.precision, self.task.loss, beat,
                                      data_world=self.replicas)
         self.work.after_backwards = self._after_backwards
@@ -165,9 +178,10 @@ class TensorParallelTrainer(BaseTrainer):
             self.reduced_bytes += sum_gradients(list(self.model.parameters()), self.data_group)
 
     def _step(self, action: Action, span: Span) -> None:
-        """Apply the update and advance the learning-rate schedule."""
+        """Apply the update (unless fp16 overflowed on any worker; clipped by the model's norm)
+        and advance the learning-rate schedule."""
         self.beat.phase = "step"
-        self.precision.step(self.optimizer)
+        self.precision.step(self.optimizer, self.model.parameters())
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
 
@@ -208,7 +222,11 @@ class TensorParallelTrainer(BaseTrainer):
                     "bound_bytes": int(bound),
                     "worker_fraction": float(worst) / max(report["model_bytes"], 1)},
                 **self._compression(),
-                "precision": self.config.precision, "clip_grad_norm": None, "skipped_steps": 0}
+                "precision": self.config.precision, "clip_grad_norm": self.config.clip_grad_norm,
+                "skipped_steps": self.precision.skipped_steps}
+
+    def save_checkpoint(self, step: int) -> None:
+        TensorCheckpoints(self).save(step)
 
     def _compression(self) -> dict[str, Any]:
         """With ``--compress``: the gradient bytes per step over what the codec handed to the

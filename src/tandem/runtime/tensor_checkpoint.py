@@ -1,0 +1,121 @@
+"""Checkpoints of a tensor-parallel job through ``torch.distributed.checkpoint`` (DCP): each
+worker writes and reads only its own shares of the split layers, and the whole layers are
+written once.
+
+A checkpoint is two parts in ``OUT``, as a sharded data-parallel run's
+(:mod:`tandem.runtime.sharded_checkpoint`): the folder ``checkpoint-STEP.dcp`` with the model's
+and the optimizer's state, written collectively, and ``checkpoint.pt``, written by rank 0 last,
+which names the folder and holds the step, the schedule, the data position, the tensor degree and
+each worker's random stream and components. The replicas of a data x tensor layout hold the same
+shares, so DCP writes each once; a run resumes on the same tensor degree with any number of
+replicas. Split layers are DTensors; the rows of a ``channels`` convolution, which are plain
+tensors, are given to DCP as DTensors sharded by rows over the tensor mesh.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+from tandem.errors import UsageError
+from tandem.runtime.checkpoint import (
+    CHECKPOINT_VERSION, load_checkpoint, load_schedule, resume_path, save_atomic,
+)
+from tandem.runtime.faults import announce_resume
+from tandem.runtime.sharded_checkpoint import check_tensor_degree, folder_name, remove_older
+from tandem.runtime.tensor_parallel import split_parameters
+
+if TYPE_CHECKING:
+    from tandem.runtime.tensor_trainer import TensorParallelTrainer
+
+
+class TensorCheckpoints:
+    """Save and restore one tensor-parallel worker's checkpoints (collective)."""
+
+    def __init__(self, trainer: TensorParallelTrainer) -> None:
+        self.trainer = trainer
+        split = split_parameters(trainer.model, trainer.tensor_plan)
+        self.rows = [name for name, is_dtensor in split.items() if not is_dtensor]
+        """Parameters held as plain tensors of this worker's rows (``channels`` layers)."""
+
+    def _state(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        """What DCP writes or reads (``{"model", "optimizer"}``, row shares as DTensors that
+        view this worker's tensors), and the model's and optimizer's state dicts themselves."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        trainer = self.trainer
+        model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
+        model_io: dict[str, Any] = dict(model_state)
+        states: dict[str, Any] = dict(cast(dict[str, Any], optimizer_state["state"]))
+        for name in self.rows:
+            model_io[name] = self._rows(cast(torch.Tensor, model_state[name]))
+            if name in states:
+                states[name] = {key: self._rows(value)
+                                if isinstance(value, torch.Tensor) and value.ndim else value
+                                for key, value in states[name].items()}
+        optimizer_io = {**optimizer_state, "state": states}
+        return ({"model": model_io, "optimizer": optimizer_io}, dict(model_state),
+                dict(optimizer_state))
+
+    def _rows(self, tensor: torch.Tensor) -> DTensor:
+        return DTensor.from_local(tensor, self.trainer.mesh, [Shard(0)], run_check=False)
+
+    def save(self, step: int) -> None:
+        """Write the checkpoint taken after ``step`` steps."""
+        from torch.distributed.checkpoint.state_dict_saver import save
+
+        trainer = self.trainer
+        if trainer.out is None:
+            return
+        state, _, _ = self._state()
+        name = folder_name(step)
+        save(state, checkpoint_id=str(trainer.out / name))
+        own = {"rng": torch.get_rng_state(), "components": trainer.components.state_dict()}
+        ranks: list[dict[str, Any] | None] = [None] * trainer.env.world_size
+        dist.all_gather_object(ranks, own)
+        if trainer.env.rank != 0:
+            return
+        save_atomic({
+            "version": CHECKPOINT_VERSION, "step": step, "fingerprint": trainer.job.fingerprint(),
+            "sharded": name, "tensor_degree": trainer.plan.tensor_degree,
+            "scheduler": trainer.scheduler.state_dict(), "ranks": ranks,
+            "data": trainer.feed.position(step),
+        }, trainer.out / "checkpoint.pt")
+        remove_older(trainer.out, name)
+
+    def restore(self) -> None:
+        """With ``--resume``: load the checkpoint's model and optimizer shares, schedule, step,
+        random stream and components' states (which the run hands them)."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+        from torch.distributed.checkpoint.state_dict_loader import load
+
+        trainer = self.trainer
+        config, env = trainer.config, trainer.env
+        path = resume_path(config.resume, trainer.out)
+        checkpoint = None if path is None else load_checkpoint(
+            path, trainer.job.fingerprint(), steps=config.steps, stop_after=config.stop_after)
+        announce_resume(env.rank, path, checkpoint["step"] if checkpoint else None)
+        if checkpoint is None or path is None:
+            return
+        check_tensor_degree(checkpoint, path, trainer.plan.tensor_degree)
+        trainer.feed.check_position(checkpoint.get("data"), str(config.resume))
+        folder = path.parent / checkpoint["sharded"]
+        if not folder.is_dir():
+            raise UsageError(f"the checkpoint's sharded state {folder} is missing; resume from "
+                             f"the run directory as it was written, or start afresh")
+        state, model_state, optimizer_state = self._state()
+        load(state, checkpoint_id=str(folder))  # into the tensors themselves
+        set_state_dict(trainer.model, trainer.optimizer, model_state_dict=model_state,
+                       optim_state_dict=optimizer_state)
+        load_schedule(trainer.optimizer, trainer.scheduler, checkpoint["scheduler"],
+                      announce=env.rank == 0)
+        ranks, degree = checkpoint["ranks"], trainer.plan.tensor_degree
+        own = ranks[env.rank] if len(ranks) == env.world_size else ranks[env.rank % degree]
+        trainer.first_step = int(checkpoint["step"])
+        torch.set_rng_state(own["rng"])
+        trainer.resumed_components = own["components"]
+
