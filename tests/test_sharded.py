@@ -217,8 +217,18 @@ REFUSED: dict[str, tuple[tuple[dict[str, Any], dict[str, Any]], str]] = {
                             "shards, but this run shards nothing"),
     "units at level 1": (({"--shard": 4, "--shard-level": 1, "--shard-units": "0"}, {}),
                          "--shard-level 1 (the optimizer state only) does not shard"),
-    "tensor": (({"--shard": 2, "--tensor-parallel": 2}, {}),
-               "--shard 2 with --tensor-parallel 2 (2-D sharding x tensor) is not supported yet"),
+    "hybrid x tensor": (({"--shard": 1, "--tensor-parallel": 2}, {}),
+                        "--shard 1 with --tensor-parallel 2 shards over all 2 replicas (hybrid "
+                        "sharding x tensor is not supported yet); use --shard 2"),
+    "level 1 x tensor": (({"--shard": 2, "--shard-level": 1, "--tensor-parallel": 2}, {}),
+                         "--shard-level 1 shards the optimizer state over DDP's replicas, which "
+                         "--tensor-parallel 2 does not use"),
+    "clip x tensor": (({"--shard": 2, "--tensor-parallel": 2}, {"clip_grad_norm": 1.0}),
+                      "--clip-grad-norm 1.0 is not supported with --shard 2 --tensor-parallel 2 "
+                      "yet: the norm over 2-D shards is not taken yet"),
+    "resume x tensor": (({"--shard": 2, "--tensor-parallel": 2}, {"stop_after": 2}),
+                        "--stop-after 2 is not supported with --shard 2 --tensor-parallel 2 yet: "
+                        "the 2-D shards"),
     "resume at level 1": (({"--shard": 4, "--shard-level": 1}, {"resume": "auto", "out": "x"}),
                           "--resume auto is not supported with --shard 4 yet: --shard-level 1 "
                           "writes no checkpoint yet (ZeRO's optimizer gathers its state"),
@@ -375,3 +385,24 @@ def test_bf16_computes_in_bf16_on_fp32_shards(shared_run: SharedRun) -> None:
     bn_state = torch.load(bn_out / "final.pt")
     assert bn["finished"] and bn_state["block.bn2.running_mean"].dtype == torch.float32
     assert float(bn_state["block.bn2.running_mean"].abs().max()) > 1e-3
+
+
+TENSOR_CASES = {"gpt sgd": (GPT, (), ()), "mlp adam level 2": (MLP, ADAM, (
+    "--shard-level", "2", "--accumulate", "2"))}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", list(TENSOR_CASES))
+def test_sharding_x_tensor_equals_one_process(shared_run: SharedRun, name: str) -> None:
+    """``--shard 2 --tensor-parallel 2`` on 4 workers: FSDP2 shards each tensor share over the
+    2 replicas (2-D parameters), and the run ends with one process's parameters; each worker
+    holds about a quarter of the model."""
+    model, optimizer, extra = TENSOR_CASES[name]
+    single, _ = shared_run(*model, *optimizer, "--nproc", "1")
+    out, summary = shared_run(*model, *optimizer, "--nproc", "4", "--shard", "2",
+                              "--tensor-parallel", "2", *extra)
+    assert (summary["shard"], summary["tensor_parallel"]) == (2, 2)
+    assert summary["mesh"] == {"data": 2, "pipeline": 1, "tensor": 2}
+    rest, keys = _compare(single / "final.pt", out / "final.pt")
+    assert rest <= 1e-5 and keys <= (1e-3 if optimizer else 1e-5), name
+    assert summary["tensor_memory"]["worker_fraction"] < 0.35

@@ -227,10 +227,12 @@ class Plan:
                              f"allreduce's one-stage plans only (this plan is "
                              f"{'a pipeline' if self.pipelined else self.sync.method}); use "
                              f"--strategy dp")
-        if self.tensor_degree > 1:
-            raise UsageError(f"shard degree {degree} with tensor degree {self.tensor_degree} "
-                             f"(sharding x tensor) is not supported yet; set one of them to 1")
         replicas = self.stages[0].replicas
+        if self.tensor_degree > 1 and (degree != replicas or level == 1):
+            raise UsageError(f"shard degree {degree} at level {level} with tensor degree "
+                             f"{self.tensor_degree}: sharding x tensor shards over all "
+                             f"{replicas} replicas at level 2 or 3; set shard_degree to "
+                             f"{replicas}")
         if replicas % degree:
             raise UsageError(f"shard degree {degree} does not divide the plan's {replicas} "
                              f"data-parallel workers; use a divisor of {replicas}")

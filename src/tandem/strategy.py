@@ -237,9 +237,10 @@ def shard_options(given: Mapping[str, Any], workers: int, tensor: int = 1,
     if degree < 1:
         raise UsageError(f"{SHARD_FLAG} must be at least 1 (got {degree}); e.g. {SHARD_FLAG} "
                          f"{max(2, workers)}, or leave it out to shard nothing")
-    if tensor > 1:
-        raise UsageError(f"{SHARD_FLAG} {degree} with {TENSOR_FLAG} {tensor} (2-D sharding x "
-                         f"tensor) is not supported yet; drop one of them")
+    if tensor > 1 and degree != workers:
+        raise UsageError(f"{SHARD_FLAG} {degree} with {TENSOR_FLAG} {tensor} shards over all "
+                         f"{workers} replicas (hybrid sharding x tensor is not supported yet); "
+                         f"use {SHARD_FLAG} {workers}")
     if degree > workers or workers % degree:
         divisors = [d for d in range(2, workers + 1) if workers % d == 0] or [1]
         raise UsageError(f"{SHARD_FLAG} {degree} does not divide {nproc} {workers}: the workers "
@@ -249,6 +250,10 @@ def shard_options(given: Mapping[str, Any], workers: int, tensor: int = 1,
     if isinstance(level, bool) or level not in (1, 2, 3):
         raise UsageError(f"{SHARD_LEVEL_FLAG} {level} is not one of 1 (optimizer state), "
                          f"2 (+ gradients) or 3 (+ parameters)")
+    if level == 1 and tensor > 1:
+        raise UsageError(f"{SHARD_LEVEL_FLAG} 1 shards the optimizer state over DDP's "
+                         f"replicas, which {TENSOR_FLAG} {tensor} does not use; use "
+                         f"{SHARD_LEVEL_FLAG} 2 or 3")
     if level == 1 and SHARD_UNITS_FLAG in given:
         raise UsageError(f"{SHARD_UNITS_FLAG} picks the modules whose parameters are gathered "
                          f"together, which {SHARD_LEVEL_FLAG} 1 (the optimizer state only) does "

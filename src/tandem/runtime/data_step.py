@@ -48,7 +48,7 @@ class DataParallelStep:
         self.micros: list[Batch] = []
         self.scale = 1.0
         """The factor of each micro-batch's summed loss: workers / samples in the global batch."""
-        self.divisor: int | None = None
+        self.divisor: float | None = None
         """Or its divisor: samples in the global batch (tensor parallelism's workers share each
         sample)."""
         self.loss_total = torch.zeros(())
@@ -69,7 +69,7 @@ class DataParallelStep:
         worker's samples of it and all its samples."""
 
     def begin(self, micros: list[Batch], step: int, device: torch.device, *, scale: float = 1.0,
-              divisor: int | None = None) -> None:
+              divisor: float | None = None) -> None:
         """Start step ``step`` on this worker's ``micros``, whose summed losses are multiplied
         by ``scale`` or divided by ``divisor`` before their backward."""
         self.micros, self.scale, self.divisor = micros, scale, divisor

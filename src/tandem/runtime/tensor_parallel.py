@@ -34,6 +34,7 @@ the innermost (fastest) links.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -247,6 +248,9 @@ def gathered_state_dict(model: nn.Module, plan: TensorPlan,
     channels = {name for name, style in plan.items() if style == "channels"}
     heads = {name for name, style in plan.items() if style == "heads"}
     state: dict[str, torch.Tensor] = {}
+    # a share sharded again over the replicas (--shard) is gathered dimension by dimension,
+    # which DTensor reports as suboptimal at each parameter: it runs once, at the end
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     for key, value in model.state_dict().items():
         owner, _, _ = key.rpartition(".")
         tensor = value.detach()

@@ -47,6 +47,7 @@ from tandem.runtime.tensor_parallel import (
     parameter_bytes, split_model, split_parameters, sum_gradients,
 )
 from tandem.runtime.watchdog import Heartbeat
+from tandem.sync.sharded import check_units, shard_model
 from tandem.schedule import Action, Kind
 
 
@@ -82,6 +83,8 @@ class TensorParallelTrainer(BaseTrainer):
                               device=env.device)
         else:
             split_model(model, self.tensor_plan, self.mesh)
+        if job.plan.sharded:
+            self._shard(model, layout["data"])
         self.held_model_bytes = sum(parameter_bytes(model).values()) + sum(
             b.numel() * b.element_size() for b in model.buffers())
         self.codec = self._codec(model) if job.plan.compress is not None else None
@@ -111,6 +114,17 @@ class TensorParallelTrainer(BaseTrainer):
             Kind.FORWARD: self.work.forward, Kind.BACKWARD: self.work.backward,
             Kind.ALLREDUCE: self._allreduce, Kind.STEP: self._step})
         """This replica's actions of the plan's one-stage schedule, bound to their handlers."""
+
+    def _shard(self, model: torch.nn.Module, mesh: Any) -> None:
+        """Sharding x tensor: FSDP2 shards each block's shares over the replicas (the ``data``
+        dimension, 2-D parameters as torchtitan lays them out), and reduce-scatters their
+        gradients in the backward: no ``AR`` of its own."""
+        if "channels" in self.tensor_plan.values():
+            raise UsageError(f"--shard {self.replicas} with --tensor-parallel "
+                             f"{self.plan.tensor_degree} shards DTensor layers, and this model's "
+                             f"convolutions are split by channels; drop --shard")
+        shard_model(model, mesh, units=check_units(model, self.plan.shard_units),
+                    level=self.plan.shard_level, param_dtype=None)
 
     def _codec(self, model: torch.nn.Module) -> CodecHookState:
         """``--compress``'s codec on the data dimension: each worker encodes its own shares of
@@ -148,8 +162,9 @@ class TensorParallelTrainer(BaseTrainer):
         data dimension's sum, with more than one replica) and ``0ST``."""
         indices = self._indices(step)
         global_count = self.feed.sampler.batch_samples(step)
+        divisor = global_count / self.replicas if self.plan.sharded else global_count
         self.work.begin(self.feed.take(indices).split(self.plan.accumulate), step,
-                        self.env.device, divisor=global_count)
+                        self.env.device, divisor=divisor)  # FSDP averages the replicas
         self.work.batch = (step, len(indices), global_count)
         self.executor.run(self.program, step)
         loss_total = self.work.loss_total
@@ -166,6 +181,8 @@ class TensorParallelTrainer(BaseTrainer):
         """Sum the gradients (this worker's shares) with the workers at its tensor position in
         the other replicas (through the codec with ``--compress``)."""
         self.beat.phase = "allreduce"
+        if self.plan.sharded:  # FSDP reduce-scattered them in the backward
+            return
         if self.codec is not None:  # the codec averages: from the replicas' sum to their mean
             named = [(name, p.grad) for name, p in self.model.named_parameters()
                      if p.grad is not None]

@@ -37,8 +37,9 @@ and once more at the end (:meth:`ShardedDataParallel.consensus`).
 Levels 2 and 3 checkpoint each worker's own shards (:mod:`tandem.runtime.sharded_checkpoint`).
 Not done here yet: checkpoints at level 1 (``ZeroRedundancyOptimizer`` consolidates its state
 on one rank), the gradient noise scale at levels 2 and 3, compression, and sharding composed
-with tensor parallelism or pipelines (each refused in one line by
-:class:`tandem.runtime.job.Job`).
+with pipelines (each refused in one line by :class:`tandem.runtime.job.Job`). Sharding x
+tensor parallelism runs in :class:`tandem.runtime.tensor_trainer.TensorParallelTrainer`, which
+calls :func:`shard_model` on its ``data`` dimension.
 """
 
 from __future__ import annotations
@@ -123,6 +124,31 @@ def _normalizations(model: nn.Module) -> list[str]:
             and module.track_running_stats]
 
 
+def shard_model(model: nn.Module, mesh: Any, *, units: list[str], level: int,
+                param_dtype: torch.dtype | None) -> None:
+    """FSDP2's ``fully_shard`` over ``mesh`` on each of ``units``, then on the whole model: at
+    ``level`` 3 a unit's parameters are freed after its forward, at 2 kept until its backward;
+    with ``param_dtype`` (bf16) the units compute in it on fp32 shards, reduce in fp32 and the
+    model's output is fp32, normalization layers with running statistics staying fp32 in units
+    of their own."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    modules = dict(model.named_modules())
+    reshard = level == 3
+    half = param_dtype
+    inner = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
+    root = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32,
+                                output_dtype=torch.float32 if half else None)
+    policies = dict.fromkeys(units, inner)
+    if half is not None:  # statistics stay fp32, in units of their own
+        policies.update(dict.fromkeys(_normalizations(model), MixedPrecisionPolicy(
+            param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=half)))
+    for name in sorted(policies, key=lambda unit: -unit.count(".")):  # nested: inner first
+        fully_shard(modules[name], mesh=mesh, reshard_after_forward=reshard,
+                    mp_policy=policies[name])
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=root)
+
+
 def shard_mesh(device: torch.device, degree: int) -> Any:
     """The device mesh of ``degree``-way shards over all workers: 1-D ``(shard,)``, or 2-D
     ``(replicate, shard)`` when there are more workers than ``degree`` (HSDP)."""
@@ -181,28 +207,14 @@ class ShardedDataParallel(SyncStrategy):
         # checkpoints and final.pt use these: imported now, a checkpoint's memory is its own
         import torch.distributed.checkpoint.state_dict_loader  # noqa: F401
         import torch.distributed.checkpoint.state_dict_saver  # noqa: F401
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
         model = model.to(device)
         self.units = check_units(model, self.unit_names)
         saved = set(dict(state_buffers(model)))
         for tensor in [*model.parameters(), *(b for _, b in state_buffers(model))]:
             dist.broadcast(tensor.detach(), 0)  # one at a time: no flat copy of the model
         self.mesh = shard_mesh(device, self.shard_degree)
-        modules = dict(model.named_modules())
-        reshard = self.level == 3
-        half = self.param_dtype
-        inner = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
-        root = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32,
-                                    output_dtype=torch.float32 if half else None)
-        policies = dict.fromkeys(self.units, inner)
-        if half is not None:  # statistics stay fp32, in units of their own
-            policies.update(dict.fromkeys(_normalizations(model), MixedPrecisionPolicy(
-                param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=half)))
-        for name in sorted(policies, key=lambda unit: -unit.count(".")):  # nested: inner first
-            fully_shard(modules[name], mesh=self.mesh, reshard_after_forward=reshard,
-                        mp_policy=policies[name])
-        fully_shard(model, mesh=self.mesh, reshard_after_forward=reshard, mp_policy=root)
+        shard_model(model, self.mesh, units=self.units, level=self.level,
+                    param_dtype=self.param_dtype)
         self._buffers = [buffer for name, buffer in model.named_buffers() if name in saved]
         if self._buffers:
             model.register_forward_pre_hook(self._before_forward)
