@@ -217,6 +217,11 @@ REFUSED: dict[str, tuple[tuple[dict[str, Any], dict[str, Any]], str]] = {
                             "shards, but this run shards nothing"),
     "units at level 1": (({"--shard": 4, "--shard-level": 1, "--shard-units": "0"}, {}),
                          "--shard-level 1 (the optimizer state only) does not shard"),
+    "offload without shard": (({}, {"offload": "optimizer"}), "--offload optimizer moves "
+                              "FSDP2's shards of a data-parallel run to CPU memory, and this run "
+                              "has none"),
+    "offload at level 1": (({"--shard": 4, "--shard-level": 1}, {"offload": "optimizer"}),
+                           "--offload optimizer moves FSDP2's shards"),
     "hybrid x tensor": (({"--shard": 1, "--tensor-parallel": 2}, {}),
                         "--shard 1 with --tensor-parallel 2 shards over all 2 replicas (hybrid "
                         "sharding x tensor is not supported yet); use --shard 2"),
@@ -406,3 +411,14 @@ def test_sharding_x_tensor_equals_one_process(shared_run: SharedRun, name: str) 
     rest, keys = _compare(single / "final.pt", out / "final.pt")
     assert rest <= 1e-5 and keys <= (1e-3 if optimizer else 1e-5), name
     assert summary["tensor_memory"]["worker_fraction"] < 0.35
+
+
+@pytest.mark.cli
+def test_offload_on_the_cpu_has_nothing_to_offload() -> None:
+    result = run_here("train", *MLP, "--nproc", "2", "--shard", "2", "--offload", "optimizer",
+                      "--backend", "gloo")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "tandem train: error: --offload optimizer moves FSDP2's shards from the GPU to CPU memory, and "
+        "this run is on the CPU, where they already are (it has nothing to offload); drop "
+        "--offload"), result.stderr

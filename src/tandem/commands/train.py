@@ -124,6 +124,9 @@ def add_train_arguments(parser: argparse.ArgumentParser, defaults: RunConfig) ->
         help="data parallelism: the most parameter, gradient and optimizer-state bytes a worker "
         "may hold (e.g. 16GB, an emulated device's memory); over it, the run stops after its "
         "first step naming the --shard that fits")
+    add("--offload", default=defaults.offload, metavar="optimizer",
+        help="with --shard on GPUs: keep the shards of the optimizer state, gradients and "
+        "parameters in CPU memory and step the optimizer there (FSDP2's CPU offload)")
     add("--optimizer", default=defaults.optimizer,
         help=f"one of: {', '.join(OPTIMIZERS)} (lars and lamb: layer-wise trust ratios for large "
         f"batches, see docs/large_batch.md)")

@@ -22,6 +22,8 @@ SCHEDULES = ("constant", "cosine", "step:FACTOR@STEP,...")
 """``--lr-schedule`` forms: constant, cosine decay, or step decay (``step:0.2@200,400``
 multiplies the learning rate by 0.2 at step 200 and again at step 400)."""
 BACKENDS = ("auto", "gloo", "nccl")
+OFFLOADS = ("optimizer",)
+"""``--offload`` choices (FSDP2's CPU offload of the sharded state)."""
 PRECISIONS = ("fp32", "bf16", "fp16")
 """``--precision`` choices (:mod:`tandem.runtime.precision` implements them)."""
 COMPENSATIONS = ("auto", "off")
@@ -126,6 +128,10 @@ class RunConfig:
     """Data parallelism: the most parameter, gradient and optimizer-state bytes a worker may
     hold (``40MB``, ``16GB``; an emulated device's memory). A worker over it after its first
     step stops the run in one line that names the ``--shard`` degree that would fit."""
+    offload: str | None = None
+    """``optimizer``: sharded data parallelism keeps its shards of the parameters, gradients and
+    optimizer state in CPU memory and steps the optimizer there (FSDP2's ``CPUOffloadPolicy``),
+    for GPU runs."""
     backend: str = "auto"
     """``gloo``, ``nccl``, or ``auto`` (NCCL when CUDA is available, else gloo)."""
     timeout_s: float = 300.0
@@ -209,6 +215,8 @@ class RunConfig:
         else:
             _choice("--lr-schedule", self.lr_schedule, SCHEDULES[:2] + ("step:0.2@200,400",))
         _choice("--precision", self.precision, PRECISIONS)
+        if self.offload is not None:
+            _choice("--offload", self.offload, OFFLOADS)
         _choice("--async-compensation", self.async_compensation, COMPENSATIONS)
         if self.clip_grad_norm is not None and not (self.clip_grad_norm > 0
                                                     and math.isfinite(self.clip_grad_norm)):

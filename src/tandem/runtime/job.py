@@ -261,6 +261,12 @@ def check_shard(plan: Plan, run: RunConfig) -> None:
     needs each worker's whole gradient: fp16's loss scaler (an overflow seen in one shard
     would skip the step there only), the noise scale and ``--find-unused-parameters``. One
     line for each setting it would not honour."""
+    if run.offload is not None and (not plan.sharded or plan.shard_level == 1
+                                    or plan.tensor_degree > 1):
+        raise UsageError(f"--offload {run.offload} moves FSDP2's shards of a data-parallel run "
+                         f"to CPU memory, and this run has none (it needs --strategy dp --shard "
+                         f"S at --shard-level 2 or 3, without --tensor-parallel); add --shard S "
+                         f"or drop --offload")
     if not plan.sharded:
         return
     shard = f"--shard {plan.shard_degree}"

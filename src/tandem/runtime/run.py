@@ -81,9 +81,10 @@ def check_job(job: Job) -> None:
         tensor_plan(run.model if job.objects is None or job.objects.model is None else None,
                     model, plan.tensor_degree, plan.tensor_layers)
     if plan.sharded and plan.shard_level > 1:
-        from tandem.sync.sharded import check_units  # delays torch
+        from tandem.sync.sharded import check_offload, check_units  # delays torch
 
         check_units(model, plan.shard_units)
+        check_offload(run.offload, run.backend)
     preflight.check_batch(run, data)
     preflight.check_output(model, data, run, job.objects)
     note = None

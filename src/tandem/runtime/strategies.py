@@ -83,7 +83,7 @@ def build_strategy(job: Job, rank: int, world_size: int) -> SyncStrategy:
     plan = job.plan
     if plan.sharded:
         strategy = sharded_strategy(plan.shard_degree, plan.shard_level, plan.shard_units,
-                                    job.run.precision)
+                                    job.run.precision, offload=job.run.offload is not None)
     else:
         strategy = SYNC_STRATEGIES[type(plan.sync)](job, rank, world_size)
     strategy.find_unused_parameters = job.run.find_unused_parameters

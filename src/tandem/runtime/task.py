@@ -102,14 +102,17 @@ class Task:
 
     @torch.no_grad()
     def score(self, model: nn.Module, start: int, end: int, *, samples: Any = None,
-              chunk: int = 1024) -> torch.Tensor:
+              chunk: int = 1024, device: torch.device | None = None) -> torch.Tensor:
         """``[correct, predictions, summed loss, samples]`` of ``model`` on test samples
         ``start`` to ``end - 1`` (of ``samples``, e.g. already on the model's device; default
-        :attr:`test_samples`), in eval mode, in chunks (see :func:`tandem.loss.score_batch`)."""
+        :attr:`test_samples`), in eval mode, in chunks (see :func:`tandem.loss.score_batch`), on
+        ``device`` (default: the model's parameters'; a model whose shards are offloaded to CPU
+        memory computes on the worker's device)."""
         samples = self.test_samples if samples is None else samples
         was_training = model.training
         model.eval()
-        device = next(model.parameters(), torch.empty(0)).device
+        if device is None:
+            device = next(model.parameters(), torch.empty(0)).device
         totals = torch.zeros(4, dtype=torch.float64, device=device)
         for low in range(start, end, chunk):
             batch = samples.rows(low, min(end, low + chunk)).to(device)

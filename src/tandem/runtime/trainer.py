@@ -265,7 +265,8 @@ class Trainer(BaseTrainer):
         sizes = shard_sizes(len(self.feed.test), self.env.world_size)
         with self.strategy.evaluating(self.module):
             totals = score_shard(self.task, self.model, self.feed.test, sizes, self.env.rank,
-                                 lockstep=self.strategy.collective_forward)
+                                 lockstep=self.strategy.collective_forward,
+                                 device=self.env.device)
         dist.all_reduce(totals)
         return evaluation(totals)
 
@@ -325,18 +326,18 @@ def worker_memory(env: WorkerEnv, strategy: SyncStrategy,
 
 
 def score_shard(task: Task, model: torch.nn.Module, test: Any, sizes: list[int], rank: int, *,
-                lockstep: bool) -> torch.Tensor:
+                lockstep: bool, device: torch.device | None = None) -> torch.Tensor:
     """This worker's evaluation totals (:meth:`Task.score`) on its share ``sizes[rank]`` of
     ``test``. ``lockstep`` (a forward is collective): in as many pieces as every other worker,
     of up to 1024 samples; where the share has fewer samples than pieces, the forward the
     others run is run on one sample and not counted."""
     start, size = sum(sizes[:rank]), sizes[rank]
     if not lockstep:
-        return task.score(model, start, start + size, samples=test)
+        return task.score(model, start, start + size, samples=test, device=device)
     totals: torch.Tensor | None = None
     for piece in shard_sizes(size, max(1, -(-sizes[0] // 1024))):
-        part = task.score(model, start, start + piece, samples=test) if piece else \
-            0 * task.score(model, 0, 1, samples=test)
+        part = task.score(model, start, start + piece, samples=test, device=device) if piece \
+            else 0 * task.score(model, 0, 1, samples=test, device=device)
         totals = part if totals is None else totals + part
         start += piece
     assert totals is not None

@@ -124,14 +124,25 @@ def _normalizations(model: nn.Module) -> list[str]:
             and module.track_running_stats]
 
 
+def check_offload(offload: str | None, backend: str) -> None:
+    """One line if ``--offload`` has nothing to offload: a run on the CPU (gloo, or no GPU)."""
+    if offload is not None and (backend == "gloo" or not torch.cuda.is_available()):
+        raise UsageError(f"--offload {offload} moves FSDP2's shards from the GPU to CPU memory, "
+                         f"and this run is on the CPU, where they already are (it has nothing "
+                         f"to offload); drop --offload")
+
+
 def shard_model(model: nn.Module, mesh: Any, *, units: list[str], level: int,
-                param_dtype: torch.dtype | None) -> None:
+                param_dtype: torch.dtype | None, offload: bool = False) -> None:
     """FSDP2's ``fully_shard`` over ``mesh`` on each of ``units``, then on the whole model: at
     ``level`` 3 a unit's parameters are freed after its forward, at 2 kept until its backward;
     with ``param_dtype`` (bf16) the units compute in it on fp32 shards, reduce in fp32 and the
     model's output is fp32, normalization layers with running statistics staying fp32 in units
-    of their own."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    of their own; with ``offload``, the shards stay in CPU memory, where the optimizer steps
+    them (``CPUOffloadPolicy``)."""
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
+    )
 
     modules = dict(model.named_modules())
     reshard = level == 3
@@ -143,10 +154,12 @@ def shard_model(model: nn.Module, mesh: Any, *, units: list[str], level: int,
     if half is not None:  # statistics stay fp32, in units of their own
         policies.update(dict.fromkeys(_normalizations(model), MixedPrecisionPolicy(
             param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=half)))
+    where = CPUOffloadPolicy() if offload else OffloadPolicy()
     for name in sorted(policies, key=lambda unit: -unit.count(".")):  # nested: inner first
         fully_shard(modules[name], mesh=mesh, reshard_after_forward=reshard,
-                    mp_policy=policies[name])
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=root)
+                    mp_policy=policies[name], offload_policy=where)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=root,
+                offload_policy=where)
 
 
 def shard_mesh(device: torch.device, degree: int) -> Any:
@@ -185,9 +198,9 @@ class ShardedDataParallel(SyncStrategy):
         "whole local gradient beside the averaged one; use --shard-level 1 to measure it")
 
     def __init__(self, degree: int, level: int, units: list[str] | None = None,
-                 param_dtype: torch.dtype | None = None) -> None:
+                 param_dtype: torch.dtype | None = None, offload: bool = False) -> None:
         self.shard_degree, self.level, self.unit_names = degree, level, units
-        self.param_dtype = param_dtype
+        self.param_dtype, self.offload = param_dtype, offload
         """The dtype units compute in (None: their own, fp32)."""
         self.casts_forward = param_dtype is not None
         self.units: list[str] = []
@@ -214,7 +227,7 @@ class ShardedDataParallel(SyncStrategy):
             dist.broadcast(tensor.detach(), 0)  # one at a time: no flat copy of the model
         self.mesh = shard_mesh(device, self.shard_degree)
         shard_model(model, self.mesh, units=self.units, level=self.level,
-                    param_dtype=self.param_dtype)
+                    param_dtype=self.param_dtype, offload=self.offload)
         self._buffers = [buffer for name, buffer in model.named_buffers() if name in saved]
         if self._buffers:
             model.register_forward_pre_hook(self._before_forward)
@@ -307,7 +320,10 @@ class ShardedDataParallel(SyncStrategy):
                 "shard_mesh": dict(zip(self.mesh.mesh_dim_names, self.mesh.shape)),
                 "shard_mixed_precision": None if self.param_dtype is None else {
                     "param_dtype": str(self.param_dtype).removeprefix("torch."),
-                    "reduce_dtype": "float32"}}
+                    "reduce_dtype": "float32"},
+                "shard_offload": "optimizer" if self.offload else None,
+                "cuda_peak_bytes": (torch.cuda.max_memory_allocated()
+                                    if self.mesh.device_type == "cuda" else None)}
 
 
 class ShardedOptimizer(AllReduce):
@@ -344,11 +360,11 @@ class ShardedOptimizer(AllReduce):
 
 
 def sharded_strategy(degree: int, level: int, units: list[str] | None,
-                     precision: str = "fp32") -> SyncStrategy:
+                     precision: str = "fp32", *, offload: bool = False) -> SyncStrategy:
     """The strategy of ``--shard degree --shard-level level [--shard-units units]`` under
     ``--precision precision`` (levels 2 and 3 compute bf16 by FSDP2's mixed precision; level 1
     leaves the precision to the trainer's autocast)."""
     if level == 1:
         return ShardedOptimizer(degree)
     return ShardedDataParallel(degree, level, units,
-                               torch.bfloat16 if precision == "bf16" else None)
+                               torch.bfloat16 if precision == "bf16" else None, offload)
