@@ -304,7 +304,8 @@ class _CountingTask:
     def __init__(self) -> None:
         self.ranges: list[tuple[int, int]] = []
 
-    def score(self, model: Any, start: int, end: int, *, samples: Any = None) -> torch.Tensor:
+    def score(self, model: Any, start: int, end: int, *, samples: Any = None,
+              device: Any = None) -> torch.Tensor:
         self.ranges.append((start, end))
         return torch.tensor([1.0, float(end - start), 0.0, float(end - start)],
                             dtype=torch.float64)
