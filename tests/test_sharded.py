@@ -220,6 +220,8 @@ REFUSED: dict[str, tuple[tuple[dict[str, Any], dict[str, Any]], str]] = {
     "offload without shard": (({}, {"offload": "optimizer"}), "--offload optimizer moves "
                               "FSDP2's shards of a data-parallel run to CPU memory, and this run "
                               "has none"),
+    "offload and clip": (({"--shard": 4}, {"offload": "optimizer", "clip_grad_norm": 1.0}),
+                         "--clip-grad-norm 1.0 is not supported with --offload optimizer yet"),
     "offload at level 1": (({"--shard": 4, "--shard-level": 1}, {"offload": "optimizer"}),
                            "--offload optimizer moves FSDP2's shards"),
     "hybrid x tensor": (({"--shard": 1, "--tensor-parallel": 2}, {}),

@@ -240,6 +240,10 @@ BAD = {
     "fp16 in a pipeline": (("--strategy", "pipeline", "--stages", "2", "--tensor-parallel", "2",
                             "--nproc", "4", "--precision", "fp16"),
                            "--precision fp16 is not supported in a pipeline x tensor layout yet"),
+    "compress and resume": (("--tensor-parallel", "2", "--nproc", "4", "--compress", "topk",
+                             "--stop-after", "1"),
+                            "--stop-after 1 is not supported with --tensor-parallel 2 --compress "
+                            "topk"),
     "lamb": (("--tensor-parallel", "2", "--nproc", "2", "--optimizer", "lamb"),
              "--optimizer lamb is not supported with --tensor-parallel 2 yet"),
     "compress one replica": (("--tensor-parallel", "2", "--nproc", "2", "--compress", "fp16"),

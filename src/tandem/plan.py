@@ -229,10 +229,11 @@ class Plan:
                              f"--strategy dp")
         replicas = self.stages[0].replicas
         if self.tensor_degree > 1 and (degree != replicas or level == 1):
+            fix = (f"set shard_degree to {replicas}" if degree != replicas
+                   else "set shard_level to 2 or 3")
             raise UsageError(f"shard degree {degree} at level {level} with tensor degree "
                              f"{self.tensor_degree}: sharding x tensor shards over all "
-                             f"{replicas} replicas at level 2 or 3; set shard_degree to "
-                             f"{replicas}")
+                             f"{replicas} replicas at level 2 or 3; {fix}")
         if replicas % degree:
             raise UsageError(f"shard degree {degree} does not divide the plan's {replicas} "
                              f"data-parallel workers; use a divisor of {replicas}")

@@ -222,7 +222,8 @@ def load_plan(text: str, profile: ModelProfile, cluster: Cluster,
         if plan.sharded:
             raise UsageError(f"the plan {text!r} shards data parallelism (shard degree "
                              f"{plan.shard_degree}), which the simulator does not model yet; "
-                             f"set its sharded to false to simulate plain data parallelism")
+                             f"set its shard_degree to 1 and sharded to false to simulate plain data "
+                             f"parallelism")
         return plan
     codec = getattr(args, "codec", None)
     if codec:

@@ -100,6 +100,13 @@ class Job:
             "--checkpoint-every": run.checkpoint_every or None,
             "--max-restarts": run.max_restarts or None,
         }
+        if plan.compress is not None:  # a codec's per-worker state is not checkpointed here
+            for flag, value in list(piped.items())[2:]:
+                if value is not None:
+                    raise UsageError(f"{flag} {value} is not supported with --tensor-parallel "
+                                     f"{degree} --compress {plan.compress.text} yet (the codec's "
+                                     f"state is not in its checkpoints); drop {flag} or "
+                                     f"--compress")
         for flag, value in piped.items() if plan.pipelined else ():
             if value is not None:
                 raise UsageError(f"{flag} {value} is not supported in a pipeline x tensor layout "
@@ -261,6 +268,11 @@ def check_shard(plan: Plan, run: RunConfig) -> None:
     needs each worker's whole gradient: fp16's loss scaler (an overflow seen in one shard
     would skip the step there only), the noise scale and ``--find-unused-parameters``. One
     line for each setting it would not honour."""
+    if run.offload is not None and run.clip_grad_norm is not None:
+        raise UsageError(f"--clip-grad-norm {run.clip_grad_norm} is not supported with --offload "
+                         f"{run.offload} yet: the norm of the offloaded gradients would be taken "
+                         f"by a collective on CPU tensors, which the NCCL group does not run; "
+                         f"drop one of them")
     if run.offload is not None and (not plan.sharded or plan.shard_level == 1
                                     or plan.tensor_degree > 1):
         raise UsageError(f"--offload {run.offload} moves FSDP2's shards of a data-parallel run "

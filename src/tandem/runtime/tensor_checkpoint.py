@@ -98,10 +98,11 @@ class TensorCheckpoints:
         path = resume_path(config.resume, trainer.out)
         checkpoint = None if path is None else load_checkpoint(
             path, trainer.job.fingerprint(), steps=config.steps, stop_after=config.stop_after)
+        if checkpoint is not None and path is not None:
+            check_tensor_degree(checkpoint, path, trainer.plan.tensor_degree)
         announce_resume(env.rank, path, checkpoint["step"] if checkpoint else None)
         if checkpoint is None or path is None:
             return
-        check_tensor_degree(checkpoint, path, trainer.plan.tensor_degree)
         trainer.feed.check_position(checkpoint.get("data"), str(config.resume))
         folder = path.parent / checkpoint["sharded"]
         if not folder.is_dir():
