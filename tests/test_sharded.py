@@ -236,14 +236,6 @@ REFUSED: dict[str, tuple[tuple[dict[str, Any], dict[str, Any]], str]] = {
     "resume x tensor": (({"--shard": 2, "--tensor-parallel": 2}, {"stop_after": 2}),
                         "--stop-after 2 is not supported with --shard 2 --tensor-parallel 2 yet: "
                         "the 2-D shards"),
-    "resume at level 1": (({"--shard": 4, "--shard-level": 1}, {"resume": "auto", "out": "x"}),
-                          "--resume auto is not supported with --shard 4 yet: --shard-level 1 "
-                          "writes no checkpoint yet (ZeRO's optimizer gathers its state"),
-    "stop after at level 1": (({"--shard": 4, "--shard-level": 1}, {"stop_after": 2}),
-                              "--stop-after 2 is not supported"),
-    "checkpoint every at level 1": (({"--shard": 4, "--shard-level": 1},
-                                     {"checkpoint_every": 2}),
-                                    "--checkpoint-every 2 is not supported with --shard 4"),
     "compress": (({"--shard": 4, "--compress": "fp16"}, {}),
                  "--compress fp16 is not supported with --shard 4 yet: FSDP's and ZeRO's own"),
     "fp16": (({"--shard": 4}, {"precision": "fp16"}),
@@ -425,3 +417,26 @@ def test_offload_on_the_cpu_has_nothing_to_offload() -> None:
         "tandem train: error: --offload optimizer moves FSDP2's shards from the GPU to CPU memory, and "
         "this run is on the CPU, where they already are (it has nothing to offload); drop "
         "--offload"), result.stderr
+
+
+@pytest.mark.multiprocess
+def test_a_level_1_checkpoint_is_each_workers_own_state(shared_run: SharedRun,
+                                                        tmp_path: Path) -> None:
+    """ZeRO-1 with Adam on 4 workers stopped halfway: each worker writes the optimizer state of
+    the parameters it steps (no rank gathers it); resumed at level 1 on 2 workers (where the
+    parameters change owners), and as plain dp on 2, it ends within 1e-6 of the uninterrupted
+    run."""
+    level1 = (*MLP, *ADAM, "--nproc", "4", "--shard", "4", "--shard-level", "1")
+    whole, _ = shared_run(*level1)
+    first = tmp_path / "first"
+    run_json("train", *level1, "--stop-after", "4", "--out", str(first))
+    meta = torch.load(first / "checkpoint.pt", weights_only=False)
+    assert meta["sharded"] == "checkpoint-4.dcp" and "optimizer" not in meta
+    for name, layout in {"level 1 on 2": ("--nproc", "2", "--shard", "2", "--shard-level", "1"),
+                         "dp on 2": ("--nproc", "2")}.items():
+        again = tmp_path / name.replace(" ", "")
+        shutil.copytree(first, again)
+        summary = run_json("train", *MLP, *ADAM, *layout, "--resume", "--out", str(again))
+        assert summary["finished"], name
+        rest, keys = _compare(whole / "final.pt", again / "final.pt")
+        assert rest <= 1e-6 and keys <= 1e-6, (name, rest, keys)

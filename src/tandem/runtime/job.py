@@ -263,8 +263,8 @@ class Job:
 
 
 def check_shard(plan: Plan, run: RunConfig) -> None:
-    """Sharded data parallelism (``--shard S``) runs without compression, and at level 1
-    without checkpoints, for now; at levels 2 and 3 (sharded gradients) also without what
+    """Sharded data parallelism (``--shard S``) runs without compression, for now; at levels 2
+    and 3 (sharded gradients) also without what
     needs each worker's whole gradient: fp16's loss scaler (an overflow seen in one shard
     would skip the step there only), the noise scale and ``--find-unused-parameters``. One
     line for each setting it would not honour."""
@@ -286,15 +286,6 @@ def check_shard(plan: Plan, run: RunConfig) -> None:
         "--compress": (plan.compress.text if plan.compress else None,
                        "FSDP's and ZeRO's own collectives reduce the gradients, uncompressed"),
     }
-    if plan.shard_level == 1:
-        saved = ("--shard-level 1 writes no checkpoint yet (ZeRO's optimizer gathers its state "
-                 "on one rank to save it); use --shard-level 2 or 3")
-        refused.update({
-            "--resume": (run.resume, saved), "--stop-after": (run.stop_after, saved),
-            "--checkpoint-every": (run.checkpoint_every or None, saved),
-            "--max-restarts": (run.max_restarts or None, f"a restart resumes a checkpoint, "
-                               f"and {saved}"),
-        })
     if plan.shard_level > 1:
         level = (f"--shard-level {plan.shard_level} reduce-scatters each gradient as the "
                  f"backward makes it")

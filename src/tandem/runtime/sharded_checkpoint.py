@@ -46,10 +46,52 @@ def save_sharded(out: Path, step: int, model: nn.Module, optimizer: torch.optim.
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.checkpoint.state_dict_saver import save
 
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    if _is_zero(optimizer):
+        model_state, optimizer_state = model.state_dict(), zero_state(model, optimizer)
+    else:
+        model_state, optimizer_state = get_state_dict(model, optimizer)
     name = folder_name(step)
     save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(out / name))
     return name
+
+
+def _is_zero(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` is a ``ZeroRedundancyOptimizer`` (ZeRO-1: each rank steps and
+    holds the state of its own share of the parameters)."""
+    return hasattr(optimizer, "consolidate_state_dict")
+
+
+def zero_state(model: nn.Module, optimizer: Any) -> dict[str, Any]:
+    """A ``ZeroRedundancyOptimizer``'s state in the layout of DCP's optimizer state dicts
+    (keyed by parameter name): the state of the parameters this rank steps, so that each
+    parameter's is written by its owner and read by whichever rank owns it on resume, and every
+    group with the names of all its parameters. The values are the optimizer's own tensors
+    (created by a step of zero gradients at learning rate 0 if it has none yet), so DCP loads
+    into them in place."""
+    names = {id(parameter): name for name, parameter in model.named_parameters()}
+    local = optimizer.optim
+    if not local.state:
+        _zero_step(local)
+    groups = [{**{key: value for key, value in group.items() if key != "params"},
+               "params": [names[id(p)] for p in group["params"]]}
+              for group in optimizer.param_groups]
+    return {"state": {names[id(p)]: dict(state) for p, state in local.state.items()},
+            "param_groups": groups}
+
+
+def _zero_step(optimizer: torch.optim.Optimizer) -> None:
+    """Create ``optimizer``'s state without changing its parameters: one step of zero gradients
+    at learning rate 0."""
+    rates = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+        for parameter in group["params"]:
+            parameter.grad = torch.zeros_like(parameter)
+    optimizer.step()
+    for group, rate in zip(optimizer.param_groups, rates):
+        group["lr"] = rate
+        for parameter in group["params"]:
+            parameter.grad = None
 
 
 def load_sharded(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -61,6 +103,10 @@ def load_sharded(folder: Path, model: nn.Module, optimizer: torch.optim.Optimize
     if not folder.is_dir():
         raise UsageError(f"the checkpoint's sharded state {folder} is missing; resume from the "
                          f"run directory as it was written, or start afresh without --resume")
+    if _is_zero(optimizer):  # the model's and the optimizer's own tensors, loaded in place
+        load({"model": model.state_dict(), "optimizer": zero_state(model, optimizer)},
+             checkpoint_id=str(folder))
+        return
     model_state, optimizer_state = get_state_dict(model, optimizer)
     load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(folder))
     set_state_dict(model, optimizer, model_state_dict=model_state,
@@ -93,7 +139,7 @@ def restore_state(checkpoint: dict[str, Any], own: dict[str, Any], strategy: Syn
         load_sharded(checkpoint["sharded"], model, optimizer)
         return
     saved = own.get("optimizer", checkpoint["optimizer"])
-    if strategy.sharded_checkpoint:
+    if strategy.sharded_checkpoint and not _is_zero(optimizer):
         shard_whole_optimizer(saved, model, optimizer)
     else:
         optimizer.load_state_dict(saved)

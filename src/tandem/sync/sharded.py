@@ -34,9 +34,9 @@ broadcasts them), each gradient is the mean of the workers', and buffers (BatchN
 statistics) follow DDP's default: rank 0's are broadcast before the first forward of each step
 and once more at the end (:meth:`ShardedDataParallel.consensus`).
 
-Levels 2 and 3 checkpoint each worker's own shards (:mod:`tandem.runtime.sharded_checkpoint`).
-Not done here yet: checkpoints at level 1 (``ZeroRedundancyOptimizer`` consolidates its state
-on one rank), the gradient noise scale at levels 2 and 3, compression, and sharding composed
+Every level checkpoints each worker's own shards (:mod:`tandem.runtime.sharded_checkpoint`;
+at level 1 the optimizer state of the parameters it steps). Not done here yet: the gradient
+noise scale at levels 2 and 3, compression, and sharding composed
 with pipelines (each refused in one line by :class:`tandem.runtime.job.Job`). Sharding x
 tensor parallelism runs in :class:`tandem.runtime.tensor_trainer.TensorParallelTrainer`, which
 calls :func:`shard_model` on its ``data`` dimension.
@@ -330,9 +330,11 @@ class ShardedOptimizer(AllReduce):
     """Level 1 (ZeRO-1): DDP's allreduce, and ``ZeroRedundancyOptimizer`` sharding the
     optimizer state over each group of ``degree`` workers (each steps its share of the
     parameters and broadcasts them within the group). Its stats are DDP's allreduce's (the
-    broadcasts of the updated parameters are not counted)."""
+    broadcasts of the updated parameters are not counted). Its checkpoints are sharded: each
+    worker writes the optimizer state of the parameters it steps
+    (:func:`tandem.runtime.sharded_checkpoint.zero_state`)."""
 
-    checkpoints = False
+    sharded_checkpoint = True
 
     def __init__(self, degree: int) -> None:
         super().__init__(None)
