@@ -230,12 +230,6 @@ REFUSED: dict[str, tuple[tuple[dict[str, Any], dict[str, Any]], str]] = {
     "level 1 x tensor": (({"--shard": 2, "--shard-level": 1, "--tensor-parallel": 2}, {}),
                          "--shard-level 1 shards the optimizer state over DDP's replicas, which "
                          "--tensor-parallel 2 does not use"),
-    "clip x tensor": (({"--shard": 2, "--tensor-parallel": 2}, {"clip_grad_norm": 1.0}),
-                      "--clip-grad-norm 1.0 is not supported with --shard 2 --tensor-parallel 2 "
-                      "yet: the norm over 2-D shards is not taken yet"),
-    "resume x tensor": (({"--shard": 2, "--tensor-parallel": 2}, {"stop_after": 2}),
-                        "--stop-after 2 is not supported with --shard 2 --tensor-parallel 2 yet: "
-                        "the 2-D shards"),
     "compress": (({"--shard": 4, "--compress": "fp16"}, {}),
                  "--compress fp16 is not supported with --shard 4 yet: FSDP's and ZeRO's own"),
     "fp16": (({"--shard": 4}, {"precision": "fp16"}),
@@ -440,3 +434,24 @@ def test_a_level_1_checkpoint_is_each_workers_own_state(shared_run: SharedRun,
         assert summary["finished"], name
         rest, keys = _compare(whole / "final.pt", again / "final.pt")
         assert rest <= 1e-6 and keys <= 1e-6, (name, rest, keys)
+
+
+@pytest.mark.multiprocess
+def test_sharding_x_tensor_clips_the_whole_norm_and_resumes(shared_run: SharedRun,
+                                                             tmp_path: Path) -> None:
+    """2 x 2 with ``--clip-grad-norm``: every worker counts its piece of each 2-D shard (whole
+    layers on the first tensor position only), so the run ends where one process clipping the
+    same norm does, and clipping changed it; stopped halfway, its checkpoint (each worker's
+    2-D shards through DCP) resumes to the uninterrupted run."""
+    clip = ("--clip-grad-norm", "0.05")
+    layout = ("--nproc", "4", "--shard", "2", "--tensor-parallel", "2")
+    single, _ = shared_run(*GPT, "--nproc", "1")
+    clipped, _ = shared_run(*GPT, *clip, "--nproc", "1")
+    out, _ = shared_run(*GPT, *clip, *layout)
+    assert max_abs_diff(clipped / "final.pt", out / "final.pt") <= 1e-5
+    assert max_abs_diff(single / "final.pt", clipped / "final.pt") > 1e-3
+    again = tmp_path / "again"
+    run_json("train", *GPT, *clip, *layout, "--stop-after", "4", "--out", str(again))
+    assert torch.load(again / "checkpoint.pt", weights_only=False)["tensor_degree"] == 2
+    run_json("train", *GPT, *clip, *layout, "--resume", "--out", str(again))
+    assert max_abs_diff(out / "final.pt", again / "final.pt") <= 1e-6

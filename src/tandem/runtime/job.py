@@ -304,15 +304,6 @@ def check_shard(plan: Plan, run: RunConfig) -> None:
         })
     if plan.tensor_degree > 1:
         shard = f"{shard} --tensor-parallel {plan.tensor_degree}"
-        two_d = ("the 2-D shards (FSDP's over the replicas, each of a tensor share) are not "
-                 "checkpointed yet")
-        refused.update({
-            "--clip-grad-norm": (run.clip_grad_norm, "the norm over 2-D shards is not taken "
-                                 "yet (either one alone clips)"),
-            "--resume": (run.resume, two_d), "--stop-after": (run.stop_after, two_d),
-            "--checkpoint-every": (run.checkpoint_every or None, two_d),
-            "--max-restarts": (run.max_restarts or None, two_d),
-        })
     for flag, (value, why) in refused.items():
         if value is not None:
             shown = "" if value is True else f" {value}"

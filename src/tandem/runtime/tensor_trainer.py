@@ -83,6 +83,7 @@ class TensorParallelTrainer(BaseTrainer):
                               device=env.device)
         else:
             split_model(model, self.tensor_plan, self.mesh)
+        split = split_parameters(model, self.tensor_plan)  # before FSDP shards every one
         if job.plan.sharded:
             self._shard(model, layout["data"])
         self.held_model_bytes = sum(parameter_bytes(model).values()) + sum(
@@ -100,11 +101,12 @@ class TensorParallelTrainer(BaseTrainer):
             "the gradient noise scale is measured in data parallelism only (from each worker's "
             "gradient and their allreduced mean); tensor-parallel workers share every batch")
         self.setup_optimizer(model.parameters())
-        split = split_parameters(model, self.tensor_plan)
+        # the norm's terms: each share of a split layer once, and each whole layer once (tensor
+        # rank 0's); replicas hold the same gradients, unless FSDP shards them over the replicas
         self.precision = StagePrecision(config.precision, env.device, clip=config.clip_grad_norm,
                                         counted=[p for name, p in model.named_parameters()
-                                                 if self.data_rank == 0 and (
-                                                     name in split or self.tensor_rank == 0)])
+                                                 if (self.data_rank == 0 or job.plan.sharded)
+                                                 and (name in split or self.tensor_rank == 0)])
         TensorCheckpoints(self).restore()
         self.work = DataParallelStep(model, self.precision, self.task.loss, beat,
                                      data_world=self.replicas)
