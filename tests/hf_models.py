@@ -35,3 +35,18 @@ def _tokens(n: int, seed: int) -> TensorDataset:
 def tokens(n: int = 256) -> tuple[TensorDataset, TensorDataset]:
     """``--data tests.hf_models:tokens``: next-token sequences of a fixed Markov chain."""
     return _tokens(n, seed=1), _tokens(64, seed=2)
+
+
+def init_gpt2(module: nn.Module, name: str) -> None:
+    """``--init-fn tests.hf_models:init_gpt2``: GPT-2's initialization, one module at a time
+    (normal(0, 0.02) weights, zero biases, the residual projections scaled by 1/sqrt(2 x
+    layers) for the 2 layers of :func:`gpt2`), so that the model builds in pieces."""
+    from transformers.pytorch_utils import Conv1D
+
+    if isinstance(module, (Conv1D, nn.Linear, nn.Embedding)):
+        std = 0.02 / (2 * 2) ** 0.5 if name.endswith("c_proj") else 0.02
+        nn.init.normal_(module.weight, std=std)
+        if getattr(module, "bias", None) is not None:
+            nn.init.zeros_(module.bias)
+    else:
+        module.reset_parameters()

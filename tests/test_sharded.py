@@ -40,6 +40,8 @@ GPT = ("--model", "gpt:layers=2,dim=32,heads=4,dropout=0", "--data",
        "--momentum", "0.9", "--seed", "3")
 HF = ("--model", "tests.hf_models:gpt2", "--data", "tests.hf_models:tokens", "--steps", "8",
       "--batch-size", "16", "--lr", "0.05", "--momentum", "0.9", "--seed", "4")
+HF_PIECES = (*HF, "--init-fn", "tests.hf_models:init_gpt2")
+"""GPT-2 built on the meta device, one module at a time (:mod:`tandem.models.pieces`)."""
 ADAM = ("--optimizer", "adam", "--lr", "0.003")
 FULL, HYBRID = ("--nproc", "4", "--shard", "4"), ("--nproc", "4", "--shard", "2")
 KEY_BIASES = (".attention.qkv.bias", ".attn.c_attn.bias")
@@ -50,6 +52,7 @@ CASES: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
     "mlp 4 sgd": (MLP, (), FULL), "mlp 2x2 adam": (MLP, ADAM, HYBRID),
     "gpt 4 sgd": (GPT, (), FULL), "gpt 2x2 adam": (GPT, ADAM, HYBRID),
     "gpt2 4 sgd": (HF, (), FULL), "gpt2 2x2 adam": (HF, ADAM, HYBRID),
+    "gpt2 in pieces 4 sgd": (HF_PIECES, (), FULL),
     "mlp level 1 2x2 adam": (MLP, ADAM, (*HYBRID, "--shard-level", "1", "--accumulate", "2")),
     "gpt level 2 4 sgd": (GPT, (), (*FULL, "--shard-level", "2", "--accumulate", "2",
                                     "--shard-units", "1,2")),
@@ -76,7 +79,7 @@ def _compare(single: Path, sharded: Path) -> tuple[float, float]:
 @pytest.mark.parametrize("name", list(CASES))
 def test_sharded_training_equals_one_process(shared_run: SharedRun, name: str) -> None:
     model, optimizer, layout = CASES[name]
-    if model is HF:
+    if model in (HF, HF_PIECES):
         pytest.importorskip("transformers")
     single, _ = shared_run(*model, *optimizer, "--nproc", "1")
     out, summary = shared_run(*model, *optimizer, *layout)
@@ -86,6 +89,8 @@ def test_sharded_training_equals_one_process(shared_run: SharedRun, name: str) -
     assert (summary["shard"], summary["shard_level"], summary["world_size"]) == (shard, level, 4)
     mesh = {"shard": 4} if shard == 4 else {"replicate": 2, "shard": 2}
     assert summary["shard_mesh"] == mesh and summary["sent_bytes_per_step"] > 0
+    if level > 1:  # built-in models and --init-fn: on the meta device, then unit by unit
+        assert summary["built"] == ("whole" if model is HF else "pieces"), name
     rest, keys = _compare(single / "final.pt", out / "final.pt")
     assert rest <= 1e-5, name
     assert keys <= (1e-5 if not optimizer else 1e-3), name  # see the module docstring
@@ -442,7 +447,8 @@ def test_sharding_x_tensor_clips_the_whole_norm_and_resumes(shared_run: SharedRu
     """2 x 2 with ``--clip-grad-norm``: every worker counts its piece of each 2-D shard (whole
     layers on the first tensor position only), so the run ends where one process clipping the
     same norm does, and clipping changed it; stopped halfway, its checkpoint (each worker's
-    2-D shards through DCP) resumes to the uninterrupted run."""
+    2-D shards through DCP) resumes to the uninterrupted run, on the same layout and as plain
+    dp on 2 workers."""
     clip = ("--clip-grad-norm", "0.05")
     layout = ("--nproc", "4", "--shard", "2", "--tensor-parallel", "2")
     single, _ = shared_run(*GPT, "--nproc", "1")
@@ -450,8 +456,14 @@ def test_sharding_x_tensor_clips_the_whole_norm_and_resumes(shared_run: SharedRu
     out, _ = shared_run(*GPT, *clip, *layout)
     assert max_abs_diff(clipped / "final.pt", out / "final.pt") <= 1e-5
     assert max_abs_diff(single / "final.pt", clipped / "final.pt") > 1e-3
-    again = tmp_path / "again"
+    again, as_dp = tmp_path / "again", tmp_path / "as-dp"
     run_json("train", *GPT, *clip, *layout, "--stop-after", "4", "--out", str(again))
-    assert torch.load(again / "checkpoint.pt", weights_only=False)["tensor_degree"] == 2
+    saved = torch.load(again / "checkpoint.pt", weights_only=False)
+    assert saved["tensor_degree"] == 2 and saved["row_orders"] == {
+        f"{block}.attention.qkv.{key}": 2 for block in (1, 2) for key in ("weight", "bias")}
+    shutil.copytree(again, as_dp)
     run_json("train", *GPT, *clip, *layout, "--resume", "--out", str(again))
     assert max_abs_diff(out / "final.pt", again / "final.pt") <= 1e-6
+    # as plain dp on 2: whole tensors, the query/key/value rows back in the model's order
+    run_json("train", *GPT, *clip, "--nproc", "2", "--resume", "--out", str(as_dp))
+    assert max_abs_diff(out / "final.pt", as_dp / "final.pt") <= 1e-6

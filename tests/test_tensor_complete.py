@@ -54,18 +54,21 @@ def test_fp16_runs_with_one_loss_scale(shared_run: SharedRun) -> None:
 def test_a_stopped_run_resumes_on_fewer_replicas(shared_run: SharedRun, tmp_path: Path) -> None:
     """Data 2 x tensor 2 stopped after 6 of 12 steps writes each worker's shares (one folder,
     no rank holding the whole model), then resumes as tensor 2 alone (one replica) and ends
-    within 1e-6 of the uninterrupted run; a data-parallel run refuses the checkpoint."""
+    within 1e-6 of the uninterrupted run; a sharded data-parallel run refuses the checkpoint
+    (plain dp reads it whole: tests/test_sharded.py)."""
     whole, _ = shared_run(*GPT, *DATA_X_TENSOR)
     out = tmp_path / "run"
     run_json("train", *GPT, *DATA_X_TENSOR, "--out", str(out), "--stop-after", "6")
     checkpoint = torch.load(out / "checkpoint.pt", weights_only=False)
     assert checkpoint["step"] == 6 and checkpoint["tensor_degree"] == 2
     assert "model" not in checkpoint and (out / checkpoint["sharded"]).is_dir()
-    refused = run_here("train", *GPT, "--nproc", "2", "--out", str(out), "--resume", "auto")
+    refused = run_here("train", *GPT, "--nproc", "2", "--shard", "2", "--out", str(out),
+                       "--resume", "auto")
     assert refused.returncode == 2
     assert refused.stderr.strip().splitlines()[-1].endswith(
         "was written by --tensor-parallel 2, and this run has tensor degree 1; resume it "
-        "--tensor-parallel 2"), refused.stderr
+        "--tensor-parallel 2, or as plain dp without --shard (each worker then reads whole "
+        "tensors)"), refused.stderr
     summary = run_json("train", *GPT, "--nproc", "2", "--tensor-parallel", "2", "--out",
                        str(out), "--resume", "auto")
     assert summary["finished"] and summary["mesh"] == {"data": 1, "pipeline": 1, "tensor": 2}

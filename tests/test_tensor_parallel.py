@@ -69,6 +69,7 @@ def _split_training(rank: int, world_size: int) -> dict[str, Any]:
     the model's own state, and the parameter + optimizer memory against its bound."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    from tandem.models.pieces import Initializer
     from tandem.models.tensor import tensor_plan
     from tandem.runtime.tensor_parallel import (
         gathered_state_dict, materialize_split, memory_report, parameter_bytes, split_model,
@@ -84,7 +85,8 @@ def _split_training(rank: int, world_size: int) -> dict[str, Any]:
         whole = parameter_bytes(model)
         plan = tensor_plan(spec, model, degree)
         meta = build_model(spec, info, device="meta")  # a worker's start, one layer at a time
-        materialize_split(meta, plan, meshes[degree], seed=SEED, device=torch.device("cpu"))
+        materialize_split(meta, plan, meshes[degree], init=Initializer(seed=SEED, by_name=True),
+                          device=torch.device("cpu"))
         start = gathered_state_dict(meta, plan, meshes[degree])
         meta_diff = max(float((start[key] - value).abs().max())
                         for key, value in model.state_dict().items())

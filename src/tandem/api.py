@@ -83,7 +83,10 @@ def fit(model: nn.Module | Callable[..., nn.Module] | str,
         nproc: local worker processes (default: the plan's, else 1; ignored under torchrun).
         out: directory for ``final.pt``, ``metrics.jsonl``, ``trace.json``, checkpoints.
         **options: the run's settings, named like ``tandem train``'s flags: ``steps``,
-            ``batch_size``, ``optimizer``, ``lr``, ``momentum``, ``seed``, ``precision``, ...
+            ``batch_size``, ``optimizer``, ``lr``, ``momentum``, ``seed``, ``precision``, ...;
+            ``init_fn``, ``"reset"`` or a function ``init_fn(module)`` that initializes one
+            module's own weights, builds a model given as a function on the meta device one
+            module at a time (:mod:`tandem.models.pieces`).
 
     Raises:
         UsageError: a mistake in the arguments, data, model or loss (one line naming it).
@@ -103,10 +106,18 @@ def fit(model: nn.Module | Callable[..., nn.Module] | str,
         raise UsageError("fit() got both train= and data=; give one of them")
     if test is not None and train is None:
         raise UsageError("fit() got test= without train=; give both datasets, or data=<spec>")
+    init_fn = options.pop("init_fn", None)
+    if init_fn is not None and isinstance(model, nn.Module):
+        raise UsageError(f"init_fn initializes a model that tandem builds, and the model given "
+                         f"is already built ({type(model).__name__}); give the function that "
+                         f"builds it (model=lambda: {type(model).__name__}(...)), or drop "
+                         f"init_fn")
     objects = UserObjects(model=None if isinstance(model, str) else model, train=train,
                           test=test, loss=None if loss is None or isinstance(loss, str) else loss,
-                          info=info)
+                          info=info, init_fn=None if isinstance(init_fn, str) else init_fn)
     settings, flags = _split_options(options, PLAN_FLAGS, RunConfig)
+    if init_fn is not None:
+        settings["init_fn"] = init_fn if isinstance(init_fn, str) else _label(init_fn, "init_fn")
     settings.update(model=model if isinstance(model, str) else _label(model),
                     data=data if data is not None else _label(train, "dataset"),
                     loss=loss if isinstance(loss, str) else (None if loss is None

@@ -41,6 +41,10 @@ def add_train_arguments(parser: argparse.ArgumentParser, defaults: RunConfig) ->
     add("--loss", default=defaults.loss, metavar="PACKAGE.MODULE:FUNCTION",
         help="loss(output, targets) -> the batch's mean loss (default: cross-entropy on the "
         "model's logits)")
+    add("--init-fn", default=defaults.init_fn, metavar="reset|PACKAGE.MODULE:FUNCTION",
+        help="build a user's model (--model package.module:function) on the meta device and "
+        "initialize it one module at a time: by each module's reset_parameters (reset) or by "
+        "function(module); sharded workers then never hold it whole (default: built whole)")
     add("--plan", default=None, metavar="FILE",
         help="run this plan (tandem plan -o / tandem search -o): strategy, layout, schedule, "
         "micro-batches, sync options and codec; --nproc defaults to its workers")

@@ -10,6 +10,7 @@ from typing import Any
 from tandem.spec.batch_schedule import AUTO, BatchSchedule, parse_batch_schedule
 from tandem.cluster import parse_size
 from tandem.errors import UsageError
+from tandem.spec.model import is_builtin
 from tandem.spec.options import MAX_SEED
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "lars", "lamb")
@@ -50,6 +51,9 @@ class RunConfig:
     ``package.module:function[:key=value]`` (see :mod:`tandem.data.load`)."""
     loss: str | None = None
     """``package.module:function`` (see :mod:`tandem.loss`); None: cross-entropy."""
+    init_fn: str | None = None
+    """Build a user's model on the meta device, initialized module by module: ``reset`` or
+    ``package.module:function`` (see :mod:`tandem.models.pieces`); None: built whole."""
     straggler: str | None = None
     """``RANK:FACTOR``: worker RANK takes FACTOR times as long for each step (experiments)."""
     split_points: str | None = None
@@ -155,6 +159,7 @@ class RunConfig:
         self.straggler_factor()
         self.memory_limit_bytes()
         self._check_batch_schedule()
+        _check_init_fn(self.init_fn, self.model)
         if self.resume is not None and self.resume == "auto" and self.out is None:
             raise UsageError("--resume without a path needs --out DIR (it resumes DIR/checkpoint.pt)")
 
@@ -330,3 +335,12 @@ def _at_least(flag: str, value: int, minimum: int) -> None:
 def _choice(flag: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise UsageError(f"{flag} {value!r} is not one of: {', '.join(choices)}")
+
+
+def _check_init_fn(init_fn: str | None, model: str) -> None:
+    """One line if ``--init-fn`` is given for a built-in model (initialized by name already)."""
+    if init_fn is not None and is_builtin(model):
+        raise UsageError(f"--init-fn {init_fn} initializes a user's model (--model "
+                         f"package.module:function); built-in model {model!r} is initialized "
+                         f"by module name and always built in pieces where that helps; drop "
+                         f"--init-fn")

@@ -123,10 +123,10 @@ def held_state(strategy: SyncStrategy, out: Path, step: int, model: nn.Module,
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
 
 
-def load_whole_model(checkpoint: dict[str, Any], model: nn.Module) -> None:
+def load_whole_model(checkpoint: dict[str, Any] | None, model: nn.Module) -> None:
     """A whole checkpoint's model, loaded before wrapping (a sharded one is loaded into the
-    wrapped model with the optimizer: :func:`restore_state`)."""
-    if "sharded" not in checkpoint:
+    wrapped model with the optimizer: :func:`restore_state`; None: no checkpoint)."""
+    if checkpoint is not None and "sharded" not in checkpoint:
         model.load_state_dict(checkpoint["model"])
 
 
@@ -137,6 +137,7 @@ def restore_state(checkpoint: dict[str, Any], own: dict[str, Any], strategy: Syn
     A sharded run cuts a whole optimizer state into its shards (:func:`shard_whole_optimizer`)."""
     if "sharded" in checkpoint:
         load_sharded(checkpoint["sharded"], model, optimizer)
+        natural_rows(model, optimizer, checkpoint.get("row_orders", {}))
         return
     saved = own.get("optimizer", checkpoint["optimizer"])
     if strategy.sharded_checkpoint and not _is_zero(optimizer):
@@ -164,12 +165,34 @@ def shard_whole_optimizer(saved: dict[str, Any], model: nn.Module,
                              options=StateDictOptions(full_state_dict=True))
 
 
-def check_sharded_resume(checkpoint: dict[str, Any] | None,
-                         path: Path | None) -> dict[str, Any] | None:
+def natural_rows(model: nn.Module, optimizer: torch.optim.Optimizer,
+                 orders: dict[str, int]) -> None:
+    """Put the rows of the parameters a tensor-parallel run of degree ``orders[name]`` saved in
+    its shares' order (:func:`tandem.runtime.tensor_parallel.heads_order`) back in the model's
+    own order, with those of their optimizer state (whole tensors: a plain ``dp`` run's)."""
+    from tandem.runtime.tensor_parallel import heads_order
+
+    parameters = dict(model.named_parameters())
+    for name, degree in orders.items():
+        parameter = parameters[name]
+        rows = parameter.shape[0]
+        order = heads_order(rows, degree).to(parameter.device)
+        state = optimizer.state.get(parameter, {})
+        for tensor in [parameter, *(value for value in state.values()
+                                    if isinstance(value, torch.Tensor) and value.ndim
+                                    and value.shape[0] == rows)]:
+            with torch.no_grad():
+                tensor[order] = tensor.clone()  # saved row i is the model's row order[i]
+
+
+def check_sharded_resume(checkpoint: dict[str, Any] | None, path: Path | None, *,
+                         whole: bool = False) -> dict[str, Any] | None:
     """``checkpoint`` (loaded from ``path``) with its ``"sharded"`` entry pointing at its folder
-    beside ``path``; one line if a tensor-parallel run wrote it (:func:`check_tensor_degree`)."""
+    beside ``path``; one line if a tensor-parallel run wrote it and this run shards the model
+    (``whole``: it holds every tensor whole, and reads a tensor-parallel checkpoint so)."""
     if checkpoint is not None and path is not None:
-        check_tensor_degree(checkpoint, path, 1)
+        if not whole or "sharded" not in checkpoint:
+            check_tensor_degree(checkpoint, path, 1)
         if "sharded" in checkpoint:
             checkpoint["sharded"] = path.parent / checkpoint["sharded"]
     return checkpoint
@@ -182,7 +205,8 @@ def check_tensor_degree(checkpoint: dict[str, Any], path: Path, degree: int) -> 
     if saved != degree:
         written = (f"--tensor-parallel {saved}" if saved > 1
                    else "a run without tensor parallelism")
-        fix = f"--tensor-parallel {saved}" if saved > 1 else "without --tensor-parallel"
+        fix = (f"--tensor-parallel {saved}, or as plain dp without --shard (each worker then "
+               f"reads whole tensors)" if saved > 1 else "without --tensor-parallel")
         raise UsageError(f"checkpoint {path} was written by {written}, and this run has tensor "
                          f"degree {degree}; resume it {fix}")
 

@@ -13,6 +13,7 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import inspect
@@ -26,6 +27,8 @@ from tandem.data import Data, DataInfo, TensorSamples, data_of, load_data
 from tandem.errors import UsageError
 from tandem.loss import LossFn, checked_loss, load_loss, loss_name, score_batch
 from tandem.models import build_model, is_builtin
+from tandem.models.pieces import Initializer, materialize
+from tandem.spec.options import user_function
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -44,6 +47,9 @@ class UserObjects:
     """``loss(output, targets) -> scalar mean``; None: cross-entropy on the logits."""
     info: DataInfo | None = None
     """What built-in models need to know of the data (inferred when None)."""
+    init_fn: Any = None
+    """``init_fn(module)``: initializes one module's own weights, for a model built in pieces
+    (see :mod:`tandem.models.pieces`); None: ``--init-fn`` says."""
 
 
 class Task:
@@ -74,17 +80,48 @@ class Task:
                              f"(or stream it: tandem pack, then --data shards:DIR)")
         return given
 
+    def initializer(self) -> Initializer | None:
+        """How a model built in pieces is initialized: a built-in one by module name, a user's
+        builder by ``--init-fn``; None when the model cannot be built in pieces (a user's
+        builder without ``--init-fn``, or a model given as an object)."""
+        if self.objects.model is None and is_builtin(self.run.model):
+            return Initializer(seed=self.run.seed, by_name=True)
+        init_fn = getattr(self.run, "init_fn", None)
+        if init_fn is None:
+            return None
+        if isinstance(self.objects.model, nn.Module):  # tandem.fit refuses it
+            raise UsageError("init_fn initializes a model that tandem builds; drop it")
+        function = self.objects.init_fn
+        if function is None and init_fn != "reset":
+            function, _ = user_function(init_fn, what="--init-fn")
+        return Initializer(seed=self.run.seed, by_name=False, function=function)
+
     def build_model(self, *, meta: bool = False) -> nn.Module:
         """A fresh model: built from ``--model``, a copy of the user's module, or what the
-        user's builder returns (call under the run's seed for identical replicas). With
-        ``meta``, a built-in model comes on the meta device, uninitialized (a pipeline stage
-        materializes its own blocks); a user's model is built whole all the same."""
+        user's builder returns (call under the run's seed for identical replicas). A model that
+        can be built in pieces (:meth:`initializer`) comes, with ``meta``, on the meta device,
+        uninitialized (the caller materializes it: :func:`tandem.models.pieces.materialize`);
+        without, whole on the CPU (a user's builder initialized module by module all the same,
+        so both ways give the same weights)."""
         given = self.objects.model
-        if given is None:
+        if given is None and is_builtin(self.run.model):
             return build_model(self.run.model, lambda: self.data.info, seed=self.run.seed,
-                               device="meta" if meta and is_builtin(self.run.model) else None)
+                               device="meta" if meta else None)
         if isinstance(given, nn.Module):
             return copy.deepcopy(given)
+        init = self.initializer()
+        with torch.device("meta") if init is not None else contextlib.nullcontext():
+            model = self._call_builder()
+        if init is not None and not meta:
+            materialize(model, init, torch.device("cpu"))
+        return model
+
+    def _call_builder(self) -> nn.Module:
+        """What the user's builder (``--model package.module:function`` or a function given
+        to ``tandem.fit``) returns."""
+        given = self.objects.model
+        if given is None:
+            return build_model(self.run.model, lambda: self.data.info)
         if not callable(given):
             raise UsageError(f"model is a {type(given).__name__}; give an nn.Module or a "
                              f"function that returns one")

@@ -8,8 +8,11 @@ and the optimizer's state, written collectively, and ``checkpoint.pt``, written 
 which names the folder and holds the step, the schedule, the data position, the tensor degree and
 each worker's random stream and components. The replicas of a data x tensor layout hold the same
 shares, so DCP writes each once; a run resumes on the same tensor degree with any number of
-replicas. Split layers are DTensors; the rows of a ``channels`` convolution, which are plain
-tensors, are given to DCP as DTensors sharded by rows over the tensor mesh.
+replicas, or as plain ``dp`` (each rank reads whole tensors, and the rows of the fused
+query/key/value layers, saved in the shares' order, are put back in the model's: the
+checkpoint's ``row_orders``). Split layers are DTensors; the rows of a ``channels``
+convolution, which are plain tensors, are given to DCP as DTensors sharded by rows over the
+tensor mesh.
 """
 
 from __future__ import annotations
@@ -41,6 +44,17 @@ class TensorCheckpoints:
         split = split_parameters(trainer.model, trainer.tensor_plan)
         self.rows = [name for name, is_dtensor in split.items() if not is_dtensor]
         """Parameters held as plain tensors of this worker's rows (``channels`` layers)."""
+
+    def row_orders(self) -> dict[str, int]:
+        """The parameters whose rows the checkpoint holds in its shares' order (``heads``
+        layers: each share's queries, keys and values together, :func:`heads_order`), with the
+        tensor degree that orders them: a plain ``dp`` run puts them back in the model's own
+        order on resume (:func:`tandem.runtime.sharded_checkpoint.natural_rows`)."""
+        model, degree = self.trainer.model, self.trainer.plan.tensor_degree
+        return {f"{layer}.{key}": degree for layer, style in self.trainer.tensor_plan.items()
+                if style == "heads"
+                for key, value in model.get_submodule(layer).named_parameters(recurse=False)
+                if value is not None}
 
     def _state(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
         """What DCP writes or reads (``{"model", "optimizer"}``, row shares as DTensors that
@@ -82,6 +96,7 @@ class TensorCheckpoints:
         save_atomic({
             "version": CHECKPOINT_VERSION, "step": step, "fingerprint": trainer.job.fingerprint(),
             "sharded": name, "tensor_degree": trainer.plan.tensor_degree,
+            "row_orders": self.row_orders(),
             "scheduler": trainer.scheduler.state_dict(), "ranks": ranks,
             "data": trainer.feed.position(step),
         }, trainer.out / "checkpoint.pt")

@@ -47,6 +47,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module,
 )
 
+from tandem.models.pieces import Initializer, materialize
 from tandem.models.tensor import TensorPlan
 
 
@@ -59,29 +60,19 @@ def split_model(model: nn.Module, plan: TensorPlan, mesh: DeviceMesh) -> None:
         _split_layer(model, name, plan[name], mesh, styles)
 
 
-def materialize_split(model: nn.Module, plan: TensorPlan, mesh: DeviceMesh, *, seed: int,
+def materialize_split(model: nn.Module, plan: TensorPlan, mesh: DeviceMesh, *, init: Initializer,
                       device: torch.device) -> None:
-    """Give ``model`` (a built-in model on the meta device) storage one module at a time, each
-    initialized by the seed and its name (:func:`tandem.models.init.reset_module`, as one
-    process initializes the whole model) and, if ``plan`` splits it, cut to this worker's share
-    at once: a worker never holds more than one split layer whole."""
-    from tandem.models.init import owns_state, reset_module
-
+    """Give ``model`` (on the meta device) storage one module at a time, each initialized by
+    ``init`` as the model built whole would be (:func:`tandem.models.pieces.materialize`) and,
+    if ``plan`` splits it, cut to this worker's share at once: a worker never holds more than
+    one split layer whole."""
     styles = dtensor_styles(model, plan)
-    for name, module in model.named_modules():
-        if not owns_state(module):
-            continue
-        module.to_empty(device="cpu", recurse=False)  # initialized on the CPU, as one process's
-        reset_module(module, seed, name)
-        with torch.no_grad():
-            for tensors in (module._parameters, module._buffers):  # noqa: SLF001 - own state only
-                for key, tensor in tensors.items():
-                    if tensor is not None:
-                        moved = tensor.to(device)
-                        tensors[key] = (nn.Parameter(moved, tensor.requires_grad)
-                                        if isinstance(tensor, nn.Parameter) else moved)
-        if name in plan:
+
+    def split(name: str) -> None:
+        if name:
             _split_layer(model, name, plan[name], mesh, styles)
+
+    materialize(model, init, device, units=list(plan), done=split)
 
 
 def _split_layer(model: nn.Module, name: str, style: str, mesh: DeviceMesh,

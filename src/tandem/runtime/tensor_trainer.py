@@ -62,8 +62,9 @@ class TensorParallelTrainer(BaseTrainer):
         torch.manual_seed(config.seed)
         model = self.task.build_model(meta=True)
         self.from_meta = any(p.is_meta for p in model.parameters())
-        """A built-in model comes on the meta device: each layer gets storage (and, if split,
-        is cut to this worker's share) one at a time; a user's is built whole."""
+        """A built-in model, or a user's with ``--init-fn``, comes on the meta device: each
+        layer gets storage (and, if split, is cut to this worker's share) one at a time; any
+        other is built whole."""
         if not self.from_meta:
             model = model.to(env.device)
         own = job.objects is not None and job.objects.model is not None
@@ -79,8 +80,9 @@ class TensorParallelTrainer(BaseTrainer):
         self.data_group = layout["data"].get_group() if self.replicas > 1 else None
         self.data_rank = env.rank // degree
         if self.from_meta:
-            materialize_split(model, self.tensor_plan, self.mesh, seed=config.seed,
-                              device=env.device)
+            init = self.task.initializer()
+            assert init is not None  # the model came on the meta device
+            materialize_split(model, self.tensor_plan, self.mesh, init=init, device=env.device)
         else:
             split_model(model, self.tensor_plan, self.mesh)
         split = split_parameters(model, self.tensor_plan)  # before FSDP shards every one

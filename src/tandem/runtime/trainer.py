@@ -72,8 +72,6 @@ class Trainer(BaseTrainer):
     def __init__(self, job: Job, env: WorkerEnv, beat: Heartbeat) -> None:
         super().__init__(job, env, beat)
         config = job.run
-        torch.manual_seed(config.seed)
-        model = self.task.build_model()
         self.loss_log.terms_per_sample = 1
         self.data_rank, self.data_world = self._data_position()
         self.divergence.where = f"worker {self.data_rank} (rank {env.rank})"
@@ -93,7 +91,11 @@ class Trainer(BaseTrainer):
         if checkpoint is not None:
             checkpoint = resized_checkpoint(checkpoint, world=env.world_size, rank=env.rank,
                                             strategy=self.strategy, compress=self.plan.compress)
-            load_whole_model(checkpoint, model)
+        if self.strategy.builds_in_pieces and (checkpoint is None or "sharded" in checkpoint):
+            self.strategy.initializer = self.task.initializer()  # None: built whole
+        torch.manual_seed(config.seed)
+        model = self.task.build_model(meta=self.strategy.initializer is not None)
+        load_whole_model(checkpoint, model)
         self.module = self.strategy.wrap(model, env.device)
         self.current_step = 0
         self.strategy.recorder = self._record_sync
@@ -181,7 +183,7 @@ class Trainer(BaseTrainer):
             path, self.job.fingerprint(), steps=self.config.steps,
             stop_after=self.config.stop_after)
         announce_resume(self.env.rank, path, checkpoint["step"] if checkpoint else None)
-        return check_sharded_resume(checkpoint, path)
+        return check_sharded_resume(checkpoint, path, whole=not self.strategy.sharded_checkpoint)
 
     def _restore(self, checkpoint: dict[str, Any]) -> None:
         """Optimizer, schedule, step and this worker's own state (random stream, strategy state,
@@ -197,7 +199,7 @@ class Trainer(BaseTrainer):
                       announce=self.env.rank == 0)
         self.first_step = int(checkpoint["step"])
         torch.set_rng_state(own["rng"])
-        if own["sync"]:
+        if own.get("sync"):  # a tensor-parallel checkpoint's ranks have none
             self.strategy.load_state_dict(own["sync"])
         self.resumed_components = own["components"]
 

@@ -79,6 +79,12 @@ class SyncStrategy(abc.ABC):
     (:func:`check_memory_limit`)."""
     shard_degree: int = 1
     """Workers each group splits the state over (``--shard``; 1: each holds it whole)."""
+    builds_in_pieces: bool = False
+    """Whether :meth:`wrap` takes a model on the meta device and builds it one unit at a time
+    with :attr:`initializer` (FSDP2's sharding: no worker holds the model whole)."""
+    initializer: Any = None
+    """A :class:`tandem.models.pieces.Initializer` for a model built in pieces (set by the
+    trainer before :meth:`wrap`; None: the model comes whole)."""
     casts_forward: bool = False
     """Whether the strategy runs the forward in the run's half precision itself (FSDP2's
     ``MixedPrecisionPolicy``), so that the trainer adds no autocast around it."""

@@ -29,8 +29,13 @@ sequence of blocks, :func:`block_units`: gpt's transformer blocks, an ``nn.Seque
 layers, a Hugging Face GPT-2's ``transformer.h.*``) or the submodules a user names, then the
 rest of the model as the root unit.
 
+At levels 2 and 3 a model that can be built in pieces (a built-in one, or a user's builder with
+``--init-fn``) comes on the meta device and is given storage one module at a time, each unit
+sharded as soon as it is complete (:mod:`tandem.models.pieces`): no worker holds it whole.
+
 The update equals DDP's: the workers start from rank 0's parameters and buffers (as DDP
-broadcasts them), each gradient is the mean of the workers', and buffers (BatchNorm's running
+broadcasts them; a model built in pieces has the same weights on every worker by its seed),
+each gradient is the mean of the workers', and buffers (BatchNorm's running
 statistics) follow DDP's default: rank 0's are broadcast before the first forward of each step
 and once more at the end (:meth:`ShardedDataParallel.consensus`).
 
@@ -54,6 +59,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tandem.errors import UsageError
+from tandem.models.pieces import PieceStats, materialize, on_meta
 from tandem.sync.allreduce import AllReduce
 from tandem.sync.base import SyncStrategy
 from tandem.sync.flat import flatten, state_buffers, unflatten_into
@@ -134,32 +140,47 @@ def check_offload(offload: str | None, backend: str) -> None:
 
 def shard_model(model: nn.Module, mesh: Any, *, units: list[str], level: int,
                 param_dtype: torch.dtype | None, offload: bool = False) -> None:
-    """FSDP2's ``fully_shard`` over ``mesh`` on each of ``units``, then on the whole model: at
-    ``level`` 3 a unit's parameters are freed after its forward, at 2 kept until its backward;
-    with ``param_dtype`` (bf16) the units compute in it on fp32 shards, reduce in fp32 and the
-    model's output is fp32, normalization layers with running statistics staying fp32 in units
-    of their own; with ``offload``, the shards stay in CPU memory, where the optimizer steps
-    them (``CPUOffloadPolicy``)."""
-    from torch.distributed.fsdp import (
-        CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
-    )
+    """FSDP2's ``fully_shard`` over ``mesh`` on each of ``units``, then on the whole model
+    (:class:`UnitSharder`)."""
+    sharder = UnitSharder(model, mesh, units=units, level=level, param_dtype=param_dtype,
+                          offload=offload)
+    for name in sorted(sharder.policies, key=lambda unit: -unit.count(".")):  # inner first
+        sharder(name)
+    sharder("")
 
-    modules = dict(model.named_modules())
-    reshard = level == 3
-    half = param_dtype
-    inner = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
-    root = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32,
-                                output_dtype=torch.float32 if half else None)
-    policies = dict.fromkeys(units, inner)
-    if half is not None:  # statistics stay fp32, in units of their own
-        policies.update(dict.fromkeys(_normalizations(model), MixedPrecisionPolicy(
-            param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=half)))
-    where = CPUOffloadPolicy() if offload else OffloadPolicy()
-    for name in sorted(policies, key=lambda unit: -unit.count(".")):  # nested: inner first
-        fully_shard(modules[name], mesh=mesh, reshard_after_forward=reshard,
-                    mp_policy=policies[name], offload_policy=where)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=root,
-                offload_policy=where)
+
+class UnitSharder:
+    """FSDP2's ``fully_shard`` of one unit at a time (``sharder(name)``, the whole model as
+    ``""``, last): at ``level`` 3 a unit's parameters are freed after its forward, at 2 kept
+    until its backward; with ``param_dtype`` (bf16) the units compute in it on fp32 shards,
+    reduce in fp32 and the model's output is fp32, normalization layers with running statistics
+    staying fp32 in units of their own; with ``offload``, the shards stay in CPU memory, where
+    the optimizer steps them (``CPUOffloadPolicy``)."""
+
+    def __init__(self, model: nn.Module, mesh: Any, *, units: list[str], level: int,
+                 param_dtype: torch.dtype | None, offload: bool = False) -> None:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+        self.model, self.mesh, self.reshard = model, mesh, level == 3
+        half = param_dtype
+        inner = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
+        self.root = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32,
+                                         output_dtype=torch.float32 if half else None)
+        self.policies = dict.fromkeys(units, inner)
+        """Each unit's mixed precision, by name (the whole model's is :attr:`root`)."""
+        if half is not None:  # statistics stay fp32, in units of their own
+            self.policies.update(dict.fromkeys(_normalizations(model), MixedPrecisionPolicy(
+                param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=half)))
+        self.where = CPUOffloadPolicy() if offload else OffloadPolicy()
+
+    def __call__(self, name: str) -> None:
+        """Shard unit ``name`` (``""``: the whole model; each nested unit before it)."""
+        from torch.distributed.fsdp import fully_shard
+
+        module = self.model.get_submodule(name) if name else self.model
+        fully_shard(module, mesh=self.mesh, reshard_after_forward=self.reshard,
+                    mp_policy=self.policies[name] if name else self.root,
+                    offload_policy=self.where)
 
 
 def shard_mesh(device: torch.device, degree: int) -> Any:
@@ -192,6 +213,7 @@ class ShardedDataParallel(SyncStrategy):
     overlapped_allreduce = True
     sharded_checkpoint = True
     collective_forward = True
+    builds_in_pieces = True
     noise_scale_note = (
         "not measured with --shard-level 2 or 3: each worker's gradient is reduce-scattered "
         "unit by unit as the backward computes it, and the noise scale needs the norm of the "
@@ -215,19 +237,32 @@ class ShardedDataParallel(SyncStrategy):
         """Micro-batches of the step so far (each gathers the units again)."""
         self._whole_bytes: int | None = None
         self._sent_bytes = 0.0
+        self.build_stats: PieceStats | None = None
+        """What building the model in pieces held at most (None: it was built whole)."""
 
     def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
+        """Shard ``model``: one built whole starts from rank 0's weights (broadcast); one on
+        the meta device is built in pieces by :attr:`initializer`, each unit sharded as soon as
+        it is complete (:func:`tandem.models.pieces.materialize`)."""
         # checkpoints and final.pt use these: imported now, a checkpoint's memory is its own
         import torch.distributed.checkpoint.state_dict_loader  # noqa: F401
         import torch.distributed.checkpoint.state_dict_saver  # noqa: F401
-        model = model.to(device)
         self.units = check_units(model, self.unit_names)
         saved = set(dict(state_buffers(model)))
-        for tensor in [*model.parameters(), *(b for _, b in state_buffers(model))]:
-            dist.broadcast(tensor.detach(), 0)  # one at a time: no flat copy of the model
         self.mesh = shard_mesh(device, self.shard_degree)
-        shard_model(model, self.mesh, units=self.units, level=self.level,
-                    param_dtype=self.param_dtype, offload=self.offload)
+        sharder = UnitSharder(model, self.mesh, units=self.units, level=self.level,
+                              param_dtype=self.param_dtype, offload=self.offload)
+        if on_meta(model):
+            if self.initializer is None:
+                raise RuntimeError("a model on the meta device needs the strategy's initializer")
+            self.build_stats = materialize(model, self.initializer, device,
+                                           units=list(sharder.policies), done=sharder)
+        else:
+            model = model.to(device)
+            for tensor in [*model.parameters(), *(b for _, b in state_buffers(model))]:
+                dist.broadcast(tensor.detach(), 0)  # one at a time: no flat copy of the model
+            shard_model(model, self.mesh, units=self.units, level=self.level,
+                        param_dtype=self.param_dtype, offload=self.offload)
         self._buffers = [buffer for name, buffer in model.named_buffers() if name in saved]
         if self._buffers:
             model.register_forward_pre_hook(self._before_forward)
@@ -316,7 +351,10 @@ class ShardedDataParallel(SyncStrategy):
 
     def summary(self) -> dict[str, Any]:
         """The run summary's description of the sharding."""
+        stats = self.build_stats
         return {"shard_units": self.units,
+                "built": "whole" if stats is None else "pieces",
+                "build_peak_whole_bytes": None if stats is None else stats.peak_whole_bytes,
                 "shard_mesh": dict(zip(self.mesh.mesh_dim_names, self.mesh.shape)),
                 "shard_mixed_precision": None if self.param_dtype is None else {
                     "param_dtype": str(self.param_dtype).removeprefix("torch."),

@@ -16,11 +16,7 @@ import torch
 from torch import nn
 
 from tandem.models.init import initialize
-
-
-def on_meta(module: nn.Module) -> bool:
-    """Whether any of ``module``'s parameters or buffers is on the meta device (no storage)."""
-    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+from tandem.models.pieces import on_meta
 
 
 def materialize(blocks: Sequence[nn.Module], start: int, seed: int,

@@ -73,7 +73,8 @@ class PipelineTrainer(BaseTrainer):
         super().__init__(job, env, beat)
         config = job.run
         torch.manual_seed(config.seed)
-        model = self.task.build_model(meta=True)  # a built-in model: shapes only, see materialize
+        init = self.task.initializer()  # a built-in model: shapes only, see materialize
+        model = self.task.build_model(meta=init is not None and init.by_name)
         self.loss_log.terms_per_sample = 1
         example = example_inputs(self.feed.data.train)
         if not isinstance(model, nn.Sequential):  # traced where it runs (a trace fixes devices)
