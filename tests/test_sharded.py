@@ -324,18 +324,6 @@ def test_a_collective_forward_evaluates_in_lockstep(sizes: list[int], rank: int,
 
 
 @pytest.mark.pure
-def test_the_simulator_refuses_a_sharded_plan(tmp_path: Path) -> None:
-    """It does not model sharding yet: one line, not plain data parallelism's figures."""
-    from tandem.commands.simulate import load_plan
-
-    path = tmp_path / "plan.json"
-    plan_from_flags("dp", {"--shard": 4}, num_processes=4, num_blocks=3).save(str(path))
-    with pytest.raises(UsageError, match="shards data parallelism .shard degree 4., which the "
-                                         "simulator does not model yet"):
-        load_plan(str(path), cast(Any, None), cast(Any, None))
-
-
-@pytest.mark.pure
 @pytest.mark.parametrize(("strategy", "flag"), [("ps", "--shard"), ("pipeline", "--shard"),
                                                 ("gossip", "--shard-level")])
 def test_shard_flags_belong_to_dp(strategy: str, flag: str) -> None:

@@ -102,6 +102,12 @@ def format_plan(plan: Plan, profile: ModelProfile, cluster: Cluster) -> str:
                      f"{stage.time_s * 1e3:10.3f} {stage.memory_bytes / 1e6:10.1f}  {first}")  # fmt: skip
     if len(plan.level_configs) > 1:
         lines.append("per level (innermost first): " + ", ".join(plan.level_configs))
+    if plan.sharded:
+        why = next((f"chosen because data parallelism needs {row['peak_memory_bytes'] / 1e9:.3g}"
+                    f" GB per device, over the limit" for row in plan.candidates
+                    if row["name"] == "dp" and row["fits_memory"] is False), "the fastest plan")
+        lines.append(f"sharded data parallelism: --shard {plan.shard_degree} --shard-level "
+                     f"{plan.shard_level} ({why}; each device holds its shard of the state)")
     rate = f" ({plan.samples_per_s:.1f} samples/s)" if plan.samples_per_s is not None else ""
     estimate = (f"; the partitioner estimated {plan.estimate_s * 1e3:.3f} ms (PipeDream's steady "
                 f"state)" if plan.estimate_s is not None else "")

@@ -218,13 +218,7 @@ def load_plan(text: str, profile: ModelProfile, cluster: Cluster,
             first = next(iter(given))
             raise UsageError(f"{first} applies to --plan {'|'.join(ONE_STAGE)}; the plan "
                              f"file {text!r} carries its own sync (drop {first})")
-        plan = Plan.load(text)
-        if plan.sharded:
-            raise UsageError(f"the plan {text!r} shards data parallelism (shard degree "
-                             f"{plan.shard_degree}), which the simulator does not model yet; "
-                             f"set its shard_degree to 1 and sharded to false to simulate plain data "
-                             f"parallelism")
-        return plan
+        return Plan.load(text)
     codec = getattr(args, "codec", None)
     if codec:
         given["--compress"] = codec

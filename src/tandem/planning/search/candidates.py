@@ -353,9 +353,11 @@ def scale_links(cluster: Cluster, factor: float) -> Cluster:
 
 
 def layout_key(plan: Plan) -> tuple[Any, ...]:
-    """What makes two plans the same layout: stages (layers, replicas, devices), layer order."""
+    """What makes two plans the same layout: stages (layers, replicas, devices), layer order,
+    tensor degree and sharding."""
     stages = tuple((s.start, s.end, s.replicas, tuple(s.devices or ())) for s in plan.stages)
-    return (stages, tuple(plan.layer_order or ()), plan.tensor_degree)
+    sharding = (plan.shard_degree, plan.shard_level) if plan.sharded else None
+    return (stages, tuple(plan.layer_order or ()), plan.tensor_degree, sharding)
 
 
 def minibatch(profile: ModelProfile, sim: SimOptions) -> int | None:

@@ -21,7 +21,9 @@ per update, a different training run, so the fastest such plan is reported apart
 (:attr:`SearchResult.apart`) and never as faster. Chains start from data parallelism and from the partitioner's plan
 (and from a balanced straight pipeline, and data parallelism at the largest tensor degree when
 tensor degrees are searched), share the budget in turns, and the best plan any chain
-has seen is the answer — so it is never slower than either starting point.
+has seen is the answer — so it is never slower than either starting point. When data
+parallelism does not fit the memory limit, its sharded forms
+(:func:`~tandem.planning.simulate.sharded.sharded_plans`) are weighed too.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from tandem.cluster import Cluster
 from tandem.errors import UsageError
 from tandem.plan import Plan, Stage
 from tandem.planning.search.balance import balanced_bounds, layer_order
+from tandem.planning.simulate.sharded import sharded_plans
 from tandem.planning.simulate.simulator import SimOptions, SimResult, data_parallel_plan, simulate
 from tandem.planning.simulate.tensor import DEFAULT_MAX_TENSOR_DEGREE, tensor_degrees
 from tandem.profile import ModelProfile
@@ -248,6 +251,10 @@ class _Search:
             if self._accept(current_cost, value):
                 chains[index] = (proposal, value)
                 accepted += 1
+        if dp_candidate is None or not dp_candidate.result.fits_memory:  # memory forces it
+            sharded = self._sharded(dp)
+            if sharded is not None and (self.best is None or sharded[0] < self.best[0]):
+                self.best = sharded
         if self.best is None:
             memory = self.cluster.memory_bytes
             where = ("that tandem train runs as written" if memory is None
@@ -262,6 +269,19 @@ class _Search:
                             accepted=accepted, elapsed_s=time.perf_counter() - started,
                             evaluated=len(self.cache), trace=self.trace, apart=apart,
                             data_parallel_refusal=self.refused.get(dp, ""))
+
+    def _sharded(self, dp: Strategy) -> tuple[float, Candidate] | None:
+        """The fastest sharded data-parallel plan that fits (:func:`sharded_plans`), if any."""
+        fitting = []
+        for plan in sharded_plans(dp.plan(self.num_devices), self.cluster):
+            refusal = batch_refusal(plan, self.options.batch_samples)
+            try:
+                result = simulate(plan, self.profile, self.cluster, self.sim)
+            except UsageError:
+                continue
+            if refusal is None and result.fits_memory:
+                fitting.append((result.step_time_s, Candidate(plan=plan, result=result)))
+        return min(fitting, key=lambda pair: pair[0], default=None)
 
     def _accept(self, current: float, value: float) -> bool:
         if value <= current:

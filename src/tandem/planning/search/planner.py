@@ -11,7 +11,9 @@ Usage::
 on a flat cluster of as many devices at the slowest link, each under a ladder of memory budgets
 (the limit itself among them) and of link speeds (:mod:`tandem.planning.search.candidates`); it
 adds data parallelism and one device, simulates each (:mod:`tandem.planning.simulate.simulator`)
-as it will run (the schedule, micro-batches that divide the minibatch), and returns the fastest
+as it will run (the schedule, micro-batches that divide the minibatch), and, when data
+parallelism does not fit the memory limit, its sharded forms (FSDP2 / ZeRO,
+:mod:`tandem.planning.simulate.sharded`); it returns the fastest
 that fits the devices' memory, its time the simulator's (``bottleneck_s``) beside the
 partitioner's estimate (``estimate_s``). It is never slower than a candidate it built, and
 monotone along the ladders: more bandwidth, faster devices or a looser limit a rung apart never
@@ -37,6 +39,7 @@ from tandem.planning.search.candidates import (Candidate, CandidatePool, microba
                                                minibatch)
 from tandem.planning.partition.pipedream import (NoPlanFits, Partition, PartitionOptions,
                                                  partition, schedule_kind)
+from tandem.planning.simulate.sharded import sharded_plans
 from tandem.planning.simulate.simulator import SimOptions, SimResult, data_parallel_plan, simulate
 from tandem.profile import ModelProfile, topological_order
 from tandem.spec.kinds import ScheduleKind
@@ -174,8 +177,22 @@ def _references(profile: ModelProfile, cluster: Cluster, pool: CandidatePool,
     note = "" if devices == cluster.num_devices else (
         f"on {devices} devices: the minibatch of {pool.batch} does not split among "
         f"{cluster.num_devices}")
-    return [pool.evaluate("dp", dp, _dp_estimate(found), note=note, as_is=True),
+    plain = pool.evaluate("dp", dp, _dp_estimate(found), note=note, as_is=True)
+    sharded = [] if plain.fits or plain.result is None else _sharded(dp, cluster, pool, plain)
+    return [plain, *sharded,
             pool.evaluate("single", single, _single_estimate(found), as_is=True)]
+
+
+def _sharded(dp: Plan, cluster: Cluster, pool: CandidatePool, plain: Candidate) -> list[Candidate]:
+    """Sharded data parallelism on ``dp``'s devices (:func:`sharded_plans`), weighed when plain
+    data parallelism (``plain``) does not fit the memory limit (their collectives move the same
+    bytes, modelled in closed form against DDP's replay: a near tie between them would say
+    nothing); each says so."""
+    assert plain.result is not None
+    why = f"; data parallelism needs {plain.result.peak_memory_bytes / 1e9:.3g} GB per device"
+    return [pool.evaluate("sharded", plan, None, as_is=True,
+                          note=f"--shard {plan.shard_degree} --shard-level {plan.shard_level}{why}")
+            for plan in sharded_plans(dp, cluster)]
 
 
 def _flat_at_slowest_link(cluster: Cluster) -> Cluster:
@@ -214,7 +231,8 @@ def _chosen_plan(best: Candidate, candidates: list[Candidate], options: Partitio
         solve_s=solve_s,
         stages=[dataclasses.replace(stage, memory_bytes=_stage_peak(best.result, index))
                 for index, stage in enumerate(best.plan.stages)],
-        options={**_recorded(options), "chosen": best.name, "chosen_from": best.note,
+        options={**_recorded(options), "chosen": best.name,
+                 "chosen_from": best.note if best.name in PIPELINE_CANDIDATES else "",
                  **{key: value for key, value in best.plan.options.items()
                     if key == "branch_compression"}},
     )
@@ -236,7 +254,8 @@ def _no_fit_message(profile: ModelProfile, cluster: Cluster, options: PartitionO
     need = min([smallest_memory_bytes(profile, cluster, options, sim), *peaks])
     words = {"partition": "straight pipelines" if options.straight else "pipelines",
              "flat": "straight pipelines" if options.straight else "pipelines",
-             "dp": "data parallelism", "single": "one device"}
+             "dp": "data parallelism", "sharded": "sharded data parallelism",
+             "single": "one device"}
     kinds = ", ".join(dict.fromkeys(words[c.name] for c in eligible)) or words["partition"]
     search = (", or let `tandem search` split layers across devices (tensor parallelism "
               "fits)" if _tensor_fits(profile, cluster, options, memory) else "")

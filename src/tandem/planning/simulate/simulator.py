@@ -37,6 +37,7 @@ compute per allreduce; :mod:`tandem.planning.simulate.tensor`), the others run w
 ``plan.recompute`` a backward runs the stage's forward again first, and a stage stashes only its
 input per micro-batch (plus one micro-batch's activations while it recomputes).
 
+A sharded plan (FSDP2 / ZeRO) is simulated unit by unit by :mod:`tandem.planning.simulate.sharded`.
 One-stage plans that synchronize otherwise (``plan.sync`` a parameter server, gossip, local SGD
 or EASGD spec) are simulated by :mod:`tandem.planning.simulate.servers` and
 :mod:`tandem.planning.simulate.decentralized`, chosen by ``type(plan.sync)``; their results say what
@@ -111,6 +112,7 @@ from tandem.planning.partition.memory import device_memory_bytes
 from tandem.planning.simulate.replay import Replay, Workload, replay
 from tandem.planning.simulate.result import SimOptions, SimResult, WorkerResult
 from tandem.planning.simulate.servers import simulate_ps
+from tandem.planning.simulate.sharded import simulate_sharded
 from tandem.planning.simulate.steady import closed_form, plan_microbatches, replay_actions
 from tandem.planning.simulate.tensor import (port_sharing, split_profile, tensor_allreduce_count,
                                     tensor_allreduce_s, tensor_group)
@@ -157,6 +159,9 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
     not fit the profile or the cluster."""
     options = options or SimOptions()
     check_plan(plan, profile, cluster)
+    if plan.sharded:
+        return simulate_sharded(plan, profile, cluster, options,
+                                lambda plain: simulate(plain, profile, cluster, options))
     if not plan.pipelined and not isinstance(plan.sync, AllReduceSync):
         if plan.tensor_degree > 1 or plan.recompute:
             what = "tensor parallelism" if plan.tensor_degree > 1 else "recomputation"

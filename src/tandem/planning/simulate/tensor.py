@@ -155,6 +155,8 @@ def grouped_cluster(cluster: Cluster, degree: int) -> Cluster:
 
 def layout_text(plan: Plan) -> str:
     """The plan's replicas per stage with its tensor degree and recomputation, e.g.
-    ``1-1-1-1 x tensor 2, recompute`` (just ``1-1-1-1`` without either)."""
+    ``1-1-1-1 x tensor 2, recompute`` or ``4, sharded 4 level 3`` (just ``1-1-1-1`` without
+    any)."""
     text = plan.config + (f" x tensor {plan.tensor_degree}" if plan.tensor_degree > 1 else "")
+    text += f", sharded {plan.shard_degree} level {plan.shard_level}" if plan.sharded else ""
     return text + (", recompute" if plan.recompute else "")
