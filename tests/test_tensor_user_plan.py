@@ -212,7 +212,8 @@ BAD = {
                      "'blocks.0.fc2' or 'blocks.0.fc1'"),
     "not a linear layer": ((*MODEL, *TWO, "--tensor-layers", "blocks.0.norm=colwise"),
                            "tensor layer 'blocks.0.norm' is a LayerNorm, but style colwise "
-                           "splits an nn.Linear; name an nn.Linear or nn.Conv2d inside it"),
+                           "splits an nn.Linear or a Conv1D; name an nn.Linear, Conv1D or "
+                           "nn.Conv2d inside it"),
     "not a convolution": ((*MODEL, *TWO, "--tensor-layers", "stem=channels"),
                           "tensor layer 'stem' is a Linear, but style channels splits an "
                           "nn.Conv2d; use colwise or rowwise or heads"),

@@ -8,14 +8,26 @@ Usage::
 
 A tensor plan maps a module's name (as ``named_modules`` gives it) to a split *style*:
 
-- ``colwise``: an ``nn.Linear`` whose output features are split (each worker computes its share
+- ``colwise``: a linear layer whose output features are split (each worker computes its share
   of the outputs from the whole input);
-- ``rowwise``: an ``nn.Linear`` whose input features are split (each worker multiplies its
+- ``rowwise``: a linear layer whose input features are split (each worker multiplies its
   share of the inputs; the partial outputs are summed by one allreduce, then the bias added);
-- ``heads``: a fused query/key/value ``nn.Linear`` (``3 * dim`` outputs) split by attention
-  heads: each worker computes the queries, keys and values of its ``heads / T`` heads;
+- ``heads``: a fused query/key/value linear layer (``3 * dim`` outputs, the queries first,
+  then the keys, then the values) split by attention heads: each worker computes the queries,
+  keys and values of its ``heads / T`` heads;
 - ``channels``: an ``nn.Conv2d`` whose output channels are split; the shares are gathered
   after it, so the layers that follow see every channel.
+
+A linear layer is an ``nn.Linear`` or a Hugging Face ``Conv1D`` (GPT-2's: its weight is the
+transpose of ``nn.Linear``'s, ``(inputs, outputs)``, so its output features are its weight's
+columns; :func:`is_conv1d`).
+
+The module that holds a ``heads`` layer (its attention) computes on a worker's share of the
+heads. Where it counts the whole layer's heads or width in an integer attribute
+(:data:`HEAD_COUNTS`; :data:`WIDTHS` equal to the layer's query width, such as GPT-2's
+``split_size``, by which it splits the fused output), each worker sets the attribute to its
+share's (:func:`head_shares`); the run names what it set. Other attributes are left as they are,
+so its forward must count anything else from its input (``view(..., -1, head_dim)``).
 
 Megatron-LM's pairing: a ``colwise`` (or ``heads``) layer feeds the ``rowwise`` one after it,
 so the pair needs one allreduce in the forward (after the row-wise layer) and one in the backward
@@ -74,7 +86,8 @@ def tensor_plan(spec: str | None, model: nn.Module, degree: int,
 
 def checked_layers(model: nn.Module, layers: TensorPlan, degree: int) -> TensorPlan:
     """``layers`` in the model's module order, once every name is a module of ``model`` of the
-    type its style splits, ``degree`` divides what it splits, no split parameter is shared with
+    type its style splits, ``degree`` divides what it splits (a ``heads`` layer's heads too,
+    where its attention counts them: :func:`head_shares`), no split parameter is shared with
     another module, and every ``heads`` layer has a ``rowwise`` layer after it."""
     modules = dict(model.named_modules())
     for name, style in layers.items():
@@ -94,44 +107,129 @@ def checked_layers(model: nn.Module, layers: TensorPlan, degree: int) -> TensorP
         raise UsageError(f"tensor layer {open_heads!r} (heads) has no rowwise layer after it in "
                          f"the model's module order to take its heads' outputs; name the "
                          f"attention's output projection rowwise, or split {open_heads!r} colwise")
+    head_shares(model, ordered, degree)
     return ordered
 
 
-SPLIT_TYPES: dict[str, type[nn.Module]] = {
-    "colwise": nn.Linear, "rowwise": nn.Linear, "heads": nn.Linear, "channels": nn.Conv2d,
+def is_conv1d(module: nn.Module) -> bool:
+    """Whether ``module`` is a Hugging Face ``Conv1D`` (``transformers.pytorch_utils``: a linear
+    layer ``y = x @ weight + bias`` with ``weight`` of shape ``(nx, nf)``, inputs by outputs),
+    recognised by its class name and sizes so that tandem need not import transformers."""
+    return (type(module).__name__ == "Conv1D" and isinstance(vars(module).get("nf"), int)
+            and isinstance(vars(module).get("nx"), int))
+
+
+def is_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is a linear layer the ``colwise``, ``rowwise`` and ``heads`` styles
+    split: an ``nn.Linear`` or a ``Conv1D``."""
+    return isinstance(module, nn.Linear) or is_conv1d(module)
+
+
+def linear_features(module: nn.Module) -> tuple[int, int]:
+    """The input and output features of a linear layer (:func:`is_linear`)."""
+    if is_conv1d(module):
+        return int(vars(module)["nx"]), int(vars(module)["nf"])
+    assert isinstance(module, nn.Linear), f"not a linear layer: {module}"
+    return module.in_features, module.out_features
+
+
+def output_dim(module: nn.Module, key: str) -> int:
+    """The dimension of a linear layer's parameter ``key`` that holds its output features: 0
+    for a bias and an ``nn.Linear``'s weight (outputs x inputs), 1 for a ``Conv1D``'s weight
+    (inputs x outputs)."""
+    return 1 if key == "weight" and is_conv1d(module) else 0
+
+
+SPLITS: dict[str, tuple[Callable[[nn.Module], bool], str]] = {
+    "colwise": (is_linear, "an nn.Linear or a Conv1D"),
+    "rowwise": (is_linear, "an nn.Linear or a Conv1D"),
+    "heads": (is_linear, "an nn.Linear or a Conv1D"),
+    "channels": (lambda module: isinstance(module, nn.Conv2d), "an nn.Conv2d"),
 }
-"""The module type each style splits."""
+"""What each style splits: the test of a module, and its words."""
 
 
-def split_size(style: str, module: nn.Linear | nn.Conv2d) -> tuple[int, str]:
+def split_size(style: str, module: nn.Module) -> tuple[int, str]:
     """The size a style divides among the workers, and what it is."""
     if isinstance(module, nn.Conv2d):
         return module.out_channels, "output channels"
+    inputs, outputs = linear_features(module)
     if style == "rowwise":
-        return module.in_features, "input features"
+        return inputs, "input features"
     if style == "heads":
-        return module.out_features // 3, "query (key, value) features"
-    return module.out_features, "output features"
+        return outputs // 3, "query (key, value) features"
+    return outputs, "output features"
 
 
 def _check_style(name: str, style: str, module: nn.Module, degree: int) -> None:
-    wanted = SPLIT_TYPES[style]
-    if not isinstance(module, wanted):
-        fits = [other for other, kind in SPLIT_TYPES.items() if isinstance(module, kind)]
+    splits, what = SPLITS[style]
+    if not splits(module):
+        fits = [other for other, (test, _) in SPLITS.items() if test(module)]
         fix = (f"use {' or '.join(fits)}" if fits
-               else "name an nn.Linear or nn.Conv2d inside it instead")
+               else "name an nn.Linear, Conv1D or nn.Conv2d inside it instead")
         raise UsageError(f"tensor layer {name!r} is a {type(module).__name__}, but style "
-                         f"{style} splits an nn.{wanted.__name__}; {fix}")
-    assert isinstance(module, (nn.Linear, nn.Conv2d))  # SPLIT_TYPES holds only these
-    if style == "heads" and isinstance(module, nn.Linear) and module.out_features % 3:
-        raise UsageError(f"tensor layer {name!r} (heads) has {module.out_features} outputs, not "
-                         f"queries, keys and values of one size (3 x dim); use colwise")
+                         f"{style} splits {what}; {fix}")
+    if style == "heads" and linear_features(module)[1] % 3:
+        raise UsageError(f"tensor layer {name!r} (heads) has {linear_features(module)[1]} "
+                         f"outputs, not queries, keys and values of one size (3 x dim); use "
+                         f"colwise")
     size, what = split_size(style, module)
     if size % degree:
-        choices = [d for d in range(2, size + 1) if size % d == 0][:4]
-        fix = f"use --tensor-parallel {' or '.join(map(str, choices))}, or " if choices else ""
         raise UsageError(f"--tensor-parallel {degree} does not divide the {size} {what} of "
-                         f"tensor layer {name!r} ({style}); {fix}leave {name!r} whole")
+                         f"tensor layer {name!r} ({style}); {_degrees(size)}leave {name!r} whole")
+
+
+def _divisors(size: int) -> list[int]:
+    """The first few tensor degrees that divide ``size``."""
+    return [d for d in range(2, size + 1) if size % d == 0][:4]
+
+
+def _degrees(size: int) -> str:
+    """``use --tensor-parallel A or B ..., or `` for the degrees that divide ``size``, if any."""
+    choices = _divisors(size)
+    return f"use --tensor-parallel {' or '.join(map(str, choices))}, or " if choices else ""
+
+
+HEAD_COUNTS = ("num_heads", "n_head", "n_heads", "heads", "num_attention_heads")
+"""Integer attributes by which an attention module counts its heads (GPT-2's ``num_heads``,
+tandem gpt's ``heads``): a worker's share holds ``1 / T`` of them."""
+WIDTHS = ("embed_dim", "split_size", "hidden_size", "all_head_size")
+"""Integer attributes by which it may hold its query width (GPT-2's ``embed_dim``, and
+``split_size``, the size by which it splits its fused query/key/value output): set to the
+share's where they equal the ``heads`` layer's query width, left alone otherwise."""
+
+
+def head_shares(model: nn.Module, plan: TensorPlan, degree: int) -> dict[str, tuple[int, int]]:
+    """The integer attributes of the modules holding ``plan``'s ``heads`` layers that count a
+    whole layer's heads or width (:data:`HEAD_COUNTS`; :data:`WIDTHS` equal to its query width),
+    by full name, each with its whole value and a worker's share of ``degree`` workers:
+    ``{"h.0.attn.num_heads": (2, 1), "h.0.attn.split_size": (32, 16), ...}``; one line if a
+    head count does not split into whole heads."""
+    shares: dict[str, tuple[int, int]] = {}
+    for name in (name for name, style in plan.items() if style == "heads"):
+        owner = name.rpartition(".")[0]
+        width, _ = split_size("heads", model.get_submodule(name))
+        for attribute, value in vars(model.get_submodule(owner)).items():
+            full = f"{owner}.{attribute}" if owner else attribute
+            if isinstance(value, bool) or not isinstance(value, int):
+                continue
+            if attribute in HEAD_COUNTS:
+                _check_heads(name, full, value, width, degree)
+                shares[full] = (value, value // degree)
+            elif attribute in WIDTHS and value == width:
+                shares[full] = (value, value // degree)
+    return shares
+
+
+def _check_heads(name: str, full: str, heads: int, width: int, degree: int) -> None:
+    if heads < 1 or width % heads:
+        raise UsageError(f"tensor layer {name!r} (heads) has {width} query features, which "
+                         f"{full} = {heads} heads cannot share equally, so a worker's heads are "
+                         f"unknown; leave {name!r} and its rowwise layer whole")
+    if heads % degree:
+        raise UsageError(f"--tensor-parallel {degree} does not divide the {heads} heads of "
+                         f"tensor layer {name!r} ({full}), so a worker would hold part of a "
+                         f"head; {_degrees(heads)}leave {name!r} and its rowwise layer whole")
 
 
 def _check_untied(model: nn.Module, layers: TensorPlan) -> None:
@@ -152,14 +250,14 @@ def _check_untied(model: nn.Module, layers: TensorPlan) -> None:
 def _suggest(name: str, modules: dict[str, nn.Module]) -> str:
     """Close module names, those of splittable layers first."""
     splittable = [other for other, module in modules.items()
-                  if isinstance(module, (nn.Linear, nn.Conv2d))]
+                  if is_linear(module) or isinstance(module, nn.Conv2d)]
     close = (difflib.get_close_matches(name, splittable, n=3, cutoff=0.5)
              or difflib.get_close_matches(name, [m for m in modules if m], n=3, cutoff=0.5))
     if close:
         return f"did you mean {' or '.join(map(repr, close))}?"
     shown = ", ".join(splittable[:6]) + (", ..." if len(splittable) > 6 else "")
     return (f"its linear and convolution layers are: {shown}" if splittable
-            else "it has no nn.Linear or nn.Conv2d to split")
+            else "it has no nn.Linear, Conv1D or nn.Conv2d to split")
 
 
 def block_allreduces(plan: TensorPlan, num_blocks: int) -> list[tuple[int, int]]:
@@ -236,7 +334,7 @@ TENSOR_PLANS: dict[str, Callable[[nn.Module, int], TensorPlan]] = {
 
 def _divides(degree: int, size: int, what: str, option: str) -> None:
     if size % degree:
-        choices = [d for d in range(2, size + 1) if size % d == 0][:4]
+        choices = _divisors(size)
         fix = (f"use --tensor-parallel {' or '.join(map(str, choices))}" if choices
                else "drop --tensor-parallel")
         raise UsageError(f"--tensor-parallel {degree} does not divide {what}; {fix}, or change "

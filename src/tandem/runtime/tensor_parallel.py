@@ -11,17 +11,20 @@ Usage::
     state = gathered_state_dict(model, plan, mesh)   # collective: the whole model, own names
 
 Linear layers are split through PyTorch's DTensor (``parallelize_module`` with
-``ColwiseParallel`` and ``RowwiseParallel``), which runs on gloo: their parameters become
-DTensors sharded over the mesh, and DTensor inserts the allreduce after a row-wise layer (forward)
-and before a column-wise one (backward). A column-wise layer with no row-wise partner gathers its
+``ColwiseParallel`` and ``RowwiseParallel``, here :class:`Colwise` and :class:`Rowwise`, which
+also split a Hugging Face ``Conv1D``), which runs on gloo: their parameters become DTensors
+sharded over the mesh, and DTensor inserts the allreduce after a row-wise layer (forward) and
+before a column-wise one (backward). A column-wise layer with no row-wise partner gathers its
 output (``output_layouts=Replicate()``), a row-wise one with none takes its share of a whole
 input (``input_layouts=Replicate()``), see :func:`dtensor_styles`. A fused query/key/value
-layer (``heads``) has its rows reordered first so that each worker's contiguous share holds the
-queries, keys and values of whole heads. Convolutions (``channels``) are split with explicit collectives, because DTensor's
-convolution rule (torch 2.13) does not shard output channels: each worker keeps its share of the
-filters, the input passes through Megatron's *f* (identity forward, allreduce of the gradient
-backward) and the output through an all-gather of the channels (backward: each worker keeps the
-gradient of its own channels).
+layer (``heads``) has its outputs (an ``nn.Linear``'s weight rows, a ``Conv1D``'s columns)
+reordered first so that each worker's contiguous share holds the queries, keys and values of
+whole heads, and the attention that holds it is set to count a worker's share of the heads
+(:func:`share_heads`). Convolutions (``channels``) are split with explicit collectives, because
+DTensor's convolution rule (torch 2.13) does not shard output channels: each worker keeps its
+share of the filters, the input passes through Megatron's *f* (identity forward, allreduce of
+the gradient backward) and the output through an all-gather of the channels (backward: each
+worker keeps the gradient of its own channels).
 
 Every worker starts from its share of the whole model built with the run's seed, so a
 tensor-parallel run starts from the weights single-process training would have.
@@ -36,43 +39,80 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import (
+    DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module,
 )
 
 from tandem.models.pieces import Initializer, materialize
-from tandem.models.tensor import TensorPlan
+from tandem.models.tensor import TensorPlan, head_shares, is_conv1d, output_dim
+
+Shares = dict[str, tuple[int, int]]
+"""Attributes of attention modules set to a worker's share: full name -> (whole, share)."""
 
 
-def split_model(model: nn.Module, plan: TensorPlan, mesh: DeviceMesh) -> None:
+def split_model(model: nn.Module, plan: TensorPlan, mesh: DeviceMesh) -> Shares:
     """Replace the parameters of every layer ``plan`` names by this worker's share (in place);
     the layers it does not name stay whole. ``model`` must hold the same weights on every
-    worker of ``mesh`` (build it from the same seed)."""
+    worker of ``mesh`` (build it from the same seed). Returns the attributes of the attention
+    modules set to a worker's share of their heads (:func:`share_heads`)."""
     styles = dtensor_styles(model, plan)
+    shares = share_heads(model, plan, mesh.size())
     for name in plan:
         _split_layer(model, name, plan[name], mesh, styles)
+    return shares
 
 
 def materialize_split(model: nn.Module, plan: TensorPlan, mesh: DeviceMesh, *, init: Initializer,
-                      device: torch.device) -> None:
+                      device: torch.device) -> Shares:
     """Give ``model`` (on the meta device) storage one module at a time, each initialized by
     ``init`` as the model built whole would be (:func:`tandem.models.pieces.materialize`) and,
     if ``plan`` splits it, cut to this worker's share at once: a worker never holds more than
-    one split layer whole."""
+    one split layer whole. Returns what :func:`split_model` returns."""
     styles = dtensor_styles(model, plan)
+    shares = share_heads(model, plan, mesh.size())
 
     def split(name: str) -> None:
         if name:
             _split_layer(model, name, plan[name], mesh, styles)
 
     materialize(model, init, device, units=list(plan), done=split)
+    return shares
+
+
+def share_heads(model: nn.Module, plan: TensorPlan, degree: int) -> Shares:
+    """Set the attributes by which the attention modules of ``plan``'s ``heads`` layers count
+    their whole heads or width to a worker's share (:func:`tandem.models.tensor.head_shares`,
+    read before any layer is split); returns what it set."""
+    shares = head_shares(model, plan, degree)
+    for full, (_, share) in shares.items():
+        owner, _, attribute = full.rpartition(".")
+        setattr(model.get_submodule(owner), attribute, share)
+    return shares
+
+
+def describe_shares(shares: Shares) -> str:
+    """What :func:`share_heads` set, in one line, the modules set alike together: ``each
+    worker's attention counts its share of the heads: num_heads 2 -> 1, split_size 32 -> 16 in
+    h.0.attn, h.1.attn``."""
+    by_owner: dict[str, list[str]] = {}
+    for full, (whole, share) in shares.items():
+        owner, _, attribute = full.rpartition(".")
+        by_owner.setdefault(owner, []).append(f"{attribute} {whole} -> {share}")
+    alike: dict[str, list[str]] = {}
+    for owner, changes in by_owner.items():
+        alike.setdefault(", ".join(changes), []).append(owner or "the model")
+    return "each worker's attention counts its share of the heads: " + "; ".join(
+        f"{changes} in {', '.join(owners)}" for changes, owners in alike.items())
 
 
 def _split_layer(model: nn.Module, name: str, style: str, mesh: DeviceMesh,
@@ -80,12 +120,11 @@ def _split_layer(model: nn.Module, name: str, style: str, mesh: DeviceMesh,
     """Cut layer ``name`` of ``model`` to this worker's share in ``style``."""
     layer = model.get_submodule(name)
     if style == "heads":
-        assert isinstance(layer, nn.Linear)  # tensor_plan checked each style's module type
-        order = heads_order(layer.out_features, mesh.size())
         with torch.no_grad():
-            layer.weight.copy_(layer.weight[order])
-            if layer.bias is not None:
-                layer.bias.copy_(layer.bias[order])
+            for key, value in layer.named_parameters(recurse=False):
+                dim = output_dim(layer, key)
+                order = heads_order(value.shape[dim], mesh.size()).to(value.device)
+                value.copy_(value.index_select(dim, order))
     elif style == "channels":
         _split_channels(layer, mesh)
     if name in styles:
@@ -150,16 +189,56 @@ def dtensor_styles(model: nn.Module, plan: TensorPlan) -> dict[str, ParallelStyl
     for name, _ in model.named_modules():
         style = plan.get(name)
         if style in ("colwise", "heads"):
-            styles[name] = ColwiseParallel()
+            styles[name] = Colwise()
             feeding.append(name)
         elif style == "rowwise":
-            styles[name] = RowwiseParallel() if feeding else RowwiseParallel(
-                input_layouts=Replicate())
+            styles[name] = Rowwise() if feeding else Rowwise(input_layouts=Replicate())
             feeding = []
     for name in feeding:
         assert plan[name] == "colwise", f"heads layer {name} has no rowwise layer after it"
-        styles[name] = ColwiseParallel(output_layouts=Replicate())
+        styles[name] = Colwise(output_layouts=Replicate())
     return styles
+
+
+class Colwise(ColwiseParallel):
+    """``ColwiseParallel``, which also splits a ``Conv1D`` (whose weight is ``nn.Linear``'s
+    transposed): its weight by columns, its bias alike; its forward then runs on DTensors."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not is_conv1d(module):
+            return super()._apply(module, device_mesh)
+        return _distribute_conv1d(self, module, device_mesh, {"weight": Shard(1),
+                                                              "bias": Shard(0)})
+
+
+class Rowwise(RowwiseParallel):
+    """``RowwiseParallel``, which also splits a ``Conv1D``: its weight by rows (its inputs), its
+    bias whole, added once to the sum of the workers' partial outputs."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not is_conv1d(module):
+            return super()._apply(module, device_mesh)
+        self.desired_input_layouts = (Shard(-1),)
+        return _distribute_conv1d(self, module, device_mesh, {"weight": Shard(0),
+                                                              "bias": Replicate()})
+
+
+def _distribute_conv1d(style: ColwiseParallel | RowwiseParallel, module: nn.Module,
+                       mesh: DeviceMesh, placements: dict[str, Placement]) -> nn.Module:
+    """``module``'s parameters as DTensors of ``placements`` over ``mesh``, its input and
+    output laid out as ``style`` lays out an ``nn.Linear``'s."""
+    def partition(_: str, layer: nn.Module, mesh: DeviceMesh) -> None:
+        for key, placement in placements.items():
+            value = getattr(layer, key, None)
+            if isinstance(value, nn.Parameter):
+                layer.register_parameter(key, nn.Parameter(
+                    distribute_tensor(value, mesh, [placement], src_data_rank=style.src_data_rank),
+                    requires_grad=value.requires_grad))
+
+    return distribute_module(
+        module, mesh, partition,
+        partial(style._prepare_input_fn, style.input_layouts, style.desired_input_layouts),
+        partial(style._prepare_output_fn, style.output_layouts, style.use_local_output))
 
 
 def heads_order(out_features: int, degree: int) -> torch.Tensor:
@@ -169,6 +248,13 @@ def heads_order(out_features: int, degree: int) -> torch.Tensor:
     share = dim // degree
     return torch.cat([torch.arange(part * dim + rank * share, part * dim + (rank + 1) * share)
                       for rank in range(degree) for part in range(3)])
+
+
+def natural_order(tensor: torch.Tensor, degree: int, dim: int = 0) -> torch.Tensor:
+    """A ``heads`` layer's whole weight or bias, its outputs in its shares' order along ``dim``
+    (:func:`heads_order`), with them in the model's own order."""
+    order = heads_order(tensor.shape[dim], degree).to(tensor.device)
+    return torch.empty_like(tensor).index_copy_(dim, order, tensor)  # its i-th is order[i]
 
 
 class _CopyToShards(torch.autograd.Function):
@@ -235,15 +321,15 @@ def _split_channels(conv: nn.Module, mesh: DeviceMesh) -> None:
 def gathered_state_dict(model: nn.Module, plan: TensorPlan,
                         mesh: DeviceMesh) -> dict[str, torch.Tensor]:
     """The whole model's ``state_dict`` under its own names, on every worker of ``mesh``
-    (collective): shares gathered, a ``heads`` layer's rows put back in their order."""
+    (collective): shares gathered, a ``heads`` layer's outputs put back in their order."""
     channels = {name for name, style in plan.items() if style == "channels"}
-    heads = {name for name, style in plan.items() if style == "heads"}
+    heads = {name: model.get_submodule(name) for name, style in plan.items() if style == "heads"}
     state: dict[str, torch.Tensor] = {}
     # a share sharded again over the replicas (--shard) is gathered dimension by dimension,
     # which DTensor reports as suboptimal at each parameter: it runs once, at the end
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     for key, value in model.state_dict().items():
-        owner, _, _ = key.rpartition(".")
+        owner, _, kind = key.rpartition(".")
         tensor = value.detach()
         if isinstance(tensor, DTensor):
             tensor = tensor.full_tensor()
@@ -252,10 +338,7 @@ def gathered_state_dict(model: nn.Module, plan: TensorPlan,
             dist.all_gather(parts, tensor.contiguous(), group=mesh.get_group())
             tensor = torch.cat(parts)
         if owner in heads:
-            order = heads_order(tensor.shape[0], mesh.size())
-            whole = torch.empty_like(tensor)
-            whole[order] = tensor
-            tensor = whole
+            tensor = natural_order(tensor, mesh.size(), output_dim(heads[owner], kind))
         state[key] = tensor.cpu()
     return state
 

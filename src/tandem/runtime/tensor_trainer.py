@@ -23,6 +23,7 @@ others hold the same), and a run resumes on the same tensor degree with any numb
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -43,12 +44,14 @@ from tandem.runtime.noise_scale import NoiseScale
 from tandem.runtime.precision import StagePrecision
 from tandem.runtime.tensor_checkpoint import TensorCheckpoints
 from tandem.runtime.tensor_parallel import (
-    MESH_DIMS, gathered_state_dict, layout_mesh, local_tensor, materialize_split, memory_report,
-    parameter_bytes, split_model, split_parameters, sum_gradients,
+    MESH_DIMS, describe_shares, gathered_state_dict, layout_mesh, local_tensor, materialize_split,
+    memory_report, parameter_bytes, split_model, split_parameters, sum_gradients,
 )
 from tandem.runtime.watchdog import Heartbeat
 from tandem.sync.sharded import check_units, shard_model
 from tandem.schedule import Action, Kind
+
+logger = logging.getLogger(__name__)
 
 
 class TensorParallelTrainer(BaseTrainer):
@@ -61,35 +64,43 @@ class TensorParallelTrainer(BaseTrainer):
         config, degree = job.run, job.plan.tensor_degree
         torch.manual_seed(config.seed)
         model = self.task.build_model(meta=True)
-        self.from_meta = any(p.is_meta for p in model.parameters())
-        """A built-in model, or a user's with ``--init-fn``, comes on the meta device: each
-        layer gets storage (and, if split, is cut to this worker's share) one at a time; any
-        other is built whole."""
-        if not self.from_meta:
+        # a built-in model, or a user's with --init-fn, comes on the meta device: each layer
+        # gets storage (and, if split, is cut to this worker's share) one at a time; any other
+        # is built whole
+        from_meta = any(p.is_meta for p in model.parameters())
+        if not from_meta:
             model = model.to(env.device)
         own = job.objects is not None and job.objects.model is not None
         self.tensor_plan = tensor_plan(None if own else config.model, model, degree,
                                        job.plan.tensor_layers)
         self.whole_bytes = parameter_bytes(model)
-        self.num_parameters = sum(p.numel() for p in model.parameters())
+        num_parameters = sum(p.numel() for p in model.parameters())
         self.replicas = job.plan.replicas[0]
         layout = layout_mesh(env.device.type, replicas=self.replicas, stages=1, degree=degree,
                              worker_of=lambda stage, replica: replica)
         self.mesh = layout["tensor"]
-        self.layout_shape = dict(zip(MESH_DIMS, layout.shape))
         self.data_group = layout["data"].get_group() if self.replicas > 1 else None
         self.data_rank = env.rank // degree
-        if self.from_meta:
+        if from_meta:
             init = self.task.initializer()
             assert init is not None  # the model came on the meta device
-            materialize_split(model, self.tensor_plan, self.mesh, init=init, device=env.device)
+            shares = materialize_split(model, self.tensor_plan, self.mesh, init=init,
+                                       device=env.device)
         else:
-            split_model(model, self.tensor_plan, self.mesh)
+            shares = split_model(model, self.tensor_plan, self.mesh)
+        if shares and env.rank == 0:
+            logger.info(f"tensor parallelism: {describe_shares(shares)}")
         split = split_parameters(model, self.tensor_plan)  # before FSDP shards every one
         if job.plan.sharded:
             self._shard(model, layout["data"])
-        self.held_model_bytes = sum(parameter_bytes(model).values()) + sum(
-            b.numel() * b.element_size() for b in model.buffers())
+        held = sum(parameter_bytes(model).values()) + sum(b.numel() * b.element_size()
+                                                          for b in model.buffers())
+        self.started: dict[str, Any] = {
+            "parameters": num_parameters, "mesh": dict(zip(MESH_DIMS, layout.shape)),
+            "built_from_meta": from_meta, "held_model_bytes": held,
+            "head_shares": {name: list(values) for name, values in shares.items()}}
+        """The summary's facts of the start: the attention attributes set to a worker's share of
+        the heads (:func:`~tandem.runtime.tensor_parallel.share_heads`) among them."""
         self.codec = self._codec(model) if job.plan.compress is not None else None
         self.module = self.model = model
         model.train()
@@ -234,9 +245,7 @@ class TensorParallelTrainer(BaseTrainer):
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         degree = self.plan.tensor_degree
         bound = report["model_bytes"] / degree + report["whole_layer_bytes"]
-        return {"parameters": self.num_parameters, "tensor_parallel": degree,
-                "data_parallel": self.replicas, "mesh": self.layout_shape,
-                "built_from_meta": self.from_meta, "held_model_bytes": self.held_model_bytes,
+        return {**self.started, "tensor_parallel": degree, "data_parallel": self.replicas,
                 "tensor_memory": {
                     "worker_bytes": int(worst), "model_bytes": int(report["model_bytes"]),
                     "whole_layer_bytes": int(report["whole_layer_bytes"]),

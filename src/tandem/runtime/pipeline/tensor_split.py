@@ -10,6 +10,7 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
+import logging
 import warnings
 
 import torch
@@ -20,9 +21,13 @@ from tandem.errors import PlanWarning, UsageError
 from tandem.models.tensor import TensorPlan, tensor_plan
 from tandem.runtime.job import Job
 from tandem.runtime.pipeline.layout import PipelineLayout, StagePlace
-from tandem.runtime.tensor_parallel import layout_mesh, parameter_bytes, split_model, stage_plan
+from tandem.runtime.tensor_parallel import (
+    describe_shares, layout_mesh, parameter_bytes, split_model, stage_plan,
+)
 from tandem.schedule import Schedule
 from tandem.split import SplitModel
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -59,5 +64,7 @@ def split_stage(job: Job, module: nn.Module, model: nn.Module, blocks: nn.Sequen
     whole_bytes = parameter_bytes(module)
     mesh = layout_mesh(device.type, replicas=layout.replicas[0], stages=layout.num_stages,
                        degree=place.tensor_degree, worker_of=schedule.worker_of)
-    split_model(module, plan, mesh["tensor"])
+    shares = split_model(module, plan, mesh["tensor"])
+    if shares and place.tensor_rank == 0 and place.replica == 0:
+        logger.info(f"tensor parallelism, stage {place.stage}: {describe_shares(shares)}")
     return StageSplit(mesh=mesh, plan=plan, whole_layers=whole_layers, whole_bytes=whole_bytes)
