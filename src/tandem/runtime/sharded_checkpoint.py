@@ -166,23 +166,23 @@ def shard_whole_optimizer(saved: dict[str, Any], model: nn.Module,
 
 
 def natural_rows(model: nn.Module, optimizer: torch.optim.Optimizer,
-                 orders: dict[str, int]) -> None:
-    """Put the rows of the parameters a tensor-parallel run of degree ``orders[name]`` saved in
-    its shares' order (:func:`tandem.runtime.tensor_parallel.heads_order`) back in the model's
-    own order, with those of their optimizer state (whole tensors: a plain ``dp`` run's)."""
-    from tandem.runtime.tensor_parallel import heads_order
+                 orders: dict[str, int | dict[str, int]]) -> None:
+    """Put the outputs of the parameters a tensor-parallel run saved in its shares' order
+    (:func:`tandem.runtime.tensor_parallel.heads_order`) back in the model's own order, with
+    those of their optimizer state (whole tensors: a plain ``dp`` run's). ``orders[name]`` is
+    the run's tensor degree (the rows ordered), or ``{"degree": T, "dim": D}`` (dimension D)."""
+    from tandem.runtime.tensor_parallel import natural_order
 
     parameters = dict(model.named_parameters())
-    for name, degree in orders.items():
+    for name, entry in orders.items():
+        degree, dim = (entry, 0) if isinstance(entry, int) else (entry["degree"], entry["dim"])
         parameter = parameters[name]
-        rows = parameter.shape[0]
-        order = heads_order(rows, degree).to(parameter.device)
         state = optimizer.state.get(parameter, {})
         for tensor in [parameter, *(value for value in state.values()
-                                    if isinstance(value, torch.Tensor) and value.ndim
-                                    and value.shape[0] == rows)]:
+                                    if isinstance(value, torch.Tensor)
+                                    and value.shape == parameter.shape)]:
             with torch.no_grad():
-                tensor[order] = tensor.clone()  # saved row i is the model's row order[i]
+                tensor.copy_(natural_order(tensor, degree, dim))
 
 
 def check_sharded_resume(checkpoint: dict[str, Any] | None, path: Path | None, *,

@@ -8,7 +8,7 @@ and the optimizer's state, written collectively, and ``checkpoint.pt``, written 
 which names the folder and holds the step, the schedule, the data position, the tensor degree and
 each worker's random stream and components. The replicas of a data x tensor layout hold the same
 shares, so DCP writes each once; a run resumes on the same tensor degree with any number of
-replicas, or as plain ``dp`` (each rank reads whole tensors, and the rows of the fused
+replicas, or as plain ``dp`` (each rank reads whole tensors, and the outputs of the fused
 query/key/value layers, saved in the shares' order, are put back in the model's: the
 checkpoint's ``row_orders``). Split layers are DTensors; the rows of a ``channels``
 convolution, which are plain tensors, are given to DCP as DTensors sharded by rows over the
@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from tandem.errors import UsageError
+from tandem.models.tensor import output_dim
 from tandem.runtime.checkpoint import (
     CHECKPOINT_VERSION, load_checkpoint, load_schedule, resume_path, save_atomic,
 )
@@ -45,16 +46,22 @@ class TensorCheckpoints:
         self.rows = [name for name, is_dtensor in split.items() if not is_dtensor]
         """Parameters held as plain tensors of this worker's rows (``channels`` layers)."""
 
-    def row_orders(self) -> dict[str, int]:
-        """The parameters whose rows the checkpoint holds in its shares' order (``heads``
+    def row_orders(self) -> dict[str, int | dict[str, int]]:
+        """The parameters whose outputs the checkpoint holds in its shares' order (``heads``
         layers: each share's queries, keys and values together, :func:`heads_order`), with the
-        tensor degree that orders them: a plain ``dp`` run puts them back in the model's own
-        order on resume (:func:`tandem.runtime.sharded_checkpoint.natural_rows`)."""
+        tensor degree that orders them, and the dimension it orders where that is not the first
+        (a ``Conv1D``'s weight: ``{"degree": 2, "dim": 1}``): a plain ``dp`` run puts them back
+        in the model's own order on resume
+        (:func:`tandem.runtime.sharded_checkpoint.natural_rows`)."""
         model, degree = self.trainer.model, self.trainer.plan.tensor_degree
-        return {f"{layer}.{key}": degree for layer, style in self.trainer.tensor_plan.items()
-                if style == "heads"
-                for key, value in model.get_submodule(layer).named_parameters(recurse=False)
-                if value is not None}
+        orders: dict[str, int | dict[str, int]] = {}
+        for layer in (name for name, style in self.trainer.tensor_plan.items()
+                      if style == "heads"):
+            module = model.get_submodule(layer)
+            for key, _ in module.named_parameters(recurse=False):
+                dim = output_dim(module, key)
+                orders[f"{layer}.{key}"] = {"degree": degree, "dim": dim} if dim else degree
+        return orders
 
     def _state(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
         """What DCP writes or reads (``{"model", "optimizer"}``, row shares as DTensors that
