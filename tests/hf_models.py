@@ -9,6 +9,16 @@ from torch.utils.data import TensorDataset
 
 VOCAB, SEQ = 64, 16
 
+TRAIN = ("--model", "tests.hf_models:gpt2", "--data", "tests.hf_models:tokens", "--steps", "8",
+         "--batch-size", "16", "--lr", "0.05", "--momentum", "0.9", "--seed", "4")
+"""``tandem train`` options of the short GPT-2 runs compared with one process (SGD, momentum)."""
+TENSOR_LAYERS = ",".join(f"transformer.h.{block}.{layer}={style}" for block in range(2)
+                         for layer, style in (("attn.c_attn", "heads"), ("attn.c_proj", "rowwise"),
+                                              ("mlp.c_fc", "colwise"), ("mlp.c_proj", "rowwise")))
+"""``--tensor-layers`` for :func:`gpt2` (its ``Conv1D`` layers), Megatron's: attention by heads
+and its output projection by rows, the MLP as a column-wise/row-wise pair; the embeddings (the
+input one tied to the output layer), the norms and the output layer whole."""
+
 
 def gpt2(layers: int = 2, dropout: float = 0.0) -> nn.Module:
     """``--model tests.hf_models:gpt2``: GPT2LMHeadModel, input embedding tied to the output

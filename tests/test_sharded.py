@@ -32,14 +32,13 @@ from tandem.runtime.outputs import plan_summary
 from tandem.strategy import plan_from_flags, plan_with_flags
 
 from tests.conftest import SharedRun, max_abs_diff, run_here, run_json
+from tests.hf_models import TENSOR_LAYERS, TRAIN as HF
 
 MLP = ("--model", "mlp", "--data", "digits", "--steps", "8", "--batch-size", "32",
        "--lr", "0.05", "--momentum", "0.9", "--seed", "3")
 GPT = ("--model", "gpt:layers=2,dim=32,heads=4,dropout=0", "--data",
        "tokens:n=256,seq=12,vocab=32", "--steps", "8", "--batch-size", "16", "--lr", "0.05",
        "--momentum", "0.9", "--seed", "3")
-HF = ("--model", "tests.hf_models:gpt2", "--data", "tests.hf_models:tokens", "--steps", "8",
-      "--batch-size", "16", "--lr", "0.05", "--momentum", "0.9", "--seed", "4")
 HF_PIECES = (*HF, "--init-fn", "tests.hf_models:init_gpt2")
 """GPT-2 built on the meta device, one module at a time (:mod:`tandem.models.pieces`)."""
 ADAM = ("--optimizer", "adam", "--lr", "0.003")
@@ -374,8 +373,10 @@ def test_bf16_computes_in_bf16_on_fp32_shards(shared_run: SharedRun) -> None:
     assert float(bn_state["block.bn2.running_mean"].abs().max()) > 1e-3
 
 
-TENSOR_CASES = {"gpt sgd": (GPT, (), ()), "mlp adam level 2": (MLP, ADAM, (
-    "--shard-level", "2", "--accumulate", "2"))}
+TENSOR_CASES = {"gpt sgd": (GPT, (), ()),
+                "mlp adam level 2": (MLP, ADAM, ("--shard-level", "2", "--accumulate", "2")),
+                "gpt2 sgd": (HF, (), ("--tensor-layers", TENSOR_LAYERS))}
+"""name: (model, optimizer, more flags); GPT-2 split by its ``Conv1D`` layers."""
 
 
 @pytest.mark.multiprocess
@@ -385,6 +386,8 @@ def test_sharding_x_tensor_equals_one_process(shared_run: SharedRun, name: str) 
     2 replicas (2-D parameters), and the run ends with one process's parameters; each worker
     holds about a quarter of the model."""
     model, optimizer, extra = TENSOR_CASES[name]
+    if model is HF:
+        pytest.importorskip("transformers")
     single, _ = shared_run(*model, *optimizer, "--nproc", "1")
     out, summary = shared_run(*model, *optimizer, "--nproc", "4", "--shard", "2",
                               "--tensor-parallel", "2", *extra)
