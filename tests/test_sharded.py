@@ -458,3 +458,27 @@ def test_sharding_x_tensor_clips_the_whole_norm_and_resumes(shared_run: SharedRu
     # as plain dp on 2: whole tensors, the query/key/value rows back in the model's order
     run_json("train", *GPT, *clip, "--nproc", "2", "--resume", "--out", str(as_dp))
     assert max_abs_diff(out / "final.pt", as_dp / "final.pt") <= 1e-6
+
+
+@pytest.mark.cli
+def test_final_pt_is_exported_from_the_shards_one_tensor_at_a_time(
+        shared_run: SharedRun, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A sharded run writes its final shards (``final.dcp``, each worker its own) and rank 0
+    joins them into ``final.pt`` one tensor at a time; ``tandem export`` writes the same file
+    again from the shards, and refuses in one line a directory without them."""
+    from tandem.cli import main
+
+    out, _ = shared_run(*GPT, *FULL)
+    assert (out / "final.dcp" / ".metadata").is_file()
+    again = tmp_path / "again.pt"
+    assert main(["export", str(out), "-o", str(again), "--json"]) == 0
+    exported = json.loads(capsys.readouterr().out)
+    whole, copy = torch.load(out / "final.pt"), torch.load(again)
+    assert list(whole) == list(copy) and exported["tensors"] == len(whole)
+    assert all(torch.equal(whole[name], copy[name]) for name in whole)
+    largest = max(t.numel() * t.element_size() for t in whole.values())
+    assert exported["largest_tensor_bytes"] == largest < exported["bytes"] / 4
+    assert main(["export", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        f"{tmp_path} has no final.dcp (the final shards a sharded run writes at --shard-level 2 "
+        f"or 3); export the --out of such a run")

@@ -19,7 +19,8 @@ from typing import Any, Callable, NoReturn, Optional, Sequence
 
 from tandem.errors import Interrupted, UsageError, WorkerFailure, shown_on_stderr
 
-COMMANDS = ("train", "demo", "pack", "profile", "plan", "topology", "simulate", "search", "scale")
+COMMANDS = ("train", "demo", "pack", "export", "profile", "plan", "topology", "simulate", "search",
+            "scale")
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 CONFIG_COMMANDS = ("train", "profile", "plan", "simulate", "search", "scale")
 """The commands that train or plan, which read options from ``--config FILE`` too."""

@@ -7,7 +7,6 @@ same update as one process on the same data.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -41,13 +40,14 @@ from tandem.schedule import Action, Kind
 from tandem.runtime.strategies import build_strategy
 from tandem.runtime.task import Task
 from tandem.runtime.ps import ElasticClient, ParameterServerClient
+from tandem.runtime.export import ShardedFinal, final_state
+from tandem.runtime.resize import resized_checkpoint
 from tandem.sync import SyncStrategy
 from tandem.sync.allreduce import AllReduce
 from tandem.spec.batch_schedule import AUTO
 from tandem.spec.codec import CodecSpec
 from tandem.spec.sync import ParameterServerSync, SyncSpec
 
-logger = logging.getLogger(__name__)
 
 SYNC_NAMES = {kind.value: str(Action(0, kind))
               for kind in (Kind.ALLREDUCE, Kind.STEP, Kind.PUSH, Kind.PULL, Kind.EXCHANGE)}
@@ -276,7 +276,9 @@ class Trainer(BaseTrainer):
         self.strategy.finish()
         self.strategy.consensus(self.module)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+    def full_state_dict(self) -> dict[str, torch.Tensor] | ShardedFinal | None:
+        if self.strategy.builds_in_pieces:  # FSDP2: shards written, no rank gathers the model
+            return final_state(self.model, self.out, self.env.rank)
         return self.strategy.gathered_state(self.model, self.env.rank)
 
     def save_checkpoint(self, step: int) -> None:
@@ -363,55 +365,6 @@ def async_batch_share(version: int, *, rank: int, workers: int, first: int = 0) 
     other worker gets, and the other workers each hold one update in flight)."""
     update = first + rank if version == first else version + workers - 1
     return update // workers, update % workers
-
-
-def resized_checkpoint(checkpoint: dict[str, Any], *, world: int, rank: int,
-                   strategy: SyncStrategy, compress: CodecSpec | None) -> dict[str, Any]:
-    """A checkpoint of another number of workers, made fit for this run's ``world`` workers
-    (``rank`` is this worker's).
-
-    Replicas that agree (dp, ps) continue as they are: the global batch and its order do
-    not depend on the workers, so the result is the same. Replicas that differ between
-    synchronizations (localsgd, easgd, gossip) all start from the mean of the saved models
-    and of their optimizer states (momentum), as after a full averaging round; EASGD keeps
-    its center, gossip's neighbours' copies start from that mean. Rank 0 says so. A codec's
-    per-worker state (error feedback) cannot be split or merged: refused.
-    """
-    ranks = checkpoint["ranks"]
-    if len(ranks) == world:
-        return checkpoint
-    if compress:
-        raise UsageError(f"the checkpoint holds {len(ranks)} workers' codec state (error "
-                         f"feedback) for --compress {compress.text}, which cannot be split "
-                         f"among {world}; resume with --nproc {len(ranks)}")
-    common = {"rng": ranks[0]["rng"], "components": ranks[0]["components"]}
-    if strategy.replicas_agree:
-        return {**checkpoint, "ranks": [{**common, "sync": {}}] * world}
-    models = [saved["model"] for saved in ranks]
-    optimizers = [saved["optimizer"] for saved in ranks]
-    keep = strategy.state_agrees
-    if rank == 0:
-        logger.info(f"the checkpoint holds {len(ranks)} {strategy.name} workers' own models "
-                    f"and this run has {world}: each starts from their mean (and the mean of "
-                    f"their optimizer state){', with the saved center' if keep else ''}")
-    own = {**common, "optimizer": _mean_state(optimizers),
-           "sync": ranks[0]["sync"] if keep else {}}
-    return {**checkpoint, "model": _mean_state(models), "ranks": [own] * world}
-
-
-def _mean_state(states: list[Any]) -> Any:
-    """The elementwise mean of state dicts of one structure (floating tensors averaged; other
-    values, such as step counts, taken from the first)."""
-    first = states[0]
-    if isinstance(first, torch.Tensor):
-        if first.is_floating_point():
-            return torch.stack([s.to(first.dtype) for s in states]).mean(dim=0)
-        return first.clone()
-    if isinstance(first, dict):
-        return {key: _mean_state([s[key] for s in states]) for key in first}
-    if isinstance(first, (list, tuple)):
-        return type(first)(_mean_state(list(parts)) for parts in zip(*states))
-    return first
 
 
 class ParameterServerWorker(Trainer):

@@ -333,7 +333,9 @@ class ShardedDataParallel(SyncStrategy):
 
     def gathered_state(self, model: nn.Module, rank: int) -> dict[str, torch.Tensor] | None:
         """The full state dict under the model's own names, gathered shard by shard onto rank
-        0's CPU memory (``torch.distributed.checkpoint``'s ``get_model_state_dict``)."""
+        0's CPU memory (``torch.distributed.checkpoint``'s ``get_model_state_dict``). The
+        trainer writes ``final.pt`` without it, from each worker's shards
+        (:mod:`tandem.runtime.export`); this is for callers that want the whole state at once."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions, get_model_state_dict,
         )
