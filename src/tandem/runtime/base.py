@@ -22,12 +22,12 @@ import torch
 from tandem.plan import Plan
 from tandem.runtime.asynchrony import Compensation, apply_compensation, compensation_for
 from tandem.runtime.batches import BatchFeed, BatchGrowth
-from tandem.runtime.checkpoint import Checkpoints, save_atomic
+from tandem.runtime.checkpoint import Checkpoints
 from tandem.runtime.component import Components, StepEnd
 from tandem.runtime.config import RunConfig
 from tandem.runtime.dist import WorkerEnv
 from tandem.runtime.divergence import DivergenceCheck, LossWatch
-from tandem.runtime.export import ShardedFinal, export_final
+from tandem.runtime.export import ShardedFinal, write_final
 from tandem.runtime.faults import maybe_fail
 from tandem.runtime.job import Job
 from tandem.runtime.learning_rate import (StepSchedule, batch_lr_factor, build_optimizer,
@@ -174,9 +174,7 @@ class BaseTrainer(Worker):
 
     @abc.abstractmethod
     def full_state_dict(self) -> dict[str, torch.Tensor] | ShardedFinal | None:
-        """The whole model's state under its own names on rank 0 (None elsewhere), or where
-        the workers hold it in shards, the folder they wrote them to (rank 0 exports it to
-        ``final.pt`` one tensor at a time); collective."""
+        """The model's state for rank 0's ``final.pt`` (:func:`tandem.runtime.export.final_state`)."""
 
     def end_training(self) -> None:
         """Called on every worker after the last step, before evaluation (may be collective)."""
@@ -290,10 +288,8 @@ class BaseTrainer(Worker):
                        title=f"{strategy_of(self.plan)}, {self.config.model.partition(':')[0]}, "
                              f"{self.env.world_size} workers")
         write_run_files(self.job, self.out)
-        if isinstance(state, ShardedFinal):
-            export_final(state.folder, self.out / "final.pt")
-        elif state is not None:
-            save_atomic(state, self.out / "final.pt")
+        if state is not None:
+            write_final(state, self.out / "final.pt")
 
     def _summary(self, last_step: int, evaluation: dict[str, float | None],
                  finished: bool) -> dict[str, Any]:

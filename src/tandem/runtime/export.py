@@ -26,7 +26,7 @@ import struct
 import warnings
 import zipfile
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,10 @@ from torch import nn
 
 from tandem.errors import UsageError
 from tandem.output_files import write_text
+from tandem.runtime.checkpoint import save_atomic
+
+if TYPE_CHECKING:
+    from tandem.sync import SyncStrategy
 
 FINAL_SHARDS = "final.dcp"
 """The folder of a sharded run's final model shards in ``OUT``."""
@@ -62,13 +66,25 @@ class ShardedFinal:
     folder: Path
 
 
-def final_state(model: nn.Module, out: Path | None, rank: int) -> ShardedFinal | None:
-    """A sharded model's final state as shards in ``OUT/final.dcp`` (collective), for rank 0 to
-    export; None on the other ranks and without ``OUT``."""
+def final_state(strategy: SyncStrategy, model: nn.Module, out: Path | None,
+                rank: int) -> dict[str, torch.Tensor] | ShardedFinal | None:
+    """The model's final state for rank 0 to write (collective): where ``strategy`` builds and
+    holds it in shards (FSDP2), the shards written to ``OUT/final.dcp`` (None without ``OUT``),
+    else the whole state dict the strategy gathers; None on the other ranks."""
+    if not strategy.builds_in_pieces:
+        return strategy.gathered_state(model, rank)
     if out is None:
         return None
     folder = save_final_shards(out, model)
     return ShardedFinal(folder) if rank == 0 else None
+
+
+def write_final(state: dict[str, torch.Tensor] | ShardedFinal, target: Path) -> None:
+    """Write ``final.pt``: a whole state dict at once, or exported from its shards."""
+    if isinstance(state, ShardedFinal):
+        export_final(state.folder, target)
+    else:
+        save_atomic(state, target)
 
 
 def save_final_shards(out: Path, model: nn.Module) -> Path:

@@ -277,9 +277,7 @@ class Trainer(BaseTrainer):
         self.strategy.consensus(self.module)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | ShardedFinal | None:
-        if self.strategy.builds_in_pieces:  # FSDP2: shards written, no rank gathers the model
-            return final_state(self.model, self.out, self.env.rank)
-        return self.strategy.gathered_state(self.model, self.env.rank)
+        return final_state(self.strategy, self.model, self.out, self.env.rank)
 
     def save_checkpoint(self, step: int) -> None:
         if self.out is None or not self.strategy.checkpoints:
