@@ -9,9 +9,10 @@ from its own tensors after its first optimizer step (a sharded tensor counts its
 ``training_peak_rss_bytes``). The table shows both per rank; the last line is one JSON object
 with ``state_bytes_ratio`` (the most any sharded worker holds over the most any dp worker holds;
 target at most 0.3) and ``peak_rss_ratio`` (the same for peak resident memory, which also counts
-torch itself, activations, DDP's gradient buckets, FSDP's gathered units, and the whole model
-each worker still builds before sharding it). Both runs set glibc's ``MALLOC_MMAP_THRESHOLD_``
-to 128 KiB (``--allocator default`` leaves glibc's own): otherwise its dynamic threshold rises
+torch itself, activations, DDP's gradient buckets and FSDP's gathered units; the sharded workers
+build the model in pieces, and the line before it gives the most whole tensors one held while
+building, ``build_peak_whole_mb``, against the whole model's bytes). Both runs set glibc's
+``MALLOC_MMAP_THRESHOLD_`` to 128 KiB (``--allocator default`` leaves glibc's own): otherwise its dynamic threshold rises
 to the size of the first large buffers freed, and the ~13 MB units FSDP gathers and frees
 every step are served from a heap that is never given back, so that a sharded worker's peak
 resident memory counts some 400 MB the allocator keeps but no tensor uses. It also checks
@@ -21,6 +22,9 @@ exact arithmetic, so the figure is the largest difference, for the record).
     .venv/bin/python benchmarks/memory_sharding.py
     .venv/bin/python benchmarks/memory_sharding.py --allocator default
     .venv/bin/python benchmarks/memory_sharding.py --model gpt:layers=4,dim=256,heads=4 --steps 2
+
+A third run shards the same model built whole by a user's builder (:func:`gpt_whole`): the
+peak resident memory once each worker has built and sharded it, against building in pieces.
 """
 
 from __future__ import annotations
@@ -46,11 +50,16 @@ MMAP_THRESHOLD = 128 * 1024
 
 def train(out: Path, args: argparse.Namespace, *extra: str) -> dict[str, Any]:
     """``tandem train`` with the benchmark's settings plus ``extra``; its JSON summary."""
-    cmd = [sys.executable, "-m", "tandem", "train", "--model", args.model, "--data", args.data,
+    model = next((extra[i + 1] for i in range(len(extra) - 1) if extra[i] == "--model"),
+                 args.model)
+    extra = tuple(word for i, word in enumerate(extra)
+                  if word != "--model" and (i == 0 or extra[i - 1] != "--model"))
+    cmd = [sys.executable, "-m", "tandem", "train", "--model", model, "--data", args.data,
            "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--optimizer",
            "adam", "--lr", "0.001", "--seed", "3", "--threads", "1", "--nproc", "4", "--json",
            "--no-progress", "--out", str(out), *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "BENCH_MODEL": args.model,
+           "PYTHONPATH": os.pathsep.join((str(ROOT / "src"), str(ROOT / "benchmarks")))}
     if args.allocator == "mmap":
         env["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
@@ -58,6 +67,15 @@ def train(out: Path, args: argparse.Namespace, *extra: str) -> dict[str, Any]:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{result.stderr[-3000:]}")
     summary: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
     return summary
+
+
+def gpt_whole(info: Any) -> Any:
+    """``--model memory_sharding:gpt_whole``: the benchmark's model through a user's builder
+    (``BENCH_MODEL``), which tandem builds whole on every worker before sharding it (no
+    ``--init-fn``): the reference for building in pieces."""
+    from tandem.models import build_model
+
+    return build_model(os.environ["BENCH_MODEL"], info)
 
 
 def max_abs_diff(a: Path, b: Path) -> float:
@@ -84,6 +102,8 @@ def main() -> None:
         work = Path(tmp)
         dp = train(work / "dp", args)
         sharded = train(work / "sharded", args, "--shard", "4")
+        whole = train(work / "whole", args, "--shard", "4", "--model",
+                      "memory_sharding:gpt_whole")
         diff = max_abs_diff(work / "dp/final.pt", work / "sharded/final.pt")
     rows = []
     for plain, shard in zip(dp["worker_memory"], sharded["worker_memory"]):
@@ -103,6 +123,13 @@ def main() -> None:
     for r in rows:
         print(f"{r['rank']:>4} {r['dp_state_mb']:12.1f} {r['sharded_state_mb']:15.1f} "
               f"{r['dp_peak_rss_mb']:15.0f} {r['sharded_peak_rss_mb']:18.0f}", file=sys.stderr)
+    whole_mb = dp["parameters"] * 4 / MB
+    build_mb = sharded["build_peak_whole_bytes"] / MB
+    pieces_rss, whole_rss = (run["build_peak_rss_bytes"] / MB for run in (sharded, whole))
+    print(f"built in pieces: at most {build_mb:.1f} MB of whole tensors held while building "
+          f"(the whole model: {whole_mb:.1f} MB); peak RSS once built and sharded "
+          f"{pieces_rss:.0f} MB, against {whole_rss:.0f} MB for the same model built whole by "
+          f"a user's builder (rank 0)", file=sys.stderr)
     print(f"state bytes sharded/dp {state_ratio:.3f} (target <= 0.3), peak RSS sharded/dp "
           f"{rss_ratio:.3f}; final.pt max abs diff {diff:.2e}; step time dp "
           f"{dp['step_time_s']:.2f} s, sharded {sharded['step_time_s']:.2f} s", file=sys.stderr)
@@ -111,6 +138,8 @@ def main() -> None:
                       "batch_size": args.batch_size, "steps": args.steps, "workers": rows,
                       "dp_step_time_s": dp["step_time_s"],
                       "sharded_step_time_s": sharded["step_time_s"], "max_abs_diff": diff,
+                      "build_peak_whole_mb": build_mb, "whole_model_mb": whole_mb,
+                      "build_peak_rss_mb": pieces_rss, "whole_build_peak_rss_mb": whole_rss,
                       "state_bytes_ratio": state_ratio, "peak_rss_ratio": rss_ratio}),
           flush=True)
 

@@ -118,7 +118,9 @@ def materialize(model: nn.Module, init: Initializer, device: torch.device, *,
     then the whole model (``""``) is complete. Returns what was held at most."""
     owners = [(name, module) for name, module in model.named_modules() if owns_state(module)]
     last = _last_members(owners, units)
-    made: dict[int, torch.Tensor] = {}
+    made: dict[int, torch.Tensor | None] = dict.fromkeys(_shared(owners))
+    """Tensors held by several modules (tied weights): their storage once made (only these are
+    kept, so that a sharded unit's whole tensors are freed)."""
     stats = PieceStats()
     held = 0
     init.begin()
@@ -134,6 +136,17 @@ def materialize(model: nn.Module, init: Initializer, device: torch.device, *,
     return stats
 
 
+def _shared(owners: list[tuple[str, nn.Module]]) -> list[int]:
+    """The ids of the tensors that more than one of ``owners`` holds (tied weights)."""
+    seen: dict[int, int] = {}
+    for _, module in owners:
+        for tensors in _own_state(module):
+            for tensor in tensors.values():
+                if tensor is not None:
+                    seen[id(tensor)] = seen.get(id(tensor), 0) + 1
+    return [key for key, count in seen.items() if count > 1]
+
+
 def _last_members(owners: list[tuple[str, nn.Module]],
                   units: Sequence[str]) -> dict[int, list[str]]:
     """For each position in ``owners``, the units whose last module it is, innermost first."""
@@ -147,17 +160,18 @@ def _last_members(owners: list[tuple[str, nn.Module]],
 
 
 def _materialize_module(name: str, module: nn.Module, init: Initializer, device: torch.device,
-                        made: dict[int, torch.Tensor]) -> int:
+                        made: dict[int, torch.Tensor | None]) -> int:
     """Storage for ``module``'s own meta tensors, initialized; returns the bytes it added.
-    ``made`` maps each meta tensor already given storage (a tied weight) to its new tensor."""
+    ``made`` maps each tied meta tensor to its new tensor once it has one."""
     tied: dict[str, torch.Tensor] = {}
     originals: dict[str, torch.Tensor] = {}
     for tensors in _own_state(module):
         for key, tensor in tensors.items():
             if tensor is None or not tensor.is_meta:
                 continue
-            if id(tensor) in made:
-                tied[key] = made[id(tensor)]
+            shared = made.get(id(tensor))
+            if shared is not None:
+                tied[key] = shared
             originals[key] = tensor
             fresh = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
             if fresh.is_floating_point():
@@ -186,7 +200,8 @@ def _materialize_module(name: str, module: nn.Module, init: Initializer, device:
                 moved = value.to(device)
             tensors[key] = (nn.Parameter(moved, value.requires_grad)
                             if isinstance(value, nn.Parameter) else moved)
-            made[id(originals[key])] = tensors[key]
+            if id(originals[key]) in made:
+                made[id(originals[key])] = tensors[key]
             added += value.numel() * value.element_size()
     return added
 

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import resource
 from collections.abc import Iterator
 from typing import Any, ContextManager, cast
 
@@ -239,6 +240,8 @@ class ShardedDataParallel(SyncStrategy):
         self._sent_bytes = 0.0
         self.build_stats: PieceStats | None = None
         """What building the model in pieces held at most (None: it was built whole)."""
+        self.built_rss_bytes: int | None = None
+        """The process's peak resident memory once the model was built and sharded."""
 
     def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
         """Shard ``model``: one built whole starts from rank 0's weights (broadcast); one on
@@ -257,12 +260,14 @@ class ShardedDataParallel(SyncStrategy):
                 raise RuntimeError("a model on the meta device needs the strategy's initializer")
             self.build_stats = materialize(model, self.initializer, device,
                                            units=list(sharder.policies), done=sharder)
+
         else:
             model = model.to(device)
             for tensor in [*model.parameters(), *(b for _, b in state_buffers(model))]:
                 dist.broadcast(tensor.detach(), 0)  # one at a time: no flat copy of the model
             shard_model(model, self.mesh, units=self.units, level=self.level,
                         param_dtype=self.param_dtype, offload=self.offload)
+        self.built_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         self._buffers = [buffer for name, buffer in model.named_buffers() if name in saved]
         if self._buffers:
             model.register_forward_pre_hook(self._before_forward)
@@ -357,6 +362,7 @@ class ShardedDataParallel(SyncStrategy):
         return {"shard_units": self.units,
                 "built": "whole" if stats is None else "pieces",
                 "build_peak_whole_bytes": None if stats is None else stats.peak_whole_bytes,
+                "build_peak_rss_bytes": self.built_rss_bytes,
                 "shard_mesh": dict(zip(self.mesh.mesh_dim_names, self.mesh.shape)),
                 "shard_mixed_precision": None if self.param_dtype is None else {
                     "param_dtype": str(self.param_dtype).removeprefix("torch."),
