@@ -164,3 +164,26 @@ def test_init_fn_is_refused_where_tandem_does_not_build_the_model() -> None:
     with pytest.raises(UsageError, match="already built.*drop init_fn"):
         tandem.fit(Tied(), data="digits", init_fn="reset")
     assert UserObjects().init_fn is None
+
+
+@pytest.mark.pure
+def test_a_units_whole_tensors_are_freed_once_it_is_done() -> None:
+    """What ``done`` drops of a unit (FSDP2 keeps a shard) is freed: the builder keeps no
+    reference to the whole tensors it made, only to weights that several modules share."""
+    import weakref
+
+    model = _on_meta(Tied)
+    dropped: list[weakref.ref[torch.Tensor]] = []
+
+    def shard(unit: str) -> None:
+        if unit == "block":
+            for module in model.block.modules():
+                for key, tensor in list(module._parameters.items()):  # noqa: SLF001
+                    if tensor is not None:
+                        dropped.append(weakref.ref(tensor))
+                        module._parameters[key] = nn.Parameter(tensor.detach()[:1].clone())  # noqa: SLF001
+
+    materialize(model, Initializer(seed=1, by_name=False), torch.device("cpu"),
+                units=["block"], done=shard)
+    assert len(dropped) == 4 and all(ref() is None for ref in dropped)  # Linear, BatchNorm
+    assert model.head.weight is model.embed.weight  # the shared one was kept to tie them
