@@ -7,8 +7,10 @@ Usage::
     save_final_shards(out, model)                          # collective: OUT/final.dcp
     export_final(out / "final.dcp", out / "final.pt")      # one process, one tensor at a time
 
-The sharded run writes its model's state through ``torch.distributed.checkpoint`` (each rank
-its own shards, under the model's own names) into ``OUT/final.dcp``. :func:`export_final` reads
+The sharded run (FSDP2, tensor parallelism, or both) writes its model's state through
+``torch.distributed.checkpoint`` (each rank its own shards, under the model's own names) into
+``OUT/final.dcp``, with ``names.json`` (the names in the model's order, and which ``heads``
+layers hold their outputs in the shares' order). :func:`export_final` reads
 that folder's metadata, writes a ``torch.save`` file of the whole state whose tensors' bytes are
 left unwritten (``torch.serialization.skip_data``: the skeleton's tensors are allocated but never
 touched, so they take no memory), then loads each tensor alone from the folder (DCP joins its
@@ -42,7 +44,8 @@ if TYPE_CHECKING:
 FINAL_SHARDS = "final.dcp"
 """The folder of a sharded run's final model shards in ``OUT``."""
 NAMES = "names.json"
-"""The model's state-dict names in its own order, beside the shards."""
+"""Beside the shards: the model's state-dict names in its own order, and the row orders of a
+tensor-parallel model's ``heads`` layers."""
 LOCAL_HEADER_BYTES = 30
 """Bytes of a zip local file header before its name and extra field."""
 
@@ -87,17 +90,21 @@ def write_final(state: dict[str, torch.Tensor] | ShardedFinal, target: Path) -> 
         save_atomic(state, target)
 
 
-def save_final_shards(out: Path, model: nn.Module) -> Path:
-    """Write ``model``'s state (each rank its own shards, the model's own names) into
-    ``OUT/final.dcp`` (collective); returns the folder."""
+def save_final_shards(out: Path, model: nn.Module, state: dict[str, Any] | None = None,
+                      row_orders: dict[str, Any] | None = None) -> Path:
+    """Write ``model``'s state (``state``: as DCP is to write it; None: the model's state dict),
+    each rank its own shards under the model's own names, into ``OUT/final.dcp`` (collective),
+    with the names in the model's order and the ``row_orders`` of a tensor-parallel model's
+    ``heads`` layers (outputs saved in its shares' order); returns the folder."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     from torch.distributed.checkpoint.state_dict_saver import save
 
     folder = out / FINAL_SHARDS
-    state = get_model_state_dict(model)
+    state = get_model_state_dict(model) if state is None else state
     save({"model": state}, checkpoint_id=str(folder))
     if dist.get_rank() == 0:  # DCP's metadata keeps its own order; final.pt keeps the model's
-        write_text(folder / NAMES, json.dumps(list(state)))
+        write_text(folder / NAMES, json.dumps({"names": list(state),
+                                              "row_orders": row_orders or {}}))
     return folder
 
 
@@ -111,8 +118,11 @@ def export_final(folder: Path, target: Path) -> Exported:
         raise UsageError(f"{folder} holds no final shards (no .metadata); export a run directory "
                          f"that a sharded run (--shard) finished in")
     entries = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
-    names = (json.loads((folder / NAMES).read_text()) if (folder / NAMES).is_file()
-             else [key.removeprefix("model.") for key in entries])
+    listed: dict[str, Any] = (json.loads((folder / NAMES).read_text())
+                              if (folder / NAMES).is_file()
+                              else {"names": [key.removeprefix("model.") for key in entries]})
+    names: list[str] = listed["names"]
+    orders: dict[str, Any] = listed.get("row_orders", {})
     shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
     skipped = []
     for name in names:
@@ -131,6 +141,8 @@ def export_final(folder: Path, target: Path) -> Exported:
     with open(partial, "r+b") as file:
         for index, (name, (size, dtype)) in enumerate(shapes.items()):
             tensor = _load_one(folder, name, size, dtype)
+            if name in orders:  # a heads layer's outputs, in the model's order again
+                tensor = _natural(tensor, orders[name])
             data = memoryview(cast(Any, tensor.reshape(-1).view(torch.uint8).numpy()))
             offset, length = offsets[str(index)]
             if length != len(data):
@@ -145,6 +157,15 @@ def export_final(folder: Path, target: Path) -> Exported:
     os.replace(partial, target)
     return Exported(num_tensors=len(shapes), num_bytes=total, largest_tensor_bytes=largest,
                     skipped=skipped)
+
+
+def _natural(tensor: torch.Tensor, order: int | dict[str, int]) -> torch.Tensor:
+    """``tensor`` with the outputs a tensor-parallel run saved in its shares' order put back
+    (``order``: its degree, or ``{"degree": T, "dim": D}``)."""
+    from tandem.runtime.tensor_parallel import natural_order
+
+    degree, dim = (order, 0) if isinstance(order, int) else (order["degree"], order["dim"])
+    return natural_order(tensor, degree, dim)
 
 
 def _load_one(folder: Path, name: str, size: torch.Size, dtype: torch.dtype) -> torch.Tensor:

@@ -42,6 +42,7 @@ from tandem.runtime.dist import WorkerEnv
 from tandem.runtime.executor import Executor, Span, compile_program
 from tandem.runtime.noise_scale import NoiseScale
 from tandem.runtime.precision import StagePrecision
+from tandem.runtime.export import ShardedFinal
 from tandem.runtime.tensor_checkpoint import TensorCheckpoints
 from tandem.runtime.tensor_parallel import (
     MESH_DIMS, describe_shares, gathered_state_dict, layout_mesh, local_tensor, materialize_split,
@@ -233,9 +234,8 @@ class TensorParallelTrainer(BaseTrainer):
             return float(self.codec.meter.wire_bytes)
         return float(self.reduced_bytes)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        state = gathered_state_dict(self.model, self.tensor_plan, self.mesh)
-        return state if self.env.rank == 0 else None
+    def full_state_dict(self) -> ShardedFinal | None:
+        return TensorCheckpoints(self).final_state()  # no rank gathers the model
 
     def summary_extra(self) -> dict[str, Any]:
         """The tensor degree and the parameter + optimizer memory of the most loaded worker,
