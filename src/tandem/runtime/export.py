@@ -4,7 +4,7 @@ RUN_DIR``.
 
 Usage::
 
-    save_final_shards(out, model)                          # collective: OUT/final.dcp
+    save_final_shards(out, get_model_state(model))         # collective: OUT/final.dcp
     export_final(out / "final.dcp", out / "final.pt")      # one process, one tensor at a time
 
 The sharded run (FSDP2, tensor parallelism, or both) writes its model's state through
@@ -76,10 +76,26 @@ def final_state(strategy: SyncStrategy, model: nn.Module, out: Path | None,
     else the whole state dict the strategy gathers; None on the other ranks."""
     if not strategy.builds_in_pieces:
         return strategy.gathered_state(model, rank)
+    return shards_written(out, get_model_state(model), rank)
+
+
+def shards_written(out: Path | None, state: dict[str, Any], rank: int, *,
+                   names: list[str] | None = None,
+                   row_orders: dict[str, Any] | None = None) -> ShardedFinal | None:
+    """``state`` (this rank's part of the model's state, as DCP is to write it) saved into
+    ``OUT/final.dcp`` (:func:`save_final_shards`, collective); for rank 0 the folder to export,
+    None elsewhere and without ``OUT``."""
     if out is None:
         return None
-    folder = save_final_shards(out, model)
+    folder = save_final_shards(out, state, names=names, row_orders=row_orders)
     return ShardedFinal(folder) if rank == 0 else None
+
+
+def get_model_state(model: nn.Module) -> dict[str, Any]:
+    """``model``'s state dict as DCP saves it (each rank its shards)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model)
 
 
 def write_final(state: dict[str, torch.Tensor] | ShardedFinal, target: Path) -> None:
@@ -90,20 +106,18 @@ def write_final(state: dict[str, torch.Tensor] | ShardedFinal, target: Path) -> 
         save_atomic(state, target)
 
 
-def save_final_shards(out: Path, model: nn.Module, state: dict[str, Any] | None = None,
+def save_final_shards(out: Path, state: dict[str, Any], *, names: list[str] | None = None,
                       row_orders: dict[str, Any] | None = None) -> Path:
-    """Write ``model``'s state (``state``: as DCP is to write it; None: the model's state dict),
-    each rank its own shards under the model's own names, into ``OUT/final.dcp`` (collective),
-    with the names in the model's order and the ``row_orders`` of a tensor-parallel model's
-    ``heads`` layers (outputs saved in its shares' order); returns the folder."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    """Write ``state`` (each rank its own part: shards, or whole tensors under the model's own
+    names) into ``OUT/final.dcp`` (collective), with rank 0's ``names`` (default: its state's)
+    in the model's order and the ``row_orders`` of a tensor-parallel model's ``heads`` layers
+    (outputs saved in its shares' order); returns the folder."""
     from torch.distributed.checkpoint.state_dict_saver import save
 
     folder = out / FINAL_SHARDS
-    state = get_model_state_dict(model) if state is None else state
     save({"model": state}, checkpoint_id=str(folder))
     if dist.get_rank() == 0:  # DCP's metadata keeps its own order; final.pt keeps the model's
-        write_text(folder / NAMES, json.dumps({"names": list(state),
+        write_text(folder / NAMES, json.dumps({"names": list(state) if names is None else names,
                                               "row_orders": row_orders or {}}))
     return folder
 

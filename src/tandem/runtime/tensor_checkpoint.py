@@ -29,7 +29,7 @@ from tandem.models.tensor import output_dim
 from tandem.runtime.checkpoint import (
     CHECKPOINT_VERSION, load_checkpoint, load_schedule, resume_path, save_atomic,
 )
-from tandem.runtime.export import ShardedFinal, save_final_shards
+from tandem.runtime.export import ShardedFinal, shards_written
 from tandem.runtime.faults import announce_resume
 from tandem.runtime.sharded_checkpoint import check_tensor_degree, folder_name, remove_older
 from tandem.runtime.tensor_parallel import split_parameters
@@ -90,12 +90,9 @@ class TensorCheckpoints:
         """The model's final state as shards in ``OUT/final.dcp`` (collective), its ``heads``
         layers' row orders beside them; rank 0 exports ``final.pt`` from it, one tensor at a
         time (:mod:`tandem.runtime.export`). None on other ranks and without ``OUT``."""
-        trainer = self.trainer
-        if trainer.out is None:
-            return None
         state, _, _ = self._state()
-        folder = save_final_shards(trainer.out, trainer.model, state["model"], self.row_orders())
-        return ShardedFinal(folder) if trainer.env.rank == 0 else None
+        return shards_written(self.trainer.out, state["model"], self.trainer.env.rank,
+                              row_orders=self.row_orders())
 
     def save(self, step: int) -> None:
         """Write the checkpoint taken after ``step`` steps."""

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from tandem.loss import evaluation, score_batch
 from tandem.runtime import memory
+from tandem.runtime.export import ShardedFinal, shards_written
 from tandem.runtime.pipeline.update import Tie
 from tandem.runtime.tensor_parallel import gathered_state_dict, local_tensor, memory_report
 
@@ -69,23 +70,21 @@ def evaluate_stage(trainer: PipelineTrainer) -> dict[str, float | None]:
     return evaluation(totals)
 
 
-def whole_state_dict(trainer: PipelineTrainer) -> dict[str, torch.Tensor] | None:
-    """Replica 0 of every stage sends its blocks' state to rank 0, under the full model's names
-    (with tensor parallelism, its tensor-parallel processes gather their shares first)."""
-    state = None
+def whole_state_dict(trainer: PipelineTrainer) -> ShardedFinal | None:
+    """Replica 0 of every stage writes its blocks' state, under the full model's names, into
+    ``OUT/final.dcp`` (with tensor parallelism, its tensor-parallel processes gather their
+    shares first), for rank 0 to export one tensor at a time: no rank gathers the model."""
+    state: dict[str, torch.Tensor] = {}
     place, split = trainer.place, trainer.split
     whole = (gathered_state_dict(trainer.module, split.plan, split.mesh["tensor"])
              if split is not None and place.replica == 0 else trainer.module.state_dict())
     if place.replica == 0 and place.tensor_rank == 0:
-        state = {}
-        for key, tensor in whole.items():
-            for name in trainer.names(key):
-                state[name] = tensor.detach().cpu()
-    gathered: list[Any] = [None] * trainer.env.world_size if trainer.env.rank == 0 else []
-    dist.gather_object(state, gathered if trainer.env.rank == 0 else None, dst=0)
-    if trainer.env.rank != 0:
-        return None
-    return {name: t for part in gathered if part for name, t in part.items()}
+        state = {name: tensor.detach() for key, tensor in whole.items()
+                 for name in trainer.names(key)}
+    listed: list[Any] = [None] * trainer.env.world_size if trainer.env.rank == 0 else []
+    dist.gather_object(list(state), listed if trainer.env.rank == 0 else None, dst=0)
+    names = list(dict.fromkeys(name for part in listed if part for name in part))
+    return shards_written(trainer.out, state, trainer.env.rank, names=names)
 
 
 def _tie_report(trainer: PipelineTrainer, tie: Tie) -> dict[str, Any]:

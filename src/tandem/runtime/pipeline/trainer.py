@@ -39,6 +39,7 @@ from tandem.runtime.checkpoint import (
 )
 from tandem.runtime.job import Job
 from tandem.runtime.dist import WorkerEnv, new_group
+from tandem.runtime.export import ShardedFinal
 from tandem.runtime.faults import announce_resume
 from tandem.runtime.pipeline.checkpoint import (
     layout_record, load_stage, save_stage_checkpoint, worker_state,
@@ -254,7 +255,7 @@ class PipelineTrainer(BaseTrainer):
         :func:`~tandem.runtime.pipeline.report.evaluate_stage`)."""
         return evaluate_stage(self)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+    def full_state_dict(self) -> ShardedFinal | None:
         return whole_state_dict(self)
 
     def sent_bytes(self) -> float:
