@@ -128,7 +128,8 @@ class Plan:
     """With ``sharded``: the data-parallel workers are split into groups of this many, each
     group sharding the model's state among its workers (1 and not ``sharded``: none; every
     worker holds all of it). Workers beyond one group replicate the groups (hybrid sharding,
-    HSDP): ``replicas / shard_degree`` groups."""
+    HSDP): ``replicas / shard_degree`` groups. In a pipeline, every stage's replicas: they
+    shard their stage's state."""
     shard_level: int = 3
     """With ``sharded``, what is sharded: 1 the optimizer state, 2 also the
     gradients, 3 also the parameters (ZeRO's stages)."""
@@ -222,11 +223,10 @@ class Plan:
                                  "add --shard S (sharded and shard_degree in a plan file), or "
                                  "drop them")
             return
-        if self.pipelined or not isinstance(self.sync, AllReduceSync):
+        if not isinstance(self.sync, AllReduceSync):
             raise UsageError(f"shard degree {degree} is sharded data parallelism, which runs on "
-                             f"allreduce's one-stage plans only (this plan is "
-                             f"{'a pipeline' if self.pipelined else self.sync.method}); use "
-                             f"--strategy dp")
+                             f"allreduce's plans only (this plan is {self.sync.method}); use "
+                             f"--strategy dp or pipeline")
         replicas = self.stages[0].replicas
         if self.tensor_degree > 1 and (degree != replicas or level == 1):
             fix = (f"set shard_degree to {replicas}" if degree != replicas

@@ -85,8 +85,10 @@ SHARD_UNITS_FLAG = "--shard-units"
 """The submodules ``--shard`` gathers one at a time, ``NAME,...`` (default: the model's blocks)."""
 
 DATA_PARALLEL_FLAGS = {"--accumulate": ("dp", "gossip", "easgd", "localsgd"),
-                       SHARD_FLAG: ("dp",), SHARD_LEVEL_FLAG: ("dp",), SHARD_UNITS_FLAG: ("dp",)}
-"""Flags of the data-parallel trainer, by the strategies that take them."""
+                       SHARD_FLAG: ("dp", PIPELINE), SHARD_LEVEL_FLAG: ("dp", PIPELINE),
+                       SHARD_UNITS_FLAG: ("dp",)}
+"""Flags of the data-parallel trainer (and of a stage's replicas), by the strategies that take
+them."""
 
 TENSOR_FLAG = "--tensor-parallel"
 """The tensor degree: workers each split layer is divided among (``dp`` and ``pipeline``)."""
@@ -327,20 +329,23 @@ def _check_gossip(sync: SyncSpec, compress: CodecSpec | None, spelling: Spelling
 def _pipeline_plan(given: Mapping[str, Any], num_processes: int, num_blocks: int | None,
                    compress: CodecSpec | None, degree: int = 1) -> Plan:
     """Stages and replicas of ``num_processes // degree`` pipeline workers (each a group of
-    ``degree`` tensor-parallel processes)."""
+    ``degree`` tensor-parallel processes); with ``--shard D`` each stage has ``D`` replicas
+    unless ``--replicas`` says otherwise (:func:`tandem.runtime.job.check_shard` checks them)."""
     if num_blocks is None:
         raise UsageError("--strategy pipeline needs a model that is an nn.Sequential of blocks; "
                          "use --strategy dp for this model")
     replicas = parse_replicas(given["--replicas"]) if given.get("--replicas") else None
     workers = num_processes // degree
     per = f" / {TENSOR_FLAG} {degree}" if degree > 1 else ""
-    num_stages = given.get("--stages", len(replicas) if replicas else workers)
+    each = max(1, int(given.get(SHARD_FLAG) or 1))  # a stage's replicas unless --replicas
+    num_stages = given.get("--stages", len(replicas) if replicas else max(1, workers // each))
     if num_stages < 1:
         raise UsageError(f"--stages must be at least 1 (got {num_stages})")
-    chosen = replicas or (1,) * num_stages
+    chosen = replicas or (each,) * num_stages
     if len(chosen) != num_stages:
         raise UsageError(f"--replicas gives {len(chosen)} stages but --stages is {num_stages}; "
                          f"give one replica count per stage")
+    shard, level, units = shard_options(given, chosen[0], degree)
     if sum(chosen) != workers:
         raise UsageError(
             f"the stages' replicas ({'-'.join(map(str, chosen))}) add up to {sum(chosen)} "
@@ -363,7 +368,9 @@ def _pipeline_plan(given: Mapping[str, Any], num_processes: int, num_blocks: int
                 num_layers=num_blocks, num_devices=num_processes, schedule=schedule,
                 num_microbatches=count, schedule_text=text, tensor_degree=degree,
                 vertical_sync=bool(given.get("--vertical-sync")),
-                recompute=bool(given.get("--recompute")), compress=compress)
+                recompute=bool(given.get("--recompute")), compress=compress,
+                sharded=shard > 0, shard_degree=max(shard, 1), shard_level=level,
+                shard_units=units)
     if not plan.pipelined:  # one stage under 1F1B would be data parallelism: say so
         raise UsageError("a one-stage 1F1B pipeline is data parallelism: use --strategy dp "
                          "(or --schedule gpipe/pipedream, or more --stages)")

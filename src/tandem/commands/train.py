@@ -100,7 +100,8 @@ def add_train_arguments(parser: argparse.ArgumentParser, defaults: RunConfig) ->
         "(colwise, rowwise, heads, channels), e.g. fc1=colwise,fc2=rowwise")
     add("--shard", type=int, metavar="S",
         help="--strategy dp: shard the model's state over groups of S workers (ZeRO / FSDP2's "
-        "fully_shard); --nproc above S replicates the groups (hybrid, HSDP); S divides --nproc")
+        "fully_shard); --nproc above S replicates the groups (hybrid, HSDP); S divides --nproc. "
+        "--strategy pipeline: each stage's S replicas shard it (levels 2 and 3)")
     add("--shard-level", type=int, metavar="1|2|3",
         help="with --shard: what is sharded: 1 optimizer state, 2 + gradients, 3 + parameters "
         "(default 3)")

@@ -67,9 +67,9 @@ class Job:
     def _check_tensor(self) -> None:
         """Tensor parallelism runs alone, with data parallelism (allreduce's plan) or in a
         pipeline whose every stage has the same replicas under a flush schedule, with an
-        elementwise optimizer; alone or with data parallelism it also takes fp16, clipping and
-        checkpoints (resume, stop, restart), which a pipeline x tensor layout does not yet: one
-        line for each setting it would not honour."""
+        elementwise optimizer, and takes clipping; alone or with data parallelism it also takes
+        fp16 and checkpoints (resume, stop, restart), which a pipeline x tensor layout does not
+        yet: one line for each setting it would not honour."""
         plan, run = self.plan, self.run
         degree = plan.tensor_degree
         if plan.recompute and len(plan.stages) < 2:
@@ -95,13 +95,12 @@ class Job:
         self._check_tensor_compress()
         piped = {
             "--precision": run.precision if run.precision == "fp16" else None,
-            "--clip-grad-norm": run.clip_grad_norm,
             "--resume": run.resume, "--stop-after": run.stop_after,
             "--checkpoint-every": run.checkpoint_every or None,
             "--max-restarts": run.max_restarts or None,
         }
         if plan.compress is not None:  # a codec's per-worker state is not checkpointed here
-            for flag, value in list(piped.items())[2:]:
+            for flag, value in list(piped.items())[1:]:
                 if value is not None:
                     raise UsageError(f"{flag} {value} is not supported with --tensor-parallel "
                                      f"{degree} --compress {plan.compress.text} yet (the codec's "
@@ -302,6 +301,18 @@ def check_shard(plan: Plan, run: RunConfig) -> None:
                                          f"{level}, for the parameters used only "
                                          f"(--shard-level 1 takes it)"),
         })
+    if plan.pipelined:
+        _check_pipeline_shard(plan)
+        shard = f"--strategy pipeline {shard}"
+        kept = ("each stage's checkpoint holds its whole tensors by name, and its replicas "
+                "hold shards of them")
+        refused.update({
+            "--compress": (plan.compress.text if plan.compress else None,
+                           "the activation codec does not run beside FSDP2's collectives"),
+            "--resume": (run.resume, kept), "--stop-after": (run.stop_after, kept),
+            "--checkpoint-every": (run.checkpoint_every or None, kept),
+            "--max-restarts": (run.max_restarts or None, f"a restart resumes a checkpoint, and "
+                                                         f"{kept}")})
     if plan.tensor_degree > 1:
         shard = f"{shard} --tensor-parallel {plan.tensor_degree}"
     for flag, (value, why) in refused.items():
@@ -309,6 +320,30 @@ def check_shard(plan: Plan, run: RunConfig) -> None:
             shown = "" if value is True else f" {value}"
             raise UsageError(f"{flag}{shown} is not supported with {shard} yet: {why}; "
                              f"drop {flag} or {shard}")
+
+
+def _check_pipeline_shard(plan: Plan) -> None:
+    """A sharded pipeline: every stage's replicas shard it (FSDP2 over the ``data`` dimension,
+    at level 2 or 3), under a flush schedule, its units the stage's blocks."""
+    degree, text = plan.shard_degree, f"--shard {plan.shard_degree}"
+    if plan.shard_level == 1:
+        raise UsageError(f"--shard-level 1 shards the optimizer state over DDP's replicas, "
+                         f"which a pipeline's stages do not use; use --shard-level 2 or 3")
+    if degree == 1:
+        raise UsageError(f"{text} in a pipeline gives each stage one replica, with nothing to "
+                         f"shard its state with; use --shard 2 or more (each stage's "
+                         f"replicas), or drop --shard")
+    if any(stage.replicas != degree for stage in plan.stages):
+        raise UsageError(f"{text} in a pipeline shards each stage over its replicas, and the "
+                         f"plan's are {plan.config}; use --replicas "
+                         f"{','.join([str(degree)] * len(plan.stages))} (or leave --replicas out)")
+    if not plan.schedule.flushes:
+        raise UsageError(f"--schedule {plan.schedule} with {text}: a sharded stage reduces its "
+                         f"gradients once per step, after a flush; use --schedule 1f1b or gpipe")
+    if plan.shard_units is not None:
+        raise UsageError(f"shard units {', '.join(plan.shard_units)} name the whole model's "
+                         f"modules, and a sharded pipeline stage's units are its blocks; drop "
+                         f"them (--shard-units, shard_units in a plan file)")
 
 
 def sketch_job(strategy: str, flags: Mapping[str, Any], run: RunConfig,

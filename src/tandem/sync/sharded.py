@@ -41,10 +41,11 @@ and once more at the end (:meth:`ShardedDataParallel.consensus`).
 
 Every level checkpoints each worker's own shards (:mod:`tandem.runtime.sharded_checkpoint`;
 at level 1 the optimizer state of the parameters it steps). Not done here yet: the gradient
-noise scale at levels 2 and 3, compression, and sharding composed
-with pipelines (each refused in one line by :class:`tandem.runtime.job.Job`). Sharding x
-tensor parallelism runs in :class:`tandem.runtime.tensor_trainer.TensorParallelTrainer`, which
-calls :func:`shard_model` on its ``data`` dimension.
+noise scale at levels 2 and 3 and compression (each refused in one line by
+:class:`tandem.runtime.job.Job`). Sharding x tensor parallelism runs in
+:class:`tandem.runtime.tensor_trainer.TensorParallelTrainer`, and sharded pipeline stages in
+:mod:`tandem.runtime.pipeline.sharding`; both call :func:`shard_model` on the ``data``
+dimension of the job's mesh.
 """
 
 from __future__ import annotations

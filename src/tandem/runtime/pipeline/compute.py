@@ -64,6 +64,9 @@ class ComputeSpec:
     clone_received: bool = False
     """Give the module copies of the received tensors (its first layer may update its input in
     place, which autograd forbids on a received leaf)."""
+    gradient_factor: float = 1.0
+    """What the last stage's loss is multiplied by besides the loss scale: the stages'
+    replicas when FSDP2 averages their gradients where the allreduce sums them (sharded)."""
 
 
 def _select(values: Sequence[Any], specs: Sequence[TensorSpec]) -> list[Any]:
@@ -185,7 +188,7 @@ class StageCompute:
                 self.loss_total += loss.detach()
                 if self.on_loss is not None:
                     self.on_loss(micro.step, loss.detach(), micro.size)
-                out = loss * (micro.scale * spec.precision.loss_factor)
+                out = loss * (micro.scale * spec.precision.loss_factor * spec.gradient_factor)
             else:
                 out = _as_specs(out if isinstance(out, tuple) else (out,), self.shapes.outputs)
         if known is None:

@@ -32,9 +32,13 @@ def point_to_point_links(schedule: Schedule, *, rank: int, tensor_degree: int,
 
 
 def tied_groups(blocks: nn.Sequential, layout: PipelineLayout, schedule: Schedule, *,
-                stage: int, tensor_degree: int, timeout_s: float) -> list[Tie]:
+                stage: int, worker: int, tensor_degree: int, timeout_s: float,
+                sharded: bool = False) -> list[Tie]:
     """A process group of the workers of each set of stages that share parameters (every
-    rank creates every group), and ``stage``'s share of them."""
+    rank creates every group), and ``stage``'s share of them (``worker``'s groups). Sharded
+    stages have a group per replica: the tied stages' workers at that replica, which hold the
+    same shard of the tied tensors, each its whole batch's gradient after its stage's
+    reduce-scatter."""
     ties = []
     shared = shared_parameters(blocks, layout.bounds)
     if shared and tensor_degree > 1:
@@ -43,10 +47,14 @@ def tied_groups(blocks: nn.Sequential, layout: PipelineLayout, schedule: Schedul
                          f"keep equal yet; drop --tensor-parallel or put those blocks in one "
                          f"stage")
     for stages, params in shared.items():
-        ranks = [schedule.worker_of(s, replica) for s in stages
-                 for replica in range(layout.replicas[s])]
-        group = new_group(sorted(ranks), timeout_s=timeout_s)
-        if stage in stages:
-            ties.append(Tie(group=group, stages=stages, params=params, num_workers=len(ranks),
-                            scale=1.0 / layout.replicas[stage]))
+        rows = ([[schedule.worker_of(s, replica) for s in stages]
+                 for replica in range(layout.replicas[stages[0]])] if sharded else
+                [[schedule.worker_of(s, replica) for s in stages
+                  for replica in range(layout.replicas[s])]])
+        for ranks in rows:
+            group = new_group(sorted(ranks), timeout_s=timeout_s)
+            if worker in ranks:
+                scale = 1.0 if sharded else 1.0 / layout.replicas[stage]
+                ties.append(Tie(group=group, stages=stages, params=params,
+                                num_workers=len(ranks), scale=scale))
     return ties

@@ -30,16 +30,24 @@ def evaluate_stage(trainer: PipelineTrainer) -> dict[str, float | None]:
 
     Activations go through the codec as in training (the model evaluated is the one that
     was trained: stages and codec); these bytes are not counted in
-    :meth:`PipelineTrainer.sent_bytes`.
+    :meth:`PipelineTrainer.sent_bytes`. A chunk goes through one replica of each stage; a
+    sharded stage's forward is collective over its replicas, so every chunk goes through each
+    of them (replica ``r`` of every stage), and replica 0's scores count.
     """
     trainer.beat.phase = "evaluate"
     trainer.module.eval()
     num_stages, replicas = trainer.layout.num_stages, trainer.layout.replicas
-    place = trainer.place
+    place, sharded = trainer.place, trainer.shards is not None
+
+    def worker(stage: int, chunk: int) -> int:
+        if sharded:
+            return trainer.schedule.worker_of(stage, place.replica)
+        return trainer.schedule.worker_for(stage, chunk)
+
     samples = trainer.task.test_samples.to(trainer.env.device)
     totals = torch.zeros(4, dtype=torch.float64, device=trainer.env.device)
     for chunk, start in enumerate(range(0, len(samples), EVAL_CHUNK)):
-        if chunk % replicas[place.stage] != place.replica:
+        if chunk % replicas[place.stage] != place.replica and not sharded:
             continue
         end = min(start + EVAL_CHUNK, len(samples))
         batch = samples.rows(start, end) if place.stage in (0, num_stages - 1) else None
@@ -50,8 +58,7 @@ def evaluate_stage(trainer: PipelineTrainer) -> dict[str, float | None]:
             shapes = [spec.shape_at(end - start) for spec in specs]
             dtypes = [spec.dtype for spec in specs]
             message = trainer.wire.receive_many(shapes, dtypes, trainer.env.device)
-            dist.recv(message, src=place.rank_of(trainer.schedule.worker_for(place.stage - 1,
-                                                                             chunk)),
+            dist.recv(message, src=place.rank_of(worker(place.stage - 1, chunk)),
                       tag=EVAL_TAG_BASE + chunk)
             received = trainer.wire.unpack_many(message, shapes, dtypes, "activation")
             x = received[0] if len(received) == 1 else tuple(received)
@@ -61,10 +68,12 @@ def evaluate_stage(trainer: PipelineTrainer) -> dict[str, float | None]:
         else:
             outs = out if isinstance(out, tuple) else (out,)
             dist.send(trainer.wire.pack_many(outs, "activation", trainer.env.device),
-                      dst=place.rank_of(trainer.schedule.worker_for(place.stage + 1, chunk)),
+                      dst=place.rank_of(worker(place.stage + 1, chunk)),
                       tag=EVAL_TAG_BASE + chunk)
     trainer.module.train()
-    if place.tensor_rank:  # every tensor position scored the same samples: count them once
+    if trainer.shards is not None:
+        trainer.shards.reshard()
+    if place.tensor_rank or (sharded and place.replica):  # count the same samples once
         totals.zero_()
     dist.all_reduce(totals)
     return evaluation(totals)
@@ -73,11 +82,15 @@ def evaluate_stage(trainer: PipelineTrainer) -> dict[str, float | None]:
 def whole_state_dict(trainer: PipelineTrainer) -> ShardedFinal | None:
     """Replica 0 of every stage writes its blocks' state, under the full model's names, into
     ``OUT/final.dcp`` (with tensor parallelism, its tensor-parallel processes gather their
-    shares first), for rank 0 to export one tensor at a time: no rank gathers the model."""
+    shares first; a sharded stage's replicas gather their shards), for rank 0 to export one
+    tensor at a time: no rank gathers the model, each at most its stage."""
     state: dict[str, torch.Tensor] = {}
-    place, split = trainer.place, trainer.split
-    whole = (gathered_state_dict(trainer.module, split.plan, split.mesh["tensor"])
-             if split is not None and place.replica == 0 else trainer.module.state_dict())
+    place, split, shards = trainer.place, trainer.split, trainer.shards
+    whole = trainer.module.state_dict()
+    if split is not None and (place.replica == 0 or shards is not None):
+        whole = gathered_state_dict(trainer.module, split.plan, split.mesh["tensor"])
+    elif shards is not None:
+        whole = gathered_state_dict(trainer.module, {}, shards.mesh)
     if place.replica == 0 and place.tensor_rank == 0:
         state = {name: tensor.detach() for key, tensor in whole.items()
                  for name in trainer.names(key)}
@@ -89,8 +102,8 @@ def whole_state_dict(trainer: PipelineTrainer) -> ShardedFinal | None:
 
 def _tie_report(trainer: PipelineTrainer, tie: Tie) -> dict[str, Any]:
     """The stages and names of shared parameters, and how far apart their copies are
-    (collective within the tie's group)."""
-    flat = torch.cat([p.detach().reshape(-1) for p in tie.params])
+    (collective within the tie's group; sharded stages compare their shards)."""
+    flat = torch.cat([local_tensor(p.detach()).reshape(-1) for p in tie.params])
     high, low = flat.clone(), flat.clone()
     dist.all_reduce(high, op=dist.ReduceOp.MAX, group=tie.group)
     dist.all_reduce(low, op=dist.ReduceOp.MIN, group=tie.group)
@@ -145,8 +158,11 @@ def stage_summary(trainer: PipelineTrainer) -> dict[str, Any]:
     if split is not None:
         whole = {name: None for worker in gathered for name in worker["tensor_whole_layers"]}
         tensor = {"tensor_parallel": place.tensor_degree,
-                  "mesh": dict(zip(split.mesh.mesh_dim_names or (), split.mesh.shape)),
                   "tensor_whole_layers": list(whole)}
+    mesh = split.mesh if split is not None else (trainer.shards.layout if trainer.shards
+                                                 else None)
+    if mesh is not None:
+        tensor["mesh"] = dict(zip(mesh.mesh_dim_names or (), mesh.shape))
     return {"pipeline": trainer.layout.text(), **tensor,
             "vertical_sync": trainer.plan.vertical_sync,
             "recompute": trainer.plan.recompute,

@@ -2,8 +2,9 @@
 
 Usage::
 
+    mesh = layout_mesh(device.type, replicas=..., stages=..., degree=T, worker_of=...)
     split = split_stage(job, module, model, blocks, start=start, end=end, place=place,
-                        layout=layout, schedule=schedule, device=device)
+                        mesh=mesh)
     split.mesh["data"], split.plan, split.whole_layers, split.whole_bytes
 """
 
@@ -13,18 +14,16 @@ import dataclasses
 import logging
 import warnings
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from tandem.errors import PlanWarning, UsageError
 from tandem.models.tensor import TensorPlan, tensor_plan
 from tandem.runtime.job import Job
-from tandem.runtime.pipeline.layout import PipelineLayout, StagePlace
+from tandem.runtime.pipeline.layout import StagePlace
 from tandem.runtime.tensor_parallel import (
-    describe_shares, layout_mesh, parameter_bytes, split_model, stage_plan,
+    describe_shares, parameter_bytes, split_model, stage_plan,
 )
-from tandem.schedule import Schedule
 from tandem.split import SplitModel
 
 logger = logging.getLogger(__name__)
@@ -46,10 +45,10 @@ class StageSplit:
 
 
 def split_stage(job: Job, module: nn.Module, model: nn.Module, blocks: nn.Sequential, *,
-                start: int, end: int, place: StagePlace, layout: PipelineLayout,
-                schedule: Schedule, device: torch.device) -> StageSplit:
-    """Lay the job out on its ``data x pipeline x tensor`` mesh and keep this process's share
-    of the stage's (``module``, blocks ``start`` to ``end``) split layers."""
+                start: int, end: int, place: StagePlace, mesh: DeviceMesh) -> StageSplit:
+    """Keep this process's share of the stage's (``module``, blocks ``start`` to ``end``)
+    split layers, split over the ``tensor`` dimension of the job's ``data x pipeline x
+    tensor`` ``mesh`` (:func:`~tandem.runtime.tensor_parallel.layout_mesh`)."""
     if isinstance(blocks, SplitModel) or blocks is not model:
         raise UsageError(f"--tensor-parallel {place.tensor_degree} in a pipeline needs a model "
                          f"that is an nn.Sequential of blocks (tensor layers are named in "
@@ -62,8 +61,6 @@ def split_stage(job: Job, module: nn.Module, model: nn.Module, blocks: nn.Sequen
         warnings.warn(f"layers {', '.join(whole_layers)} stay whole: a heads layer needs its "
                       f"row-wise layer in its stage", PlanWarning, stacklevel=2)
     whole_bytes = parameter_bytes(module)
-    mesh = layout_mesh(device.type, replicas=layout.replicas[0], stages=layout.num_stages,
-                       degree=place.tensor_degree, worker_of=schedule.worker_of)
     shares = split_model(module, plan, mesh["tensor"])
     if shares and place.tensor_rank == 0 and place.replica == 0:
         logger.info(f"tensor parallelism, stage {place.stage}: {describe_shares(shares)}")

@@ -2,14 +2,17 @@
 
 Flush schedules (GPipe, 1F1B) run one schedule per optimizer step: the global batch is cut into
 micro-batches whose gradients accumulate, the replicas of a stage sum theirs, and every stage
-steps once — the same update as one process on the whole batch. PipeDream's asynchronous
+steps once — the same update as one process on the whole batch. With ``--shard D`` each
+stage's ``D`` replicas shard its state with FSDP2 and reduce-scatter its gradients instead
+(2-D, or 3-D with tensor parallelism; see ``sharding.py``). PipeDream's asynchronous
 schedule spans the whole run (minibatch ``k`` is the global batch of step ``k``); it is cut into
 per-step chunks at consistent points of its dry run, so logging between chunks cannot deadlock.
 With ``--compress`` the activations and activation gradients between stages travel encoded
 (training and evaluation alike; see ``wire.py``). A model that is not an ``nn.Sequential`` is
 split into blocks automatically (:mod:`tandem.split`); weights its stages share are kept equal.
 ``--precision`` autocasts every stage's forward; with a flush schedule fp16's loss scale is one
-for all stages and ``--clip-grad-norm`` clips the whole model's gradient norm (see
+for all stages and ``--clip-grad-norm`` clips the whole model's gradient norm, to which each
+worker adds its tensor shares and shards once (see
 :class:`~tandem.runtime.precision.StagePrecision`).
 
 A built-in model (``--model mlp``, ``gpt``, ...) is built on the meta device and each worker
@@ -26,12 +29,14 @@ run's schedule spans only the steps it runs, filling again at its start and drai
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from tandem.runtime.base import BaseTrainer
 from tandem.runtime.checkpoint import (
@@ -58,9 +63,11 @@ from tandem.runtime.pipeline.setup import (
     boundary_specs, example_inputs, model_names, pipeline_blocks, pipeline_setup,
 )
 from tandem.runtime.pipeline.wire import Wire
+from tandem.runtime.pipeline.sharding import StageShards
 from tandem.runtime.pipeline.tensor_split import StageSplit, split_stage
 from tandem.runtime.precision import StagePrecision
-from tandem.runtime.tensor_parallel import local_tensor
+from tandem.runtime.tensor_parallel import layout_mesh, local_tensor, split_parameters
+from tandem.schedule import Kind
 from tandem.runtime.watchdog import Heartbeat
 from tandem.split import SplitModel
 
@@ -101,22 +108,29 @@ class PipelineTrainer(BaseTrainer):
         boundaries = boundary_specs(blocks, example)
         self.module = materialize(list(blocks)[start:end], start, config.seed, env.device)
         self.names = model_names(blocks, start)
+        mesh = self._layout_mesh()
         self.split: StageSplit | None = split_stage(
             job, self.module, model, blocks, start=start, end=end, place=place,
-            layout=self.layout, schedule=self.schedule, device=env.device) if degree > 1 else None
+            mesh=mesh) if mesh is not None and degree > 1 else None
         """With tensor parallelism, this process's share of the stage's split layers."""
         self.batches = StageBatches(self.feed, first=stage == 0,
                                     last=stage == self.layout.num_stages - 1,
                                     first_step=self.first_step)
-        self.held_model_bytes = sum(local_tensor(t).numel() * t.element_size() for t in
-                                    (*blocks.parameters(), *blocks.buffers()) if not t.is_meta)
-        """Bytes of the whole model's parameters and buffers this worker materialized (its
-        shares of the split layers, with tensor parallelism)."""
         groups = self._stage_groups()
         links = point_to_point_links(self.schedule, rank=env.rank, tensor_degree=degree,
                                      timeout_s=config.timeout_s)
-        ties = tied_groups(blocks, self.layout, self.schedule, stage=stage,
-                           tensor_degree=degree, timeout_s=config.timeout_s)
+        ties = tied_groups(blocks, self.layout, self.schedule, stage=stage, worker=worker,
+                           tensor_degree=degree, timeout_s=config.timeout_s,
+                           sharded=job.plan.sharded)
+        split = split_parameters(self.module, self.split.plan) if self.split else {}
+        self.shards = StageShards(self.module, mesh, level=job.plan.shard_level,
+                                  ties=ties) if mesh is not None and job.plan.sharded else None
+        """With ``--shard``: FSDP2 on this stage over its replicas."""
+        ties = self.shards.ties if self.shards is not None else ties
+        self.held_model_bytes = sum(local_tensor(t).numel() * t.element_size() for t in
+                                    (*blocks.parameters(), *blocks.buffers()) if not t.is_meta)
+        """Bytes of the whole model's parameters and buffers this worker materialized (its
+        shares of the split layers, with tensor parallelism; its shards, sharded)."""
         self.setup_optimizer(self.module.parameters(), delay=self._delay(),
                              every_stage=bool(job.plan.vertical_sync))
         self.shapes = StageShapes(inputs=boundaries[start - 1] if start else (),
@@ -124,7 +138,7 @@ class PipelineTrainer(BaseTrainer):
         self.wire = Wire.build(job.plan.compress, rank=env.rank, world_size=env.world_size)
         self.asynchronous = self.schedule.kind.asynchronous
         self.precision = StagePrecision(config.precision, env.device, clip=config.clip_grad_norm,
-                                        counted=self._counted(ties))
+                                        counted=self._counted(ties, split))
         assert not (self.asynchronous and self.precision.agrees), "refused by Job"
         if checkpoint is not None:  # before the engine, whose weight stash starts from them
             self._restore(checkpoint, str(path))
@@ -138,11 +152,13 @@ class PipelineTrainer(BaseTrainer):
                                 last=stage == self.layout.num_stages - 1,
                                 loss_fn=self.task.loss, precision=self.precision,
                                 recompute=job.plan.recompute,
-                                clone_received=not isinstance(blocks, SplitModel)),
+                                clone_received=not isinstance(blocks, SplitModel),
+                                gradient_factor=self.shards.loss_factor if self.shards else 1.0),
             update=UpdateSpec(module=self.module, optimizer=self.optimizer,
                               scheduler=self.scheduler, precision=self.precision,
                               group=groups[stage],
-                              num_replicas=self.layout.replicas[stage], ties=ties),
+                              num_replicas=self.layout.replicas[stage], ties=ties,
+                              reduce=self._reduce() if self.shards is not None else None),
             shapes=self.shapes, asynchronous=self.asynchronous, trace=self.trace, beat=beat,
             device=env.device)
         self.engine.compute.on_loss = self.divergence.observe
@@ -158,6 +174,15 @@ class PipelineTrainer(BaseTrainer):
         """This worker's actions bound to the engine's handlers: one step's (flush schedules),
         or each step's chunk of the whole run's (asynchronous)."""
 
+    def _layout_mesh(self) -> DeviceMesh | None:
+        """The job's ``data x pipeline x tensor`` mesh (collective), with tensor parallelism or
+        sharding (which runs on its ``data`` dimension); else None."""
+        if self.place.tensor_degree == 1 and not self.plan.sharded:
+            return None
+        return layout_mesh(self.env.device.type, replicas=self.layout.replicas[0],
+                           stages=self.layout.num_stages, degree=self.place.tensor_degree,
+                           worker_of=self.schedule.worker_of)
+
     def _delay(self) -> int:
         """How stale this stage's updates count as: none in a flushed schedule; in PipeDream's,
         ``S - 1`` for every stage — the pipeline holds ``S`` minibatches, and a stage's gradient
@@ -169,8 +194,10 @@ class PipelineTrainer(BaseTrainer):
 
     def _stage_groups(self) -> list[dist.ProcessGroup | None]:
         """A process group for each replicated stage (every rank creates every group; with
-        tensor parallelism, the mesh's ``data`` groups)."""
+        tensor parallelism, the mesh's ``data`` groups; none when sharded: FSDP2 reduces)."""
         groups: list[dist.ProcessGroup | None] = []
+        if self.plan.sharded:
+            return [None] * self.layout.num_stages
         if self.split is not None:
             group = self.split.mesh["data"].get_group() if self.layout.replicas[0] > 1 else None
             return [group if stage == self.place.stage else None
@@ -180,13 +207,24 @@ class PipelineTrainer(BaseTrainer):
             groups.append(new_group(ranks, timeout_s=self.config.timeout_s) if count > 1 else None)
         return groups
 
-    def _counted(self, ties: list[Tie]) -> list[nn.Parameter]:
-        """The parameters whose gradient this worker adds to the whole model's norm: replica 0's,
-        less the tied ones a lower stage holds (their copies' gradients are equal)."""
-        if self.place.replica != 0:
+    def _reduce(self) -> Callable[[], float]:
+        """The sharded stage's ``AR``: FSDP2's reduce-scatter of the step's gradients."""
+        shards = self.shards
+        assert shards is not None, "sharded stages only"
+        forwards = sum(action.kind is Kind.FORWARD for action in self.schedule.workers[
+            self.place.worker])
+        return lambda: shards.reduce(forwards)
+
+    def _counted(self, ties: list[Tie], split: dict[str, bool]) -> list[nn.Parameter]:
+        """The parameters whose gradient this worker adds to the whole model's norm: replica 0's
+        (every replica's shards, sharded), those a tensor split leaves whole at the first
+        tensor position only (``split``: the split ones' names), less the tied ones a lower
+        stage holds (their copies' gradients are equal)."""
+        if self.place.replica != 0 and not self.plan.sharded:
             return []
         elsewhere = {id(p) for tie in ties if tie.stages[0] != self.place.stage for p in tie.params}
-        return [p for p in self.module.parameters() if id(p) not in elsewhere]
+        return [p for name, p in self.module.named_parameters() if id(p) not in elsewhere
+                and (name in split or self.place.tensor_rank == 0)]
 
     # -- training --------------------------------------------------------------------------------
 
@@ -245,8 +283,10 @@ class PipelineTrainer(BaseTrainer):
 
     def save_checkpoint(self, step: int) -> None:
         """Save the state after ``step`` steps (see
-        :func:`~tandem.runtime.pipeline.checkpoint.save_stage_checkpoint`)."""
-        save_stage_checkpoint(self, step)
+        :func:`~tandem.runtime.pipeline.checkpoint.save_stage_checkpoint`); a sharded stage
+        saves none (its checkpoints are refused by the job: they hold whole tensors)."""
+        if self.shards is None:
+            save_stage_checkpoint(self, step)
 
     # -- evaluation and outputs (report.py) ------------------------------------------------------
 

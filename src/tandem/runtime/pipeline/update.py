@@ -34,7 +34,8 @@ class Tie:
     stages: tuple[int, ...]
     params: list[nn.Parameter]
     scale: float
-    """1 / the stage's replicas: after their allreduce each replica holds the stage's sum."""
+    """1 / the stage's replicas: after their allreduce each replica holds the stage's sum (1
+    for sharded stages, each of whose groups holds one replica of each tied stage)."""
     num_workers: int
 
 
@@ -50,6 +51,9 @@ class UpdateSpec:
     """The stage's replicas (None: one replica, nothing to average)."""
     num_replicas: int = 1
     ties: Sequence[Tie] = ()
+    reduce: Callable[[], float] | None = None
+    """The stage's own reduction of its replicas' gradients, which its ``AR`` runs instead of
+    the allreduce (a sharded stage's reduce-scatter); returns the bytes it sent."""
 
 
 class StageUpdate:
@@ -67,6 +71,10 @@ class StageUpdate:
     def allreduce(self, action: Action, span: Span) -> None:
         """Average (asynchronous) or sum (flush) the gradients over the stage's replicas."""
         spec = self.spec
+        if spec.reduce is not None:
+            self.beat.phase = "step"
+            self.traffic.other_bytes += spec.reduce()
+            return
         if spec.group is None:  # a stage with one replica: nothing to average
             return
         self.beat.phase = "step"
@@ -106,13 +114,17 @@ class StageUpdate:
     def _sum_tied(self) -> None:
         """Sum the gradients of parameters shared with other stages over those stages."""
         for tie in self.spec.ties:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in tie.params]
+            grads = []
+            for p in tie.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(local_tensor(p.grad))  # a sharded stage's: its shards
             flat = torch.cat([g.reshape(-1) for g in grads]) * tie.scale
             dist.all_reduce(flat, group=tie.group)
             offset = 0
-            for p in tie.params:
-                p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
-                offset += p.numel()
+            for grad in grads:
+                grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
             self.traffic.other_bytes += ring_bytes("allreduce", flat.numel() * flat.element_size(),
                                                    tie.num_workers)
 
