@@ -323,14 +323,17 @@ def test_a_collective_forward_evaluates_in_lockstep(sizes: list[int], rank: int,
 
 
 @pytest.mark.pure
-@pytest.mark.parametrize(("strategy", "flag"), [("ps", "--shard"), ("pipeline", "--shard"),
-                                                ("gossip", "--shard-level")])
-def test_shard_flags_belong_to_dp(strategy: str, flag: str) -> None:
+@pytest.mark.parametrize(("strategy", "flag", "owners"), [
+    ("ps", "--shard", "dp or pipeline"), ("gossip", "--shard-level", "dp or pipeline"),
+    ("pipeline", "--shard-units", "dp")])
+def test_shard_flags_belong_to_dp_and_pipelines(strategy: str, flag: str, owners: str) -> None:
+    """``--shard`` and ``--shard-level`` shard data parallelism or a pipeline's stages
+    (``tests/test_sharded_pipeline.py``), whose units are their blocks."""
     result = run_here("train", "--strategy", strategy, "--nproc", "4", flag, "2")
     assert result.returncode == 2 and result.stdout == ""
     assert len(result.stderr.strip().splitlines()) == 1
-    assert (f"{flag} applies to --strategy dp only (this run has --strategy {strategy}); add "
-            f"--strategy dp or drop it") in result.stderr
+    assert (f"{flag} applies to --strategy {owners} only (this run has --strategy {strategy}); "
+            f"add --strategy dp or drop it") in result.stderr
 
 
 @pytest.mark.multiprocess
