@@ -53,6 +53,14 @@ class UnsetBuffer(nn.Linear):
         self.register_buffer("table", torch.arange(4.0))
 
 
+class UnsetIndex(nn.Linear):
+    """The same with an integer buffer (positions)."""
+
+    def __init__(self) -> None:
+        super().__init__(4, 4)
+        self.register_buffer("positions", torch.arange(4))
+
+
 def _state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: value.detach().clone() for name, value in model.state_dict().items()}
 
@@ -129,7 +137,8 @@ def _tokens_info() -> DataInfo:
 
 @pytest.mark.pure
 @pytest.mark.parametrize(("build", "named"), [(NoReset, "'(the model)' (NoReset)"),
-                                              (UnsetBuffer, "table (UnsetBuffer)")])
+                                              (UnsetBuffer, "table (UnsetBuffer)"),
+                                              (UnsetIndex, "positions (UnsetIndex)")])
 def test_what_cannot_be_built_in_pieces_is_one_line_with_the_way_out(
         build: type[nn.Module], named: str) -> None:
     model = _on_meta(build)
@@ -187,3 +196,16 @@ def test_a_units_whole_tensors_are_freed_once_it_is_done() -> None:
                 units=["block"], done=shard)
     assert len(dropped) == 4 and all(ref() is None for ref in dropped)  # Linear, BatchNorm
     assert model.head.weight is model.embed.weight  # the shared one was kept to tie them
+
+
+@pytest.mark.pure
+def test_an_init_fn_with_a_defaulted_second_parameter_gets_the_module_alone() -> None:
+    seen: list[float] = []
+
+    def init(module: nn.Module, std: float = 0.5) -> None:
+        seen.append(std)
+        module.reset_parameters()
+
+    model = _on_meta(lambda: nn.Linear(3, 3))
+    materialize(model, Initializer(seed=0, by_name=False, function=init), torch.device("cpu"))
+    assert seen == [0.5]

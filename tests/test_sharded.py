@@ -467,9 +467,14 @@ def test_sharding_x_tensor_clips_the_whole_norm_and_resumes(shared_run: SharedRu
 def test_final_pt_is_exported_from_the_shards_one_tensor_at_a_time(
         shared_run: SharedRun, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A sharded run writes its final shards (``final.dcp``, each worker its own) and rank 0
-    joins them into ``final.pt`` one tensor at a time; ``tandem export`` writes the same file
-    again from the shards, and refuses in one line a directory without them."""
+    joins them into ``final.pt`` a batch at a time (one tensor at a time with batch 0), a zip
+    whose CRCs check; ``tandem export`` writes the same file again from the shards, and
+    refuses in one line a directory without them."""
     from tandem.cli import main
+
+    import zipfile
+
+    from tandem.runtime.export import export_final
 
     out, _ = shared_run(*GPT, *FULL)
     assert (out / "final.dcp" / ".metadata").is_file()
@@ -479,9 +484,12 @@ def test_final_pt_is_exported_from_the_shards_one_tensor_at_a_time(
     whole, copy = torch.load(out / "final.pt"), torch.load(again)
     assert list(whole) == list(copy) and exported["tensors"] == len(whole)
     assert all(torch.equal(whole[name], copy[name]) for name in whole)
+    with zipfile.ZipFile(again) as archive:
+        assert archive.testzip() is None  # every record's CRC-32 is set
+    one = export_final(out / "final.dcp", tmp_path / "one.pt", batch_bytes=0)  # one at a time
     largest = max(t.numel() * t.element_size() for t in whole.values())
-    assert exported["largest_tensor_bytes"] == largest < exported["bytes"] / 4
+    assert one.largest_tensor_bytes == largest < one.num_bytes / 4
     assert main(["export", str(tmp_path)]) == 2
     assert capsys.readouterr().err.strip().endswith(
-        f"{tmp_path} has no final.dcp (the final shards a sharded run writes at --shard-level 2 "
-        f"or 3); export the --out of such a run")
+        f"{tmp_path} has no final.dcp (the final shards that sharded (--shard-level 2 or 3), "
+        f"tensor-parallel and pipeline runs write); export the --out of such a run")

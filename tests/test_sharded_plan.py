@@ -74,6 +74,16 @@ def test_a_two_layer_step_worked_by_hand(level: int, step_s: float | None, weigh
     assert worker.optimizer_bytes == 2 * (2 * GB) / 2  # Adam's two moments of its half
 
 
+def test_accumulating_keeps_every_units_whole_gradient() -> None:
+    """With ``--accumulate 2`` FSDP2 holds each unit's whole gradient until the step's last
+    backward reduce-scatters it: the gradients are the shard plus the whole model."""
+    profile = _two_layers()
+    plan = dataclasses.replace(_sharded(data_parallel_plan(profile, 2), 2, 3), num_microbatches=4)
+    result = simulate(plan, profile, flat_cluster(num_devices=2, bandwidth="1GB/s"),
+                      SimOptions(record=False))
+    assert result.workers[0].gradient_bytes == 1 * GB + 2 * GB
+
+
 @pytest.mark.parametrize("name", ["vgg16", "resnet50", "gnmt"])
 def test_sharding_holds_less_and_costs_what_it_gathers(name: str) -> None:
     """Over the shipped profiles on 8 devices: every level holds less state per device than

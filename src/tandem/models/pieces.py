@@ -9,14 +9,16 @@ Usage::
     materialize(model, init, device, done=shard_unit, units=["blocks.0", "blocks.1"])
 
 Modules that hold state are taken in ``named_modules`` order. Each gets storage on the CPU,
-filled with NaN, and is initialized there (CPU generators draw the same numbers on every
+filled with NaN (integers with their most negative value, booleans with False), and is
+initialized there (CPU generators draw the same numbers on every
 machine): a built-in model's modules by :func:`tandem.models.init.reset_module` under the seed
 of their names; a user's model by each module's ``reset_parameters``, or the user's
 ``init_fn(module)`` (or ``init_fn(module, name)``), in order after the global generator is
 seeded with the run's seed. With ``reset_parameters`` that is what a model built whole draws in
 its constructors when they initialize that way, as ``torch.nn``'s layers do; with ``init_fn``,
-what the model built whole and then initialized module by module holds. A value still NaN
-after that is one line naming the module and tensor. The module then moves to ``device``; when
+what the model built whole and then initialized module by module holds. A value still NaN (or
+the most negative integer) after that is one line naming the module and tensor; a boolean
+buffer its initializer does not set is False on every worker. The module then moves to ``device``; when
 the last module of a unit is done, ``done(unit)`` shards it (``fully_shard`` keeps this
 worker's shard and drops the rest), the innermost unit first, the whole model (``""``) last.
 A worker so holds its shards, the modules of units not yet complete, and those of the whole
@@ -87,14 +89,15 @@ class Initializer:
 
 
 def _takes_name(function: ModuleInit) -> bool:
-    """Whether ``function`` takes a second positional argument (the module's name)."""
+    """Whether ``function`` needs a second positional argument (the module's name): one
+    without a default."""
     try:
         parameters = inspect.signature(function).parameters.values()
     except (TypeError, ValueError):  # a builtin without a signature: one argument
         return False
-    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD,
-                                                      p.VAR_POSITIONAL)]
-    return len(positional) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in positional)
+    required = [p for p in parameters if p.default is p.empty
+                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(required) >= 2  # init(module, std=0.02) takes the module alone
 
 
 def on_meta(module: nn.Module) -> bool:
@@ -174,8 +177,7 @@ def _materialize_module(name: str, module: nn.Module, init: Initializer, device:
                 tied[key] = shared
             originals[key] = tensor
             fresh = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
-            if fresh.is_floating_point():
-                fresh.fill_(float("nan"))
+            fresh.fill_(_unset(fresh.dtype))
             tensors[key] = (nn.Parameter(fresh, tensor.requires_grad)
                             if isinstance(tensor, nn.Parameter) else fresh)
     if not originals:
@@ -185,7 +187,7 @@ def _materialize_module(name: str, module: nn.Module, init: Initializer, device:
     for tensors in _own_state(module):
         for key in [k for k in tensors if k in originals]:
             value = tensors[key]
-            if value.is_floating_point() and bool(torch.isnan(value).any()):
+            if _still_unset(value):
                 raise UsageError(
                     f"{name + '.' if name else ''}{key} ({type(module).__name__}) is not set by "
                     f"its initializer, so the model cannot be built in pieces; give --init-fn "
@@ -204,6 +206,25 @@ def _materialize_module(name: str, module: nn.Module, init: Initializer, device:
                 made[id(originals[key])] = tensors[key]
             added += value.numel() * value.element_size()
     return added
+
+
+def _unset(dtype: torch.dtype) -> float | int | bool:
+    """What a tensor of ``dtype`` holds before its initializer runs: NaN, the most negative
+    integer, or False (a boolean has no value to spare: one left unset is False everywhere)."""
+    if dtype.is_floating_point or dtype.is_complex:
+        return float("nan")
+    if dtype == torch.bool:
+        return False
+    return torch.iinfo(dtype).min
+
+
+def _still_unset(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` still holds :func:`_unset`'s value somewhere (never for booleans)."""
+    if tensor.dtype == torch.bool:
+        return False
+    if tensor.is_floating_point() or tensor.is_complex():
+        return bool(torch.isnan(tensor).any())
+    return bool((tensor == torch.iinfo(tensor.dtype).min).any())
 
 
 def _own_state(module: nn.Module) -> list[dict[str, Any]]:

@@ -243,8 +243,9 @@ class BaseTrainer(Worker):
             evaluation = self.evaluate()
             self.reporter.record(step=last_step, **evaluation)
         finished = last_step == config.steps
-        self._write_outputs(finished)
+        final = self._write_outputs(finished)
         extra = self.summary_extra()
+        write_final(final, self.out)  # rank 0, after the collectives: no rank waits on it
         if self.env.rank != 0:
             return None
         return {**self._summary(last_step, evaluation, finished), **extra}
@@ -277,19 +278,18 @@ class BaseTrainer(Worker):
                 end_s=end - self.clock_start, step=step, bytes=num_bytes, version=version,
             ))
 
-    def _write_outputs(self, finished: bool) -> None:
-        """Rank 0 writes ``trace.json``, ``gantt.png``, ``config.json`` and ``final.pt`` (the
-        workers' events gathered on its clock: :func:`~tandem.runtime.outputs.gather_events`)."""
+    def _write_outputs(self, finished: bool) -> dict[str, torch.Tensor] | ShardedFinal | None:
+        """Rank 0 writes ``trace.json``, ``gantt.png``, ``config.json`` (events gathered on its
+        clock: :func:`~tandem.runtime.outputs.gather_events`); returns ``final.pt``'s state."""
         events = gather_events(self.env, self.clock_start, self.events)
         state = self.full_state_dict() if finished and self.out else None
         if events is None or self.out is None:
-            return
+            return None
         write_timeline(self.out, Timeline(events=events),
                        title=f"{strategy_of(self.plan)}, {self.config.model.partition(':')[0]}, "
                              f"{self.env.world_size} workers")
         write_run_files(self.job, self.out)
-        if state is not None:
-            write_final(state, self.out / "final.pt")
+        return state
 
     def _summary(self, last_step: int, evaluation: dict[str, float | None],
                  finished: bool) -> dict[str, Any]:

@@ -1,11 +1,11 @@
-"""``final.pt`` written from a sharded run's final shards one tensor at a time, so that no
-process ever holds the whole model: at the end of a sharded run, and by ``tandem export
-RUN_DIR``.
+"""``final.pt`` written from a run's final shards a few tensors at a time, so that no process
+ever holds the whole model: at the end of a sharded, tensor-parallel or pipeline run, and by
+``tandem export RUN_DIR``.
 
 Usage::
 
     save_final_shards(out, get_model_state(model))         # collective: OUT/final.dcp
-    export_final(out / "final.dcp", out / "final.pt")      # one process, one tensor at a time
+    export_final(out / "final.dcp", out / "final.pt")      # one process, a batch at a time
 
 The sharded run (FSDP2, tensor parallelism, or both) writes its model's state through
 ``torch.distributed.checkpoint`` (each rank its own shards, under the model's own names) into
@@ -13,8 +13,9 @@ The sharded run (FSDP2, tensor parallelism, or both) writes its model's state th
 layers hold their outputs in the shares' order). :func:`export_final` reads
 that folder's metadata, writes a ``torch.save`` file of the whole state whose tensors' bytes are
 left unwritten (``torch.serialization.skip_data``: the skeleton's tensors are allocated but never
-touched, so they take no memory), then loads each tensor alone from the folder (DCP joins its
-shards) and writes its bytes where the skeleton left room for them. The result is a plain
+touched, so they take no memory), then loads the tensors from the folder a batch of at most
+:data:`BATCH_BYTES` at a time (a larger tensor alone; DCP joins its shards), writes each one's
+bytes where the skeleton left room for them, and sets each record's CRC-32. The result is a plain
 ``state_dict`` that ``torch.load`` reads; it is written beside the target and renamed over it
 once complete. Tensors only: a module's non-tensor extra state is left out and counted.
 """
@@ -23,10 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import struct
 import warnings
 import zipfile
+import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -48,6 +51,12 @@ NAMES = "names.json"
 tensor-parallel model's ``heads`` layers."""
 LOCAL_HEADER_BYTES = 30
 """Bytes of a zip local file header before its name and extra field."""
+CENTRAL_HEADER_BYTES = 46
+"""Bytes of a zip central-directory entry before its name, extra field and comment."""
+DATA_DESCRIPTOR_FLAG = 0x8
+DATA_DESCRIPTOR_SIGNATURE = b"PK\x07\x08"
+BATCH_BYTES = 256 * 2**20
+"""The most bytes of tensors one load joins from the shards (a larger tensor is loaded alone)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -57,7 +66,9 @@ class Exported:
     num_tensors: int
     num_bytes: int
     largest_tensor_bytes: int
-    """The most bytes held at once (one tensor joined from its shards)."""
+    """The most bytes of tensors held at once: a batch joined from the shards (at most the
+    batch size, or one larger tensor; twice a ``heads`` layer's while its outputs are put back
+    in order)."""
     skipped: list[str]
     """Entries that are not tensors (a module's extra state), left out."""
 
@@ -98,12 +109,13 @@ def get_model_state(model: nn.Module) -> dict[str, Any]:
     return get_model_state_dict(model)
 
 
-def write_final(state: dict[str, torch.Tensor] | ShardedFinal, target: Path) -> None:
-    """Write ``final.pt``: a whole state dict at once, or exported from its shards."""
+def write_final(state: dict[str, torch.Tensor] | ShardedFinal | None, out: Path | None) -> None:
+    """Write ``OUT/final.pt``: a whole state dict at once, or exported from its shards (nothing
+    for None, or without ``OUT``)."""
     if isinstance(state, ShardedFinal):
-        export_final(state.folder, target)
-    else:
-        save_atomic(state, target)
+        export_final(state.folder, state.folder.parent / "final.pt")
+    elif state is not None and out is not None:
+        save_atomic(state, out / "final.pt")
 
 
 def save_final_shards(out: Path, state: dict[str, Any], *, names: list[str] | None = None,
@@ -119,58 +131,115 @@ def save_final_shards(out: Path, state: dict[str, Any], *, names: list[str] | No
     if dist.get_rank() == 0:  # DCP's metadata keeps its own order; final.pt keeps the model's
         write_text(folder / NAMES, json.dumps({"names": list(state) if names is None else names,
                                               "row_orders": row_orders or {}}))
+    _check_shared(folder)
     return folder
 
 
-def export_final(folder: Path, target: Path) -> Exported:
-    """Write ``target`` (a plain ``state_dict`` file) from the final shards in ``folder``, one
-    tensor at a time (see the module docstring)."""
+def _check_shared(folder: Path) -> None:
+    """One line on every rank (collective) if rank 0 cannot see a file another rank wrote into
+    ``folder``: an ``--out`` that is not one shared directory for every node."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    missing: list[Any] = [None]
+    if dist.get_rank() == 0:
+        storage = FileSystemReader(str(folder)).read_metadata().storage_data
+        files = sorted({info.relative_path for info in storage.values()})
+        missing[0] = [name for name in files if not (folder / name).is_file()]
+    dist.broadcast_object_list(missing, src=0)
+    if missing[0]:
+        raise UsageError(f"rank 0 cannot read {', '.join(missing[0][:3])} in {folder}, which "
+                         f"other nodes wrote to their own --out: put --out on a file system "
+                         f"every node shares, or copy each node's {FINAL_SHARDS} files into "
+                         f"rank 0's and run tandem export {folder.parent}")
+
+
+def export_final(folder: Path, target: Path, *, batch_bytes: int = BATCH_BYTES) -> Exported:
+    """Write ``target`` (a plain ``state_dict`` file) from the final shards in ``folder``, a
+    batch of at most ``batch_bytes`` of tensors (or one larger tensor) at a time (see the
+    module docstring)."""
     from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     if not (folder / ".metadata").is_file():
-        raise UsageError(f"{folder} holds no final shards (no .metadata); export a run directory "
-                         f"that a sharded run (--shard) finished in")
+        raise UsageError(f"{folder} holds no final shards (no .metadata); export the --out of a "
+                         f"finished sharded, tensor-parallel or pipeline run")
     entries = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
     listed: dict[str, Any] = (json.loads((folder / NAMES).read_text())
                               if (folder / NAMES).is_file()
                               else {"names": [key.removeprefix("model.") for key in entries]})
-    names: list[str] = listed["names"]
     orders: dict[str, Any] = listed.get("row_orders", {})
     shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
     skipped = []
-    for name in names:
+    for name in listed["names"]:
         entry = entries[f"model.{name}"]
         if isinstance(entry, TensorStorageMetadata):
             shapes[name] = (entry.size, entry.properties.dtype)
         else:
             skipped.append(name)
     partial = target.with_name(target.name + ".partial")
-    skeleton = {name: torch.empty(size, dtype=dtype) for name, (size, dtype) in shapes.items()}
-    with torch.serialization.skip_data():  # untouched tensors: no memory, room in the file
-        torch.save(skeleton, partial)
-    del skeleton
-    offsets = _record_offsets(partial)
-    largest = total = 0
-    with open(partial, "r+b") as file:
-        for index, (name, (size, dtype)) in enumerate(shapes.items()):
-            tensor = _load_one(folder, name, size, dtype)
-            if name in orders:  # a heads layer's outputs, in the model's order again
-                tensor = _natural(tensor, orders[name])
-            data = memoryview(cast(Any, tensor.reshape(-1).view(torch.uint8).numpy()))
-            offset, length = offsets[str(index)]
-            if length != len(data):
-                raise RuntimeError(f"export of {name}: the skeleton holds {length} bytes for it, "
-                                   f"the shards {len(data)}")
-            written = 0
-            while written < len(data):  # a large write may be split
-                written += os.pwrite(file.fileno(), data[written:], offset + written)
-            largest, total = max(largest, len(data)), total + len(data)
-            del tensor, data
-        os.fsync(file.fileno())
+    try:
+        largest, total = _write_skeleton_then_tensors(folder, partial, shapes, orders,
+                                                      batch_bytes)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
     os.replace(partial, target)
     return Exported(num_tensors=len(shapes), num_bytes=total, largest_tensor_bytes=largest,
                     skipped=skipped)
+
+
+def _write_skeleton_then_tensors(folder: Path, path: Path,
+                                 shapes: dict[str, tuple[torch.Size, torch.dtype]],
+                                 orders: dict[str, Any], batch_bytes: int) -> tuple[int, int]:
+    """``path``: a ``torch.save`` file of ``shapes`` whose room is reserved, then filled with
+    the tensors loaded from ``folder`` a batch of at most ``batch_bytes`` (or one tensor) at a
+    time, each record's CRC-32 set; returns the most bytes held at once and the total."""
+    skeleton = {name: torch.empty(size, dtype=dtype) for name, (size, dtype) in shapes.items()}
+    with torch.serialization.skip_data():  # untouched tensors: no memory, room in the file
+        torch.save(skeleton, path)
+    del skeleton
+    records = _records(path)
+    keys = {name: str(index) for index, name in enumerate(shapes)}  # torch.save's storage order
+    held = total = 0
+    crcs: dict[str, int] = {}
+    with open(path, "r+b") as file:
+        for batch in _batches(shapes, batch_bytes):
+            loaded = _load(folder, {name: shapes[name] for name in batch})
+            held = max(held, sum(t.numel() * t.element_size() for t in loaded.values()))
+            for name, tensor in loaded.items():
+                if name in orders:  # a heads layer's outputs, in the model's order again
+                    tensor = _natural(tensor, orders[name])
+                    held = max(held, 2 * tensor.numel() * tensor.element_size())
+                data = memoryview(cast(Any, tensor.reshape(-1).view(torch.uint8).numpy()))
+                record = records[keys[name]]
+                if record.length != len(data):
+                    raise RuntimeError(f"export of {name}: the skeleton holds {record.length} "
+                                       f"bytes for it, the shards {len(data)}")
+                written = 0
+                while written < len(data):  # a large write may be split
+                    written += os.pwrite(file.fileno(), data[written:], record.start + written)
+                crcs[keys[name]] = zlib.crc32(data)
+                total += len(data)
+            del loaded
+        _set_crcs(file, records, crcs)
+        os.fsync(file.fileno())
+    return held, total
+
+
+def _batches(shapes: dict[str, tuple[torch.Size, torch.dtype]],
+             batch_bytes: int) -> list[list[str]]:
+    """The tensors in order, in batches of at most ``batch_bytes`` (a larger one alone): one
+    DCP load per batch, not per tensor (each reads the folder's metadata)."""
+    batches: list[list[str]] = []
+    size = 0
+    for name, (shape, dtype) in shapes.items():
+        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        if not batches or size + nbytes > batch_bytes:
+            batches.append([])
+            size = 0
+        batches[-1].append(name)
+        size += nbytes
+    return batches
 
 
 def _natural(tensor: torch.Tensor, order: int | dict[str, int]) -> torch.Tensor:
@@ -182,31 +251,72 @@ def _natural(tensor: torch.Tensor, order: int | dict[str, int]) -> torch.Tensor:
     return natural_order(tensor, degree, dim)
 
 
-def _load_one(folder: Path, name: str, size: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """Tensor ``name`` of the final shards, joined whole (one process, no process group)."""
+def _load(folder: Path, shapes: dict[str, tuple[torch.Size, torch.dtype]]
+          ) -> dict[str, torch.Tensor]:
+    """The tensors ``shapes`` names, each joined whole from the final shards (one process, no
+    process group)."""
     from torch.distributed.checkpoint.state_dict_loader import load
 
-    tensor = torch.empty(size, dtype=dtype)
-    state: dict[str, Any] = {"model": {name: tensor}}
+    tensors = {name: torch.empty(size, dtype=dtype) for name, (size, dtype) in shapes.items()}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
         warnings.simplefilter("ignore", UserWarning)
-        load(state, checkpoint_id=str(folder), no_dist=True)
-    return tensor
+        load({"model": tensors}, checkpoint_id=str(folder), no_dist=True)
+    return tensors
 
 
-def _record_offsets(path: Path) -> dict[str, tuple[int, int]]:
-    """Where each storage record (``.../data/KEY``) of a ``torch.save`` file starts, and its
-    length: the record's data follows its zip local header, name and extra field (torch pads
-    the extra field to align the data)."""
-    offsets = {}
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Record:
+    """A storage record of a ``torch.save`` zip file."""
+
+    header: int
+    """Offset of its local header."""
+    start: int
+    """Offset of its data."""
+    length: int
+    central: int
+    """Offset of its central-directory entry."""
+
+
+def _records(path: Path) -> dict[str, _Record]:
+    """The storage records (``.../data/KEY``) of a ``torch.save`` file by key: stored
+    uncompressed, each one's data after its local header, name and extra field (torch pads the
+    extra field to align the data)."""
+    records = {}
     with zipfile.ZipFile(path) as archive, open(path, "rb") as file:
+        central = archive.start_dir
         for info in archive.infolist():
+            file.seek(central)
+            entry = file.read(CENTRAL_HEADER_BYTES)
+            here = central
+            central += CENTRAL_HEADER_BYTES + sum(struct.unpack("<HHH", entry[28:34]))
             head, _, key = info.filename.rpartition("/")
             if not head.endswith("/data") and head != "data":
                 continue
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise RuntimeError(f"{path}: record {info.filename} is compressed; torch.save "
+                                   f"stores its records, and the export relies on it")
             file.seek(info.header_offset)
             header = file.read(LOCAL_HEADER_BYTES)
             name_length, extra_length = struct.unpack("<HH", header[26:30])
             start = info.header_offset + LOCAL_HEADER_BYTES + name_length + extra_length
-            offsets[key] = (start, info.file_size)
-    return offsets
+            records[key] = _Record(header=info.header_offset, start=start,
+                                   length=info.file_size, central=here)
+    return records
+
+
+def _set_crcs(file: Any, records: dict[str, _Record], crcs: dict[str, int]) -> None:
+    """Write each record's CRC-32 where zip readers check it: its central-directory entry, and
+    its data descriptor after the data (torch's writer sets flag bit 3) or else its local
+    header; ``skip_data`` left them 0."""
+    for key, crc in crcs.items():
+        record, value = records[key], struct.pack("<I", crc)
+        file.seek(record.header + 6)
+        (flags,) = struct.unpack("<H", file.read(2))
+        if flags & DATA_DESCRIPTOR_FLAG:
+            end = record.start + record.length
+            file.seek(end)
+            signed = file.read(4) == DATA_DESCRIPTOR_SIGNATURE
+            os.pwrite(file.fileno(), value, end + (4 if signed else 0))
+        else:
+            os.pwrite(file.fileno(), value, record.header + 14)
+        os.pwrite(file.fileno(), value, record.central + 16)

@@ -79,14 +79,13 @@ def materialize_split(model: nn.Module, plan: TensorPlan, mesh: DeviceMesh, *, i
     if ``plan`` splits it, cut to this worker's share at once: a worker never holds more than
     one split layer whole. Returns what :func:`split_model` returns."""
     styles = dtensor_styles(model, plan)
-    shares = share_heads(model, plan, mesh.size())
 
     def split(name: str) -> None:
         if name:
             _split_layer(model, name, plan[name], mesh, styles)
 
     materialize(model, init, device, units=list(plan), done=split)
-    return shares
+    return share_heads(model, plan, mesh.size())  # after: initializers see the whole counts
 
 
 def share_heads(model: nn.Module, plan: TensorPlan, degree: int) -> Shares:

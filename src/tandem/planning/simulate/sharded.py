@@ -4,7 +4,8 @@ worker's shard of the state.
 
 Usage::
 
-    result = simulate_sharded(plan, profile, cluster, options)   # plan.sharded, one stage
+    result = simulate_sharded(plan, profile, cluster, options,
+                              lambda plain: simulate(plain, profile, cluster, options))
     result.step_time_s, result.workers[0].peak_memory_bytes
 
 Every profiled layer with parameters is a unit (the runtime's units are the model's blocks; a
@@ -37,7 +38,8 @@ is taken. The planner then never prefers sharding on a near tie of two models.
 
 Memory per device, level 3: the shards of the parameters, gradients and optimizer state, two
 units whole (the one computing and the one prefetched) and one unit's whole gradient before its
-reduce-scatter, and the activations; level 2 keeps every unit gathered from its forward to its
+reduce-scatter (every unit's with ``plan.accumulate`` above 1: FSDP2 keeps the whole gradients
+it accumulates without reduce-scattering), and the activations; level 2 keeps every unit gathered from its forward to its
 backward (the whole parameters at the peak); level 1 holds whole parameters and gradients and
 its shard of the optimizer state.
 
@@ -190,19 +192,21 @@ def _pass(clock: _Clock, order: range, compute_s: list[float], gather_s: list[fl
             clock.collective(reduce_s[index], after=clock.compute)
 
 
-def sharded_memory(costs: UnitCosts, *, level: int, degree: int,
-                   optimizer_state_factor: float) -> dict[str, float]:
+def sharded_memory(costs: UnitCosts, *, level: int, degree: int, optimizer_state_factor: float,
+                   accumulate: int = 1) -> dict[str, float]:
     """One worker's peak bytes by part (the module docstring's model)."""
     whole = sum(costs.parameter_bytes)
     shard = whole / degree
     largest = sorted(costs.parameter_bytes, reverse=True)
     state = shard * optimizer_state_factor
+    # accumulating without a reduce-scatter, FSDP2 keeps every unit's whole gradient
+    gradients = shard + (whole if accumulate > 1 else largest[0])
     if level == 1:
         return {"weights": whole, "gradients": whole, "optimizer": state}
     if level == 2:
-        return {"weights": shard + whole, "gradients": shard + largest[0], "optimizer": state}
-    return {"weights": shard + sum(largest[:PREFETCHED_UNITS]),
-            "gradients": shard + largest[0], "optimizer": state}
+        return {"weights": shard + whole, "gradients": gradients, "optimizer": state}
+    return {"weights": shard + sum(largest[:PREFETCHED_UNITS]), "gradients": gradients,
+            "optimizer": state}
 
 
 def simulate_sharded(plan: Plan, profile: ModelProfile, cluster: Cluster, options: Any,
@@ -226,7 +230,8 @@ def simulate_sharded(plan: Plan, profile: ModelProfile, cluster: Cluster, option
         clock = sharded_step(costs, level=level, accumulate=plan.accumulate)
     step_s = max(clock.compute, clock.channel, plain.step_time_s)
     memory = sharded_memory(costs, level=level, degree=degree,
-                            optimizer_state_factor=options.optimizer_state_factor)
+                            optimizer_state_factor=options.optimizer_state_factor,
+                            accumulate=plan.accumulate)
     peak = sum(memory.values()) + costs.activation_bytes
     replicas = plan.stages[0].replicas
     devices = plan.stages[0].devices or list(range(replicas))
