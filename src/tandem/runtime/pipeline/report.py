@@ -1,5 +1,5 @@
 """What a pipeline worker reports once training is done: the test split's score (the test
-samples forwarded through the stages), the whole model's state gathered on rank 0, and the
+samples forwarded through the stages), each stage's state written for ``final.pt``, and the
 layout's summary with every worker's memory and traffic."""
 
 from __future__ import annotations
