@@ -209,3 +209,33 @@ def test_an_init_fn_with_a_defaulted_second_parameter_gets_the_module_alone() ->
     model = _on_meta(lambda: nn.Linear(3, 3))
     materialize(model, Initializer(seed=0, by_name=False, function=init), torch.device("cpu"))
     assert seen == [0.5]
+
+
+BUILT_ON: list[str] = []
+"""Where :func:`probe_builder` found torch's default device: ``meta`` when built in pieces."""
+
+
+def probe_builder() -> nn.Module:
+    """``--model tests.test_pieces:probe_builder``: a small classifier of digits."""
+    BUILT_ON.append(torch.empty(0).device.type)
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 10))
+
+
+@pytest.mark.pure
+def test_the_checks_before_launch_build_a_sharded_jobs_model_on_the_meta_device() -> None:
+    """No process builds a model whole that its workers build in pieces: the checks before
+    launch (one sample through it, the loss, memory) take it on the meta device; a model that
+    cannot be built in pieces, or a plain data-parallel job's, is still run for real."""
+    from tandem.runtime.job import Job
+    from tandem.runtime.run import check_job
+    from tandem.strategy import plan_from_flags
+
+    for flags, init_fn, whole in (({"--shard": 2}, "reset", False),
+                                  ({"--shard": 2}, None, True),  # nothing says how: whole
+                                  ({}, None, True)):
+        run = RunConfig(model="tests.test_pieces:probe_builder", data="digits", nproc=2,
+                        init_fn=init_fn)
+        BUILT_ON.clear()  # (its size is read from a build on the meta device either way)
+        check_job(Job(run=run, plan=plan_from_flags("dp", flags, num_processes=2,
+                                                    num_blocks=None)))
+        assert ("cpu" in BUILT_ON) == whole, (flags, init_fn, BUILT_ON)

@@ -44,11 +44,14 @@ def warn(message: str, category: type[TandemWarning] = MachineWarning) -> None:
     warnings.warn(message, category, stacklevel=3)
 
 
-def build_checked(run: RunConfig, objects: Any = None) -> tuple[Data, nn.Module]:
+def build_checked(run: RunConfig, objects: Any = None, *, shares: int = 1,
+                  meta: bool = False) -> tuple[Data, nn.Module]:
     """The run's data and model (from its specs, or the user's ``objects``). One that would not
     fit in memory is refused before it is built where its size can be told in advance (the
     dataset's options, the model's parameters built on the ``meta`` device), and if building it
-    runs out of memory."""
+    runs out of memory, counting ``1 / shares`` of the model per worker. With ``meta`` a model
+    that can be built in pieces comes on the meta device (workers that build it in pieces, or
+    a caller that needs only its structure), so that no process builds it whole."""
     from tandem.runtime.task import Task
 
     available = available_memory_bytes()
@@ -63,10 +66,10 @@ def build_checked(run: RunConfig, objects: Any = None) -> tuple[Data, nn.Module]
     if objects is None or objects.model is None:
         parameters = meta_parameter_bytes(run.model, data)
         _check_fits(f"--model {run.model}", None if parameters is None
-                    else (1 + PARAMETER_COPIES) * parameters, available,
+                    else (1 + PARAMETER_COPIES) * parameters // shares, available,
                     "a smaller model (fewer or narrower layers)")
     try:
-        model = task.build_model()
+        model = task.build_model(meta=meta)
     except (MemoryError, RuntimeError) as exc:
         raise _too_big(exc, f"--model {run.model}", "a smaller model (fewer or narrower "
                        "layers)") from None
@@ -188,24 +191,26 @@ def _describe(output: Any) -> str:
     return structures.describe(output)
 
 
-def check_machine(run: RunConfig, model: nn.Module) -> str | None:
-    """Refuse local workers that cannot fit in memory; return a warning if they will share this
-    machine's cores (or GPUs), else None."""
-    per_worker = worker_bytes(model)
+def check_machine(run: RunConfig, model: nn.Module, shares: int = 1) -> str | None:
+    """Refuse local workers that cannot fit in memory (each holding ``1 / shares`` of the
+    model's state); return a warning if they will share this machine's cores (or GPUs), else
+    None."""
+    per_worker = worker_bytes(model, shares)
     available = available_memory_bytes()
     if per_worker is not None and available is not None:
         check_memory(run.nproc, per_worker, available)
     return sharing_warning(run)
 
 
-def worker_bytes(model: nn.Module) -> int | None:
+def worker_bytes(model: nn.Module, shares: int = 1) -> int | None:
     """Estimated memory of one worker: this process's own (PyTorch, the model and the data,
-    just built), plus a worker's runtime and parameter-sized buffers; None if unknown."""
+    just built), plus a worker's runtime and its share of parameter-sized buffers; None if
+    unknown."""
     own = private_memory_bytes()
     if own is None:
         return None
     parameters = sum(p.numel() * p.element_size() for p in model.parameters())
-    return own + WORKER_RUNTIME_BYTES + PARAMETER_COPIES * parameters
+    return own + WORKER_RUNTIME_BYTES + PARAMETER_COPIES * parameters // shares
 
 
 def check_memory(nproc: int, per_worker_bytes: int, available_bytes: int) -> None:

@@ -74,7 +74,9 @@ def check_job(job: Job) -> None:
 
     run, plan = job.run, job.plan
     check_flags(job)
-    data, model = preflight.build_checked(run, job.objects)
+    shares = 1 if plan.pipelined else plan.tensor_degree * (
+        plan.shard_degree if plan.sharded and plan.shard_level > 1 else 1)
+    data, model = preflight.build_checked(run, job.objects, shares=shares, meta=shares > 1)
     if plan.tensor_degree > 1:
         from tandem.models.tensor import tensor_plan  # delays torch
 
@@ -97,7 +99,7 @@ def check_job(job: Job) -> None:
             pipeline_setup(job, pipeline_blocks(model, example_inputs(data.train),
                                                 what=f"model {run.model!r}",
                                                 split_points=run.split_points))
-        note = preflight.check_machine(run, model)
+        note = preflight.check_machine(run, model, shares)
     if run.out is not None:
         _check_writable(Path(run.out))
     if note is not None:
@@ -147,9 +149,9 @@ def make_job(strategy: str = "dp", flags: Mapping[str, Any] | None = None, *,
 
     from tandem.runtime.preflight import build_checked  # delays torch
 
-    data, model = build_checked(run, objects)
-    if isinstance(model, nn.Sequential) or not (strategy in STRATEGIES
-                                                and STRATEGIES[strategy].pipelined):
+    pipelined = strategy in STRATEGIES and STRATEGIES[strategy].pipelined
+    data, model = build_checked(run, objects, meta=not pipelined)  # check_job builds it again
+    if isinstance(model, nn.Sequential) or not pipelined:
         blocks = len(model) if isinstance(model, nn.Sequential) else None
         plan = plan_from_flags(strategy, flags or {}, num_processes=run.nproc, num_blocks=blocks)
         return Job(run=run, plan=plan, objects=objects)
