@@ -13,9 +13,9 @@ class GradientOverflow(nn.Module):
     gradient of its own weight is ~1e38 times too large, so that only the stage holding it
     overflows (the gradient it sends back stays finite)."""
 
-    def __init__(self, at: int) -> None:
+    def __init__(self, at: int, shape: tuple[int, ...] = ()) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(()))
+        self.weight = nn.Parameter(torch.zeros(shape))
         self.at, self.calls = at, 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -31,3 +31,10 @@ def overflow(info: DataInfo, at: int = 3) -> nn.Module:
     per micro-batch): an fp16 run must skip that step on every stage."""
     return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(),
                          nn.Linear(32, info.num_classes), GradientOverflow(at))
+
+
+def sharded_overflow(info: DataInfo, at: int = 3) -> nn.Module:
+    """:func:`overflow` with a 1-element weight (FSDP2 shards no scalar): on 2 shards the weight
+    is the first worker's alone, so only that worker's gradients overflow."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(),
+                         nn.Linear(32, info.num_classes), GradientOverflow(at, (1,)))

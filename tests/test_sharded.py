@@ -228,17 +228,8 @@ REFUSED: dict[str, tuple[tuple[dict[str, Any], dict[str, Any]], str]] = {
                          "--clip-grad-norm 1.0 is not supported with --offload optimizer yet"),
     "offload at level 1": (({"--shard": 4, "--shard-level": 1}, {"offload": "optimizer"}),
                            "--offload optimizer moves FSDP2's shards"),
-    "hybrid x tensor": (({"--shard": 1, "--tensor-parallel": 2}, {}),
-                        "--shard 1 with --tensor-parallel 2 shards over all 2 replicas (hybrid "
-                        "sharding x tensor is not supported yet); use --shard 2"),
-    "level 1 x tensor": (({"--shard": 2, "--shard-level": 1, "--tensor-parallel": 2}, {}),
-                         "--shard-level 1 shards the optimizer state over DDP's replicas, which "
-                         "--tensor-parallel 2 does not use"),
     "compress": (({"--shard": 4, "--compress": "fp16"}, {}),
                  "--compress fp16 is not supported with --shard 4 yet: FSDP's and ZeRO's own"),
-    "fp16": (({"--shard": 4}, {"precision": "fp16"}),
-             "--precision fp16 is not supported with --shard 4 yet: --shard-level 3 "
-             "reduce-scatters each gradient"),
     "noise every": (({"--shard": 4}, {"noise_every": 2}), "--noise-every 2 is not supported"),
     "auto batch": (({"--shard": 4}, {"batch_schedule": "auto"}),
                    "--batch-schedule auto is not supported with --shard 4"),

@@ -149,8 +149,6 @@ REFUSED: dict[str, tuple[dict[str, Any], dict[str, Any], str]] = {
     "resume": (STAGES, {"resume": "run/checkpoint.pt"}, "--resume run/checkpoint.pt is not "
                "supported with --strategy "
                "pipeline --shard 2 yet"),
-    "fp16": (STAGES, {"precision": "fp16"}, "--precision fp16 is not supported with --strategy "
-             "pipeline --shard 2 yet"),
     "compress": ({**STAGES, "--compress": "fp16"}, {}, "--compress fp16 is not supported with "
                  "--strategy pipeline --shard 2 yet: the activation codec does not run beside "
                  "FSDP2's collectives"),

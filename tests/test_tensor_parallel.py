@@ -239,15 +239,13 @@ BAD = {
     "dropout": (("--model", "gpt:layers=1,dim=16,dropout=0.1", "--data",
                  "tokens:n=64,seq=8,vocab=16", "--tensor-parallel", "2", "--nproc", "2"),
                 "needs a model without dropout"),
-    "fp16 in a pipeline": (("--strategy", "pipeline", "--stages", "2", "--tensor-parallel", "2",
-                            "--nproc", "4", "--precision", "fp16"),
-                           "--precision fp16 is not supported in a pipeline x tensor layout yet"),
     "compress and resume": (("--tensor-parallel", "2", "--nproc", "4", "--compress", "topk",
                              "--stop-after", "1"),
                             "--stop-after 1 is not supported with --tensor-parallel 2 --compress "
                             "topk"),
-    "lamb": (("--tensor-parallel", "2", "--nproc", "2", "--optimizer", "lamb"),
-             "--optimizer lamb is not supported with --tensor-parallel 2 yet"),
+    "auto batch": (("--tensor-parallel", "2", "--nproc", "2", "--batch-schedule", "auto"),
+                   "--batch-schedule auto does not apply with --tensor-parallel 2: it follows "
+                   "the gradient noise scale"),
     "compress one replica": (("--tensor-parallel", "2", "--nproc", "2", "--compress", "fp16"),
                              "has one replica; drop --compress, or use --nproc 4"),
     "compress powersgd": (("--tensor-parallel", "2", "--nproc", "4", "--compress", "powersgd"),

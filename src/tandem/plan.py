@@ -228,12 +228,10 @@ class Plan:
                              f"allreduce's plans only (this plan is {self.sync.method}); use "
                              f"--strategy dp or pipeline")
         replicas = self.stages[0].replicas
-        if self.tensor_degree > 1 and (degree != replicas or level == 1):
-            fix = (f"set shard_degree to {replicas}" if degree != replicas
-                   else "set shard_level to 2 or 3")
-            raise UsageError(f"shard degree {degree} at level {level} with tensor degree "
-                             f"{self.tensor_degree}: sharding x tensor shards over all "
-                             f"{replicas} replicas at level 2 or 3; {fix}")
+        if self.tensor_degree > 1 and level == 1:
+            raise UsageError(f"shard level 1 with tensor degree {self.tensor_degree}: level 1 "
+                             f"is torch's ZeroRedundancyOptimizer, which has no rule for "
+                             f"tensor parallelism's DTensor shares; set shard_level to 2 or 3")
         if replicas % degree:
             raise UsageError(f"shard degree {degree} does not divide the plan's {replicas} "
                              f"data-parallel workers; use a divisor of {replicas}")

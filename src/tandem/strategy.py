@@ -239,10 +239,6 @@ def shard_options(given: Mapping[str, Any], workers: int, tensor: int = 1,
     if degree < 1:
         raise UsageError(f"{SHARD_FLAG} must be at least 1 (got {degree}); e.g. {SHARD_FLAG} "
                          f"{max(2, workers)}, or leave it out to shard nothing")
-    if tensor > 1 and degree != workers:
-        raise UsageError(f"{SHARD_FLAG} {degree} with {TENSOR_FLAG} {tensor} shards over all "
-                         f"{workers} replicas (hybrid sharding x tensor is not supported yet); "
-                         f"use {SHARD_FLAG} {workers}")
     if degree > workers or workers % degree:
         divisors = [d for d in range(2, workers + 1) if workers % d == 0] or [1]
         raise UsageError(f"{SHARD_FLAG} {degree} does not divide {nproc} {workers}: the workers "
@@ -253,9 +249,11 @@ def shard_options(given: Mapping[str, Any], workers: int, tensor: int = 1,
         raise UsageError(f"{SHARD_LEVEL_FLAG} {level} is not one of 1 (optimizer state), "
                          f"2 (+ gradients) or 3 (+ parameters)")
     if level == 1 and tensor > 1:
-        raise UsageError(f"{SHARD_LEVEL_FLAG} 1 shards the optimizer state over DDP's "
-                         f"replicas, which {TENSOR_FLAG} {tensor} does not use; use "
-                         f"{SHARD_LEVEL_FLAG} 2 or 3")
+        raise UsageError(f"{SHARD_LEVEL_FLAG} 1 is torch's ZeroRedundancyOptimizer, which "
+                         f"broadcasts plain tensors and has no rule for the DTensor shares of "
+                         f"{TENSOR_FLAG} {tensor}; use {SHARD_LEVEL_FLAG} 2 (FSDP2 shards the "
+                         f"optimizer state and gradients, and keeps the parameters whole "
+                         f"between forward and backward)")
     if level == 1 and SHARD_UNITS_FLAG in given:
         raise UsageError(f"{SHARD_UNITS_FLAG} picks the modules whose parameters are gathered "
                          f"together, which {SHARD_LEVEL_FLAG} 1 (the optimizer state only) does "
@@ -367,6 +365,7 @@ def _pipeline_plan(given: Mapping[str, Any], num_processes: int, num_blocks: int
                         in zip(even_bounds(num_blocks, num_stages), chosen)],
                 num_layers=num_blocks, num_devices=num_processes, schedule=schedule,
                 num_microbatches=count, schedule_text=text, tensor_degree=degree,
+                tensor_layers=parse_tensor_layers(given.get(TENSOR_LAYERS_FLAG)),
                 vertical_sync=bool(given.get("--vertical-sync")),
                 recompute=bool(given.get("--recompute")), compress=compress,
                 sharded=shard > 0, shard_degree=max(shard, 1), shard_level=level,

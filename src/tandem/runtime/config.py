@@ -344,3 +344,9 @@ def _check_init_fn(init_fn: str | None, model: str) -> None:
                          f"package.module:function); built-in model {model!r} is initialized "
                          f"by module name and always built in pieces where that helps; drop "
                          f"--init-fn")
+
+
+def slowdown(config: RunConfig, rank: int) -> float:
+    """How many times as long ``rank``'s compute takes under ``--straggler`` (1: as is)."""
+    straggler = config.straggler_factor()
+    return straggler[1] if straggler is not None and straggler[0] == rank else 1.0

@@ -67,8 +67,8 @@ class Job:
     def _check_tensor(self) -> None:
         """Tensor parallelism runs alone, with data parallelism (allreduce's plan) or in a
         pipeline whose every stage has the same replicas under a flush schedule, with an
-        elementwise optimizer, and takes clipping; alone or with data parallelism it also takes
-        fp16 and checkpoints (resume, stop, restart), which a pipeline x tensor layout does not
+        elementwise optimizer, and takes clipping and fp16; alone or with data parallelism it
+        also takes checkpoints (resume, stop, restart), which a pipeline x tensor layout does not
         yet: one line for each setting it would not honour."""
         plan, run = self.plan, self.run
         degree = plan.tensor_degree
@@ -94,13 +94,12 @@ class Job:
                              f"allreduce's data parallelism or a pipeline only")
         self._check_tensor_compress()
         piped = {
-            "--precision": run.precision if run.precision == "fp16" else None,
             "--resume": run.resume, "--stop-after": run.stop_after,
             "--checkpoint-every": run.checkpoint_every or None,
             "--max-restarts": run.max_restarts or None,
         }
         if plan.compress is not None:  # a codec's per-worker state is not checkpointed here
-            for flag, value in list(piped.items())[1:]:
+            for flag, value in piped.items():
                 if value is not None:
                     raise UsageError(f"{flag} {value} is not supported with --tensor-parallel "
                                      f"{degree} --compress {plan.compress.text} yet (the codec's "
@@ -113,17 +112,20 @@ class Job:
                                  f"it); drop {flag}, or run --strategy dp --tensor-parallel "
                                  f"{degree}")
         refused = {
-            "--optimizer": run.optimizer if run.optimizer in ("lars", "lamb") else None,
-            "--batch-schedule": run.batch_schedule if run.batch_schedule == AUTO else None,
-            "--straggler": run.straggler,
-            "--find-unused-parameters": True if run.find_unused_parameters else None,
+            "--batch-schedule": (run.batch_schedule if run.batch_schedule == AUTO else None,
+                                 "it follows the gradient noise scale, which tensor-parallel "
+                                 "workers do not measure (they share every batch); give the "
+                                 "schedule, e.g. --batch-schedule 64@0,128@200"),
+            "--find-unused-parameters": (True if run.find_unused_parameters else None,
+                                         "it is DDP's, and tensor-parallel workers sum their "
+                                         "gradients without DDP (a parameter the forward does "
+                                         "not use keeps no gradient)"),
         }
-        for flag, value in refused.items():
+        for flag, (value, why) in refused.items():
             if value is not None:
                 shown = "" if value is True else f" {value}"
-                raise UsageError(f"{flag}{shown} is not supported with --tensor-parallel "
-                                 f"{degree} yet (it runs sgd/adam/adamw, on batches fixed in "
-                                 f"advance); drop {flag}")
+                raise UsageError(f"{flag}{shown} does not apply with --tensor-parallel "
+                                 f"{degree}: {why}; drop {flag}")
 
     def _check_tensor_compress(self) -> None:
         """``--compress`` with tensor parallelism encodes the data dimension's gradients: it
@@ -263,10 +265,8 @@ class Job:
 
 def check_shard(plan: Plan, run: RunConfig) -> None:
     """Sharded data parallelism (``--shard S``) runs without compression, for now; at levels 2
-    and 3 (sharded gradients) also without what
-    needs each worker's whole gradient: fp16's loss scaler (an overflow seen in one shard
-    would skip the step there only), the noise scale and ``--find-unused-parameters``. One
-    line for each setting it would not honour."""
+    and 3 (sharded gradients) also without what needs each worker's whole gradient: the noise
+    scale and ``--find-unused-parameters``. One line for each setting it would not honour."""
     if run.offload is not None and run.clip_grad_norm is not None:
         raise UsageError(f"--clip-grad-norm {run.clip_grad_norm} is not supported with --offload "
                          f"{run.offload} yet: the norm of the offloaded gradients would be taken "
@@ -289,9 +289,6 @@ def check_shard(plan: Plan, run: RunConfig) -> None:
         level = (f"--shard-level {plan.shard_level} reduce-scatters each gradient as the "
                  f"backward makes it")
         refused.update({
-            "--precision": (run.precision if run.precision == "fp16" else None,
-                            f"{level}, so an overflow would skip the step on one shard only "
-                            f"(use bf16, or --shard-level 1)"),
             "--noise-every": (run.noise_every, f"{level}, and the noise scale needs each "
                               f"worker's whole gradient (--shard-level 1 measures it)"),
             "--batch-schedule": (run.batch_schedule if run.batch_schedule == AUTO else None,

@@ -132,17 +132,37 @@ def _split_layer(model: nn.Module, name: str, style: str, mesh: DeviceMesh,
 
 MESH_DIMS = ("data", "pipeline", "tensor")
 """The names of a layout mesh's dimensions, outermost first."""
+HYBRID_DIMS = ("replicate", "shard", "pipeline", "tensor")
+"""A hybrid-sharded layout mesh's dimensions (``data`` is its first two, flattened)."""
+
+
+def data_mesh(layout: DeviceMesh) -> DeviceMesh:
+    """The part of a layout mesh FSDP2 shards over: ``data``, or ``replicate x shard`` when the
+    layout is hybrid (:func:`layout_mesh` with ``shards``)."""
+    names = layout.mesh_dim_names or ()
+    return layout["replicate", "shard"] if "shard" in names else layout["data"]
 
 
 def layout_mesh(device_type: str, *, replicas: int, stages: int, degree: int,
-                worker_of: Callable[[int, int], int]) -> DeviceMesh:
+                worker_of: Callable[[int, int], int], shards: int | None = None) -> DeviceMesh:
     """The job's ``data x pipeline x tensor`` mesh (collective: every rank builds it): the
     worker of ``replica`` of ``stage`` is ``worker_of(stage, replica)`` (the schedule's
     numbering), and its ``degree`` tensor-parallel processes are ranks ``worker * degree`` to
-    ``worker * degree + degree - 1``."""
+    ``worker * degree + degree - 1``.
+
+    With ``shards`` below ``replicas`` (hybrid sharding), the replicas are groups of ``shards``
+    that shard the state among them and replicate it across the groups: the mesh is
+    ``replicate x shard x pipeline x tensor`` (replica ``r`` at ``(r // shards, r %
+    shards)``), its first two dimensions flattened into ``data``; FSDP2 takes
+    ``mesh["replicate", "shard"]``."""
     ranks = torch.tensor([[[worker_of(stage, replica) * degree + part for part in range(degree)]
                            for stage in range(stages)] for replica in range(replicas)])
-    return DeviceMesh(device_type, ranks, mesh_dim_names=MESH_DIMS)
+    if shards is None or shards >= replicas:
+        return DeviceMesh(device_type, ranks, mesh_dim_names=MESH_DIMS)
+    hybrid = ranks.reshape(replicas // shards, shards, stages, degree)
+    mesh = DeviceMesh(device_type, hybrid, mesh_dim_names=HYBRID_DIMS)
+    mesh["replicate", "shard"]._flatten("data")  # noqa: SLF001  (torch's way to name it)
+    return mesh
 
 
 def stage_plan(plan: TensorPlan, start: int, end: int) -> tuple[TensorPlan, list[str]]:

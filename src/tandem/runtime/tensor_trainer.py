@@ -36,6 +36,7 @@ from tandem.errors import UsageError
 from tandem.loss import evaluation
 from tandem.models.tensor import tensor_plan
 from tandem.runtime.base import BaseTrainer
+from tandem.runtime.config import slowdown
 from tandem.runtime.job import Job
 from tandem.runtime.data_step import DataParallelStep
 from tandem.runtime.dist import WorkerEnv
@@ -45,7 +46,7 @@ from tandem.runtime.precision import StagePrecision
 from tandem.runtime.export import ShardedFinal
 from tandem.runtime.tensor_checkpoint import TensorCheckpoints
 from tandem.runtime.tensor_parallel import (
-    MESH_DIMS, describe_shares, gathered_state_dict, layout_mesh, local_tensor, materialize_split,
+    MESH_DIMS, data_mesh, describe_shares, gathered_state_dict, layout_mesh, local_tensor, materialize_split,
     memory_report, parameter_bytes, split_model, split_parameters, sum_gradients,
 )
 from tandem.runtime.watchdog import Heartbeat
@@ -76,9 +77,10 @@ class TensorParallelTrainer(BaseTrainer):
                                        job.plan.tensor_layers)
         self.whole_bytes = parameter_bytes(model)
         num_parameters = sum(p.numel() for p in model.parameters())
-        self.replicas = job.plan.replicas[0]
+        self.replicas, shards = job.plan.replicas[0], job.plan.shard_degree
         layout = layout_mesh(env.device.type, replicas=self.replicas, stages=1, degree=degree,
-                             worker_of=lambda stage, replica: replica)
+                             worker_of=lambda stage, replica: replica,
+                             shards=shards if job.plan.sharded else None)
         self.mesh = layout["tensor"]
         self.data_group = layout["data"].get_group() if self.replicas > 1 else None
         self.data_rank = env.rank // degree
@@ -93,13 +95,15 @@ class TensorParallelTrainer(BaseTrainer):
             logger.info(f"tensor parallelism: {describe_shares(shares)}")
         split = split_parameters(model, self.tensor_plan)  # before FSDP shards every one
         if job.plan.sharded:
-            self._shard(model, layout["data"])
+            self._shard(model, data_mesh(layout))
         held = sum(parameter_bytes(model).values()) + sum(b.numel() * b.element_size()
                                                           for b in model.buffers())
         self.started: dict[str, Any] = {
-            "parameters": num_parameters, "mesh": dict(zip(MESH_DIMS, layout.shape)),
+            "parameters": num_parameters, "mesh": dict(zip(MESH_DIMS, (self.replicas, 1, degree))),
             "built_from_meta": from_meta, "held_model_bytes": held,
-            "head_shares": {name: list(values) for name, values in shares.items()}}
+            "head_shares": {name: list(values) for name, values in shares.items()},
+            "shard_mesh": ({"replicate": self.replicas // shards, "shard": shards}
+                           if job.plan.sharded else None)}
         """The summary's facts of the start: the attention attributes set to a worker's share of
         the heads (:func:`~tandem.runtime.tensor_parallel.share_heads`) among them."""
         self.codec = self._codec(model) if job.plan.compress is not None else None
@@ -123,7 +127,7 @@ class TensorParallelTrainer(BaseTrainer):
                                                  and (name in split or self.tensor_rank == 0)])
         TensorCheckpoints(self).restore()
         self.work = DataParallelStep(model, self.precision, self.task.loss, beat,
-                                     data_world=self.replicas)
+                                     data_world=self.replicas, slowdown=slowdown(config, env.rank))
         self.work.after_backwards = self._after_backwards
         self.executor = Executor(self.trace)
         self.program = compile_program(job.plan.build_schedule().workers[self.data_rank], {

@@ -23,7 +23,7 @@ from tandem.runtime.component import Components, StepEnd
 from tandem.runtime.checkpoint import (
     CHECKPOINT_VERSION, load_checkpoint, load_schedule, resume_path, save_atomic,
 )
-from tandem.runtime.config import RunConfig
+from tandem.runtime.config import RunConfig, slowdown
 from tandem.runtime.job import Job
 from tandem.runtime.data_step import DataParallelStep, apply_update, noise_measure
 from tandem.runtime.dist import WorkerEnv
@@ -76,8 +76,7 @@ class Trainer(BaseTrainer):
         self.data_rank, self.data_world = self._data_position()
         self.divergence.where = f"worker {self.data_rank} (rank {env.rank})"
         self.strategy: SyncStrategy = build_strategy(job, self.data_rank, self.data_world)
-        straggler = config.straggler_factor()
-        self.slowdown = straggler[1] if straggler and straggler[0] == env.rank else 1.0
+        self.slowdown = slowdown(config, env.rank)
         self.stopped = False
         sync = self.plan.sync
         self.updates_per_step = (sync.updates_per_step(self.data_world)

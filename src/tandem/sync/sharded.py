@@ -163,6 +163,7 @@ class UnitSharder:
                  param_dtype: torch.dtype | None, offload: bool = False) -> None:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
+        check_scalars(model)
         self.model, self.mesh, self.reshard = model, mesh, level == 3
         half = param_dtype
         inner = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
@@ -183,6 +184,16 @@ class UnitSharder:
         fully_shard(module, mesh=self.mesh, reshard_after_forward=self.reshard,
                     mp_policy=self.policies[name] if name else self.root,
                     offload_policy=self.where)
+
+
+def check_scalars(model: nn.Module) -> None:
+    """One line for a parameter with no dimension (a learned temperature, say), which
+    ``fully_shard`` cannot cut into shards."""
+    scalar = next((name for name, param in model.named_parameters() if param.dim() == 0), None)
+    if scalar is not None:
+        raise UsageError(f"parameter {scalar} is a scalar (shape ()), which FSDP2 cannot shard; "
+                         f"make it a 1-element tensor (shape (1,)) in the model, or use "
+                         f"--shard-level 1 (which shards the optimizer state only)")
 
 
 def shard_mesh(device: torch.device, degree: int) -> Any:
