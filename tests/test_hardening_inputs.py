@@ -247,3 +247,18 @@ def test_a_writable_output_leaves_no_trace_of_the_check(capsys: pytest.CaptureFi
                            "10Gb/s", "-o", str(target))
     assert code == 0, err
     assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]
+
+
+@pytest.mark.pure
+def test_the_size_check_counts_a_sharded_workers_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``make_job`` (``tandem.fit``'s path) checks a model against one worker's share: 1 GiB to
+    train whole is refused in 512 MiB, a quarter of it with ``--shard 4`` is not (its structure
+    read on the meta device)."""
+    from tandem.runtime.run import make_job
+
+    monkeypatch.setattr(preflight, "available_memory_bytes", lambda: 2**29)
+    settings = {"model": "mlp:hidden=8192,layers=3", "nproc": 4}
+    with pytest.raises(UsageError, match=r"needs about 1\.0 GiB of memory"):
+        make_job("dp", {}, **settings)
+    job = make_job("dp", {"--shard": 4}, **settings)
+    assert job.plan.sharded and job.plan.shard_degree == 4

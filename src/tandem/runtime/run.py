@@ -15,6 +15,7 @@ from typing import Any
 from tandem.errors import PlanWarning, UsageError
 from tandem.runtime.config import RunConfig, resolve_batch_size
 from tandem.runtime.job import Job, sketch_job
+from tandem.plan import Plan
 from tandem.runtime.faults import check_fault
 from tandem.runtime.launcher_env import under_launcher, world_size
 from tandem.spec.codec import check_codec
@@ -67,6 +68,16 @@ def check_flags(job: Job, *, batches: bool = True) -> None:
                 two_colouring(graph)
 
 
+def model_shares(plan: Plan) -> int:
+    """Into how many pieces a worker's model is cut, which its workers build one at a time
+    (sharded levels 2 and 3, tensor parallelism; 1 in a pipeline, whose stages hold whole
+    blocks)."""
+    if plan.pipelined:
+        return 1
+    return plan.tensor_degree * (plan.shard_degree if plan.sharded and plan.shard_level > 1
+                                 else 1)
+
+
 def check_job(job: Job) -> None:
     """Catch the user's mistakes before any worker starts (one :class:`UsageError`); warn once
     if the local workers will share this machine's cores (:mod:`tandem.runtime.preflight`)."""
@@ -74,8 +85,7 @@ def check_job(job: Job) -> None:
 
     run, plan = job.run, job.plan
     check_flags(job)
-    shares = 1 if plan.pipelined else plan.tensor_degree * (
-        plan.shard_degree if plan.sharded and plan.shard_level > 1 else 1)
+    shares = model_shares(plan)
     data, model = preflight.build_checked(run, job.objects, shares=shares, meta=shares > 1)
     if plan.tensor_degree > 1:
         from tandem.models.tensor import tensor_plan  # delays torch
@@ -144,13 +154,15 @@ def make_job(strategy: str = "dp", flags: Mapping[str, Any] | None = None, *,
     ``objects`` the user's own model, data and loss (:class:`tandem.runtime.task.UserObjects`).
     The flags are checked (:func:`sketch_job`) before torch is imported and the model built."""
     run = RunConfig(**resolve_batch_size(settings))
-    sketch_job(strategy, flags or {}, run, objects)
+    sketch = sketch_job(strategy, flags or {}, run, objects)
     from torch import nn  # delays torch
 
     from tandem.runtime.preflight import build_checked  # delays torch
 
     pipelined = strategy in STRATEGIES and STRATEGIES[strategy].pipelined
-    data, model = build_checked(run, objects, meta=not pipelined)  # check_job builds it again
+    # check_job builds it again; a sharded or split model is checked against a worker's share
+    data, model = build_checked(run, objects, shares=model_shares(sketch.plan),
+                                meta=not pipelined)
     if isinstance(model, nn.Sequential) or not pipelined:
         blocks = len(model) if isinstance(model, nn.Sequential) else None
         plan = plan_from_flags(strategy, flags or {}, num_processes=run.nproc, num_blocks=blocks)
