@@ -171,3 +171,28 @@ def test_an_untraceable_model_is_one_line_naming_the_operation() -> None:
     assert "\n" not in message
     assert "split_models.py" in message and "`if h.sum() > 0:`" in message
     assert "nn.Sequential" in message
+
+
+def test_leaves_are_called_as_the_models_own_modules() -> None:
+    """A leaf's stretch of the trace becomes one call of the model's module (so a tensor split
+    of it takes effect in the block); the blocks still compute the model, gradients alike."""
+    make, inputs = MODELS["gpt2"]
+    torch.manual_seed(0)
+    model = make()
+    leaves = ["transformer.h.0.attn.c_attn", "transformer.h.1.mlp.c_proj"]
+    split = split_model(model, inputs(2), leaves=leaves)
+    for name in leaves:
+        block = split[split.leaves[name]]
+        assert block.leaf_names == (name,) and f".{name.rpartition('.')[2]}(" in block.code
+        assert block.get_submodule(name) is model.get_submodule(name)
+    x = inputs(3)
+    assert (split(x).logits - model(x).logits).abs().max() == 0
+
+
+def test_a_module_that_cannot_be_called_alone_is_one_line() -> None:
+    make, inputs = MODELS["tied_lm"]
+    model = make()  # the model's own code runs between its layers
+    with pytest.raises(UsageError) as raised:
+        split_model(model, inputs(2), leaves=["layers"])
+    message = str(raised.value)
+    assert "module 'layers' runs more than once" in message and "tensor layers" in message and "\n" not in message

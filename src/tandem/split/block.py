@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import linecache
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ from torch.fx import _pytree as fx_pytree
 from torch.utils import _pytree as pytree
 
 from tandem.split.graph import GraphInfo, alias_root, written
+from tandem.split.leaf import LeafCall
 from tandem.split.spec import symbolic_dim
 from tandem.split.trace import call_args
 
@@ -35,6 +36,8 @@ class Piece:
     inputs: list[fx.Node]
     outputs: list[fx.Node] | None
     """None for the last block: the model's outputs."""
+    calls: Mapping[int, LeafCall] = dataclasses.field(default_factory=dict)
+    """Stretches run as one call of a module (:mod:`tandem.split.leaf`), by first position."""
 
 
 def piece_graph(piece: Piece, attribute: Callable[[fx.Node], str]) -> fx.Graph:
@@ -62,8 +65,17 @@ def piece_graph(piece: Piece, attribute: Callable[[fx.Node], str]) -> fx.Graph:
         env[node] = _size(node, graph, env, piece, lookup)
         return env[node]
 
-    for node in info.nodes[piece.start:piece.end]:
-        env[node] = graph.node_copy(node, lookup)
+    position = piece.start
+    while position < piece.end:
+        call = piece.calls.get(position)
+        if call is None:
+            node = info.nodes[position]
+            env[node] = graph.node_copy(node, lookup)
+            position += 1
+            continue
+        env[call.output] = graph.call_module(call.name, (lookup(call.input),))
+        env[call.output].meta = dict(call.output.meta)
+        position = call.end
     if piece.outputs is not None:
         graph.output(tuple(lookup(value) for value in piece.outputs))
     else:
@@ -123,6 +135,9 @@ class BlockCode:
 
 class Block(nn.Module):
     """One block of a model split by :func:`tandem.split.split_model`."""
+
+    leaf_names: tuple[str, ...] = ()
+    """The modules it calls as modules (:mod:`tandem.split.leaf`), in the model's order."""
 
     def __init__(self, code: BlockCode) -> None:
         super().__init__()

@@ -21,6 +21,7 @@ from torch import fx, nn
 from tandem.errors import UsageError
 from tandem.split.block import Block, BlockCode, Piece, attach, compile_graph, piece_graph
 from tandem.split.graph import GraphInfo, analyse
+from tandem.split.leaf import LeafCall, leaf_calls
 from tandem.split.spec import TensorSpec, symbolic_dim
 from tandem.split.trace import Traced, trace
 
@@ -38,6 +39,9 @@ class SplitModel(nn.Sequential):
     weights have several)."""
     state_order: tuple[str, ...] = ()
     """The model's ``state_dict`` keys, in its order."""
+    leaves: dict[str, int] = {}  # noqa: RUF012 - replaced per instance
+    """A module the blocks call as a module (:mod:`tandem.split.leaf`) -> the block that
+    does."""
 
     def model_names(self, name: str) -> tuple[str, ...]:
         """The model's names of the tensor a block calls ``name``."""
@@ -65,11 +69,14 @@ class Anchor:
 
 
 def split_model(model: nn.Module, inputs: Any, *, split_points: Sequence[str] | None = None,
-                max_blocks: int = MAX_BLOCKS, what: str = "the model") -> SplitModel:
+                max_blocks: int = MAX_BLOCKS, what: str = "the model",
+                leaves: Sequence[str] = ()) -> SplitModel:
     """``model`` as a :class:`SplitModel` (``inputs``: an example call, batch in dim 0, at
-    least 2 samples); cuts before the modules ``split_points`` if given, else automatic."""
+    least 2 samples); cuts before the modules ``split_points`` if given, else automatic; the
+    submodules ``leaves`` called as modules (:mod:`tandem.split.leaf`)."""
     traced = trace(model, inputs, what=what)
     infos = {mode: analyse(gm, model) for mode, gm in traced.graphs.items()}
+    calls = {mode: leaf_calls(info, leaves) for mode, info in infos.items()}
     anchors = (user_anchors(model, split_points) if split_points
                else auto_anchors(infos[True], max_blocks))
     anchors.sort(key=lambda anchor: locate(infos[True], anchor) or 0)
@@ -77,12 +84,14 @@ def split_model(model: nn.Module, inputs: Any, *, split_points: Sequence[str] | 
     _check_modes(infos, cuts, anchors)
     depth = max((len(a.unit) if a.depth is None else a.depth for a in anchors), default=1)
     names = _state_names(model)
-    blocks = [_block(traced, infos, cuts, index, depth, model, names)
+    blocks = [_block(traced, infos, cuts, index, depth, model, names, calls)
               for index in range(len(anchors) + 1)]
     _keep_unused(model, blocks[-1], blocks)
     split = SplitModel(*blocks)
     split.aliases = {group[0]: tuple(group) for group in names.values() if len(group) > 1}
     split.state_order = tuple(model.state_dict())
+    split.leaves = {name: index for index, block in enumerate(blocks)
+                    for name in block.leaf_names}
     split.train(model.training)
     split.boundaries = _boundaries(split, infos[True], cuts[True], inputs)
     return split
@@ -179,12 +188,15 @@ def _state_names(model: nn.Module) -> dict[int, list[str]]:
 
 
 def _block(traced: Traced, infos: dict[bool, GraphInfo], cuts: dict[bool, list[Any]],
-           index: int, depth: int, model: nn.Module, names: dict[int, list[str]]) -> Block:
-    """Block ``index``: its graphs in both modes, compiled, with the state they use."""
+           index: int, depth: int, model: nn.Module, names: dict[int, list[str]],
+           calls: dict[bool, dict[int, LeafCall]]) -> Block:
+    """Block ``index``: its graphs in both modes, compiled, with the modules it calls and the
+    state its graphs use."""
     persistent = {name for group in names.values() for name in group} & \
         set(model.state_dict(keep_vars=True))
     block_state: dict[str, Any] = {}
     functions, sources = {}, {}
+    leaves: dict[str, None] = {}
     label = ""
     for mode, info in infos.items():
         bounds = [0, *cuts[mode], len(info.nodes)]
@@ -192,7 +204,9 @@ def _block(traced: Traced, infos: dict[bool, GraphInfo], cuts: dict[bool, list[A
         last = index == len(bounds) - 2
         piece = Piece(info=info, start=start, end=end,
                       inputs=info.placeholders if index == 0 else info.crossing(start),
-                      outputs=None if last else info.crossing(end))
+                      outputs=None if last else info.crossing(end),
+                      calls={p: call for p, call in calls[mode].items() if start <= p < end})
+        leaves.update(dict.fromkeys(call.name for call in piece.calls.values()))
         gm = traced.graphs[mode]
 
         def attribute(node: fx.Node, gm: fx.GraphModule = gm, mode: bool = mode) -> str:
@@ -213,6 +227,10 @@ def _block(traced: Traced, infos: dict[bool, GraphInfo], cuts: dict[bool, list[A
                      in_spec=traced.in_spec if index == 0 else None,
                      out_spec=traced.out_spec if index == len(cuts[True]) else None)
     block = Block(code)
+    order = {name: position for position, (name, _) in enumerate(model.named_modules())}
+    block.leaf_names = tuple(sorted(leaves, key=order.__getitem__))
+    for name in block.leaf_names:
+        attach(block, name, model.get_submodule(name))
     for name, value in block_state.items():
         attach(block, name, value, persistent=name in persistent)
     return block
