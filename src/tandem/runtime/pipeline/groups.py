@@ -6,7 +6,6 @@ from __future__ import annotations
 from torch import nn
 import torch.distributed as dist
 
-from tandem.errors import UsageError
 from tandem.runtime.dist import new_group
 from tandem.runtime.pipeline.layout import PipelineLayout
 from tandem.runtime.pipeline.setup import shared_parameters
@@ -33,28 +32,27 @@ def point_to_point_links(schedule: Schedule, *, rank: int, tensor_degree: int,
 
 def tied_groups(blocks: nn.Sequential, layout: PipelineLayout, schedule: Schedule, *,
                 stage: int, worker: int, tensor_degree: int, timeout_s: float,
-                sharded: bool = False) -> list[Tie]:
+                sharded: bool = False, tensor_rank: int = 0) -> list[Tie]:
     """A process group of the workers of each set of stages that share parameters (every
     rank creates every group), and ``stage``'s share of them (``worker``'s groups). Sharded
     stages have a group per replica: the tied stages' workers at that replica, which hold the
     same shard of the tied tensors, each its whole batch's gradient after its stage's
-    reduce-scatter."""
+    reduce-scatter. With tensor parallelism each group is one per tensor position (this
+    process's at ``tensor_rank``): a tied parameter is never split (a tensor plan refuses
+    one), so every position holds it whole, with the same gradient."""
     ties = []
     shared = shared_parameters(blocks, layout.bounds)
-    if shared and tensor_degree > 1:
-        raise UsageError(f"stages {', '.join('-'.join(map(str, s)) for s in shared)} share "
-                         f"parameters (tied weights), which pipeline x tensor layouts do not "
-                         f"keep equal yet; drop --tensor-parallel or put those blocks in one "
-                         f"stage")
     for stages, params in shared.items():
         rows = ([[schedule.worker_of(s, replica) for s in stages]
                  for replica in range(layout.replicas[stages[0]])] if sharded else
                 [[schedule.worker_of(s, replica) for s in stages
                   for replica in range(layout.replicas[s])]])
-        for ranks in rows:
-            group = new_group(sorted(ranks), timeout_s=timeout_s)
-            if worker in ranks:
-                scale = 1.0 if sharded else 1.0 / layout.replicas[stage]
-                ties.append(Tie(group=group, stages=stages, params=params,
-                                num_workers=len(ranks), scale=scale))
+        for workers in rows:
+            for part in range(tensor_degree):
+                ranks = sorted(w * tensor_degree + part for w in workers)
+                group = new_group(ranks, timeout_s=timeout_s)
+                if worker in workers and part == tensor_rank:
+                    scale = 1.0 if sharded else 1.0 / layout.replicas[stage]
+                    ties.append(Tie(group=group, stages=stages, params=params,
+                                    num_workers=len(ranks), scale=scale))
     return ties

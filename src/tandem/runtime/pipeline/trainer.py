@@ -121,7 +121,7 @@ class PipelineTrainer(BaseTrainer):
                                      timeout_s=config.timeout_s)
         ties = tied_groups(blocks, self.layout, self.schedule, stage=stage, worker=worker,
                            tensor_degree=degree, timeout_s=config.timeout_s,
-                           sharded=job.plan.sharded)
+                           sharded=job.plan.sharded, tensor_rank=tensor_rank)
         split = split_parameters(self.module, self.split.plan) if self.split else {}
         self.shards = StageShards(self.module, mesh, level=job.plan.shard_level,
                                   ties=ties) if mesh is not None and job.plan.sharded else None
