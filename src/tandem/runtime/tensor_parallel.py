@@ -200,23 +200,38 @@ def stage_plan(plan: TensorPlan, start: int, end: int) -> tuple[TensorPlan, list
 
 def dtensor_styles(model: nn.Module, plan: TensorPlan) -> dict[str, ParallelStyle]:
     """DTensor's style for each linear layer of ``plan``, paired in the model's module order
-    (:mod:`tandem.models.tensor`): a ``colwise`` layer before a ``rowwise`` one hands it its
-    share; one with no ``rowwise`` after it gathers its whole output; a ``rowwise`` layer with
-    no ``colwise`` before it takes its share of a whole input."""
+    (:func:`share_sides`): a ``colwise`` layer before a ``rowwise`` one hands it its share; one
+    with no ``rowwise`` after it gathers its whole output; a ``rowwise`` layer with no
+    ``colwise`` before it takes its share of a whole input."""
+    ordered = {name: plan[name] for name, _ in model.named_modules() if name in plan}
+    sides = share_sides(ordered)
     styles: dict[str, ParallelStyle] = {}
-    feeding: list[str] = []
-    for name, _ in model.named_modules():
-        style = plan.get(name)
+    for name, style in ordered.items():
         if style in ("colwise", "heads"):
-            styles[name] = Colwise()
+            styles[name] = Colwise() if name in sides else Colwise(output_layouts=Replicate())
+        elif style == "rowwise":
+            styles[name] = Rowwise() if name in sides else Rowwise(input_layouts=Replicate())
+    return styles
+
+
+def share_sides(ordered: TensorPlan) -> dict[str, str]:
+    """The linear layers of ``ordered`` (a plan in the order its layers run) that hand a share
+    on or take one: ``"output"`` for a ``colwise`` or ``heads`` layer with a ``rowwise`` layer
+    after it (before the next ``colwise``/``heads`` run ends), ``"input"`` for that ``rowwise``
+    layer. The others (lone) compute what the whole layer does."""
+    sides: dict[str, str] = {}
+    feeding: list[str] = []
+    for name, style in ordered.items():
+        if style in ("colwise", "heads"):
             feeding.append(name)
         elif style == "rowwise":
-            styles[name] = Rowwise() if feeding else Rowwise(input_layouts=Replicate())
+            sides.update(dict.fromkeys(feeding, "output"))
+            if feeding:
+                sides[name] = "input"
             feeding = []
     for name in feeding:
-        assert plan[name] == "colwise", f"heads layer {name} has no rowwise layer after it"
-        styles[name] = Colwise(output_layouts=Replicate())
-    return styles
+        assert ordered[name] == "colwise", f"heads layer {name} has no rowwise layer after it"
+    return sides
 
 
 class Colwise(ColwiseParallel):

@@ -38,16 +38,18 @@ def example_inputs(samples: Any) -> Any:
 
 
 def pipeline_blocks(model: nn.Module, example: Any, *, what: str,
-                    split_points: str | None = None) -> nn.Sequential:
+                    split_points: str | None = None,
+                    leaves: list[str] | None = None) -> nn.Sequential:
     """``model`` itself if it is an ``nn.Sequential``, else its split: before the submodules
-    named in ``split_points`` (comma-separated), or automatic."""
+    named in ``split_points`` (comma-separated), or automatic; ``leaves``: the submodules its
+    blocks call as modules (:mod:`tandem.split.leaf`)."""
     names = parse_split_points(split_points)
     if isinstance(model, nn.Sequential):
         if names:
             raise UsageError(f"--split-points {split_points} is for models that are not an "
                              f"nn.Sequential; {what} is one, and its blocks are its layers")
         return model
-    return split_model(model, example, what=what, split_points=names)
+    return split_model(model, example, what=what, split_points=names, leaves=leaves or ())
 
 
 def parse_split_points(text: str | None) -> list[str] | None:

@@ -60,11 +60,11 @@ from tandem.runtime.pipeline.engine import (
     ComputeSpec, LinkSpec, StageEngine, StageShapes, Tie, UpdateSpec,
 )
 from tandem.runtime.pipeline.setup import (
-    boundary_specs, example_inputs, model_names, pipeline_blocks, pipeline_setup,
+    boundary_specs, example_inputs, model_names, pipeline_setup,
 )
 from tandem.runtime.pipeline.wire import Wire
 from tandem.runtime.pipeline.sharding import StageShards
-from tandem.runtime.pipeline.tensor_split import StageSplit, split_stage
+from tandem.runtime.pipeline.tensor_split import StageSplit, split_stage, tensor_blocks
 from tandem.runtime.precision import StagePrecision
 from tandem.runtime.tensor_parallel import layout_mesh, local_tensor, split_parameters
 from tandem.schedule import Kind
@@ -88,8 +88,7 @@ class PipelineTrainer(BaseTrainer):
         if not isinstance(model, nn.Sequential):  # traced where it runs (a trace fixes devices)
             model.to(env.device)
             example = example_inputs(self.feed.train)
-        blocks = pipeline_blocks(model, example, what=f"model {config.model!r}",
-                                 split_points=config.split_points)
+        blocks = tensor_blocks(job, model, example, what=f"model {config.model!r}")
         path = resume_path(config.resume, self.out)
         checkpoint = self._load_checkpoint(path) if path is not None else None
         announce_resume(env.rank, path, checkpoint["step"] if checkpoint is not None else None)
