@@ -12,9 +12,11 @@ it with FSDP2 over the ``data`` dimension of the job's mesh, alone (2-D, 4 worke
 and end with one process's parameters and buffers (``final.pt``, the model's own names and
 shapes) and test score: gpt at both, level 2 under GPipe with an evaluation mid-run, mlp in 3-D
 and a Hugging Face GPT-2 (built from a config, split by tracing, its input embedding on stage 0
-tied to its output layer on stage 1) in 2-D; GPT-2 cannot be 3-D (a pipeline x tensor layout
-needs an ``nn.Sequential``). Each gpt worker holds exactly its stage's split layers over
-``D * T`` and the rest over ``D``. Clipping counts every shard and tensor share once. What the
+tied to its output layer on stage 1) at both: in 3-D its ``Conv1D`` layers split by
+``--tensor-layers`` are traced as a worker's share computes and called as modules by its
+blocks (:mod:`tandem.runtime.pipeline.tensor_split`), and the tie is summed at each tensor
+position. Each gpt worker holds exactly its stage's split layers over ``D * T`` and the rest
+over ``D``. Clipping counts every shard and tensor share once. What the
 sharded pipeline does not take is one line.
 """
 
@@ -34,6 +36,7 @@ from tandem.runtime.job import Job, sketch_job
 from tandem.strategy import plan_from_flags
 
 from tests.conftest import SharedRun, run_here
+from tests.hf_models import TENSOR_LAYERS
 from tests.hf_models import TRAIN as HF
 from tests.test_sharded import GPT, MLP
 
@@ -44,6 +47,7 @@ LEVEL_2 = (*TWO_D, "--shard-level", "2", "--schedule", "gpipe", "--eval-every", 
 CASES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "gpt 2-D": (GPT, TWO_D), "gpt 3-D": (GPT, THREE_D), "gpt 2-D level 2 gpipe": (GPT, LEVEL_2),
     "mlp 3-D": (MLP, THREE_D), "gpt2 2-D": (HF, TWO_D),
+    "gpt2 3-D": (HF, (*THREE_D, "--tensor-layers", TENSOR_LAYERS)),
 }
 """name: (model and steps, layout)."""
 GPT_SPLIT = (".attention.qkv.weight", ".attention.qkv.bias", ".attention.proj.weight",
@@ -75,7 +79,7 @@ def test_sharded_pipelines_equal_one_process(shared_run: SharedRun, name: str) -
     assert summary["test_accuracy"] == alone["test_accuracy"]
     if model is HF:  # the tie across the stages holds, shard by shard
         ties = [tie for worker in summary["workers"] for tie in worker["shared_parameters"]]
-        assert len(ties) == 4 and all(tie["max_abs_diff"] == 0 for tie in ties)
+        assert len(ties) == 4 * tensor and all(tie["max_abs_diff"] == 0 for tie in ties)
 
 
 @pytest.mark.multiprocess
