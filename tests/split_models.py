@@ -144,3 +144,27 @@ class Repeated(nn.Module):
 def unbalanced(info: DataInfo) -> nn.Module:
     """:class:`Unbalanced` for the data's inputs."""
     return Unbalanced(math.prod(info.input_shape), info.num_classes)
+
+
+class Residual(nn.Module):
+    """``x + relu(bn(linear(x)))`` with an in-place ReLU: a skip connection inside a block."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.bn = nn.BatchNorm1d(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu_(self.bn(self.linear(x)))
+
+
+def tied_blocks(info: DataInfo) -> nn.Module:
+    """An ``nn.Sequential`` of blocks with skip connections, BatchNorm and in-place ReLUs, the
+    first residual block's layer tied to the last hidden layer (two stages apart)."""
+    features = 1
+    for size in info.input_shape:
+        features *= size
+    first, last = Residual(32), nn.Linear(32, 32)
+    last.weight = first.linear.weight
+    return nn.Sequential(nn.Flatten(), nn.Linear(features, 32), first, Residual(32), last,
+                         nn.Linear(32, info.num_classes))

@@ -71,3 +71,24 @@ def test_profile_takes_a_data_function(capsys: pytest.CaptureFixture[str]) -> No
     assert code == 0, err
     profile = json.loads(out)
     assert profile["batch_size"] == 8 and profile["layers"][-1]["name"].endswith("head")
+
+
+@pytest.mark.multiprocess
+def test_a_users_sequential_with_init_fn_is_built_a_stage_at_a_time(tmp_path: Path) -> None:
+    """``--init-fn reset``: each worker builds every block in turn on the meta device's shapes
+    and frees another stage's as soon as it is complete, keeping the tied weight its stage
+    shares; the pipeline ends as one process that built the model whole (1.2e-7 here), and
+    each worker holds only its stage's blocks and the tie (13,064 and 10,288 bytes of the
+    model's 19,256)."""
+    user = ("--model", "tests.split_models:tied_blocks", "--init-fn", "reset", "--steps", "6",
+            "--batch-size", "32", "--lr", "0.05", "--momentum", "0.9", "--seed", "3")
+    run_json("train", *user, "--nproc", "1", "--accumulate", "2", "--out", str(tmp_path / "one"))
+    summary = run_json("train", *user, "--strategy", "pipeline", "--nproc", "2",
+                       "--out", str(tmp_path / "pipeline"))
+    assert max_abs_diff(tmp_path / "one" / "final.pt", tmp_path / "pipeline" / "final.pt") <= 1e-5
+    whole = sum(t.numel() * t.element_size()
+                for t in torch.load(tmp_path / "one" / "final.pt").values()) - 4 * 32 * 32
+    held = [worker["held_model_bytes"] for worker in summary["workers"]]
+    assert all(amount < 0.7 * whole for amount in held), (held, whole)
+    assert [worker["shared_parameters"][0]["max_abs_diff"] for worker in summary["workers"]] \
+        == [0.0, 0.0]

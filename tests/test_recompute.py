@@ -13,6 +13,7 @@ from tandem.models import build_model
 from tandem.plan import Plan, Stage
 from tandem.runtime.config import RunConfig
 from tandem.runtime.job import Job
+from tandem.models.pieces import Initializer
 from tandem.runtime.pipeline.materialize import materialize, on_meta
 
 from tests.conftest import SharedRun, max_abs_diff, run_here
@@ -119,7 +120,7 @@ def test_a_stage_materialized_from_meta_equals_the_whole_model_slice(spec: str) 
     whole = build_model(spec, data.info, seed=7)
     meta = build_model(spec, data.info, seed=7, device="meta")
     start, end = 1, 3
-    stage = materialize(list(meta)[start:end], start, 7, torch.device("cpu"))
+    stage = materialize(meta, start, end, Initializer(seed=7, by_name=True), torch.device("cpu"))
     assert not on_meta(stage)
     for index, block in enumerate(meta):  # the other blocks were never allocated
         assert on_meta(block) == (not start <= index < end)

@@ -143,7 +143,7 @@ def _shared(owners: list[tuple[str, nn.Module]]) -> list[int]:
     """The ids of the tensors that more than one of ``owners`` holds (tied weights)."""
     seen: dict[int, int] = {}
     for _, module in owners:
-        for tensors in _own_state(module):
+        for tensors in own_state(module):
             for tensor in tensors.values():
                 if tensor is not None:
                     seen[id(tensor)] = seen.get(id(tensor), 0) + 1
@@ -168,7 +168,7 @@ def _materialize_module(name: str, module: nn.Module, init: Initializer, device:
     ``made`` maps each tied meta tensor to its new tensor once it has one."""
     tied: dict[str, torch.Tensor] = {}
     originals: dict[str, torch.Tensor] = {}
-    for tensors in _own_state(module):
+    for tensors in own_state(module):
         for key, tensor in tensors.items():
             if tensor is None or not tensor.is_meta:
                 continue
@@ -184,7 +184,7 @@ def _materialize_module(name: str, module: nn.Module, init: Initializer, device:
         return 0
     init(name, module)
     added = 0
-    for tensors in _own_state(module):
+    for tensors in own_state(module):
         for key in [k for k in tensors if k in originals]:
             value = tensors[key]
             if _still_unset(value):
@@ -227,7 +227,7 @@ def _still_unset(tensor: torch.Tensor) -> bool:
     return bool((tensor == torch.iinfo(tensor.dtype).min).any())
 
 
-def _own_state(module: nn.Module) -> list[dict[str, Any]]:
+def own_state(module: nn.Module) -> list[dict[str, Any]]:
     """``module``'s own parameters and buffers, by name (not its children's)."""
     return [module._parameters, module._buffers]  # noqa: SLF001 - own state only
 

@@ -17,8 +17,10 @@ worker adds its tensor shares and shards once (see
 
 A built-in model (``--model mlp``, ``gpt``, ...) is built on the meta device and each worker
 materializes only its stage's blocks, initialized by name as the whole model would be (see
-``materialize.py``); a user's own model (an ``nn.Module`` or builder given to the API or by
-``--model package.module:function``) is built whole on every worker, then sliced.
+``materialize.py``); so is a user's ``nn.Sequential`` builder with ``--init-fn`` (every block
+built in turn, another stage's freed as soon as it is complete). Any other user's model (an
+``nn.Module``, a builder without ``--init-fn``, a model split by tracing) is built whole on
+every worker, then sliced.
 
 Checkpoints hold the whole model's state and the optimizer's by parameter name (see
 ``checkpoint.py``), so a run resumes on any layout. A flush schedule is saved between steps; an
@@ -51,6 +53,7 @@ from tandem.runtime.pipeline.checkpoint import (
 )
 from tandem.runtime.asynchrony import restore_momentum
 from tandem.runtime.pipeline.layout import StagePlace
+from tandem.models.pieces import materialize as build_in_pieces, on_meta
 from tandem.runtime.pipeline.materialize import materialize
 from tandem.runtime.pipeline.microbatch import StageBatches
 from tandem.runtime.pipeline.report import evaluate_stage, stage_summary, whole_state_dict
@@ -81,11 +84,13 @@ class PipelineTrainer(BaseTrainer):
         super().__init__(job, env, beat)
         config = job.run
         torch.manual_seed(config.seed)
-        init = self.task.initializer()  # a built-in model: shapes only, see materialize
-        model = self.task.build_model(meta=init is not None and init.by_name)
+        init = self.task.initializer()  # shapes only, each stage builds its blocks: materialize
+        model = self.task.build_model(meta=init is not None)
         self.loss_log.terms_per_sample = 1
         example = example_inputs(self.feed.data.train)
         if not isinstance(model, nn.Sequential):  # traced where it runs (a trace fixes devices)
+            if init is not None and on_meta(model):  # a traced model is built whole
+                build_in_pieces(model, init, torch.device("cpu"))
             model.to(env.device)
             example = example_inputs(self.feed.train)
         blocks = tensor_blocks(job, model, example, what=f"model {config.model!r}")
@@ -105,7 +110,7 @@ class PipelineTrainer(BaseTrainer):
         self.divergence.where = f"stage {stage}{replica_text}{part} (rank {env.rank})"
         start, end = self.layout.bounds[stage]
         boundaries = boundary_specs(blocks, example)
-        self.module = materialize(list(blocks)[start:end], start, config.seed, env.device)
+        self.module = materialize(blocks, start, end, init, env.device)
         self.names = model_names(blocks, start)
         mesh = self._layout_mesh()
         self.split: StageSplit | None = split_stage(
