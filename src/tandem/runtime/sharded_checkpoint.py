@@ -100,9 +100,7 @@ def load_sharded(folder: Path, model: nn.Module, optimizer: torch.optim.Optimize
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.checkpoint.state_dict_loader import load
 
-    if not folder.is_dir():
-        raise UsageError(f"the checkpoint's sharded state {folder} is missing; resume from the "
-                         f"run directory as it was written, or start afresh without --resume")
+    existing_folder(folder)
     if _is_zero(optimizer):  # the model's and the optimizer's own tensors, loaded in place
         load({"model": model.state_dict(), "optimizer": zero_state(model, optimizer)},
              checkpoint_id=str(folder))
@@ -111,6 +109,14 @@ def load_sharded(folder: Path, model: nn.Module, optimizer: torch.optim.Optimize
     load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(folder))
     set_state_dict(model, optimizer, model_state_dict=model_state,
                    optim_state_dict=optimizer_state)  # loaded in place
+
+
+def existing_folder(folder: Path) -> Path:
+    """``folder``, a checkpoint's sharded state, if it is there; else one line."""
+    if not folder.is_dir():
+        raise UsageError(f"the checkpoint's sharded state {folder} is missing; resume from the "
+                         f"run directory as it was written, or start afresh without --resume")
+    return folder
 
 
 def held_state(strategy: SyncStrategy, out: Path, step: int, model: nn.Module,

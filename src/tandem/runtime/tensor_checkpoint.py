@@ -22,16 +22,19 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from tandem.errors import UsageError
-from tandem.models.tensor import output_dim
+from tandem.models.tensor import TensorPlan, output_dim
 from tandem.runtime.checkpoint import (
     CHECKPOINT_VERSION, load_checkpoint, load_schedule, resume_path, save_atomic,
 )
 from tandem.runtime.export import ShardedFinal, shards_written
 from tandem.runtime.faults import announce_resume
-from tandem.runtime.sharded_checkpoint import check_tensor_degree, folder_name, remove_older
+from tandem.runtime.sharded_checkpoint import (
+    check_tensor_degree, existing_folder, folder_name, remove_older,
+)
 from tandem.runtime.tensor_parallel import split_parameters
 
 if TYPE_CHECKING:
@@ -48,43 +51,13 @@ class TensorCheckpoints:
         """Parameters held as plain tensors of this worker's rows (``channels`` layers)."""
 
     def row_orders(self) -> dict[str, int | dict[str, int]]:
-        """The parameters whose outputs the checkpoint holds in its shares' order (``heads``
-        layers: each share's queries, keys and values together, :func:`heads_order`), with the
-        tensor degree that orders them, and the dimension it orders where that is not the first
-        (a ``Conv1D``'s weight: ``{"degree": 2, "dim": 1}``): a plain ``dp`` run puts them back
-        in the model's own order on resume
-        (:func:`tandem.runtime.sharded_checkpoint.natural_rows`)."""
-        model, degree = self.trainer.model, self.trainer.plan.tensor_degree
-        orders: dict[str, int | dict[str, int]] = {}
-        for layer in (name for name, style in self.trainer.tensor_plan.items()
-                      if style == "heads"):
-            module = model.get_submodule(layer)
-            for key, _ in module.named_parameters(recurse=False):
-                dim = output_dim(module, key)
-                orders[f"{layer}.{key}"] = {"degree": degree, "dim": dim} if dim else degree
-        return orders
+        """This model's :func:`row_orders`: a plain ``dp`` run puts them back in the model's own
+        order on resume (:func:`tandem.runtime.sharded_checkpoint.natural_rows`)."""
+        return row_orders(self.trainer.model, self.trainer.tensor_plan,
+                          self.trainer.plan.tensor_degree)
 
     def _state(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-        """What DCP writes or reads (``{"model", "optimizer"}``, row shares as DTensors that
-        view this worker's tensors), and the model's and optimizer's state dicts themselves."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        trainer = self.trainer
-        model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
-        model_io: dict[str, Any] = dict(model_state)
-        states: dict[str, Any] = dict(cast(dict[str, Any], optimizer_state["state"]))
-        for name in self.rows:
-            model_io[name] = self._rows(cast(torch.Tensor, model_state[name]))
-            if name in states:
-                states[name] = {key: self._rows(value)
-                                if isinstance(value, torch.Tensor) and value.ndim else value
-                                for key, value in states[name].items()}
-        optimizer_io = {**optimizer_state, "state": states}
-        return ({"model": model_io, "optimizer": optimizer_io}, dict(model_state),
-                dict(optimizer_state))
-
-    def _rows(self, tensor: torch.Tensor) -> DTensor:
-        return DTensor.from_local(tensor, self.trainer.mesh, [Shard(0)], run_check=False)
+        return dcp_state(self.trainer.model, self.trainer.optimizer, self.rows, self.trainer.mesh)
 
     def final_state(self) -> ShardedFinal | None:
         """The model's final state as shards in ``OUT/final.dcp`` (collective), its ``heads``
@@ -135,10 +108,7 @@ class TensorCheckpoints:
         if checkpoint is None or path is None:
             return
         trainer.feed.check_position(checkpoint.get("data"), str(config.resume))
-        folder = path.parent / checkpoint["sharded"]
-        if not folder.is_dir():
-            raise UsageError(f"the checkpoint's sharded state {folder} is missing; resume from "
-                             f"the run directory as it was written, or start afresh")
+        folder = existing_folder(path.parent / checkpoint["sharded"])
         state, model_state, optimizer_state = self._state()
         load(state, checkpoint_id=str(folder))  # into the tensors themselves
         set_state_dict(trainer.model, trainer.optimizer, model_state_dict=model_state,
@@ -151,3 +121,44 @@ class TensorCheckpoints:
         torch.set_rng_state(own["rng"])
         trainer.resumed_components = own["components"]
 
+
+def row_orders(model: nn.Module, plan: TensorPlan, degree: int) -> dict[str, int | dict[str, int]]:
+    """The parameters of ``model`` whose outputs a checkpoint holds in its shares' order
+    (``plan``'s ``heads`` layers: each share's queries, keys and values together,
+    :func:`~tandem.runtime.tensor_parallel.heads_order`), with the tensor ``degree`` that orders
+    them, and the dimension it orders where that is not the first (a ``Conv1D``'s weight:
+    ``{"degree": 2, "dim": 1}``)."""
+    orders: dict[str, int | dict[str, int]] = {}
+    for layer in (name for name, style in plan.items() if style == "heads"):
+        module = model.get_submodule(layer)
+        for key, _ in module.named_parameters(recurse=False):
+            dim = output_dim(module, key)
+            orders[f"{layer}.{key}"] = {"degree": degree, "dim": dim} if dim else degree
+    return orders
+
+
+def dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer, rows: list[str],
+              mesh: DeviceMesh | None) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """What DCP writes or reads of ``model`` and ``optimizer`` (``{"model", "optimizer"}``, the
+    parameters named in ``rows``, plain tensors of this worker's rows, and their optimizer state
+    as DTensors sharded by rows over the tensor ``mesh`` that view them), and the model's and
+    optimizer's state dicts themselves (:func:`get_state_dict`'s, for ``set_state_dict``)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_io: dict[str, Any] = dict(model_state)
+    states: dict[str, Any] = dict(cast(dict[str, Any], optimizer_state["state"]))
+
+    def as_rows(tensor: torch.Tensor) -> DTensor:
+        assert mesh is not None, "rows are shares of a tensor mesh"
+        return DTensor.from_local(tensor, mesh, [Shard(0)], run_check=False)
+
+    for name in rows:
+        model_io[name] = as_rows(cast(torch.Tensor, model_state[name]))
+        if name in states:
+            states[name] = {key: as_rows(value)
+                            if isinstance(value, torch.Tensor) and value.ndim else value
+                            for key, value in states[name].items()}
+    optimizer_io = {**optimizer_state, "state": states}
+    return ({"model": model_io, "optimizer": optimizer_io}, dict(model_state),
+            dict(optimizer_state))
