@@ -1,7 +1,8 @@
 """Pipelines stopped, checkpointed and resumed through the real CLI (issue 16).
 
 Flush schedules (1F1B, GPipe) resume to exactly the uninterrupted run, on their own layout or
-resharded by parameter name onto another. PipeDream's checkpoint of step ``c`` holds every
+resharded by parameter name onto another; each stage writes its state into the checkpoint's
+DCP folder (sharded and tensor-parallel stages: test_pipeline_checkpoint.py). PipeDream's checkpoint of step ``c`` holds every
 stage's weights after exactly ``c`` updates, and the resumed pipeline fills again from ``c``:
 both are checked against PipeDream's semantics written out sequentially.
 """
@@ -29,7 +30,16 @@ PIPEDREAM = ("--strategy", "pipeline", "--schedule", "pipedream", "--nproc", "3"
 
 
 def checkpoint(out: Path) -> dict[str, Any]:
-    return torch.load(out / "checkpoint.pt", weights_only=False)
+    """``OUT/checkpoint.pt``, with the model and optimizer state of a flush schedule's (written
+    by each stage into the folder it names) read whole under ``"state"``."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    saved = torch.load(out / "checkpoint.pt", weights_only=False)
+    if "sharded" in saved:
+        whole = out.parent / f"{out.name}-{saved['sharded']}.pt"
+        dcp_to_torch_save(out / saved["sharded"], whole)
+        saved["state"] = torch.load(whole, weights_only=False)
+    return saved
 
 
 def stopped_then_resumed(out: Path, first: tuple[str, ...], then: tuple[str, ...],
@@ -63,8 +73,10 @@ def test_resume_auto_without_a_checkpoint_starts_afresh_and_stops_cleanly(
     assert saved["step"] == 10 and saved["data"]["samples_into_epoch"] == 10 * 32
     assert saved["layout"] == {"bounds": [[0, 2], [2, 4]], "replicas": [1, 1]}
     assert len(saved["ranks"]) == 2
-    assert saved["model"].keys() == saved["optimizer"]["state"].keys()  # by name, every parameter
-    assert set(saved["optimizer"]["state"]["0.1.weight"]) == {"momentum_buffer"}
+    assert saved["sharded"] == "checkpoint-10.dcp" and "model" not in saved  # each stage wrote
+    state = saved["state"]
+    assert state["model"].keys() == state["optimizer"]["state"].keys()  # by name, every parameter
+    assert set(state["optimizer"]["state"]["0.1.weight"]) == {"momentum_buffer"}
 
 
 @pytest.mark.multiprocess
@@ -136,7 +148,7 @@ def test_tied_fp16_pipeline_resumes_with_its_loss_scale(tmp_path: Path) -> None:
     _, saved, _ = stopped_then_resumed(tmp_path / "parts", TIED, TIED)
     assert precision_of(saved) == {"loss_scale": {"scale": 2.0**16, "good_steps": 10},
                                    "skipped_steps": 0}
-    state = saved["optimizer"]["state"]
+    state = saved["state"]["optimizer"]["state"]
     assert torch.equal(state["embed.weight"]["momentum_buffer"],
                        state["out.weight"]["momentum_buffer"])
     assert precision_of(checkpoint(tmp_path / "parts"))["loss_scale"]["good_steps"] == 20

@@ -1,6 +1,18 @@
-"""A pipeline stage's part of a checkpoint, under the whole model's names, and back into any layout.
+"""A pipeline's checkpoints, under the whole model's names, and back into any layout.
 
 Usage::
+
+    save_stage_checkpoint(trainer, step)          # collective; rank 0 writes checkpoint.pt last
+    restore_stage(trainer, checkpoint, path)      # collective, with --resume
+
+A flush schedule's (1F1B, GPipe, with replicated, sharded or tensor-parallel stages) is two
+parts in ``OUT``, as a sharded data-parallel run's (:mod:`tandem.runtime.sharded_checkpoint`):
+the folder ``checkpoint-STEP.dcp``, into which each rank writes the tensors it holds of its
+stage's model and optimizer state (:mod:`tandem.runtime.pipeline.dcp`; no rank holds the whole
+model), and ``checkpoint.pt``, which names the folder and holds the step, schedule, data
+position, layout and each worker's random stream, codec and components. The asynchronous
+PipeDream schedule's workers are saved at different moments (each as it applied the step's
+update), so its whole state is gathered on rank 0 into ``checkpoint.pt``::
 
     part = stage_state(module, names, optimizer)      # each stage's replica 0, on its rank
     merged = merge_stages([part, ...])                # rank 0: the whole model's state
@@ -17,6 +29,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,8 +37,11 @@ import torch.distributed as dist
 from torch import nn
 
 from tandem.errors import UsageError
-from tandem.runtime.checkpoint import CHECKPOINT_VERSION, save_atomic
+from tandem.runtime.asynchrony import restore_momentum
+from tandem.runtime.checkpoint import CHECKPOINT_VERSION, load_schedule, save_atomic
+from tandem.runtime.pipeline.dcp import load_stage_shards, save_stage_shards, stage_row_orders
 from tandem.runtime.pipeline.layout import PipelineLayout
+from tandem.runtime.sharded_checkpoint import folder_name, remove_older
 
 if TYPE_CHECKING:
     from tandem.runtime.pipeline.trainer import PipelineTrainer
@@ -133,17 +149,20 @@ def layout_record(layout: PipelineLayout) -> dict[str, Any]:
             "replicas": list(layout.replicas)}
 
 
-def worker_state(trainer: PipelineTrainer) -> dict[str, Any]:
-    """A pipeline worker's part of a checkpoint as it is now: its random stream, codec state
-    and components' states (the loss scale); on a stage's replica 0 the
-    stage's model and optimizer state (replicas agree); on rank 0 the learning-rate schedule
-    (every worker's is the same)."""
+def _own_state(trainer: PipelineTrainer) -> dict[str, Any]:
+    """A pipeline worker's own part of a checkpoint: its random stream, codec state and
+    components' states (the loss scale)."""
     codec = trainer.wire.codec
-    own: dict[str, Any] = {
-        "rng": torch.get_rng_state(),
-        "wire": copy.deepcopy(codec.state_dict()) if codec is not None else {},
-        "components": copy.deepcopy(trainer.components.state_dict()),
-    }
+    return {"rng": torch.get_rng_state(),
+            "wire": copy.deepcopy(codec.state_dict()) if codec is not None else {},
+            "components": copy.deepcopy(trainer.components.state_dict())}
+
+
+def worker_state(trainer: PipelineTrainer) -> dict[str, Any]:
+    """An asynchronous pipeline worker's part of a checkpoint as it is now: its own state; on a
+    stage's replica 0 the stage's model and optimizer state (replicas agree); on rank 0 the
+    learning-rate schedule (every worker's is the same)."""
+    own = _own_state(trainer)
     if trainer.place.replica == 0:
         own["stage"] = stage_state(trainer.module, trainer.names, trainer.optimizer)
     if trainer.env.rank == 0:
@@ -152,24 +171,85 @@ def worker_state(trainer: PipelineTrainer) -> dict[str, Any]:
 
 
 def save_stage_checkpoint(trainer: PipelineTrainer, step: int) -> None:
-    """Save the state after ``step`` steps to ``OUT/checkpoint.pt`` (collective; rank 0
-    writes). Between steps of a flush schedule, and at the drained end of an asynchronous one,
-    that is the state now; within an asynchronous run it is each worker's snapshot of the
-    moment it applied its ``step``-th update (``PipelineTrainer._snapshot_if_due``)."""
+    """Save the state after ``step`` steps to ``OUT`` (collective; rank 0 writes
+    ``checkpoint.pt`` last): a flush schedule's between steps, each stage's model and optimizer
+    state written by its own ranks into ``checkpoint-STEP.dcp``; an asynchronous schedule's
+    gathered on rank 0 into ``checkpoint.pt`` (:func:`_save_gathered`)."""
     if trainer.out is None:
         return
-    rank = trainer.env.rank
-    assert not (trainer.asynchronous and step < trainer.last_step
-                and step not in trainer.snapshots), f"no snapshot of step {step} on rank {rank}"
+    if trainer.asynchronous:
+        _save_gathered(trainer, step)
+        return
+    name = folder_name(step)
+    save_stage_shards(trainer, trainer.out / name)
+    own = {**_own_state(trainer), "row_orders": stage_row_orders(trainer)}
+    gathered: list[Any] = [None] * trainer.env.world_size if trainer.env.rank == 0 else []
+    dist.gather_object(own, gathered if trainer.env.rank == 0 else None, dst=0)
+    if trainer.env.rank != 0:
+        return
+    groups = [{key: copy.deepcopy(value) for key, value in group.items() if key != "params"}
+              for group in trainer.optimizer.param_groups]
+    save_atomic({
+        **_record(trainer, step, gathered), "sharded": name, "param_groups": groups,
+        "tensor_degree": trainer.place.tensor_degree,
+        "row_orders": {name: order for part in gathered for name, order in
+                       part["row_orders"].items()},
+    }, trainer.out / "checkpoint.pt")
+    remove_older(trainer.out, name)
+
+
+def _record(trainer: PipelineTrainer, step: int, gathered: list[dict[str, Any]]
+            ) -> dict[str, Any]:
+    """What every pipeline checkpoint holds besides the model and optimizer state: the step, the
+    run's settings, the schedule, every worker's own state, the data position and the layout."""
+    return {"version": CHECKPOINT_VERSION, "step": step, "fingerprint": trainer.job.fingerprint(),
+            "scheduler": copy.deepcopy(trainer.scheduler.state_dict()),
+            "ranks": [{key: part[key] for key in ("rng", "wire", "components")}
+                      for part in gathered],
+            "data": trainer.feed.position(step), "layout": layout_record(trainer.layout)}
+
+
+def _save_gathered(trainer: PipelineTrainer, step: int) -> None:
+    """Save the asynchronous schedule's state after ``step`` steps to ``OUT/checkpoint.pt``, the
+    whole model and optimizer state gathered on rank 0 (its workers' snapshots are of different
+    moments): at the drained end of the run, the state now; within it, each worker's snapshot
+    of the moment it applied its ``step``-th update (``PipelineTrainer._snapshot_if_due``)."""
+    rank, out = trainer.env.rank, trainer.out
+    assert out is not None, "saved with --out only"
+    assert step >= trainer.last_step or step in trainer.snapshots, \
+        f"no snapshot of step {step} on rank {rank}"
     own = trainer.snapshots.pop(step, None) or worker_state(trainer)
     gathered: list[Any] = [None] * trainer.env.world_size if rank == 0 else []
     dist.gather_object(own, gathered if rank == 0 else None, dst=0)
     if rank != 0:
         return
     merged = merge_stages([part["stage"] for part in gathered if "stage" in part])
-    save_atomic({
-        "version": CHECKPOINT_VERSION, "step": step, "fingerprint": trainer.job.fingerprint(),
-        **merged, "scheduler": own["scheduler"],
-        "ranks": [{key: part[key] for key in ("rng", "wire", "components")} for part in gathered],
-        "data": trainer.feed.position(step), "layout": layout_record(trainer.layout),
-    }, trainer.out / "checkpoint.pt")
+    save_atomic({**_record(trainer, step, gathered), **merged, "scheduler": own["scheduler"]},
+                out / "checkpoint.pt")
+    remove_older(out, None)
+
+
+def restore_stage(trainer: PipelineTrainer, checkpoint: dict[str, Any], path: Path) -> None:
+    """This stage's parameters, buffers, optimizer state (by name, from any layout) and
+    schedule; this rank's random stream, codec and components' states where the layout is the
+    same, else rank 0's components' states (the loss scale is every worker's)."""
+    if "sharded" in checkpoint:
+        load_stage_shards(trainer, checkpoint, path)
+    elif trainer.split is not None or trainer.shards is not None:
+        raise UsageError(f"checkpoint {path} holds the whole model (an asynchronous pipeline's), "
+                         f"which a sharded or tensor-parallel stage does not read; resume it "
+                         f"without --shard and --tensor-parallel")
+    else:
+        load_stage(trainer.module, trainer.names, trainer.optimizer, checkpoint, path=str(path))
+    restore_momentum(trainer.optimizer, trainer.compensation)
+    load_schedule(trainer.optimizer, trainer.scheduler, checkpoint["scheduler"],
+                  announce=trainer.env.rank == 0)
+    ranks, env = checkpoint["ranks"], trainer.env
+    same_layout = (checkpoint["layout"] == layout_record(trainer.layout)
+                   and len(ranks) == env.world_size)
+    own = ranks[env.rank if same_layout else 0]
+    trainer.resumed_components = own["components"]
+    if same_layout:
+        torch.set_rng_state(own["rng"])
+        if trainer.wire.codec is not None:
+            trainer.wire.codec.load_state_dict(own["wire"])

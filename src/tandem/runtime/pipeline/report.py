@@ -123,8 +123,9 @@ def stage_summary(trainer: PipelineTrainer) -> dict[str, Any]:
     ``held_model_bytes``: the model's parameters and buffers the worker materialized (its
     stage's for a built-in model); ``training_peak_rss_bytes``, ``peak_rss_bytes`` and
     ``start_rss_bytes``, its process's resident memory at its peak up to the last
-    update (before the checkpoint and final.pt, for which rank 0 gathers every stage's
-    state), at its peak, and at start (:mod:`tandem.runtime.memory`). ``precision``,
+    update (before the last checkpoint and final.pt), at its peak, and at start, and
+    ``checkpoint_peak_growth_bytes``, the most a checkpoint raised its peak
+    (:mod:`tandem.runtime.memory`). ``precision``,
     ``clip_grad_norm`` and ``skipped_steps`` (fp16 steps every stage skipped together; per
     worker too) as the data-parallel trainer reports them."""
     traffic, place, split = trainer.engine.traffic, trainer.place, trainer.split
@@ -144,6 +145,7 @@ def stage_summary(trainer: PipelineTrainer) -> dict[str, Any]:
         "training_peak_rss_bytes": trainer.memory.training_bytes,
         "peak_rss_bytes": memory.peak_rss_bytes(),
         "start_rss_bytes": memory.START_RSS_BYTES,
+        "checkpoint_peak_growth_bytes": trainer.memory.checkpoint_growth,
         "shared_parameters": [_tie_report(trainer, tie) for tie in trainer.engine.ties],
         "skipped_steps": trainer.precision.skipped_steps,
     }

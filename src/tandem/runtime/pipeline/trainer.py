@@ -23,7 +23,8 @@ built in turn, another stage's freed as soon as it is complete). Any other user'
 every worker, then sliced.
 
 Checkpoints hold the whole model's state and the optimizer's by parameter name (see
-``checkpoint.py``), so a run resumes on any layout. A flush schedule is saved between steps; an
+``checkpoint.py``), so a run resumes on any layout. A flush schedule is saved between steps, each
+rank writing its own tensors (its stage's, its shards or tensor shares; ``dcp.py``); an
 asynchronous one as every stage was when it applied the checkpoint's step-th update (caught in
 passing; the minibatches then in flight are not recorded), and a resumed or ``--stop-after``
 run's schedule spans only the steps it runs, filling again at its start and draining at its end.
@@ -41,17 +42,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from tandem.runtime.base import BaseTrainer
-from tandem.runtime.checkpoint import (
-    load_checkpoint, load_schedule, resume_path,
-)
+from tandem.runtime.checkpoint import load_checkpoint, resume_path
 from tandem.runtime.job import Job
 from tandem.runtime.dist import WorkerEnv, new_group
 from tandem.runtime.export import ShardedFinal
 from tandem.runtime.faults import announce_resume
 from tandem.runtime.pipeline.checkpoint import (
-    layout_record, load_stage, save_stage_checkpoint, worker_state,
+    restore_stage, save_stage_checkpoint, worker_state,
 )
-from tandem.runtime.asynchrony import restore_momentum
 from tandem.runtime.pipeline.layout import StagePlace
 from tandem.models.pieces import materialize as build_in_pieces, on_meta
 from tandem.runtime.pipeline.materialize import materialize
@@ -144,8 +142,8 @@ class PipelineTrainer(BaseTrainer):
         self.precision = StagePrecision(config.precision, env.device, clip=config.clip_grad_norm,
                                         counted=self._counted(ties, split))
         assert not (self.asynchronous and self.precision.agrees), "refused by Job"
-        if checkpoint is not None:  # before the engine, whose weight stash starts from them
-            self._restore(checkpoint, str(path))
+        if checkpoint is not None and path is not None:  # before the engine's weight stash
+            restore_stage(self, checkpoint, path)
         self.snapshots: dict[int, dict[str, Any]] = {}
         """Asynchronous schedule: step -> this worker's state when it applied that many
         updates, kept until the checkpoint of that step is saved."""
@@ -259,22 +257,6 @@ class PipelineTrainer(BaseTrainer):
         self.feed.check_position(checkpoint.get("data"), str(path))
         return checkpoint
 
-    def _restore(self, checkpoint: dict[str, Any], path: str) -> None:
-        """This stage's parameters, buffers, optimizer state (by name, from any layout) and
-        schedule; this rank's random stream, codec and components' states where the layout is
-        the same, else rank 0's components' states (the loss scale is every worker's)."""
-        load_stage(self.module, self.names, self.optimizer, checkpoint, path=path)
-        restore_momentum(self.optimizer, self.compensation)
-        load_schedule(self.optimizer, self.scheduler, checkpoint["scheduler"],
-                      announce=self.env.rank == 0)
-        same_layout = checkpoint["layout"] == layout_record(self.layout)
-        own = checkpoint["ranks"][self.env.rank if same_layout else 0]
-        self.resumed_components = own["components"]
-        if same_layout:
-            torch.set_rng_state(own["rng"])
-            if self.wire.codec is not None:
-                self.wire.codec.load_state_dict(own["wire"])
-
     def _snapshot_if_due(self, step: int) -> None:
         """After this worker's update for minibatch ``step`` of the asynchronous schedule: if
         its stage has now applied ``done`` updates (whole rounds of its replicas) and a
@@ -287,10 +269,8 @@ class PipelineTrainer(BaseTrainer):
 
     def save_checkpoint(self, step: int) -> None:
         """Save the state after ``step`` steps (see
-        :func:`~tandem.runtime.pipeline.checkpoint.save_stage_checkpoint`); a sharded stage
-        saves none (its checkpoints are refused by the job: they hold whole tensors)."""
-        if self.shards is None:
-            save_stage_checkpoint(self, step)
+        :func:`~tandem.runtime.pipeline.checkpoint.save_stage_checkpoint`)."""
+        save_stage_checkpoint(self, step)
 
     # -- evaluation and outputs (report.py) ------------------------------------------------------
 
