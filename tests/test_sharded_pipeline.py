@@ -17,7 +17,7 @@ tied to its output layer on stage 1) at both: in 3-D its ``Conv1D`` layers split
 blocks (:mod:`tandem.runtime.pipeline.tensor_split`), and the tie is summed at each tensor
 position. Each gpt worker holds exactly its stage's split layers over ``D * T`` and the rest
 over ``D``. Clipping counts every shard and tensor share once. What the
-sharded pipeline does not take is one line.
+sharded pipeline does not take is one line; it takes checkpoints (test_pipeline_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -147,18 +147,13 @@ REFUSED: dict[str, tuple[dict[str, Any], dict[str, Any], str]] = {
                        "--replicas 2,2,2"),
     "pipedream": ({**STAGES, "--schedule": "pipedream"}, {}, "--schedule pipedream with --shard "
                   "2: a sharded stage reduces its gradients once per step, after a flush"),
-    "stop": (STAGES, {"stop_after": 4}, "--stop-after 4 is not supported with --strategy "
-             "pipeline --shard 2 yet: each stage's checkpoint holds its whole tensors by name"),
-    "checkpoints": (STAGES, {"checkpoint_every": 2}, "--checkpoint-every 2 is not supported"),
-    "resume": (STAGES, {"resume": "run/checkpoint.pt"}, "--resume run/checkpoint.pt is not "
-               "supported with --strategy "
-               "pipeline --shard 2 yet"),
     "compress": ({**STAGES, "--compress": "fp16"}, {}, "--compress fp16 is not supported with "
                  "--strategy pipeline --shard 2 yet: the activation codec does not run beside "
                  "FSDP2's collectives"),
-    "3-D checkpoints": ({**STAGES, "--tensor-parallel": 2}, {"nproc": 8, "stop_after": 4},
-                        "--stop-after 4 is not supported in a pipeline x tensor layout yet"),
 }
+CHECKPOINTS = {"resume": "run/checkpoint.pt", "stop_after": 4, "checkpoint_every": 2,
+               "max_restarts": 1}
+"""What sharded pipelines (2-D and 3-D) and pipeline x tensor layouts take: checkpoints."""
 
 
 @pytest.mark.pure
@@ -168,6 +163,16 @@ def test_what_a_sharded_pipeline_does_not_take_is_one_line(case: str) -> None:
     with pytest.raises(UsageError) as raised:
         sketch_job("pipeline", flags, RunConfig(**{"nproc": 4, **settings}))
     assert expected in str(raised.value) and "\n" not in str(raised.value), str(raised.value)
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize("flags", [STAGES, {**STAGES, "--tensor-parallel": 2},
+                                   {"--stages": 2, "--tensor-parallel": 2}])
+def test_sharded_and_tensor_parallel_pipelines_take_checkpoints(flags: dict[str, Any]) -> None:
+    """Each stage writes and reads its own shards (test_pipeline_checkpoint.py)."""
+    nproc = 4 * (2 if len(flags) == 3 else 1)
+    job = sketch_job("pipeline", flags, RunConfig(nproc=nproc, **CHECKPOINTS))
+    assert job.run.stop_after == 4 and job.run.max_restarts == 1
 
 
 @pytest.mark.pure

@@ -67,9 +67,8 @@ class Job:
     def _check_tensor(self) -> None:
         """Tensor parallelism runs alone, with data parallelism (allreduce's plan) or in a
         pipeline whose every stage has the same replicas under a flush schedule, with an
-        elementwise optimizer, and takes clipping and fp16; alone or with data parallelism it
-        also takes checkpoints (resume, stop, restart), which a pipeline x tensor layout does not
-        yet: one line for each setting it would not honour."""
+        elementwise optimizer, and takes clipping, fp16 and checkpoints (resume, stop, restart):
+        one line for each setting it would not honour."""
         plan, run = self.plan, self.run
         degree = plan.tensor_degree
         if plan.recompute and len(plan.stages) < 2:
@@ -105,12 +104,6 @@ class Job:
                                      f"{degree} --compress {plan.compress.text} yet (the codec's "
                                      f"state is not in its checkpoints); drop {flag} or "
                                      f"--compress")
-        for flag, value in piped.items() if plan.pipelined else ():
-            if value is not None:
-                raise UsageError(f"{flag} {value} is not supported in a pipeline x tensor layout "
-                                 f"yet (tensor parallelism alone or with data parallelism takes "
-                                 f"it); drop {flag}, or run --strategy dp --tensor-parallel "
-                                 f"{degree}")
         refused = {
             "--batch-schedule": (run.batch_schedule if run.batch_schedule == AUTO else None,
                                  "it follows the gradient noise scale, which tensor-parallel "
@@ -301,15 +294,8 @@ def check_shard(plan: Plan, run: RunConfig) -> None:
     if plan.pipelined:
         _check_pipeline_shard(plan)
         shard = f"--strategy pipeline {shard}"
-        kept = ("each stage's checkpoint holds its whole tensors by name, and its replicas "
-                "hold shards of them")
-        refused.update({
-            "--compress": (plan.compress.text if plan.compress else None,
-                           "the activation codec does not run beside FSDP2's collectives"),
-            "--resume": (run.resume, kept), "--stop-after": (run.stop_after, kept),
-            "--checkpoint-every": (run.checkpoint_every or None, kept),
-            "--max-restarts": (run.max_restarts or None, f"a restart resumes a checkpoint, and "
-                                                         f"{kept}")})
+        refused["--compress"] = (plan.compress.text if plan.compress else None,
+                                 "the activation codec does not run beside FSDP2's collectives")
     if plan.tensor_degree > 1:
         shard = f"{shard} --tensor-parallel {plan.tensor_degree}"
     for flag, (value, why) in refused.items():
