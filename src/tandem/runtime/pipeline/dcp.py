@@ -11,12 +11,12 @@ The folder holds ``{"model": {name: tensor}, "optimizer": {"state": {name: {...}
 the whole model's names (:func:`~tandem.runtime.pipeline.setup.model_names`) as a data-parallel
 run's sharded checkpoint is (:mod:`tandem.runtime.sharded_checkpoint`); a tensor that several
 names share (tied weights) is written under each. Each rank gives DCP its tensors as it holds
-them: whole (the replicas of a stage, and the stages that share a tied weight, give equal
-copies, and DCP keeps one writer of each), FSDP2's shards over the stage's replicas
-(``--shard``), DTensor shares (``--tensor-parallel``; a ``channels`` convolution's rows are
-given as DTensors sharded by rows). DCP reads into each rank's own tensors the part it holds of
-whatever layout wrote them (other stages, shard or tensor degree); the optimizer's group
-settings, every stage's the same, travel in ``checkpoint.pt``.
+them: whole (from a stage's first replica, buffers included; the stages that share a tied
+weight give equal copies, and DCP keeps one writer of each), FSDP2's shards over the stage's
+replicas (``--shard``), or DTensor shares (``--tensor-parallel``; a ``channels`` convolution's
+rows are given as DTensors sharded by rows). DCP reads into each rank's own tensors the part it
+holds of whatever layout wrote them (other stages, shard or tensor degree); the optimizer's
+group settings, every stage's the same, travel in ``checkpoint.pt``.
 
 The outputs of a split ``heads`` layer (fused queries, keys and values) are saved in its shares'
 order (the checkpoint's ``row_orders``): a stage that holds such a layer whole puts them back in
@@ -71,7 +71,16 @@ def save_stage_shards(trainer: PipelineTrainer, folder: Path) -> None:
     from torch.distributed.checkpoint.state_dict_saver import save
 
     state, _, _ = _stage_io(trainer)
-    save(state, checkpoint_id=str(folder))
+    save(state if trainer.place.replica == 0 else _shares(state), checkpoint_id=str(folder))
+
+
+def _shares(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with only its DTensors (shards and tensor shares): a replica other than a
+    stage's first leaves the whole tensors (equal weights, buffers) to the first."""
+    kept = {key: _shares(value) if isinstance(value, dict) else value
+            for key, value in state.items()}
+    return {key: value for key, value in kept.items()
+            if isinstance(value, DTensor) or (isinstance(value, dict) and value)}
 
 
 def stage_row_orders(trainer: PipelineTrainer) -> Orders:
