@@ -77,8 +77,34 @@ def test_a_sharded_pipeline_stopped_and_resumed_equals_the_whole_run(
     assert sorted(p.name for p in out.glob("checkpoint-*.dcp")) == ["checkpoint-8.dcp"]
     assert max_abs_diff(whole / "final.pt", out / "final.pt") <= 1e-6
     plain = out.with_name("sharded-stopped")
+    as_dp = out.with_name("as-dp")
+    shutil.copytree(plain, as_dp)
     run_json("train", *GPT, *PLAIN, "--resume", "--out", str(plain))
     assert max_abs_diff(whole / "final.pt", plain / "final.pt") <= 1e-6
+    # and as sharded data parallelism: the folder holds the state by name for any layout
+    resumed = run_json("train", *GPT, "--nproc", "2", "--shard", "2", "--resume",
+                       "--out", str(as_dp))
+    assert resumed["strategy"] == "dp" and resumed["finished"]
+    assert max_abs_diff(whole / "final.pt", as_dp / "final.pt") <= 1e-5
+
+
+@pytest.mark.multiprocess
+def test_a_sharded_data_parallel_checkpoint_resumes_as_a_pipeline(
+        shared_run: SharedRun, tmp_path: Path) -> None:
+    """``--shard 2`` on 2 workers stopped after 4 steps resumes as a 2-stage pipeline, each
+    stage reading the tensors it holds from the shards by name, and ends where the data-parallel
+    run does (0.0 measured on mlp by hand); a plain ``dp`` checkpoint (whole, its optimizer
+    state by position) is one line."""
+    whole, _ = shared_run(*GPT, "--nproc", "2", "--shard", "2")
+    run_json("train", *GPT, "--nproc", "2", "--shard", "2", "--stop-after", "4",
+             "--out", str(tmp_path / "sharded"))
+    run_json("train", *GPT, *PLAIN, "--resume", "--out", str(tmp_path / "sharded"))
+    assert max_abs_diff(whole / "final.pt", tmp_path / "sharded" / "final.pt") <= 1e-5
+    run_json("train", *GPT, "--nproc", "2", "--stop-after", "4", "--out", str(tmp_path / "dp"))
+    result = run_here("train", *GPT, *PLAIN, "--resume", "--out", str(tmp_path / "dp"),
+                      "--no-progress")
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "by position" in result.stderr and "--shard" in result.stderr, result.stderr
 
 
 @pytest.mark.multiprocess
@@ -135,3 +161,23 @@ def test_a_sharded_pipelines_checkpoint_holds_no_more_than_each_ranks_shard(
                        "--out", str(tmp_path))
     for worker in summary["workers"]:
         assert worker["checkpoint_peak_growth_bytes"] <= 2 * worker["parameter_bytes"], worker
+
+
+@pytest.mark.pure
+def test_the_fp16_loss_scale_carries_between_data_parallelism_and_pipelines() -> None:
+    """A pipeline's shared loss scale and a data-parallel worker's GradScaler follow one rule,
+    so a checkpoint of either resumes the other's scale and its count of good steps."""
+    from tandem.runtime.precision import Precision, StagePrecision
+
+    cpu = torch.device("cpu")
+    stage = StagePrecision("fp16", cpu)
+    assert stage.loss_scale is not None
+    stage.loss_scale.scale, stage.loss_scale.good_steps = 1024.0, 17
+    worker = Precision("fp16", cpu)
+    worker.load_state_dict(stage.state_dict())
+    assert worker.scaler is not None and worker.scaler.get_scale() == 1024.0
+    assert worker.scaler.state_dict()["_growth_tracker"] == 17
+    again = StagePrecision("fp16", cpu)
+    again.load_state_dict(worker.state_dict())
+    assert again.loss_scale is not None
+    assert (again.loss_scale.scale, again.loss_scale.good_steps) == (1024.0, 17)

@@ -81,6 +81,12 @@ def resume_path(resume: str | None, out: str | Path | None,
     return given if name == "checkpoint.pt" else given.with_name(name)
 
 
+BY_NAME = {"dp", "pipeline"}
+"""Strategies whose sharded checkpoints (a folder of the model's and optimizer's state under the
+model's names, through DCP) resume as one another: a data-parallel run's (sharded or
+tensor-parallel) on a pipeline's stages, a flush pipeline's as data parallelism."""
+
+
 def load_checkpoint(path: str | Path, fingerprint: dict[str, Any], *, steps: int | None = None,
                     stop_after: int | None = None) -> dict[str, Any]:
     """Load a checkpoint and check that it belongs to a run with the same ``fingerprint`` and,
@@ -99,7 +105,17 @@ def load_checkpoint(path: str | Path, fingerprint: dict[str, Any], *, steps: int
                          f"tandem reads version {CHECKPOINT_VERSION}; resume it with the tandem "
                          f"that wrote it, or start afresh without --resume")
     for key, value in fingerprint.items():
-        if state["fingerprint"].get(key) != value:
+        saved = state["fingerprint"].get(key)
+        if key == "strategy" and {saved, value} <= BY_NAME and saved != value:
+            if "sharded" in state:
+                continue  # its folder holds the model and optimizer state by name, any layout's
+            how = ("a plain dp run's whole state, its optimizer's by position" if saved == "dp"
+                   else "an asynchronous pipeline's whole state")
+            fix = (" or checkpoint it with --shard S (its state by name, which a pipeline reads)"
+                   if saved == "dp" else "")
+            raise UsageError(f"checkpoint {path} holds {how}, which --strategy {value} does not "
+                             f"read; resume it with --strategy {saved}{fix}")
+        if saved != value:
             raise UsageError(
                 f"checkpoint {path} was made with {key}={state['fingerprint'].get(key)!r}, "
                 f"this run has {key}={value!r}; resume with the same settings"

@@ -123,8 +123,14 @@ class Precision(Component):
                 "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s, or from a pipeline's :class:`StagePrecision`
+        (its scale, on the same rule)."""
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+        elif self.scaler is not None and state.get("loss_scale"):
+            self.scaler.load_state_dict({
+                **self.scaler.state_dict(), "scale": float(state["loss_scale"]["scale"]),
+                "_growth_tracker": int(state["loss_scale"]["good_steps"])})
         self.skipped_steps = int(state.get("skipped_steps", 0))
 
 
@@ -260,10 +266,13 @@ class StagePrecision(Component):
                 "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from :meth:`state_dict`'s (a checkpoint without fp16 leaves the scale at
-        its start)."""
+        """Continue from :meth:`state_dict`'s, or a data-parallel run's (a checkpoint without
+        fp16 leaves the scale at its start)."""
         scale = self.loss_scale
         if scale is not None and state.get("loss_scale"):
             scale.scale = float(state["loss_scale"]["scale"])
             scale.good_steps = int(state["loss_scale"]["good_steps"])
+        elif scale is not None and state.get("scaler"):  # a data-parallel run's GradScaler
+            scale.scale = float(state["scaler"]["scale"])
+            scale.good_steps = int(state["scaler"]["_growth_tracker"])
         self.skipped_steps = int(state.get("skipped_steps", 0))

@@ -101,14 +101,28 @@ def load_sharded(folder: Path, model: nn.Module, optimizer: torch.optim.Optimize
     from torch.distributed.checkpoint.state_dict_loader import load
 
     existing_folder(folder)
+    groups = _holds_groups(folder)  # a pipeline's are in its checkpoint.pt
+
+    def read(optimizer_state: dict[str, Any]) -> dict[str, Any]:
+        return optimizer_state if groups else {"state": optimizer_state["state"]}
+
     if _is_zero(optimizer):  # the model's and the optimizer's own tensors, loaded in place
-        load({"model": model.state_dict(), "optimizer": zero_state(model, optimizer)},
+        load({"model": model.state_dict(), "optimizer": read(zero_state(model, optimizer))},
              checkpoint_id=str(folder))
         return
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(folder))
+    load({"model": model_state, "optimizer": read(optimizer_state)}, checkpoint_id=str(folder))
     set_state_dict(model, optimizer, model_state_dict=model_state,
                    optim_state_dict=optimizer_state)  # loaded in place
+
+
+def _holds_groups(folder: Path) -> bool:
+    """Whether the checkpoint in ``folder`` holds its optimizer's group settings (a data-parallel
+    run's does; a pipeline's keeps them in ``checkpoint.pt``)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    keys = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    return any(key.startswith("optimizer.param_groups") for key in keys)
 
 
 def existing_folder(folder: Path) -> Path:
@@ -144,6 +158,9 @@ def restore_state(checkpoint: dict[str, Any], own: dict[str, Any], strategy: Syn
     if "sharded" in checkpoint:
         load_sharded(checkpoint["sharded"], model, optimizer)
         natural_rows(model, optimizer, checkpoint.get("row_orders", {}))
+        if "param_groups" in checkpoint:  # a pipeline's: the groups' settings, every stage's
+            for group, settings in zip(optimizer.param_groups, checkpoint["param_groups"]):
+                group.update(settings)
         return
     saved = own.get("optimizer", checkpoint["optimizer"])
     if strategy.sharded_checkpoint and not _is_zero(optimizer):

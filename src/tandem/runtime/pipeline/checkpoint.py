@@ -245,7 +245,7 @@ def restore_stage(trainer: PipelineTrainer, checkpoint: dict[str, Any], path: Pa
     load_schedule(trainer.optimizer, trainer.scheduler, checkpoint["scheduler"],
                   announce=trainer.env.rank == 0)
     ranks, env = checkpoint["ranks"], trainer.env
-    same_layout = (checkpoint["layout"] == layout_record(trainer.layout)
+    same_layout = (checkpoint.get("layout") == layout_record(trainer.layout)
                    and len(ranks) == env.world_size)
     own = ranks[env.rank if same_layout else 0]
     trainer.resumed_components = own["components"]

@@ -106,9 +106,9 @@ def load_stage_shards(trainer: PipelineTrainer, checkpoint: dict[str, Any], path
     load(state, checkpoint_id=str(folder))  # into the stage's tensors themselves
     set_state_dict(trainer.module, trainer.optimizer, model_state_dict=model_state,
                    optim_state_dict=optimizer_state)
-    for group, settings in zip(trainer.optimizer.param_groups, checkpoint["param_groups"],
-                               strict=True):
-        group.update(settings)
+    for group, settings in zip(trainer.optimizer.param_groups,
+                               checkpoint.get("param_groups", ()), strict=False):
+        group.update(settings)  # a data-parallel run's are in the folder: the run's own stay
     natural_rows(trainer.module, trainer.optimizer, natural)
 
 
