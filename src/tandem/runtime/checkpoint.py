@@ -82,9 +82,10 @@ def resume_path(resume: str | None, out: str | Path | None,
 
 
 BY_NAME = {"dp", "pipeline"}
-"""Strategies whose sharded checkpoints (a folder of the model's and optimizer's state under the
-model's names, through DCP) resume as one another: a data-parallel run's (sharded or
-tensor-parallel) on a pipeline's stages, a flush pipeline's as data parallelism."""
+"""Strategies whose checkpoints hold the model's and optimizer's state under the model's names
+(a folder of shards through DCP, or a data-parallel run's whole state with its optimizer's
+``parameter_names``) and resume as one another: a data-parallel run's on a pipeline's stages,
+a flush pipeline's as data parallelism."""
 
 
 def load_checkpoint(path: str | Path, fingerprint: dict[str, Any], *, steps: int | None = None,
@@ -107,12 +108,12 @@ def load_checkpoint(path: str | Path, fingerprint: dict[str, Any], *, steps: int
     for key, value in fingerprint.items():
         saved = state["fingerprint"].get(key)
         if key == "strategy" and {saved, value} <= BY_NAME and saved != value:
-            if "sharded" in state:
-                continue  # its folder holds the model and optimizer state by name, any layout's
-            how = ("a plain dp run's whole state, its optimizer's by position" if saved == "dp"
-                   else "an asynchronous pipeline's whole state")
-            fix = (" or checkpoint it with --shard S (its state by name, which a pipeline reads)"
-                   if saved == "dp" else "")
+            if "sharded" in state or "parameter_names" in state:
+                continue  # the model and optimizer state by name, which any layout reads
+            how = ("a plain dp run's whole state from an older tandem, its optimizer's by "
+                   "position" if saved == "dp" else "an asynchronous pipeline's whole state")
+            fix = (", or checkpoint it again with this tandem (which names the optimizer's "
+                   "parameters)" if saved == "dp" else "")
             raise UsageError(f"checkpoint {path} holds {how}, which --strategy {value} does not "
                              f"read; resume it with --strategy {saved}{fix}")
         if saved != value:

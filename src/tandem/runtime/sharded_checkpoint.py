@@ -140,7 +140,15 @@ def held_state(strategy: SyncStrategy, out: Path, step: int, model: nn.Module,
     the whole state dicts (rank 0's are saved)."""
     if strategy.sharded_checkpoint:
         return {"sharded": save_sharded(out, step, model, optimizer)}
-    return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "parameter_names": optimizer_names(model, optimizer)}
+
+
+def optimizer_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The names of ``optimizer``'s parameters in the order its state dict numbers them (so
+    that a pipeline's stages find theirs in a whole checkpoint)."""
+    names = {id(parameter): name for name, parameter in model.named_parameters()}
+    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
 
 def load_whole_model(checkpoint: dict[str, Any] | None, model: nn.Module) -> None:
@@ -179,8 +187,7 @@ def shard_whole_optimizer(saved: dict[str, Any], model: nn.Module,
         StateDictOptions, set_optimizer_state_dict,
     )
 
-    names = {id(parameter): name for name, parameter in model.named_parameters()}
-    ordered = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    ordered = optimizer_names(model, optimizer)
     state = {ordered[index]: value for index, value in saved["state"].items()}
     groups = [{**group, "params": [ordered[index] for index in group["params"]]}
               for group in saved["param_groups"]]

@@ -111,6 +111,9 @@ def load_stage(module: nn.Module, names: Names, optimizer: torch.optim.Optimizer
     """Load this stage's parameters, buffers and optimizer state by name from a merged
     checkpoint (``model`` and ``optimizer`` as :func:`merge_stages` makes them)."""
     saved_model = checkpoint["model"]
+    if "parameter_names" in checkpoint:  # a data-parallel run's: its optimizer's by position
+        checkpoint = {**checkpoint, "optimizer": by_name(checkpoint["optimizer"],
+                                                         checkpoint["parameter_names"])}
     state = {}
     for key in module.state_dict():
         name = next((name for name in names(key) if name in saved_model), None)
@@ -120,6 +123,14 @@ def load_stage(module: nn.Module, names: Names, optimizer: torch.optim.Optimizer
         state[key] = saved_model[name]
     module.load_state_dict(state)
     _load_optimizer(module, names, optimizer, checkpoint["optimizer"])
+
+
+def by_name(saved: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """A whole optimizer state dict (``state`` numbered by position) keyed by the parameters'
+    ``names`` in that order, its groups' settings without their parameter lists."""
+    return {"state": {names[index]: value for index, value in saved["state"].items()},
+            "param_groups": [{key: value for key, value in group.items() if key != "params"}
+                             for group in saved["param_groups"]]}
 
 
 def _load_optimizer(module: nn.Module, names: Names, optimizer: torch.optim.Optimizer,
@@ -236,9 +247,9 @@ def restore_stage(trainer: PipelineTrainer, checkpoint: dict[str, Any], path: Pa
     if "sharded" in checkpoint:
         load_stage_shards(trainer, checkpoint, path)
     elif trainer.split is not None or trainer.shards is not None:
-        raise UsageError(f"checkpoint {path} holds the whole model (an asynchronous pipeline's), "
-                         f"which a sharded or tensor-parallel stage does not read; resume it "
-                         f"without --shard and --tensor-parallel")
+        raise UsageError(f"checkpoint {path} holds the whole model (an asynchronous pipeline's "
+                         f"or a plain dp run's), which a sharded or tensor-parallel stage does not "
+                         f"read; resume it without --shard and --tensor-parallel")
     else:
         load_stage(trainer.module, trainer.names, trainer.optimizer, checkpoint, path=str(path))
     restore_momentum(trainer.optimizer, trainer.compensation)
