@@ -124,3 +124,21 @@ def test_layer_wise_trust_ratios_take_the_whole_layers_norms(shared_run: SharedR
     out, summary = shared_run(*SMALL_GPT, "--optimizer", optimizer, *layout)
     assert summary["finished"]
     assert max_abs_diff(single / "final.pt", out / "final.pt") <= 1e-5, name
+
+
+@pytest.mark.pure
+def test_trust_ratios_over_convolutions_split_by_channels_are_one_line() -> None:
+    """vgg's convolutions split by channels hold plain tensors: LARS/LAMB would take a share's
+    norm, so they are refused (SGD is not)."""
+    from tandem.data import build_dataset
+    from tandem.models import build_model
+    from tandem.models.tensor import tensor_plan
+    from tandem.runtime.tensor_parallel import check_trust_ratios
+
+    model = build_model("vgg:width=0.0625,hidden=32", build_dataset("digits").info,
+                        device="meta")
+    plan = tensor_plan("vgg", model, 2)
+    check_trust_ratios(plan, "sgd")
+    with pytest.raises(UsageError) as raised:
+        check_trust_ratios(plan, "lars")
+    assert "split by channels" in str(raised.value) and "\n" not in str(raised.value)

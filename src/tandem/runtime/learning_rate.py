@@ -28,9 +28,11 @@ def build_optimizer(config: RunConfig,
     LARS and LAMB get two groups, always in this order (a pipeline stage's checkpoint matches
     groups by position): the weights (``ndim >= 2``), with trust ratio and weight decay, then the
     biases and normalization parameters (``ndim <= 1``), with neither, as in both papers. Their
-    norms are taken per whole parameter, which every worker holds: data-parallel replicas hold
-    the whole model, a pipeline stage whole parameters, and a parameter server a shard of whole
-    parameters (:func:`tandem.runtime.ps.protocol.shard_ranges` cuts between tensors)."""
+    norms are taken per whole parameter: data-parallel replicas hold the whole model, a pipeline
+    stage whole parameters, and a parameter server a shard of whole parameters
+    (:func:`tandem.runtime.ps.protocol.shard_ranges` cuts between tensors); a tensor-parallel
+    share or an FSDP2 shard is a DTensor, whose norm sums the shares (convolutions split by
+    channels, plain tensors, are refused with LARS/LAMB: ``check_trust_ratios``)."""
     tensors = [p[1] if isinstance(p, tuple) else p for p in params]
     lr = scaled_lr(config)
     if config.optimizer == "sgd":

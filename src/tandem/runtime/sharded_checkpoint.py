@@ -101,7 +101,7 @@ def load_sharded(folder: Path, model: nn.Module, optimizer: torch.optim.Optimize
     from torch.distributed.checkpoint.state_dict_loader import load
 
     existing_folder(folder)
-    groups = _holds_groups(folder)  # a pipeline's are in its checkpoint.pt
+    groups = holds_groups(folder)  # a pipeline's are in its checkpoint.pt
 
     def read(optimizer_state: dict[str, Any]) -> dict[str, Any]:
         return optimizer_state if groups else {"state": optimizer_state["state"]}
@@ -116,7 +116,22 @@ def load_sharded(folder: Path, model: nn.Module, optimizer: torch.optim.Optimize
                    optim_state_dict=optimizer_state)  # loaded in place
 
 
-def _holds_groups(folder: Path) -> bool:
+def group_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """``optimizer``'s groups' settings (learning rate, momentum, ...) without their parameters:
+    what ``checkpoint.pt`` holds beside a folder of shards, so that a layout whose workers hold
+    other parameters (a pipeline's stages) continues with them."""
+    return [{key: value for key, value in group.items() if key != "params"}
+            for group in optimizer.param_groups]
+
+
+def apply_group_settings(optimizer: torch.optim.Optimizer, checkpoint: dict[str, Any]) -> None:
+    """The checkpoint's groups' settings (:func:`group_settings`) on ``optimizer``'s groups."""
+    for group, settings in zip(optimizer.param_groups, checkpoint.get("param_groups", ()),
+                               strict=False):
+        group.update(settings)
+
+
+def holds_groups(folder: Path) -> bool:
     """Whether the checkpoint in ``folder`` holds its optimizer's group settings (a data-parallel
     run's does; a pipeline's keeps them in ``checkpoint.pt``)."""
     from torch.distributed.checkpoint.filesystem import FileSystemReader
@@ -139,7 +154,8 @@ def held_state(strategy: SyncStrategy, out: Path, step: int, model: nn.Module,
     the name of the folder into which each rank has written its own shards (collective), else
     the whole state dicts (rank 0's are saved)."""
     if strategy.sharded_checkpoint:
-        return {"sharded": save_sharded(out, step, model, optimizer)}
+        return {"sharded": save_sharded(out, step, model, optimizer),
+                "param_groups": group_settings(optimizer)}
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
             "parameter_names": optimizer_names(model, optimizer)}
 
@@ -166,9 +182,7 @@ def restore_state(checkpoint: dict[str, Any], own: dict[str, Any], strategy: Syn
     if "sharded" in checkpoint:
         load_sharded(checkpoint["sharded"], model, optimizer)
         natural_rows(model, optimizer, checkpoint.get("row_orders", {}))
-        if "param_groups" in checkpoint:  # a pipeline's: the groups' settings, every stage's
-            for group, settings in zip(optimizer.param_groups, checkpoint["param_groups"]):
-                group.update(settings)
+        apply_group_settings(optimizer, checkpoint)  # a pipeline's are not in its folder
         return
     saved = own.get("optimizer", checkpoint["optimizer"])
     if strategy.sharded_checkpoint and not _is_zero(optimizer):

@@ -33,7 +33,8 @@ from tandem.runtime.checkpoint import (
 from tandem.runtime.export import ShardedFinal, shards_written
 from tandem.runtime.faults import announce_resume
 from tandem.runtime.sharded_checkpoint import (
-    check_tensor_degree, existing_folder, folder_name, remove_older,
+    apply_group_settings, check_tensor_degree, existing_folder, folder_name, group_settings,
+    holds_groups, remove_older,
 )
 from tandem.runtime.tensor_parallel import split_parameters
 
@@ -85,7 +86,7 @@ class TensorCheckpoints:
         save_atomic({
             "version": CHECKPOINT_VERSION, "step": step, "fingerprint": trainer.job.fingerprint(),
             "sharded": name, "tensor_degree": trainer.plan.tensor_degree,
-            "row_orders": self.row_orders(),
+            "row_orders": self.row_orders(), "param_groups": group_settings(trainer.optimizer),
             "scheduler": trainer.scheduler.state_dict(), "ranks": ranks,
             "data": trainer.feed.position(step),
         }, trainer.out / "checkpoint.pt")
@@ -110,9 +111,12 @@ class TensorCheckpoints:
         trainer.feed.check_position(checkpoint.get("data"), str(config.resume))
         folder = existing_folder(path.parent / checkpoint["sharded"])
         state, model_state, optimizer_state = self._state()
+        if not holds_groups(folder):  # a pipeline's: the groups' settings are in checkpoint.pt
+            state = {"model": state["model"], "optimizer": {"state": state["optimizer"]["state"]}}
         load(state, checkpoint_id=str(folder))  # into the tensors themselves
         set_state_dict(trainer.model, trainer.optimizer, model_state_dict=model_state,
                        optim_state_dict=optimizer_state)
+        apply_group_settings(trainer.optimizer, checkpoint)
         load_schedule(trainer.optimizer, trainer.scheduler, checkpoint["scheduler"],
                       announce=env.rank == 0)
         ranks, degree = checkpoint["ranks"], trainer.plan.tensor_degree

@@ -53,6 +53,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module,
 )
 
+from tandem.errors import UsageError
 from tandem.models.pieces import Initializer, materialize
 from tandem.models.tensor import TensorPlan, head_shares, is_conv1d, output_dim
 
@@ -163,6 +164,18 @@ def layout_mesh(device_type: str, *, replicas: int, stages: int, degree: int,
     mesh = DeviceMesh(device_type, hybrid, mesh_dim_names=HYBRID_DIMS)
     mesh["replicate", "shard"]._flatten("data")  # noqa: SLF001  (torch's way to name it)
     return mesh
+
+
+def check_trust_ratios(plan: TensorPlan, optimizer: str) -> None:
+    """One line if ``optimizer`` (LARS, LAMB) would take a layer's norm over one worker's share:
+    a convolution split by channels holds its share as a plain tensor, not a DTensor whose norm
+    sums the shares."""
+    channels = [name for name, style in plan.items() if style == "channels"]
+    if optimizer in ("lars", "lamb") and channels:
+        raise UsageError(f"--optimizer {optimizer} scales each layer's step by the norm of the "
+                         f"whole layer, and convolutions split by channels ({', '.join(channels)}"
+                         f") hold their shares as plain tensors whose norms would be a share's; "
+                         f"use --optimizer sgd, adam or adamw, or drop --tensor-parallel")
 
 
 def stage_plan(plan: TensorPlan, start: int, end: int) -> tuple[TensorPlan, list[str]]:

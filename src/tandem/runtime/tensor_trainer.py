@@ -46,8 +46,9 @@ from tandem.runtime.precision import StagePrecision
 from tandem.runtime.export import ShardedFinal
 from tandem.runtime.tensor_checkpoint import TensorCheckpoints
 from tandem.runtime.tensor_parallel import (
-    MESH_DIMS, data_mesh, describe_shares, gathered_state_dict, layout_mesh, local_tensor, materialize_split,
-    memory_report, parameter_bytes, split_model, split_parameters, sum_gradients,
+    MESH_DIMS, check_trust_ratios, data_mesh, describe_shares, gathered_state_dict, layout_mesh,
+    local_tensor, materialize_split, memory_report, parameter_bytes, split_model,
+    split_parameters, sum_gradients,
 )
 from tandem.runtime.watchdog import Heartbeat
 from tandem.sync.sharded import check_units, shard_model
@@ -75,6 +76,7 @@ class TensorParallelTrainer(BaseTrainer):
         own = job.objects is not None and job.objects.model is not None
         self.tensor_plan = tensor_plan(None if own else config.model, model, degree,
                                        job.plan.tensor_layers)
+        check_trust_ratios(self.tensor_plan, config.optimizer)
         self.whole_bytes = parameter_bytes(model)
         num_parameters = sum(p.numel() for p in model.parameters())
         self.replicas, shards = job.plan.replicas[0], job.plan.shard_degree

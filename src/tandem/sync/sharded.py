@@ -192,8 +192,9 @@ def check_scalars(model: nn.Module) -> None:
     scalar = next((name for name, param in model.named_parameters() if param.dim() == 0), None)
     if scalar is not None:
         raise UsageError(f"parameter {scalar} is a scalar (shape ()), which FSDP2 cannot shard; "
-                         f"make it a 1-element tensor (shape (1,)) in the model, or use "
-                         f"--shard-level 1 (which shards the optimizer state only)")
+                         f"make it a 1-element tensor (shape (1,)) in the model (plain "
+                         f"--strategy dp also takes --shard-level 1, which shards the optimizer "
+                         f"state only)")
 
 
 def shard_mesh(device: torch.device, degree: int) -> Any:

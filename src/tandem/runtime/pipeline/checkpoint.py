@@ -41,7 +41,7 @@ from tandem.runtime.asynchrony import restore_momentum
 from tandem.runtime.checkpoint import CHECKPOINT_VERSION, load_schedule, save_atomic
 from tandem.runtime.pipeline.dcp import load_stage_shards, save_stage_shards, stage_row_orders
 from tandem.runtime.pipeline.layout import PipelineLayout
-from tandem.runtime.sharded_checkpoint import folder_name, remove_older
+from tandem.runtime.sharded_checkpoint import folder_name, group_settings, remove_older
 
 if TYPE_CHECKING:
     from tandem.runtime.pipeline.trainer import PipelineTrainer
@@ -198,10 +198,9 @@ def save_stage_checkpoint(trainer: PipelineTrainer, step: int) -> None:
     dist.gather_object(own, gathered if trainer.env.rank == 0 else None, dst=0)
     if trainer.env.rank != 0:
         return
-    groups = [{key: copy.deepcopy(value) for key, value in group.items() if key != "params"}
-              for group in trainer.optimizer.param_groups]
     save_atomic({
-        **_record(trainer, step, gathered), "sharded": name, "param_groups": groups,
+        **_record(trainer, step, gathered), "sharded": name,
+        "param_groups": copy.deepcopy(group_settings(trainer.optimizer)),
         "tensor_degree": trainer.place.tensor_degree,
         "row_orders": {name: order for part in gathered for name, order in
                        part["row_orders"].items()},

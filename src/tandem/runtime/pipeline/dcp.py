@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from torch.distributed.tensor import DTensor
 
 from tandem.errors import UsageError
-from tandem.runtime.sharded_checkpoint import existing_folder, natural_rows
+from tandem.runtime.sharded_checkpoint import apply_group_settings, existing_folder, natural_rows
 from tandem.runtime.tensor_checkpoint import dcp_state, row_orders
 
 if TYPE_CHECKING:
@@ -52,17 +52,28 @@ def _stage_io(trainer: PipelineTrainer) -> tuple[dict[str, Any], dict[str, Any],
     """What DCP writes or reads of this stage, by the model's names, and the stage's own model
     and optimizer state dicts (whose tensors it views) for ``set_state_dict``."""
     split, module = trainer.split, trainer.module
-    channels = {name for name, style in split.plan.items() if style == "channels"} if split else ()
-    rows = [name for name, _ in module.named_parameters() if name.rpartition(".")[0] in channels]
-    if trainer.shards is not None and rows:
-        raise UsageError(f"a sharded stage's convolutions split by channels ({', '.join(rows)}) "
-                         f"cannot be checkpointed yet; drop --shard or --tensor-parallel, or "
-                         f"--resume/--stop-after/--checkpoint-every/--max-restarts")
+    rows = checkpointable_rows(trainer)
     io, model_state, optimizer_state = dcp_state(
         module, trainer.optimizer, rows, split.mesh["tensor"] if split is not None else None)
     named = {"model": _by_name(io["model"], trainer.names),
              "optimizer": {"state": _by_name(io["optimizer"]["state"], trainer.names)}}
     return named, model_state, optimizer_state
+
+
+def checkpointable_rows(trainer: PipelineTrainer) -> list[str]:
+    """The stage's parameters split by channels (handed to DCP as DTensors sharded by rows);
+    one line if the stage is also sharded, which DCP cannot write so yet. The trainer calls it
+    at start-up when the run will checkpoint, so that it is refused before training."""
+    split = trainer.split
+    channels = {name for name, style in split.plan.items() if style == "channels"} if split else ()
+    rows = [name for name, _ in trainer.module.named_parameters()
+            if name.rpartition(".")[0] in channels]
+    if trainer.shards is not None and rows:
+        named = ", ".join(trainer.names(name)[0] for name in rows)
+        raise UsageError(f"a sharded stage's convolutions split by channels ({named}) cannot be "
+                         f"checkpointed yet; drop --shard or --tensor-parallel, or "
+                         f"--resume/--stop-after/--checkpoint-every/--max-restarts")
+    return rows
 
 
 def save_stage_shards(trainer: PipelineTrainer, folder: Path) -> None:
@@ -106,9 +117,7 @@ def load_stage_shards(trainer: PipelineTrainer, checkpoint: dict[str, Any], path
     load(state, checkpoint_id=str(folder))  # into the stage's tensors themselves
     set_state_dict(trainer.module, trainer.optimizer, model_state_dict=model_state,
                    optim_state_dict=optimizer_state)
-    for group, settings in zip(trainer.optimizer.param_groups,
-                               checkpoint.get("param_groups", ()), strict=False):
-        group.update(settings)  # a data-parallel run's are in the folder: the run's own stay
+    apply_group_settings(trainer.optimizer, checkpoint)
     natural_rows(trainer.module, trainer.optimizer, natural)
 
 
@@ -127,14 +136,22 @@ def _natural_orders(trainer: PipelineTrainer, checkpoint: dict[str, Any], path: 
         if mine is None and not isinstance(parameter, DTensor):
             natural[key] = held  # type: ignore[assignment] # held is not None here
             continue
-        degree = int(checkpoint.get("tensor_degree", 1))
         raise UsageError(
             f"checkpoint {path} holds the outputs of {name} {_order(held)}, and this run's "
-            f"stage {trainer.place.stage} holds them {_order(mine, parameter)}; resume it with "
-            f"--tensor-parallel {degree} --stages {len(checkpoint['layout']['bounds'])} as it "
-            f"was saved, or without --tensor-parallel and --shard (each stage then reads whole "
-            f"tensors and puts them in order)")
+            f"stage {trainer.place.stage} holds them {_order(mine, parameter)}; resume it "
+            f"{_saved_layout(checkpoint)}, or without --tensor-parallel and --shard (each stage "
+            f"then reads whole tensors and puts them in order)")
     return natural
+
+
+def _saved_layout(checkpoint: dict[str, Any]) -> str:
+    """The flags of the layout that saved ``checkpoint``, in words (a pipeline's or dp's)."""
+    degree = int(checkpoint.get("tensor_degree", 1))
+    tensor = f" --tensor-parallel {degree}" if degree > 1 else ""
+    layout = checkpoint.get("layout")
+    if layout is None:
+        return f"as it was saved (--strategy dp{tensor})"
+    return f"as it was saved (--stages {len(layout['bounds'])}{tensor})"
 
 
 def _order(entry: int | dict[str, int] | None, parameter: Any = None) -> str:

@@ -37,7 +37,8 @@ from tandem.runtime.job import Job
 from tandem.runtime.pipeline.layout import StagePlace, layout_from_plan
 from tandem.runtime.pipeline.setup import pipeline_blocks
 from tandem.runtime.tensor_parallel import (
-    Shares, describe_shares, parameter_bytes, share_heads, share_sides, split_model, stage_plan,
+    Shares, check_trust_ratios, describe_shares, parameter_bytes, share_heads, share_sides,
+    split_model, stage_plan,
 )
 from tandem.split import SplitModel
 
@@ -147,7 +148,8 @@ def split_stage(job: Job, module: nn.Module, model: nn.Module, blocks: nn.Sequen
         part, whole_layers = traced_stage_plan(blocks, whole_plan, start, end)
         plan = {f"{blocks.leaves[name] - start}.{name}": style for name, style in part.items()}
     else:
-        plan, whole_layers = stage_plan(whole_plan, start, end)
+        check_trust_ratios(whole_plan, job.run.optimizer)
+    plan, whole_layers = stage_plan(whole_plan, start, end)
     if whole_layers and place.tensor_rank == 0 and place.replica == 0:
         warnings.warn(f"layers {', '.join(whole_layers)} stay whole: a heads layer needs its "
                       f"row-wise layer in its stage", PlanWarning, stacklevel=2)
