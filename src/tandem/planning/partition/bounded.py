@@ -28,6 +28,11 @@ import numpy as np
 from tandem.planning.partition.levels import LevelProblem, LevelTable
 
 
+CHUNK_TERMS = 4_000_000
+"""Terms ``(k, j, r)`` timed at once: the table's memory stays within a few hundred megabytes
+whatever the bound (how many terms there are in all is the bound's business)."""
+
+
 @dataclass(kw_only=True, slots=True)
 class _LastStages:
     """The last stages ``(k, j, r)`` that take at most the bound, grouped by ``(r, k)``."""
@@ -44,11 +49,12 @@ class _LastStages:
     """Group ``(r - 1) * n + k`` is ``offsets[group] : offsets[group + 1]``."""
 
 
-def solve_row0(problem: LevelProblem) -> LevelTable:
-    """Row 0 of ``problem``, exact on every cell a plan within a known plan's bottleneck uses."""
+def solve_row0(problem: LevelProblem, bound: float = np.inf) -> LevelTable:
+    """Row 0 of ``problem``, exact on every cell a plan within a known plan's bottleneck uses
+    (``bound``: a smaller bottleneck of a plan known to exist, when there is one)."""
     n, N = problem.states.num_states, problem.num_units
     one_stage = _one_stage_times(problem)
-    bound = _known_bound(problem, one_stage)
+    bound = min(bound, _known_bound(problem, one_stage))
     last = _last_stages(problem, bound)
     best = np.full((n, N), np.inf)
     best[:, 0] = np.where(one_stage[:, 0] <= bound, one_stage[:, 0], np.inf)
@@ -78,7 +84,8 @@ def _known_bound(problem: LevelProblem, one_stage: np.ndarray) -> float:
 
 
 def _last_stages(problem: LevelProblem, bound: float) -> _LastStages:
-    """Every ``(k, j, r)``, ``k`` below ``j``, whose stage takes at most ``bound`` (finite)."""
+    """Every ``(k, j, r)``, ``k`` below ``j``, whose stage takes at most ``bound`` (finite),
+    timed :data:`CHUNK_TERMS` at a time."""
     n, N = problem.states.num_states, problem.num_units
     ks, js = np.nonzero(problem.states.below)
     flat = (ks + 1) * n + js
@@ -87,15 +94,21 @@ def _last_stages(problem: LevelProblem, bound: float) -> _LastStages:
     most = _most_replicas(problem, ks, js, bound)
     least = np.minimum(_least_replicas(problem, segment[0], segment[2], bound), most + 1)
     count = (most - least + 1).astype(np.int64)
-    pair = np.repeat(np.arange(ks.size), count)
-    replicas = _ranges(least.astype(np.int64), count)
-    compute, parameters, moved = (values[pair] for values in segment)
-    times = problem.segment_time(compute, parameters, moved, replicas.astype(np.float64),
-                                 first=False)
-    keep = (times <= bound) & (times < np.inf)
-    groups = (replicas[keep] - 1) * n + ks[pair[keep]]
+    kept: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    for part in _chunks(count):
+        pair = np.repeat(part, count[part])
+        replicas = _ranges(least[part].astype(np.int64), count[part])
+        compute, parameters, moved = (values[pair] for values in segment)
+        times = problem.segment_time(compute, parameters, moved, replicas.astype(np.float64),
+                                     first=False)
+        keep = (times <= bound) & (times < np.inf)
+        kept.append((pair[keep], replicas[keep], times[keep]))
+    pair, replicas, times = (np.concatenate([part[i] for part in kept]) if kept
+                             else np.zeros(0, dtype=np.int64 if i < 2 else np.float64)
+                             for i in range(3))
+    groups = (replicas - 1) * n + ks[pair]
     order = np.argsort(groups)  # order within a group is free: ties break on (k, r) later
-    pair, replicas, times = pair[keep][order], replicas[keep][order], times[keep][order]
+    pair, replicas, times = pair[order], replicas[order], times[order]
     return _LastStages(
         before=ks[pair],
         state=js[pair],
@@ -103,6 +116,16 @@ def _last_stages(problem: LevelProblem, bound: float) -> _LastStages:
         time_s=times,
         offsets=np.concatenate(([0], np.cumsum(np.bincount(groups, minlength=N * n)))),
     )
+
+
+def _chunks(count: np.ndarray) -> list[np.ndarray]:
+    """Consecutive indices of ``count`` in groups of at most :data:`CHUNK_TERMS` terms in all
+    (a single index when it alone has more)."""
+    ends = np.cumsum(count)
+    cuts = np.searchsorted(ends, np.arange(CHUNK_TERMS, int(ends[-1]) if ends.size else 0,
+                                           CHUNK_TERMS), side="right")
+    bounds = np.unique(np.concatenate(([0], cuts, [count.size])))
+    return [np.arange(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
 
 
 def _least_replicas(problem: LevelProblem, compute: np.ndarray, moved: np.ndarray,
@@ -149,19 +172,24 @@ def _most_replicas(problem: LevelProblem, ks: np.ndarray, js: np.ndarray,
 def _best_splits(
     problem: LevelProblem, last: _LastStages, best: np.ndarray, m: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per state j: min over (k, r) of max(best[k, m - r], last(k, j, r)), with its k and r."""
+    """Per state j: min over (k, r) of max(best[k, m - r], last(k, j, r)), with its k and r
+    (the terms :data:`CHUNK_TERMS` at a time)."""
     n, N = best.shape
     prefix = best[:, m - 1 :: -1][:, :m]  # [k, r - 1] = best[k, m - r]
     ks, r_index = np.nonzero(prefix < np.inf)
     start = last.offsets[r_index * n + ks]
     count = last.offsets[r_index * n + ks + 1] - start
-    index = _ranges(start, count)
-    times = np.maximum(np.repeat(prefix[ks, r_index], count), last.time_s[index])
-    states, before, replicas = last.state[index], last.before[index], last.replicas[index]
-    if problem.memory_bytes is not None:
-        fits = problem.fits(before + 1, states, replicas, np.full(index.size, m + 1))
-        times = np.where(fits, times, np.inf)
-    return _first_minimum(times, states, before * N + replicas, n, N)
+    least, first = np.full(n, np.inf), np.full(n, n * N, dtype=np.int64)
+    for part in _chunks(count):
+        index = _ranges(start[part], count[part])
+        times = np.maximum(np.repeat(prefix[ks[part], r_index[part]], count[part]),
+                           last.time_s[index])
+        states, before, replicas = last.state[index], last.before[index], last.replicas[index]
+        if problem.memory_bytes is not None:
+            fits = problem.fits(before + 1, states, replicas, np.full(index.size, m + 1))
+            times = np.where(fits, times, np.inf)
+        _first_minimum(least, first, times, states, before * N + replicas)
+    return least, first // N, first % N
 
 
 def _ranges(start: np.ndarray, count: np.ndarray) -> np.ndarray:
@@ -170,16 +198,17 @@ def _ranges(start: np.ndarray, count: np.ndarray) -> np.ndarray:
     return np.repeat(start - ends + count, count) + np.arange(ends[-1] if ends.size else 0)
 
 
-def _first_minimum(
-    times: np.ndarray, states: np.ndarray, order: np.ndarray, n: int, N: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per state: the least time, and the (k, r) attaining it first in ``order = k * N + r``."""
-    least = np.full(n, np.inf)
-    np.minimum.at(least, states, times)
+def _first_minimum(least: np.ndarray, first: np.ndarray, times: np.ndarray, states: np.ndarray,
+                   order: np.ndarray) -> None:  # fmt: skip
+    """Per state, in place: the least time so far, and the smallest ``order = k * N + r``
+    attaining it (``first``), merged with the terms ``times`` of ``states``."""
+    chunk = np.full(least.size, np.inf)
+    np.minimum.at(chunk, states, times)
+    better = chunk < least
+    first[better] = np.iinfo(np.int64).max
+    least[better] = chunk[better]
     hit = (times == least[states]) & (times < np.inf)
-    first = np.full(n, n * N, dtype=np.int64)
     np.minimum.at(first, states[hit], order[hit])
-    return least, first // N, first % N
 
 
 def _combine(

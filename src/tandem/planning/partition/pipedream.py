@@ -40,6 +40,7 @@ from tandem.errors import UsageError
 from tandem.planning.partition.antichain import States, build_states
 from tandem.planning.partition.bounded import solve_row0
 from tandem.planning.partition.levels import LevelProblem, LevelTable, solve_level
+from tandem.planning.partition.limited import solve_limited
 from tandem.planning.partition.memory import FLUSH_SCHEDULES
 from tandem.planning.partition.parametric import solve_level_fast
 from tandem.profile import ModelProfile
@@ -184,16 +185,23 @@ FAST_PATH_ELEMENTS = 50_000_000
 def _solve(problem: LevelProblem, options: PartitionOptions, *, final: bool) -> LevelTable:
     """Solve one level: every row (inner levels) or row 0 (the final level).
 
-    Row 0 goes to the parametric search when the table would be large, else to the table pruned
-    by a known plan's bottleneck.
+    Row 0 goes to a parametric search when the table would be large (under a memory limit on a
+    flat level, :mod:`.limited`), else to the table pruned by a known plan's bottleneck (under a
+    memory limit, the least bound :mod:`.limited` proves when it cannot prove the optimum).
     """
     pairs = int(problem.states.below.sum())
+    bound = math.inf
     if final and not options.exact_dp and pairs * problem.num_units**2 > FAST_PATH_ELEMENTS:
-        fast = solve_level_fast(problem)
+        if problem.memory_bytes is None:
+            fast = solve_level_fast(problem)
+        elif problem.inner is None and (problem.allow_idle or not problem.straight):
+            fast, bound = solve_limited(problem)
+        else:
+            fast = None
         if fast is not None:
             return fast
     if not problem.all_rows:
-        return solve_row0(problem)
+        return solve_row0(problem, bound)
     return solve_level(problem)
 
 

@@ -1,0 +1,86 @@
+"""The parametric search under a memory limit equals the table, and holds the limit itself.
+
+``planning/partition/limited.py`` solves row 0 of a flat level under a memory limit for many
+units (the 1,000-layer chain on 1,024 devices); the exhaustive search of
+``test_partition_exact.py`` checks it on 8 layers. Here chains of up to 60 layers and DAGs on up
+to 40 units, under limits that bind, compare it with the plain table of ``levels.py``, and every
+plan it returns is checked stage by stage: its units, its time, each device's memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+
+import pytest
+
+from tandem.planning.partition.levels import LevelProblem, solve_level
+from tandem.planning.partition.limited import solve_limited
+from tandem.planning.partition.memory import stage_memory_bytes
+from tandem.spec.kinds import ScheduleKind
+from tests.test_partition_bounded import random_problem
+
+pytestmark = pytest.mark.pure
+
+
+def limited_problem(rng: random.Random) -> LevelProblem:
+    """A flat level of up to 40 units under a limit from a 50th of the whole model's memory on
+    one device up, for any schedule."""
+    problem = random_problem(rng)
+    schedule = rng.choice([ScheduleKind.PIPEDREAM, ScheduleKind.PIPEDREAM,
+                           ScheduleKind.ONE_F_ONE_B, ScheduleKind.GPIPE])
+    factor = rng.choice([0.0, 1.0, 2.0])
+    states = problem.states
+    whole = float(stage_memory_bytes(schedule, parameter_bytes=states.parameter_bytes[-1],
+                                     activation_bytes=states.activation_bytes[-1], replicas=1,
+                                     downstream=0, optimizer_state_factor=factor))
+    allow_idle = rng.random() < 0.3
+    return dataclasses.replace(
+        problem, num_units=rng.randint(2, 40), devices_per_unit=1, schedule=schedule,
+        memory_bytes=max(whole, 1e6) * rng.uniform(0.02, 1.2), optimizer_state_factor=factor,
+        allow_idle=allow_idle, straight=allow_idle and rng.random() < 0.2)
+
+
+def check_plan(problem: LevelProblem, pieces: list, bottleneck: float) -> None:
+    """Stages cover the model in order, on N units (at most with idle ones), each within the
+    bottleneck and each device within the limit (idle units after the first stage)."""
+    N = problem.num_units
+    used = sum(piece[2] for piece in pieces)
+    assert used <= N if problem.allow_idle else used == N
+    assert pieces[0][0] == -1 and pieces[-1][1] == problem.states.num_states - 1
+    after = used
+    for index, (before, state, replicas, time_s, _, _) in enumerate(pieces):
+        assert index == 0 or before == pieces[index - 1][1]
+        assert time_s <= bottleneck
+        after -= replicas
+        downstream = after if index else N - replicas  # idle units sit after the first stage
+        need = stage_memory_bytes(problem.schedule, parameter_bytes=problem.parameter_bytes[
+            before + 1, state], activation_bytes=problem.stash_bytes[before + 1, state],
+            replicas=replicas, downstream=downstream,
+            optimizer_state_factor=problem.optimizer_state_factor)
+        assert need <= problem.memory_bytes
+        if problem.straight:
+            assert replicas == 1
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_limited_search_equals_table(seed: int) -> None:
+    rng = random.Random(seed)
+    proven = 0
+    for _ in range(30):
+        problem = limited_problem(rng)
+        expected = float(solve_level(problem).best[0, -1, -1])
+        table, bound = solve_limited(problem)
+        if table is None:  # not proven: an upper bound for the pruned table
+            assert bound >= expected * (1 - 1e-12), problem
+            continue
+        proven += 1
+        got = float(table.best[0, -1, -1])
+        if math.isinf(expected):
+            assert math.isinf(got), problem
+            continue
+        assert got == pytest.approx(expected, rel=1e-9), problem
+        check_plan(problem, table.backtrack(0, problem.states.num_states - 1), got)
+    assert proven >= 25
+
