@@ -41,6 +41,8 @@ MODELS = {
     "vgg16": dataclasses.replace(load_profile(str(PROFILES / "vgg16.graph.txt")), batch_size=64),
     "gnmt": dataclasses.replace(load_profile(str(PROFILES / "gnmt.graph.txt")), batch_size=128),
     "chain": _chain(14, batch_size=48, seed=28),
+    "resnet50": dataclasses.replace(load_profile(str(PROFILES / "resnet50.graph.txt")),
+                                    batch_size=64),
 }
 
 
@@ -54,6 +56,8 @@ class Case:
     speed: float
     limit_gb: float | None
     schedule: str
+    pipeline_only: bool = False
+    """As ``tandem plan --schedule``: one of the partitioner's plans, run as asked."""
 
     def cluster(self, *, bandwidth_scale: float = 1.0, speed_scale: float = 1.0,
                 limit_gb: float | None = None) -> Cluster:
@@ -77,14 +81,25 @@ def _cases(count: int, seed: int) -> list[Case]:
     return cases
 
 
-CASES = _cases(12, seed=28)
+def _pipeline_cases(count: int, seed: int) -> list[Case]:
+    """ResNet-50 and the chain with a schedule asked for (``pipeline_only``), on 4 and 8
+    devices: the path ``tandem plan --schedule`` takes."""
+    rng = random.Random(seed)
+    return [Case(model=rng.choice(("resnet50", "chain")), devices=rng.choice((4, 8)),
+                 bandwidth_gbps=round(10 ** rng.uniform(0, 2.6), 2),
+                 speed=rng.choice((0.5, 1.0, 2.0)), limit_gb=rng.choice((None, 16.0, 8.0, 4.0)),
+                 schedule=rng.choice(("1f1b", "pipedream")), pipeline_only=True)
+            for _ in range(count)]
+
+
+CASES = _cases(12, seed=28) + _pipeline_cases(4, seed=280)
 
 
 def _plan(case: Case, cluster: Cluster) -> Plan | None:
     """The planner's plan, or None when no plan fits the limit."""
     try:
         return make_plan(MODELS[case.model], cluster, PartitionOptions(), schedule=case.schedule,
-                         sim=SIM)
+                         sim=SIM, pipeline_only=case.pipeline_only)
     except UsageError:
         return None
 
@@ -104,7 +119,7 @@ def _runs_on_its_minibatch(plan: Plan, batch: int) -> bool:
 
 @pytest.mark.parametrize("case", CASES, ids=lambda case: (
     f"{case.model}-{case.devices}-{case.bandwidth_gbps}Gbps-x{case.speed}-"
-    f"{case.limit_gb}GB-{case.schedule}"))
+    f"{case.limit_gb}GB-{case.schedule}{'-asked' if case.pipeline_only else ''}"))
 def test_no_plan_is_slower_than_one_it_could_have_made(case: Case) -> None:
     cluster = case.cluster()
     plan = _plan(case, cluster)
@@ -130,8 +145,9 @@ def test_no_plan_is_slower_than_one_it_could_have_made(case: Case) -> None:
         step, other_fits = _step(other, case, cluster)
         if other_fits:
             assert chosen <= step * (1 + TOLERANCE), (what, plan.config, other.config)
-    references = {"data parallelism": data_parallel_plan(profile, case.devices),
-                  "one device": data_parallel_plan(profile, 1)}
+    references = {} if case.pipeline_only else {
+        "data parallelism": data_parallel_plan(profile, case.devices),
+        "one device": data_parallel_plan(profile, 1)}
     for what, reference in references.items():
         step, reference_fits = _step(reference, case, cluster)
         if reference_fits and profile.batch_size % reference.stages[0].replicas == 0:
@@ -201,3 +217,41 @@ def test_no_limit_is_never_slower_than_a_limit() -> None:
                         PartitionOptions(memory_bytes=32e9))
     assert free.bottleneck_s <= limited.bottleneck_s * (1 + TOLERANCE), (free.config,
                                                                          limited.config)
+
+
+SERIES = [  # (devices or cluster, schedule, limit GB, the link speeds in Gb/s or limits in GB)
+    (8, "1f1b", 16.0, "bandwidth", (100.0, 200.0)),
+    (16, "1f1b", 16.0, "bandwidth", (50.0, 100.0)),
+    (16, "pipedream", 32.0, "bandwidth", (25.0, 50.0)),
+    ("4x16GB/s,4x10Gb/s", "pipedream", None, "limit", (28.0, 32.0)),
+]
+
+
+@pytest.mark.parametrize("series", SERIES,
+                         ids=lambda series: f"{series[0]}-{series[1]}-{series[3]}")
+def test_the_issues_series_are_monotone(series: tuple) -> None:
+    """Issue 28's series with a schedule asked for (ResNet-50): 8 devices under 1F1B and 16 GB
+    gave "8" at 60.7 ms at 100 Gb/s and 5-2-1 at 98.5 ms at 200 Gb/s; 16 devices 58.4 ms at 50
+    Gb/s and 67.6 ms at 100; under PipeDream's schedule and 32 GB "16" at 31.5 ms at 25 Gb/s and
+    60.3 ms at 50; on 4x16GB/s,4x10Gb/s "16" at 36.0 ms under 28 GB and 8-5-3 at 153.7 ms
+    under 32 GB. Each point's plan is no slower than the previous point's re-simulated there."""
+    where, schedule, limit_gb, axis, values = series
+    profile = MODELS["resnet50"]
+    previous: Plan | None = None
+    for value in values:
+        if isinstance(where, str):
+            cluster = parse_cluster(where)
+        else:
+            cluster = flat_cluster(num_devices=where, bandwidth=(value if axis == "bandwidth"
+                                                                  else 10.0) * 1e9 / 8)
+        limit = (value if axis == "limit" else limit_gb) * 1e9
+        cluster = dataclasses.replace(cluster, memory_bytes=limit)
+        plan = make_plan(profile, cluster, PartitionOptions(), schedule=schedule, sim=SIM,
+                         pipeline_only=True)
+        if previous is not None:
+            before = simulate(previous, profile, cluster, SIM)
+            assert before.fits_memory
+            assert plan.bottleneck_s <= before.step_time_s * (1 + TOLERANCE), (
+                value, plan.config, previous.config)
+        previous = plan
+

@@ -16,21 +16,27 @@ plan that fits:
 
 - link speeds: every level's bandwidth times :data:`BANDWIDTH_RUNGS`, nearest first (twice
   the bandwidth is the partitioner's plan for devices half as fast: its cost model depends on
-  bandwidth over speed only), each way until :data:`STABLE_RUNGS` rungs add no new layout;
-- memory, on every link rung: the free plan, the limit times :data:`FLUSH_BUDGET_SCALES` (flush
-  schedules, whose budget counts a replica's whole share of the minibatch in flight where 1F1B
-  holds less), the limit itself, then down the memory axis one plan at a time (the budget the
-  last plan's need less :data:`BUDGET_STEP`: the partitioner's best plan among those that hold
-  less), :data:`MAX_BUDGETS` plans at most.
+  bandwidth over speed only), each way until :data:`STABLE_RUNGS` rungs give no new free plan;
+- memory, on every link rung alike: the free plan, the limit times :data:`FLUSH_BUDGET_SCALES`
+  (flush schedules, whose budget counts a replica's whole share of the minibatch in flight
+  where 1F1B holds less), the limit itself, then the points of a fixed grid below it
+  (:func:`grid_budgets`: 1 GB times powers of 2 ** (1 / :data:`GRID_POINTS_PER_DOUBLING`),
+  :data:`GRID_RUNGS` of them below the free plan's need), and from each budget's plan up to
+  :data:`STEPS_PER_BUDGET` plans down the memory axis (the budget the last plan's need less
+  :data:`BUDGET_STEP`: the partitioner's best plan among those that hold less) until one
+  holds less than the next grid point; the limit's steps first.
 
-The ladders are the cluster's own figures scaled, so the candidates of a looser limit, twice
-the bandwidth or devices twice as fast include those of the tighter or slower cluster (all but
-the far end of its ladders), which makes the planner monotone along them; the property test
-(``tests/test_planner_properties.py``) checks it. Identical layouts are simulated once (by
-stages, layer order, schedule and micro-batches). Work is bounded: solves beyond the essential
-ones (the free plan, the limit's and :data:`ESSENTIAL_STEPS` below it on the cluster's own
-links) stop at :data:`MAX_SOLVE_WORK` (:func:`solve_work`), and at most :data:`MAX_LAYOUTS`
-layouts are simulated.
+The link ladder is the cluster's own figures scaled by powers of 2, and the memory grid does
+not depend on the limit or on the path down it, so the candidates of a looser limit, twice the
+bandwidth or devices twice as fast include those of the tighter or slower cluster (all but the
+far ends of its ladders, the limit's own plan and the steps below it, and what the work bounds
+cut), which makes the planner monotone along them in practice; the property test
+(``tests/test_planner_properties.py``) checks it on a sample and on issue 28's series. Identical
+layouts are simulated once (by stages, layer order, schedule and micro-batches). Work is
+bounded: solves beyond the first :data:`ESSENTIAL_SOLVES` on the cluster's own links stop at
+:data:`MAX_SOLVE_WORK` (:func:`solve_work`), at most :data:`MAX_LAYOUTS` layouts are
+simulated, and solves that fill tables of gigabytes (:data:`ESSENTIAL_WORK`) take only the free
+plan and the limit's.
 
 Micro-batch counts divide the minibatch (what ``tandem train`` requires): the smallest divisor
 at least each multiple :data:`MICROBATCH_FACTORS` of the default; with the minibatch unknown
@@ -40,6 +46,7 @@ at least each multiple :data:`MICROBATCH_FACTORS` of the default; with the minib
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -58,22 +65,29 @@ BANDWIDTH_RUNGS = (1.0, 0.5, 2.0, 0.25, 4.0, 0.125, 8.0, 1 / 16, 16.0, 1 / 32, 3
 is; above 1: the plans for devices that many times slower; below 1: for slower links); each
 plan simulated on the real cluster."""
 STABLE_RUNGS = 2
-"""Rungs in one direction that add no new layout after which the ladder stops that way (the
-partitioner's plan no longer changes with the links there)."""
+"""Rungs in one direction whose free plans are all layouts seen before, after which the ladder
+stops that way (the partitioner's plan no longer changes with the links there)."""
 FLUSH_BUDGET_SCALES = (8.0, 4.0, 2.0)
 """Flush schedules: budgets above the limit, as multiples of it (the partitioner budgets a
 replica's whole share in flight; 1F1B's simulated peak is often lower)."""
-MAX_BUDGETS = 4
-"""Plans down the memory axis below the limit (or the free plan), at most, per link speed."""
-ESSENTIAL_STEPS = 2
-"""Steps down the memory axis from the limit (or, without one, from the free plan) on the
-cluster's own links taken whatever the :data:`MAX_SOLVE_WORK` (the plans nearest the limit,
-which the simulator often rates far apart: ResNet-50 on 4x16GB/s,4x10Gb/s at 16 GB, 4-12 at
-334 ms, then 4-4-4-4 at 65 ms)."""
+GRID_BASE_BYTES = 1e9
+"""Memory budgets lie on a grid: this times powers of 2 (1 GB, 1.19 GB, 1.41 GB, ...)."""
+GRID_POINTS_PER_DOUBLING = 4
+"""Grid points per doubling of the budget."""
+GRID_RUNGS = 5
+"""Grid points below the free plan's need tried per link rung (a factor of 2.4 below it)."""
+STEPS_PER_BUDGET = 2
+"""Plans down the memory axis from each grid budget's, at most, until one holds less than the
+next grid point (the plans between two grid points that the partitioner rates best)."""
+ESSENTIAL_SOLVES = 6
+"""Solves on the cluster's own links taken whatever the :data:`MAX_SOLVE_WORK` (and not counted
+in it): the free plan, the limit's, two below it and the next two grid points (the plans
+nearest the limit, which the simulator often rates far apart: ResNet-50 on 4x16GB/s,4x10Gb/s
+at 16 GB, 4-12 at 334 ms, then 4-4-4-4 at 65 ms)."""
 ESSENTIAL_WORK = 2e8
-"""The :data:`ESSENTIAL_STEPS` are taken whatever the work up to this size of a solve
-(ResNet-50 on servers of 4 is 9e7); a 1,000-layer chain on 1,024 devices (1e9) takes only the
-free plan and the limit's (a solve under a budget there fills a table of gigabytes)."""
+"""Solves up to this size (:func:`solve_work`; ResNet-50 on servers of 4 is 9e7) climb the
+memory grid; larger ones (a 1,000-layer chain on 1,024 devices, 1e9) take only the free plan
+and the limit's, on the cluster's own links."""
 BUDGET_STEP = 1e-6
 """Down the memory axis, the next budget is the last plan's need less this fraction of it:
 the partitioner's best plan among those that hold less."""
@@ -82,9 +96,9 @@ MEMORY_RETRIES = 3
 shrunk by the overflow."""
 MAX_LAYOUTS = 48
 """Distinct pipeline layouts simulated per planning, at most (the first rungs first)."""
-MAX_SOLVE_WORK = 4e6
-"""Partitioner work (:func:`solve_work`) per planning beyond the free plan and the limit's on
-the cluster's own links: small models climb every rung, large ones and hierarchies fewer."""
+MAX_SOLVE_WORK = 1e7
+"""Partitioner work (:func:`solve_work`) per planning beyond the :data:`ESSENTIAL_SOLVES`:
+small models climb every rung, large ones and hierarchies fewer."""
 
 Solve = Callable[[Cluster, PartitionOptions], Plan]
 """The partitioner: a plan for a cluster under options (:class:`NoPlanFits` when none fits)."""
@@ -196,79 +210,124 @@ class CandidatePool:
         """The partitioner's plans (``solve(cluster, options)``) for each view of the cluster
         (its name and the cluster the partitioner sees) on the rungs of the link and memory
         ladders (module docstring), simulated on the real cluster, nearest rungs first: on
-        each link rung the free plan, the limit's and down the memory axis; each distinct
-        layout once, within :data:`MAX_SOLVE_WORK` and :data:`MAX_LAYOUTS`."""
+        each link rung the free plan and the memory grid below it; each distinct layout once,
+        within :data:`MAX_SOLVE_WORK` and :data:`MAX_LAYOUTS`."""
         found: list[Candidate] = []
         idle = {direction: 0 for direction in (1.0, -1.0)}
+        free: set[tuple[Any, ...]] = set()
         for factor in BANDWIDTH_RUNGS:
             direction = 1.0 if factor >= 1.0 else -1.0
             if idle[direction] >= STABLE_RUNGS:
                 continue  # the plans stopped changing this way
-            before = len(self._layouts)
+            before = len(free)
             for name, view in views:
                 rung = _Rung(name, dataclasses.replace(scale_links(view, factor),
                                                        memory_bytes=None), factor)
-                found += self._top(rung, options, solve)
-                found += self._descend(rung, options, solve)
-            idle[direction] = idle[direction] + 1 if len(self._layouts) == before else 0
+                if solve_work(self.profile.num_layers, rung.cluster) > ESSENTIAL_WORK:
+                    found += self._free_and_limit(rung, options, solve)
+                else:
+                    found += self._grid(rung, options, solve)
+                free |= {rung.free} if rung.free is not None else set()
+            idle[direction] = idle[direction] + 1 if len(free) == before else 0
         return found
 
     def _solve(self, rung: _Rung, options: PartitionOptions, solve: Solve,
                budget: float | None, *, essential: bool) -> Plan | None:  # fmt: skip
         """The partitioner's plan on ``rung`` under ``budget`` (None when none fits it, or
-        when the work runs out; ``essential`` ones, the free plan, the limit's and
-        :data:`ESSENTIAL_STEPS` below on the cluster's own links, always run)."""
+        when the work runs out; ``essential`` ones always run)."""
         work = solve_work(self.profile.num_layers, rung.cluster)
-        if not essential and (self._spent + work > MAX_SOLVE_WORK
-                              or len(self._layouts) >= MAX_LAYOUTS):
-            return None
-        self._spent += work
+        if not essential:
+            if self._spent + work > MAX_SOLVE_WORK or len(self._layouts) >= MAX_LAYOUTS:
+                return None
+            self._spent += work
         try:
             plan = solve(rung.cluster, dataclasses.replace(options, memory_bytes=budget))
         except NoPlanFits:
-            limit = options.memory_bytes
-            rung.exhausted = budget is None or (limit is not None and budget <= limit)
+            rung.exhausted = True
             return None
         rung.need = plan_need(plan)
         return plan
 
-    def _top(self, rung: _Rung, options: PartitionOptions, solve: Solve) -> list[Candidate]:
-        """The free plan, then the budgets at and above the limit that it does not meet."""
-        own = rung.factor == 1.0
-        plan = self._solve(rung, options, solve, None, essential=own)
-        if plan is None:
-            rung.exhausted = True
+    def _free_and_limit(self, rung: _Rung, options: PartitionOptions,
+                        solve: Solve) -> list[Candidate]:  # fmt: skip
+        """Solves that fill tables of gigabytes (a 1,000-layer chain on 1,024 devices): on the
+        cluster's own links only, the free plan and, when it needs more, the limit's."""
+        if rung.factor != 1.0:
             return []
+        plan = self._solve(rung, options, solve, None, essential=True)
+        if plan is None:
+            return []
+        rung.free = layout_key(plan)
         found = self._take(rung, plan, None)
         limit = options.memory_bytes
-        for budget in budgets(limit, options.schedule):
-            if budget >= rung.need:
-                continue
-            plan = self._solve(rung, options, solve, budget, essential=own and budget == limit)
-            if plan is None:
-                continue
-            taken = self._take(rung, plan, budget)
-            found += taken
-            if own and budget == limit and taken and not taken[0].fits:
-                found += self._shrunk(rung, options, solve, taken[0])
-        return found
+        if limit is None or rung.need <= limit:
+            return found
+        plan = self._solve(rung, options, solve, limit, essential=True)
+        taken = [] if plan is None else self._take(rung, plan, limit)
+        if taken and not taken[0].fits:
+            taken += self._shrunk(rung, options, solve, taken[0])
+        return found + taken
 
-    def _descend(self, rung: _Rung, options: PartitionOptions,
-                 solve: Solve) -> list[Candidate]:  # fmt: skip
-        """Down the memory axis from the last plan: each time under its need less
-        :data:`BUDGET_STEP`, the partitioner's best plan among those that hold less
-        (:data:`MAX_BUDGETS` at most)."""
-        found: list[Candidate] = []
-        for step in range(MAX_BUDGETS):
+    def _grid(self, rung: _Rung, options: PartitionOptions, solve: Solve) -> list[Candidate]:
+        """The free plan, each budget of :func:`grid_budgets` once, then down the memory axis
+        from each budget's plan: up to :data:`STEPS_PER_BUDGET` plans, each under the last
+        one's need less :data:`BUDGET_STEP`, until one holds less than the next grid point.
+        The first :data:`ESSENTIAL_SOLVES` solves on the cluster's own links always run."""
+        solves = 0
+
+        def attempt(budget: float | None) -> Plan | None:
+            nonlocal solves
+            solves += 1
+            return self._solve(rung, options, solve, budget, essential=rung.factor == 1.0
+                               and solves <= ESSENTIAL_SOLVES)
+
+        plan = attempt(None)
+        if plan is None:
+            return []
+        rung.free = layout_key(plan)
+        found = self._take(rung, plan, None)
+        limit = options.memory_bytes
+        shrink = rung.factor == 1.0 and limit is not None
+        reached: list[tuple[float, float]] = []  # the next grid point, the plan's need
+        nearest = True
+        for budget, below in grid_budgets(rung.need, limit, options.schedule):
             if rung.exhausted:
                 break
-            budget = min(rung.need, options.memory_bytes or rung.need) * (1 - BUDGET_STEP)
-            essential = (rung.factor == 1.0 and step < ESSENTIAL_STEPS
-                         and solve_work(self.profile.num_layers, rung.cluster) <= ESSENTIAL_WORK)
-            plan = self._solve(rung, options, solve, budget, essential=essential)
+            if rung.need > budget:  # else the last plan is this budget's plan
+                plan = attempt(budget)
+                if plan is None:
+                    continue
+                taken = self._take(rung, plan, budget)
+                found += taken
+                if shrink and limit is not None and rung.need <= limit and taken:
+                    shrink = False  # the first plan the partitioner deems within the limit
+                    if not taken[0].fits:
+                        found += self._shrunk(rung, options, solve, taken[0])
+            if nearest and (limit is None or budget <= limit):
+                nearest = False  # the steps below the limit's plan first
+                found += self._steps(rung, (below, rung.need), attempt)
+            else:
+                reached.append((below, rung.need))
+        for last in reached:
+            rung.exhausted = False
+            found += self._steps(rung, last, attempt)
+        return found
+
+    def _steps(self, rung: _Rung, last: tuple[float, float],
+               attempt: Callable[[float], Plan | None]) -> list[Candidate]:  # fmt: skip
+        """Down the memory axis from a plan that needs ``last[1]``: up to
+        :data:`STEPS_PER_BUDGET` plans, each the partitioner's best among those that hold less
+        than the last, until one holds at most the next grid point ``last[0]``."""
+        below, need = last
+        found: list[Candidate] = []
+        for _ in range(STEPS_PER_BUDGET):
+            if need <= below:
+                break
+            plan = attempt(need * (1 - BUDGET_STEP))
             if plan is None:
                 break
-            found += self._take(rung, plan, budget)
+            found += self._take(rung, plan, need * (1 - BUDGET_STEP))
+            need = rung.need
         return found
 
     def _shrunk(self, rung: _Rung, options: PartitionOptions, solve: Solve,
@@ -318,6 +377,8 @@ class _Rung:
     """The last plan's need by the partitioner's memory model."""
     exhausted: bool = False
     """No plan holds less than the last one."""
+    free: tuple[Any, ...] | None = None
+    """The layout of its free plan (:func:`layout_key`), once solved."""
 
 
 def solve_work(num_layers: int, cluster: Cluster) -> float:
@@ -333,14 +394,36 @@ def plan_need(plan: Plan) -> float:
     return max(stage.memory_bytes for stage in plan.stages)
 
 
-def budgets(limit: float | None, schedule: ScheduleKind) -> list[float]:
-    """Memory budgets at or above the limit, loosest first: the limit times
-    :data:`FLUSH_BUDGET_SCALES` (flush schedules), then the limit itself (none without a limit:
-    the free plan is the top of the ladder)."""
-    if limit is None:
-        return []
-    scales = FLUSH_BUDGET_SCALES if schedule.flushes else ()
-    return [*(limit * scale for scale in scales), limit]
+def grid_budgets(need: float, limit: float | None,
+                 schedule: ScheduleKind) -> list[tuple[float, float]]:
+    """The memory budgets of a link rung whose free plan needs ``need``, loosest first, each
+    with the next grid point (:func:`grid_point`) below it. Under a limit, the limit times
+    :data:`FLUSH_BUDGET_SCALES` (flush schedules) and the limit itself; then the grid points
+    below the limit (below the free plan's need without a limit) down to :data:`GRID_RUNGS`
+    points below the free plan's (a tighter limit: three points below it). The grid is fixed,
+    so a looser limit's budgets include a tighter one's grid points. Budgets at or above
+    ``need`` are left out (they give the free plan)."""
+    free = grid_index(need) - 1  # the first grid point below the need
+    top = free if limit is None else min(free, grid_index(limit) - 1)
+    bottom = min(free - GRID_RUNGS + 1, top - 2)
+    budgets: list[float] = []
+    if limit is not None:
+        scales = FLUSH_BUDGET_SCALES if schedule.flushes else ()
+        budgets = [budget for budget in (*(limit * s for s in scales), limit) if budget < need]
+    budgets += [grid_point(index) for index in range(top, bottom - 1, -1)]
+    return [(budget, grid_point(grid_index(budget) - 1)) for budget in budgets]
+
+
+def grid_index(nbytes: float) -> int:
+    """The index of the least grid point at least ``nbytes``."""
+    index = math.ceil(math.log2(nbytes / GRID_BASE_BYTES) * GRID_POINTS_PER_DOUBLING - 1e-9)
+    return index if grid_point(index) >= nbytes else index + 1
+
+
+def grid_point(index: int) -> float:
+    """Grid point ``index``: :data:`GRID_BASE_BYTES` times 2 to the ``index /``
+    :data:`GRID_POINTS_PER_DOUBLING`."""
+    return float(GRID_BASE_BYTES * 2.0 ** (index / GRID_POINTS_PER_DOUBLING))
 
 
 def scale_links(cluster: Cluster, factor: float) -> Cluster:
