@@ -22,6 +22,10 @@ from tandem.spec.kinds import ScheduleKind
 from tandem.spec.trainable import update_change
 
 
+NOT_COMPARED = "not compared:"
+"""How a candidate that trains differently from the asked schedule is marked (its note)."""
+
+
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``tandem plan``."""
     p = subparsers.add_parser(
@@ -123,6 +127,12 @@ def format_plan(plan: Plan, profile: ModelProfile, cluster: Cluster) -> str:
     lines.append(f"speedup {_ratio(plan.single_s, plan.bottleneck_s)} vs one device, "
                  f"{_ratio(plan.data_parallel_s, plan.bottleneck_s)} vs data parallel on "
                  f"{plan.num_devices} (simulated; planned in {plan.solve_s:.3f} s)")
+    apart = [row for row in plan.candidates if row["note"].startswith(NOT_COMPARED)
+             and row["simulated_s"] is not None and row["simulated_s"] < plan.bottleneck_s]
+    if apart:
+        row = min(apart, key=lambda row: row["simulated_s"])
+        lines.append(f"{NOT_COMPARED} {row['config']} at {row['simulated_s'] * 1e3:.3f} ms per "
+                     f"minibatch, {row['note'][len(NOT_COMPARED) + 1:]}")
     change = update_change(plan)
     if change is not None:
         lines.append(f"note: {change}; the speedups compare time per minibatch, not time to "
@@ -176,7 +186,8 @@ def run(args: argparse.Namespace) -> int:
     print(format_plan(plan, profile, cluster), file=human)
     faster = [row for row in plan.candidates
               if row["simulated_s"] is not None and row["fits_memory"]
-              and row["simulated_s"] < plan.bottleneck_s]
+              and row["simulated_s"] < plan.bottleneck_s
+              and not row["note"].startswith(NOT_COMPARED)]
     if asked and faster:
         best = min(faster, key=lambda row: row["simulated_s"])
         warnings.warn(f"{best['name']} ({best['config']}) would be faster "

@@ -43,6 +43,7 @@ from tandem.planning.simulate.sharded import sharded_plans
 from tandem.planning.simulate.simulator import SimOptions, SimResult, data_parallel_plan, simulate
 from tandem.profile import ModelProfile, topological_order
 from tandem.spec.kinds import ScheduleKind
+from tandem.spec.trainable import update_change
 
 PIPELINE_CANDIDATES = ("partition", "flat")
 """The candidates that are the partitioner's pipelines (the others: ``dp`` and ``single``)."""
@@ -140,7 +141,8 @@ def make_plan(
         for reference in candidates:
             if reference.name not in PIPELINE_CANDIDATES:
                 reference.note = "for reference: a pipeline was asked for"
-    fitting = [c for c in eligible if c.fits]
+    fitting = _as_asked(kind, [c for c in eligible if c.fits]) if asked else [
+        c for c in eligible if c.fits]
     if not fitting:
         runnable = [c for c in eligible if c.plan is not None]
         if not runnable and candidates:
@@ -152,6 +154,26 @@ def make_plan(
     rows = sorted(candidates, key=lambda c: (c.name not in PIPELINE_CANDIDATES, not c.fits,
                                              c.step_s))
     return _chosen_plan(best, rows, options, time.perf_counter() - started)
+
+
+def _as_asked(kind: ScheduleKind, fitting: list[Candidate]) -> list[Candidate]:
+    """The fitting candidates that train as the asked pipeline schedule does: under an
+    asynchronous one (PipeDream's), a plan of one stage on ``r`` replicas is no pipeline but
+    asynchronous data parallelism whose every update averages ``r`` minibatches (1/r as many
+    updates of the whole model), another training run: it is not compared, its note says why
+    (:func:`tandem.spec.trainable.update_change`), unless nothing else fits."""
+    if not kind.asynchronous:
+        return fitting
+    apart = [c for c in fitting if c.plan is not None and len(c.plan.stages) == 1
+             and c.plan.stages[0].replicas > 1]
+    same = [c for c in fitting if c not in apart]
+    if not same:
+        return fitting
+    for candidate in apart:
+        assert candidate.plan is not None
+        change = update_change(candidate.plan) or "a different training run"
+        candidate.note = f"not compared: {change}"
+    return same
 
 
 def _check_asked_microbatches(count: int | None, batch: int | None) -> None:
