@@ -272,3 +272,11 @@ def test_a_plan_that_trains_differently_is_shown_apart_not_chosen(capsys) -> Non
     assert "not compared: 4 at" in out and "1/4 as many updates" in out
     assert not out.splitlines()[1].startswith("plan 4:")
     assert "partition (4) would be faster" not in err  # dp's updates are as asked: it may be
+
+
+def test_the_header_states_the_limit_planned_under(capsys) -> None:
+    """Defect: `tandem plan --memory 64GB` on a flat cluster printed "16 GB each"."""
+    code, out, err = run_cli(capsys, "plan", "--profile", str(PROFILES / "vgg16.graph.txt"),
+                             "--devices", "4", "--bandwidth", "10Gb/s", "--memory", "64GB")
+    assert code == 0, err
+    assert out.splitlines()[0] == "cluster: 4 devices (4 @ 10 Gb/s, 64 GB each)"

@@ -183,6 +183,8 @@ def run(args: argparse.Namespace) -> int:
     human = sys.stderr if args.json else sys.stdout
     if plan.options.get("branch_compression"):
         warnings.warn(plan.options["branch_compression"], PlanNote, stacklevel=1)
+    if options.memory_bytes is not None:  # the header states the limit planned under
+        cluster = dataclasses.replace(cluster, memory_bytes=options.memory_bytes)
     print(format_plan(plan, profile, cluster), file=human)
     faster = [row for row in plan.candidates
               if row["simulated_s"] is not None and row["fits_memory"]
