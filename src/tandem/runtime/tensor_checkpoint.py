@@ -17,7 +17,6 @@ tensor mesh.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
