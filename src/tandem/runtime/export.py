@@ -124,10 +124,10 @@ def save_final_shards(out: Path, state: dict[str, Any], *, names: list[str] | No
     names) into ``OUT/final.dcp`` (collective), with rank 0's ``names`` (default: its state's)
     in the model's order and the ``row_orders`` of a tensor-parallel model's ``heads`` layers
     (outputs saved in its shares' order); returns the folder."""
-    from torch.distributed.checkpoint.state_dict_saver import save
+    from tandem.runtime.sharded_checkpoint import write_shards
 
     folder = out / FINAL_SHARDS
-    save({"model": state}, checkpoint_id=str(folder))
+    write_shards({"model": state}, folder)
     if dist.get_rank() == 0:  # DCP's metadata keeps its own order; final.pt keeps the model's
         write_text(folder / NAMES, json.dumps({"names": list(state) if names is None else names,
                                               "row_orders": row_orders or {}}))

@@ -40,18 +40,39 @@ def folder_name(step: int) -> str:
     return f"checkpoint-{step}.dcp"
 
 
+def one_file_per_tensor(state: dict[str, Any]) -> bool:
+    """Whether :func:`write_shards` writes ``state`` one file per tensor: where any tensor is off
+    the CPU. DCP's file writer copies such tensors to host memory and keeps every copy of a file
+    until the file is closed, so one file per rank would stage the rank's whole state in host
+    memory at once (1.87 GB for 1.57 GB held, gpt on an H100); one file per tensor holds one
+    tensor's copy at a time. CPU tensors need no copy and keep one file per rank."""
+    from torch.utils._pytree import tree_leaves
+
+    return any(isinstance(leaf, torch.Tensor) and leaf.device.type != "cpu"
+               for leaf in tree_leaves(state))
+
+
+def write_shards(state: dict[str, Any], folder: Path) -> None:
+    """DCP's ``save`` of ``state`` into ``folder`` (collective), each rank its own tensors, with
+    host memory bounded on an accelerator (:func:`one_file_per_tensor`)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    whole_files = not one_file_per_tensor(state)
+    save(state, storage_writer=FileSystemWriter(str(folder), single_file_per_rank=whole_files))
+
+
 def save_sharded(out: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
     """Write ``model``'s and ``optimizer``'s state, each rank its own shards, into ``OUT``'s
     folder for ``step`` (collective); returns the folder's name."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    from torch.distributed.checkpoint.state_dict_saver import save
 
     if _is_zero(optimizer):
         model_state, optimizer_state = model.state_dict(), zero_state(model, optimizer)
     else:
         model_state, optimizer_state = get_state_dict(model, optimizer)
     name = folder_name(step)
-    save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(out / name))
+    write_shards({"model": model_state, "optimizer": optimizer_state}, out / name)
     return name
 
 

@@ -33,7 +33,7 @@ from tandem.runtime.export import ShardedFinal, shards_written
 from tandem.runtime.faults import announce_resume
 from tandem.runtime.sharded_checkpoint import (
     apply_group_settings, check_tensor_degree, existing_folder, folder_name, group_settings,
-    holds_groups, remove_older,
+    holds_groups, remove_older, write_shards,
 )
 from tandem.runtime.tensor_parallel import split_parameters
 
@@ -69,14 +69,12 @@ class TensorCheckpoints:
 
     def save(self, step: int) -> None:
         """Write the checkpoint taken after ``step`` steps."""
-        from torch.distributed.checkpoint.state_dict_saver import save
-
         trainer = self.trainer
         if trainer.out is None:
             return
         state, _, _ = self._state()
         name = folder_name(step)
-        save(state, checkpoint_id=str(trainer.out / name))
+        write_shards(state, trainer.out / name)
         own = {"rng": torch.get_rng_state(), "components": trainer.components.state_dict()}
         ranks: list[dict[str, Any] | None] = [None] * trainer.env.world_size
         dist.all_gather_object(ranks, own)

@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any
 from torch.distributed.tensor import DTensor
 
 from tandem.errors import UsageError
-from tandem.runtime.sharded_checkpoint import apply_group_settings, existing_folder, natural_rows
+from tandem.runtime.sharded_checkpoint import (
+    apply_group_settings, existing_folder, natural_rows, write_shards)
 from tandem.runtime.tensor_checkpoint import dcp_state, row_orders
 
 if TYPE_CHECKING:
@@ -79,10 +80,8 @@ def checkpointable_rows(trainer: PipelineTrainer) -> list[str]:
 def save_stage_shards(trainer: PipelineTrainer, folder: Path) -> None:
     """Write this stage's part of the model and optimizer state into ``folder`` (collective:
     every rank calls it, each with its own tensors)."""
-    from torch.distributed.checkpoint.state_dict_saver import save
-
     state, _, _ = _stage_io(trainer)
-    save(state if trainer.place.replica == 0 else _shares(state), checkpoint_id=str(folder))
+    write_shards(state if trainer.place.replica == 0 else _shares(state), folder)
 
 
 def _shares(state: dict[str, Any]) -> dict[str, Any]:
