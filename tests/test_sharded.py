@@ -444,8 +444,7 @@ def test_sharding_x_tensor_clips_the_whole_norm_and_resumes(shared_run: SharedRu
     again, as_dp = tmp_path / "again", tmp_path / "as-dp"
     run_json("train", *GPT, *clip, *layout, "--stop-after", "4", "--out", str(again))
     saved = torch.load(again / "checkpoint.pt", weights_only=False)
-    assert saved["tensor_degree"] == 2 and saved["row_orders"] == {
-        f"{block}.attention.qkv.{key}": 2 for block in (1, 2) for key in ("weight", "bias")}
+    assert saved["tensor_degree"] == 2 and "row_orders" not in saved  # the model's order
     shutil.copytree(again, as_dp)
     run_json("train", *GPT, *clip, *layout, "--resume", "--out", str(again))
     assert max_abs_diff(out / "final.pt", again / "final.pt") <= 1e-6

@@ -21,8 +21,8 @@ from torch import nn
 
 from tandem.errors import UsageError
 from tandem.models.tensor import head_shares, is_conv1d, split_size, tensor_plan
-from tandem.runtime.sharded_checkpoint import natural_rows
-from tandem.runtime.tensor_parallel import heads_order
+from tandem.runtime.natural_rows import NaturalRows
+from tandem.runtime.tensor_parallel import heads_order, natural_order
 
 from tests.conftest import SharedRun, max_abs_diff, run_json
 from tests.hf_models import TENSOR_LAYERS, TRAIN, gpt2
@@ -54,16 +54,14 @@ def test_gpt2_split_by_its_conv1d_layers_equals_one_process(shared_run: SharedRu
 
 @pytest.mark.multiprocess
 def test_a_stopped_gpt2_resumes_split_and_as_dp(shared_run: SharedRun, tmp_path: Path) -> None:
-    """Stopped after 4 of 8 steps: ``row_orders`` names the fused layers' weights by their
-    columns (dimension 1) and their biases by rows; resumed on the same layout, and as plain dp
-    on 2 workers, the run ends within 1e-6 of the uninterrupted one."""
+    """Stopped after 4 of 8 steps (the fused layers' weights, ``Conv1D``s, saved with their
+    columns in the model's order, their biases by rows); resumed on the same layout, and as
+    plain dp on 2 workers, the run ends within 1e-6 of the uninterrupted one."""
     whole, _ = shared_run(*TRAIN, *TWO)
     first = tmp_path / "first"
     run_json("train", *TRAIN, *TWO, "--stop-after", "4", "--out", str(first))
     saved = torch.load(first / "checkpoint.pt", weights_only=False)
-    assert saved["row_orders"] == {
-        f"transformer.h.{block}.attn.c_attn.{key}": order for block in range(2)
-        for key, order in (("weight", {"degree": 2, "dim": 1}), ("bias", 2))}
+    assert saved["tensor_degree"] == 2 and "row_orders" not in saved
     for name, layout in {"split": TWO, "dp": ("--nproc", "2")}.items():
         again = tmp_path / name
         shutil.copytree(first, again)
@@ -73,26 +71,26 @@ def test_a_stopped_gpt2_resumes_split_and_as_dp(shared_run: SharedRun, tmp_path:
 
 
 @pytest.mark.pure
-def test_natural_rows_puts_conv1d_columns_back() -> None:
-    """A ``Conv1D`` weight (inputs x outputs) saved with its columns in the shares' order, its
-    momentum alike, and an ``nn.Linear``'s saved by rows under the old entry (the degree
-    alone): each comes back in the model's order."""
-    from transformers.pytorch_utils import Conv1D
-
-    model = nn.ModuleDict({"conv": Conv1D(12, 4), "linear": nn.Linear(4, 12)})
-    whole = {name: value.detach().clone() for name, value in model.named_parameters()}
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    order = heads_order(12, 2)
-    dims = {"conv.weight": 1, "conv.bias": 0, "linear.weight": 0, "linear.bias": 0}
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            parameter.copy_(parameter.index_select(dims[name], order))
-            optimizer.state[parameter] = {"momentum_buffer": 2 * parameter.clone()}
-    natural_rows(model, optimizer, {"conv.weight": {"degree": 2, "dim": 1}, "conv.bias": 2,
-                                    "linear.weight": 2, "linear.bias": 2})
-    for name, parameter in model.named_parameters():
-        assert torch.equal(parameter, whole[name]), name
-        assert torch.equal(optimizer.state[parameter]["momentum_buffer"], 2 * whole[name]), name
+@pytest.mark.parametrize("degree", [1, 2, 3, 4])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_natural_rows_shows_the_shares_order_as_the_models(degree: int, dim: int) -> None:
+    """A ``heads`` tensor held in its shares' order (outputs along ``dim``: a ``Conv1D``'s
+    weight has them as columns), shown as :class:`NaturalRows`: its chunks, each a view of the
+    tensor, put at their offsets, make the tensor in the model's order, and one chunk per
+    query, key and value block of each share (three per share)."""
+    natural = torch.arange(36 * 5.0).reshape(36, 5)
+    if dim:
+        natural = natural.T.contiguous()
+    held = natural.index_select(dim, heads_order(36, degree))  # a worker's whole shares
+    rows = NaturalRows(held, degree, dim)
+    assert rows.size() == natural.shape and len(rows.chunks) == (1 if degree == 1 else 3 * degree)
+    rebuilt = torch.full_like(natural, -1.0)
+    for offsets, view in rows.chunks.items():
+        assert view.data_ptr() >= held.data_ptr()  # a view, not a copy
+        index = tuple(slice(at, at + size) for at, size in zip(offsets, view.shape))
+        rebuilt[index] = view
+    assert torch.equal(rebuilt, natural)
+    assert torch.equal(natural_order(held, degree, dim), natural)
 
 
 @pytest.mark.pure

@@ -17,7 +17,7 @@ from tandem.output_files import atomic, write_all
 logger = logging.getLogger(__name__)
 from tandem.runtime.component import Component, StepEnd
 
-CHECKPOINT_VERSION = 3
+CHECKPOINT_VERSION = 4
 """2: every worker's own state (random stream, codec residuals; models of decentralized
 strategies) under ``ranks``. 3: the components' states (precision, noise scale, the grown
 batch schedule, a server's codecs), each under its name, in ``components``

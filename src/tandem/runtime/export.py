@@ -47,8 +47,7 @@ if TYPE_CHECKING:
 FINAL_SHARDS = "final.dcp"
 """The folder of a sharded run's final model shards in ``OUT``."""
 NAMES = "names.json"
-"""Beside the shards: the model's state-dict names in its own order, and the row orders of a
-tensor-parallel model's ``heads`` layers."""
+"""Beside the shards: the model's state-dict names in its own order."""
 LOCAL_HEADER_BYTES = 30
 """Bytes of a zip local file header before its name and extra field."""
 CENTRAL_HEADER_BYTES = 46
@@ -91,14 +90,13 @@ def final_state(strategy: SyncStrategy, model: nn.Module, out: Path | None,
 
 
 def shards_written(out: Path | None, state: dict[str, Any], rank: int, *,
-                   names: list[str] | None = None,
-                   row_orders: dict[str, Any] | None = None) -> ShardedFinal | None:
+                   names: list[str] | None = None) -> ShardedFinal | None:
     """``state`` (this rank's part of the model's state, as DCP is to write it) saved into
     ``OUT/final.dcp`` (:func:`save_final_shards`, collective); for rank 0 the folder to export,
     None elsewhere and without ``OUT``."""
     if out is None:
         return None
-    folder = save_final_shards(out, state, names=names, row_orders=row_orders)
+    folder = save_final_shards(out, state, names=names)
     return ShardedFinal(folder) if rank == 0 else None
 
 
@@ -118,19 +116,18 @@ def write_final(state: dict[str, torch.Tensor] | ShardedFinal | None, out: Path 
         save_atomic(state, out / "final.pt")
 
 
-def save_final_shards(out: Path, state: dict[str, Any], *, names: list[str] | None = None,
-                      row_orders: dict[str, Any] | None = None) -> Path:
+def save_final_shards(out: Path, state: dict[str, Any], *,
+                      names: list[str] | None = None) -> Path:
     """Write ``state`` (each rank its own part: shards, or whole tensors under the model's own
-    names) into ``OUT/final.dcp`` (collective), with rank 0's ``names`` (default: its state's)
-    in the model's order and the ``row_orders`` of a tensor-parallel model's ``heads`` layers
-    (outputs saved in its shares' order); returns the folder."""
+    names, a tensor-parallel model's fused layers in the model's order) into ``OUT/final.dcp``
+    (collective), with rank 0's ``names`` (default: its state's) in the model's order; returns
+    the folder."""
     from tandem.runtime.sharded_checkpoint import write_shards
 
     folder = out / FINAL_SHARDS
     write_shards({"model": state}, folder)
     if dist.get_rank() == 0:  # DCP's metadata keeps its own order; final.pt keeps the model's
-        write_text(folder / NAMES, json.dumps({"names": list(state) if names is None else names,
-                                              "row_orders": row_orders or {}}))
+        write_text(folder / NAMES, json.dumps({"names": list(state) if names is None else names}))
     _check_shared(folder)
     return folder
 
@@ -167,7 +164,6 @@ def export_final(folder: Path, target: Path, *, batch_bytes: int = BATCH_BYTES) 
     listed: dict[str, Any] = (json.loads((folder / NAMES).read_text())
                               if (folder / NAMES).is_file()
                               else {"names": [key.removeprefix("model.") for key in entries]})
-    orders: dict[str, Any] = listed.get("row_orders", {})
     shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
     skipped = []
     for name in listed["names"]:
@@ -178,7 +174,7 @@ def export_final(folder: Path, target: Path, *, batch_bytes: int = BATCH_BYTES) 
             skipped.append(name)
     partial = target.with_name(target.name + ".partial")
     try:
-        largest, total = _write_skeleton_then_tensors(folder, partial, shapes, orders,
+        largest, total = _write_skeleton_then_tensors(folder, partial, shapes,
                                                       batch_bytes)
     except BaseException:
         partial.unlink(missing_ok=True)
@@ -190,7 +186,7 @@ def export_final(folder: Path, target: Path, *, batch_bytes: int = BATCH_BYTES) 
 
 def _write_skeleton_then_tensors(folder: Path, path: Path,
                                  shapes: dict[str, tuple[torch.Size, torch.dtype]],
-                                 orders: dict[str, Any], batch_bytes: int) -> tuple[int, int]:
+                                 batch_bytes: int) -> tuple[int, int]:
     """``path``: a ``torch.save`` file of ``shapes`` whose room is reserved, then filled with
     the tensors loaded from ``folder`` a batch of at most ``batch_bytes`` (or one tensor) at a
     time, each record's CRC-32 set; returns the most bytes held at once and the total."""
@@ -207,9 +203,6 @@ def _write_skeleton_then_tensors(folder: Path, path: Path,
             loaded = _load(folder, {name: shapes[name] for name in batch})
             held = max(held, sum(t.numel() * t.element_size() for t in loaded.values()))
             for name, tensor in loaded.items():
-                if name in orders:  # a heads layer's outputs, in the model's order again
-                    tensor = _natural(tensor, orders[name])
-                    held = max(held, 2 * tensor.numel() * tensor.element_size())
                 data = memoryview(cast(Any, tensor.reshape(-1).view(torch.uint8).numpy()))
                 record = records[keys[name]]
                 if record.length != len(data):
@@ -240,15 +233,6 @@ def _batches(shapes: dict[str, tuple[torch.Size, torch.dtype]],
         batches[-1].append(name)
         size += nbytes
     return batches
-
-
-def _natural(tensor: torch.Tensor, order: int | dict[str, int]) -> torch.Tensor:
-    """``tensor`` with the outputs a tensor-parallel run saved in its shares' order put back
-    (``order``: its degree, or ``{"degree": T, "dim": D}``)."""
-    from tandem.runtime.tensor_parallel import natural_order
-
-    degree, dim = (order, 0) if isinstance(order, int) else (order["degree"], order["dim"])
-    return natural_order(tensor, degree, dim)
 
 
 def _load(folder: Path, shapes: dict[str, tuple[torch.Size, torch.dtype]]

@@ -58,8 +58,11 @@ def write_shards(state: dict[str, Any], folder: Path) -> None:
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import save
 
+    from tandem.runtime.natural_rows import save_planner
+
     whole_files = not one_file_per_tensor(state)
-    save(state, storage_writer=FileSystemWriter(str(folder), single_file_per_rank=whole_files))
+    save(state, storage_writer=FileSystemWriter(str(folder), single_file_per_rank=whole_files),
+         planner=save_planner())
 
 
 def save_sharded(out: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
@@ -202,7 +205,6 @@ def restore_state(checkpoint: dict[str, Any], own: dict[str, Any], strategy: Syn
     A sharded run cuts a whole optimizer state into its shards (:func:`shard_whole_optimizer`)."""
     if "sharded" in checkpoint:
         load_sharded(checkpoint["sharded"], model, optimizer)
-        natural_rows(model, optimizer, checkpoint.get("row_orders", {}))
         apply_group_settings(optimizer, checkpoint)  # a pipeline's are not in its folder
         return
     saved = own.get("optimizer", checkpoint["optimizer"])
@@ -230,50 +232,14 @@ def shard_whole_optimizer(saved: dict[str, Any], model: nn.Module,
                              options=StateDictOptions(full_state_dict=True))
 
 
-def natural_rows(model: nn.Module, optimizer: torch.optim.Optimizer,
-                 orders: dict[str, int | dict[str, int]]) -> None:
-    """Put the outputs of the parameters a tensor-parallel run saved in its shares' order
-    (:func:`tandem.runtime.tensor_parallel.heads_order`) back in the model's own order, with
-    those of their optimizer state (whole tensors: a plain ``dp`` run's). ``orders[name]`` is
-    the run's tensor degree (the rows ordered), or ``{"degree": T, "dim": D}`` (dimension D)."""
-    from tandem.runtime.tensor_parallel import natural_order
-
-    parameters = dict(model.named_parameters())
-    for name, entry in orders.items():
-        degree, dim = (entry, 0) if isinstance(entry, int) else (entry["degree"], entry["dim"])
-        parameter = parameters[name]
-        state = optimizer.state.get(parameter, {})
-        for tensor in [parameter, *(value for value in state.values()
-                                    if isinstance(value, torch.Tensor)
-                                    and value.shape == parameter.shape)]:
-            with torch.no_grad():
-                tensor.copy_(natural_order(tensor, degree, dim))
-
-
-def check_sharded_resume(checkpoint: dict[str, Any] | None, path: Path | None, *,
-                         whole: bool = False) -> dict[str, Any] | None:
+def check_sharded_resume(checkpoint: dict[str, Any] | None,
+                         path: Path | None) -> dict[str, Any] | None:
     """``checkpoint`` (loaded from ``path``) with its ``"sharded"`` entry pointing at its folder
-    beside ``path``; one line if a tensor-parallel run wrote it and this run shards the model
-    (``whole``: it holds every tensor whole, and reads a tensor-parallel checkpoint so)."""
-    if checkpoint is not None and path is not None:
-        if not whole or "sharded" not in checkpoint:
-            check_tensor_degree(checkpoint, path, 1)
-        if "sharded" in checkpoint:
-            checkpoint["sharded"] = path.parent / checkpoint["sharded"]
+    beside ``path``. Any layout reads any sharded checkpoint: DCP reshards, and tensor-parallel
+    runs save their fused layers in the model's order (:mod:`tandem.runtime.natural_rows`)."""
+    if checkpoint is not None and path is not None and "sharded" in checkpoint:
+        checkpoint["sharded"] = path.parent / checkpoint["sharded"]
     return checkpoint
-
-
-def check_tensor_degree(checkpoint: dict[str, Any], path: Path, degree: int) -> None:
-    """One line if the checkpoint at ``path`` was written by a run of another tensor degree
-    (its shares are cut for that degree's layout)."""
-    saved = int(checkpoint.get("tensor_degree", 1))
-    if saved != degree:
-        written = (f"--tensor-parallel {saved}" if saved > 1
-                   else "a run without tensor parallelism")
-        fix = (f"--tensor-parallel {saved}, or as plain dp without --shard (each worker then "
-               f"reads whole tensors)" if saved > 1 else "without --tensor-parallel")
-        raise UsageError(f"checkpoint {path} was written by {written}, and this run has tensor "
-                         f"degree {degree}; resume it {fix}")
 
 
 def remove_older(out: Path, keep: str | None) -> None:

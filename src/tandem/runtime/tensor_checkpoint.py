@@ -7,12 +7,12 @@ A checkpoint is two parts in ``OUT``, as a sharded data-parallel run's
 and the optimizer's state, written collectively, and ``checkpoint.pt``, written by rank 0 last,
 which names the folder and holds the step, the schedule, the data position, the tensor degree and
 each worker's random stream and components. The replicas of a data x tensor layout hold the same
-shares, so DCP writes each once; a run resumes on the same tensor degree with any number of
-replicas, or as plain ``dp`` (each rank reads whole tensors, and the outputs of the fused
-query/key/value layers, saved in the shares' order, are put back in the model's: the
-checkpoint's ``row_orders``). Split layers are DTensors; the rows of a ``channels``
+shares, so DCP writes each once. Split layers are DTensors; the rows of a ``channels``
 convolution, which are plain tensors, are given to DCP as DTensors sharded by rows over the
-tensor mesh.
+tensor mesh, and the fused query/key/value layers, whose shares hold their outputs in another
+order, in the model's order (:mod:`tandem.runtime.natural_rows`). So a checkpoint resumes on
+any layout: another tensor degree, any number of replicas, sharded or plain ``dp``, or a
+pipeline; DCP reshards.
 """
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ from tandem.runtime.checkpoint import (
 )
 from tandem.runtime.export import ShardedFinal, shards_written
 from tandem.runtime.faults import announce_resume
+from tandem.runtime.natural_rows import NaturalRows
 from tandem.runtime.sharded_checkpoint import (
-    apply_group_settings, check_tensor_degree, existing_folder, folder_name, group_settings,
-    holds_groups, remove_older, write_shards,
+    apply_group_settings, existing_folder, folder_name, group_settings, holds_groups,
+    remove_older, write_shards,
 )
 from tandem.runtime.tensor_parallel import split_parameters
 
@@ -50,22 +51,17 @@ class TensorCheckpoints:
         self.rows = [name for name, is_dtensor in split.items() if not is_dtensor]
         """Parameters held as plain tensors of this worker's rows (``channels`` layers)."""
 
-    def row_orders(self) -> dict[str, int | dict[str, int]]:
-        """This model's :func:`row_orders`: a plain ``dp`` run puts them back in the model's own
-        order on resume (:func:`tandem.runtime.sharded_checkpoint.natural_rows`)."""
-        return row_orders(self.trainer.model, self.trainer.tensor_plan,
-                          self.trainer.plan.tensor_degree)
-
     def _state(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-        return dcp_state(self.trainer.model, self.trainer.optimizer, self.rows, self.trainer.mesh)
+        trainer = self.trainer
+        orders = row_orders(trainer.model, trainer.tensor_plan, trainer.plan.tensor_degree)
+        return dcp_state(trainer.model, trainer.optimizer, self.rows, trainer.mesh, orders)
 
     def final_state(self) -> ShardedFinal | None:
         """The model's final state as shards in ``OUT/final.dcp`` (collective), its ``heads``
         layers' row orders beside them; rank 0 exports ``final.pt`` from it, one tensor at a
         time (:mod:`tandem.runtime.export`). None on other ranks and without ``OUT``."""
         state, _, _ = self._state()
-        return shards_written(self.trainer.out, state["model"], self.trainer.env.rank,
-                              row_orders=self.row_orders())
+        return shards_written(self.trainer.out, state["model"], self.trainer.env.rank)
 
     def save(self, step: int) -> None:
         """Write the checkpoint taken after ``step`` steps."""
@@ -83,7 +79,7 @@ class TensorCheckpoints:
         save_atomic({
             "version": CHECKPOINT_VERSION, "step": step, "fingerprint": trainer.job.fingerprint(),
             "sharded": name, "tensor_degree": trainer.plan.tensor_degree,
-            "row_orders": self.row_orders(), "param_groups": group_settings(trainer.optimizer),
+            "param_groups": group_settings(trainer.optimizer),
             "scheduler": trainer.scheduler.state_dict(), "ranks": ranks,
             "data": trainer.feed.position(step),
         }, trainer.out / "checkpoint.pt")
@@ -95,13 +91,13 @@ class TensorCheckpoints:
         from torch.distributed.checkpoint.state_dict import set_state_dict
         from torch.distributed.checkpoint.state_dict_loader import load
 
+        from tandem.runtime.natural_rows import load_planner
+
         trainer = self.trainer
         config, env = trainer.config, trainer.env
         path = resume_path(config.resume, trainer.out)
         checkpoint = None if path is None else load_checkpoint(
             path, trainer.job.fingerprint(), steps=config.steps, stop_after=config.stop_after)
-        if checkpoint is not None and path is not None:
-            check_tensor_degree(checkpoint, path, trainer.plan.tensor_degree)
         announce_resume(env.rank, path, checkpoint["step"] if checkpoint else None)
         if checkpoint is None or path is None:
             return
@@ -110,22 +106,22 @@ class TensorCheckpoints:
         state, model_state, optimizer_state = self._state()
         if not holds_groups(folder):  # a pipeline's: the groups' settings are in checkpoint.pt
             state = {"model": state["model"], "optimizer": {"state": state["optimizer"]["state"]}}
-        load(state, checkpoint_id=str(folder))  # into the tensors themselves
+        load(state, checkpoint_id=str(folder), planner=load_planner())  # into the tensors
         set_state_dict(trainer.model, trainer.optimizer, model_state_dict=model_state,
                        optim_state_dict=optimizer_state)
         apply_group_settings(trainer.optimizer, checkpoint)
         load_schedule(trainer.optimizer, trainer.scheduler, checkpoint["scheduler"],
                       announce=env.rank == 0)
-        ranks, degree = checkpoint["ranks"], trainer.plan.tensor_degree
-        own = ranks[env.rank] if len(ranks) == env.world_size else ranks[env.rank % degree]
+        ranks = checkpoint["ranks"]  # another layout's: the stream of rank r % its world
+        own = ranks[env.rank % len(ranks)]
         trainer.first_step = int(checkpoint["step"])
         torch.set_rng_state(own["rng"])
         trainer.resumed_components = own["components"]
 
 
 def row_orders(model: nn.Module, plan: TensorPlan, degree: int) -> dict[str, int | dict[str, int]]:
-    """The parameters of ``model`` whose outputs a checkpoint holds in its shares' order
-    (``plan``'s ``heads`` layers: each share's queries, keys and values together,
+    """The parameters of ``model`` whose outputs its shares hold in their own order (``plan``'s
+    ``heads`` layers: each share's queries, keys and values together,
     :func:`~tandem.runtime.tensor_parallel.heads_order`), with the tensor ``degree`` that orders
     them, and the dimension it orders where that is not the first (a ``Conv1D``'s weight:
     ``{"degree": 2, "dim": 1}``)."""
@@ -139,11 +135,14 @@ def row_orders(model: nn.Module, plan: TensorPlan, degree: int) -> dict[str, int
 
 
 def dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer, rows: list[str],
-              mesh: DeviceMesh | None) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """What DCP writes or reads of ``model`` and ``optimizer`` (``{"model", "optimizer"}``, the
+              mesh: DeviceMesh | None, orders: dict[str, int | dict[str, int]]
+              ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """What DCP writes or reads of ``model`` and ``optimizer`` (``{"model", "optimizer"}``: the
     parameters named in ``rows``, plain tensors of this worker's rows, and their optimizer state
-    as DTensors sharded by rows over the tensor ``mesh`` that view them), and the model's and
-    optimizer's state dicts themselves (:func:`get_state_dict`'s, for ``set_state_dict``)."""
+    as DTensors sharded by rows over the tensor ``mesh`` that view them; those :func:`row_orders`
+    names (``orders``), and their optimizer state, as :class:`NaturalRows` in the model's order),
+    and the model's and optimizer's state dicts themselves (:func:`get_state_dict`'s, for
+    ``set_state_dict``)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optimizer_state = get_state_dict(model, optimizer)
@@ -154,11 +153,22 @@ def dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer, rows: list[str
         assert mesh is not None, "rows are shares of a tensor mesh"
         return DTensor.from_local(tensor, mesh, [Shard(0)], run_check=False)
 
+    def in_order(tensor: torch.Tensor, entry: int | dict[str, int]) -> NaturalRows:
+        degree, dim = (entry, 0) if isinstance(entry, int) else (entry["degree"], entry["dim"])
+        return NaturalRows(tensor, degree, dim)
+
     for name in rows:
         model_io[name] = as_rows(cast(torch.Tensor, model_state[name]))
         if name in states:
             states[name] = {key: as_rows(value)
                             if isinstance(value, torch.Tensor) and value.ndim else value
+                            for key, value in states[name].items()}
+    for name, entry in orders.items():
+        parameter = cast(torch.Tensor, model_state[name])
+        model_io[name] = in_order(parameter, entry)
+        if name in states:
+            states[name] = {key: in_order(value, entry) if isinstance(value, torch.Tensor)
+                            and value.shape == parameter.shape else value
                             for key, value in states[name].items()}
     optimizer_io = {**optimizer_state, "state": states}
     return ({"model": model_io, "optimizer": optimizer_io}, dict(model_state),

@@ -182,7 +182,7 @@ class Trainer(BaseTrainer):
             path, self.job.fingerprint(), steps=self.config.steps,
             stop_after=self.config.stop_after)
         announce_resume(self.env.rank, path, checkpoint["step"] if checkpoint else None)
-        return check_sharded_resume(checkpoint, path, whole=not self.strategy.sharded_checkpoint)
+        return check_sharded_resume(checkpoint, path)
 
     def _restore(self, checkpoint: dict[str, Any]) -> None:
         """Optimizer, schedule, step and this worker's own state (random stream, strategy state,

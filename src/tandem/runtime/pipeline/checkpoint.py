@@ -30,7 +30,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -39,7 +39,7 @@ from torch import nn
 from tandem.errors import UsageError
 from tandem.runtime.asynchrony import restore_momentum
 from tandem.runtime.checkpoint import CHECKPOINT_VERSION, load_schedule, save_atomic
-from tandem.runtime.pipeline.dcp import load_stage_shards, save_stage_shards, stage_row_orders
+from tandem.runtime.pipeline.dcp import load_stage_from_whole, load_stage_shards, save_stage_shards
 from tandem.runtime.pipeline.layout import PipelineLayout
 from tandem.runtime.sharded_checkpoint import folder_name, group_settings, remove_older
 
@@ -111,9 +111,7 @@ def load_stage(module: nn.Module, names: Names, optimizer: torch.optim.Optimizer
     """Load this stage's parameters, buffers and optimizer state by name from a merged
     checkpoint (``model`` and ``optimizer`` as :func:`merge_stages` makes them)."""
     saved_model = checkpoint["model"]
-    if "parameter_names" in checkpoint:  # a data-parallel run's: its optimizer's by position
-        checkpoint = {**checkpoint, "optimizer": by_name(checkpoint["optimizer"],
-                                                         checkpoint["parameter_names"])}
+    checkpoint = {**checkpoint, "optimizer": _optimizer_by_name(checkpoint)}
     state = {}
     for key in module.state_dict():
         name = next((name for name in names(key) if name in saved_model), None)
@@ -123,6 +121,14 @@ def load_stage(module: nn.Module, names: Names, optimizer: torch.optim.Optimizer
         state[key] = saved_model[name]
     module.load_state_dict(state)
     _load_optimizer(module, names, optimizer, checkpoint["optimizer"])
+
+
+def _optimizer_by_name(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """A whole checkpoint's optimizer state by parameter name (a data-parallel run's is by
+    position, with ``parameter_names`` in that order; a pipeline's is by name)."""
+    if "parameter_names" in checkpoint:
+        return by_name(checkpoint["optimizer"], checkpoint["parameter_names"])
+    return cast(dict[str, Any], checkpoint["optimizer"])
 
 
 def by_name(saved: dict[str, Any], names: list[str]) -> dict[str, Any]:
@@ -193,7 +199,7 @@ def save_stage_checkpoint(trainer: PipelineTrainer, step: int) -> None:
         return
     name = folder_name(step)
     save_stage_shards(trainer, trainer.out / name)
-    own = {**_own_state(trainer), "row_orders": stage_row_orders(trainer)}
+    own = _own_state(trainer)
     gathered: list[Any] = [None] * trainer.env.world_size if trainer.env.rank == 0 else []
     dist.gather_object(own, gathered if trainer.env.rank == 0 else None, dst=0)
     if trainer.env.rank != 0:
@@ -202,8 +208,6 @@ def save_stage_checkpoint(trainer: PipelineTrainer, step: int) -> None:
         **_record(trainer, step, gathered), "sharded": name,
         "param_groups": copy.deepcopy(group_settings(trainer.optimizer)),
         "tensor_degree": trainer.place.tensor_degree,
-        "row_orders": {name: order for part in gathered for name, order in
-                       part["row_orders"].items()},
     }, trainer.out / "checkpoint.pt")
     remove_older(trainer.out, name)
 
@@ -246,9 +250,8 @@ def restore_stage(trainer: PipelineTrainer, checkpoint: dict[str, Any], path: Pa
     if "sharded" in checkpoint:
         load_stage_shards(trainer, checkpoint, path)
     elif trainer.split is not None or trainer.shards is not None:
-        raise UsageError(f"checkpoint {path} holds the whole model (an asynchronous pipeline's "
-                         f"or a plain dp run's), which a sharded or tensor-parallel stage does not "
-                         f"read; resume it without --shard and --tensor-parallel")
+        load_stage_from_whole(trainer, checkpoint["model"], _optimizer_by_name(checkpoint),
+                              path)
     else:
         load_stage(trainer.module, trainer.names, trainer.optimizer, checkpoint, path=str(path))
     restore_momentum(trainer.optimizer, trainer.compensation)

@@ -4,8 +4,8 @@ under the whole model's names: every rank writes and reads only the tensors it h
 Usage::
 
     save_stage_shards(trainer, out / folder_name(step))     # collective: every rank its own
-    orders = stage_row_orders(trainer)                       # for the checkpoint's row_orders
     load_stage_shards(trainer, checkpoint, path)             # collective, in place
+    load_stage_from_whole(trainer, model, optimizer, path)   # a whole checkpoint's parts
 
 The folder holds ``{"model": {name: tensor}, "optimizer": {"state": {name: {...}}}}``, keyed by
 the whole model's names (:func:`~tandem.runtime.pipeline.setup.model_names`) as a data-parallel
@@ -14,13 +14,10 @@ names share (tied weights) is written under each. Each rank gives DCP its tensor
 them: whole (from a stage's first replica, buffers included; the stages that share a tied
 weight give equal copies, and DCP keeps one writer of each), FSDP2's shards over the stage's
 replicas (``--shard``), or DTensor shares (``--tensor-parallel``; a ``channels`` convolution's
-rows are given as DTensors sharded by rows). DCP reads into each rank's own tensors the part it
-holds of whatever layout wrote them (other stages, shard or tensor degree); the optimizer's
-group settings, every stage's the same, travel in ``checkpoint.pt``.
-
-The outputs of a split ``heads`` layer (fused queries, keys and values) are saved in its shares'
-order (the checkpoint's ``row_orders``): a stage that holds such a layer whole puts them back in
-the model's order, one that splits or shards it in another order is refused in one line.
+rows are given as DTensors sharded by rows, and a split ``heads`` layer's in the model's order,
+:mod:`tandem.runtime.natural_rows`). DCP reads into each rank's own tensors the part it holds of
+whatever layout wrote them (other stages, shard or tensor degree, data parallelism); the
+optimizer's group settings, every stage's the same, travel in ``checkpoint.pt``.
 """
 
 from __future__ import annotations
@@ -31,18 +28,13 @@ from typing import TYPE_CHECKING, Any
 from torch.distributed.tensor import DTensor
 
 from tandem.errors import UsageError
-from tandem.runtime.sharded_checkpoint import (
-    apply_group_settings, existing_folder, natural_rows, write_shards)
+from tandem.runtime.natural_rows import NaturalRows, copy_from_whole, load_planner
+from tandem.runtime.sharded_checkpoint import apply_group_settings, existing_folder, write_shards
 from tandem.runtime.tensor_checkpoint import dcp_state, row_orders
 
 if TYPE_CHECKING:
     from tandem.runtime.pipeline.checkpoint import Names
     from tandem.runtime.pipeline.trainer import PipelineTrainer
-
-Orders = dict[str, int | dict[str, int]]
-"""Parameter name -> the tensor degree whose shares order its outputs (see
-:func:`~tandem.runtime.tensor_checkpoint.row_orders`)."""
-
 
 def _by_name(state: dict[str, Any], names: Names) -> dict[str, Any]:
     """``state`` (keyed by the stage's ``state_dict`` keys) under the whole model's names."""
@@ -54,8 +46,10 @@ def _stage_io(trainer: PipelineTrainer) -> tuple[dict[str, Any], dict[str, Any],
     and optimizer state dicts (whose tensors it views) for ``set_state_dict``."""
     split, module = trainer.split, trainer.module
     rows = checkpointable_rows(trainer)
+    orders = row_orders(module, split.plan, trainer.place.tensor_degree) if split else {}
     io, model_state, optimizer_state = dcp_state(
-        module, trainer.optimizer, rows, split.mesh["tensor"] if split is not None else None)
+        module, trainer.optimizer, rows, split.mesh["tensor"] if split is not None else None,
+        orders)
     named = {"model": _by_name(io["model"], trainer.names),
              "optimizer": {"state": _by_name(io["optimizer"]["state"], trainer.names)}}
     return named, model_state, optimizer_state
@@ -90,72 +84,39 @@ def _shares(state: dict[str, Any]) -> dict[str, Any]:
     kept = {key: _shares(value) if isinstance(value, dict) else value
             for key, value in state.items()}
     return {key: value for key, value in kept.items()
-            if isinstance(value, DTensor) or (isinstance(value, dict) and value)}
-
-
-def stage_row_orders(trainer: PipelineTrainer) -> Orders:
-    """The stage's parameters whose outputs it holds in its tensor shares' order, by the
-    model's names (none without tensor parallelism)."""
-    split = trainer.split
-    if split is None:
-        return {}
-    orders = row_orders(trainer.module, split.plan, trainer.place.tensor_degree)
-    return _by_name(orders, trainer.names)
+            if isinstance(value, (DTensor, NaturalRows)) or (isinstance(value, dict) and value)}
 
 
 def load_stage_shards(trainer: PipelineTrainer, checkpoint: dict[str, Any], path: Path) -> None:
     """Load this stage's model and optimizer state from the checkpoint's folder beside ``path``
-    (collective), its optimizer's group settings, and the outputs of ``heads`` layers in the
-    model's order where this stage holds them whole."""
+    (collective), and its optimizer's group settings."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
     from torch.distributed.checkpoint.state_dict_loader import load
 
     folder = existing_folder(path.parent / checkpoint["sharded"])
-    natural = _natural_orders(trainer, checkpoint, path)
     state, model_state, optimizer_state = _stage_io(trainer)
-    load(state, checkpoint_id=str(folder))  # into the stage's tensors themselves
+    load(state, checkpoint_id=str(folder), planner=load_planner())  # into the stage's tensors
     set_state_dict(trainer.module, trainer.optimizer, model_state_dict=model_state,
                    optim_state_dict=optimizer_state)
     apply_group_settings(trainer.optimizer, checkpoint)
-    natural_rows(trainer.module, trainer.optimizer, natural)
 
 
-def _natural_orders(trainer: PipelineTrainer, checkpoint: dict[str, Any], path: Path) -> Orders:
-    """The stage's parameters (its own keys) whose outputs the checkpoint holds in tensor
-    shares' order and this stage whole: they are put back in the model's order. One line for a
-    parameter the stage holds in another order, or as shards, than the checkpoint."""
-    saved: Orders = checkpoint.get("row_orders", {})
-    own = stage_row_orders(trainer)
-    natural: Orders = {}
-    for key, parameter in trainer.module.named_parameters():
-        name = trainer.names(key)[0]
-        held, mine = saved.get(name), own.get(name)
-        if held == mine:
-            continue
-        if mine is None and not isinstance(parameter, DTensor):
-            natural[key] = held  # type: ignore[assignment] # held is not None here
-            continue
-        raise UsageError(
-            f"checkpoint {path} holds the outputs of {name} {_order(held)}, and this run's "
-            f"stage {trainer.place.stage} holds them {_order(mine, parameter)}; resume it "
-            f"{_saved_layout(checkpoint)}, or without --tensor-parallel and --shard (each stage "
-            f"then reads whole tensors and puts them in order)")
-    return natural
+def load_stage_from_whole(trainer: PipelineTrainer, model: dict[str, Any],
+                          optimizer: dict[str, Any], path: Path) -> None:
+    """Load this sharded or tensor-parallel stage's part of a checkpoint that holds the whole
+    model (``model`` by name, ``optimizer`` with its state by name: a plain ``dp`` run's or an
+    asynchronous pipeline's), each rank copying the parts of the whole tensors it holds."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
-
-def _saved_layout(checkpoint: dict[str, Any]) -> str:
-    """The flags of the layout that saved ``checkpoint``, in words (a pipeline's or dp's)."""
-    degree = int(checkpoint.get("tensor_degree", 1))
-    tensor = f" --tensor-parallel {degree}" if degree > 1 else ""
-    layout = checkpoint.get("layout")
-    if layout is None:
-        return f"as it was saved (--strategy dp{tensor})"
-    return f"as it was saved (--stages {len(layout['bounds'])}{tensor})"
-
-
-def _order(entry: int | dict[str, int] | None, parameter: Any = None) -> str:
-    """How a checkpoint or a stage orders a parameter's outputs, in words."""
-    if entry is not None:
-        degree = entry if isinstance(entry, int) else entry["degree"]
-        return f"in the order of {degree} tensor-parallel shares"
-    return "as shards" if isinstance(parameter, DTensor) else "in the model's order"
+    state, model_state, optimizer_state = _stage_io(trainer)
+    absent = next((name for name in state["model"] if name not in model), None)
+    if absent is not None:
+        raise UsageError(f"checkpoint {path} holds no tensor named {absent!r}, which this model "
+                         f"has; resume with the model it was saved from")
+    copy_from_whole(state["model"], model)
+    copy_from_whole(state["optimizer"]["state"], optimizer["state"])
+    set_state_dict(trainer.module, trainer.optimizer, model_state_dict=model_state,
+                   optim_state_dict=optimizer_state)
+    for group, settings in zip(trainer.optimizer.param_groups, optimizer["param_groups"],
+                               strict=False):
+        group.update({key: value for key, value in settings.items() if key != "params"})
