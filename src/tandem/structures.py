@@ -14,6 +14,8 @@ Usage::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -92,3 +94,63 @@ def describe(tree: Any) -> str:
         inner = ", ".join(describe(value) for value in list(tree)[:4])
         return f"a {type(tree).__name__} ({inner})"
     return f"a {type(tree).__name__}"
+
+
+class SkeletonMismatch(ValueError):
+    """A value passed between blocks that does not have the structure, or the non-tensor
+    leaves, of the one the pipeline was set up with."""
+
+
+@dataclass(frozen=True, slots=True)
+class Skeleton:
+    """What a value passed between a model's blocks is besides its tensors: its structure
+    (nested tuples, lists and dicts) and its other leaves (None, numbers, strings), which a
+    pipeline keeps as the example it was set up with had them while it sends the tensors.
+
+    Usage::
+
+        skeleton = Skeleton.of(value)              # None for a tensor or a tuple of tensors
+        tensors = skeleton.tensors_of(output)      # what is sent; the rest checked
+        value = skeleton.fill(received)            # the structure again, around them
+    """
+
+    spec: pytree.TreeSpec
+    leaves: tuple[Any, ...]
+    """The example's leaves, None where a tensor goes."""
+    slots: tuple[int, ...]
+    """The positions of the tensors among the leaves."""
+
+    @classmethod
+    def of(cls, value: Any) -> Skeleton | None:
+        """``value``'s skeleton; None for a tensor or a tuple of tensors, which pass as they
+        are."""
+        if isinstance(value, torch.Tensor) or (
+                type(value) is tuple and all(isinstance(t, torch.Tensor) for t in value)):
+            return None
+        leaves, spec = pytree.tree_flatten(value)
+        slots = tuple(i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor))
+        return cls(spec=spec, slots=slots, leaves=tuple(
+            None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves))
+
+    def fill(self, tensors: Sequence[torch.Tensor]) -> Any:
+        """The structure with ``tensors`` in its tensor slots, in order."""
+        leaves = list(self.leaves)
+        for slot, tensor in zip(self.slots, tensors, strict=True):
+            leaves[slot] = tensor
+        return pytree.tree_unflatten(leaves, self.spec)
+
+    def tensors_of(self, value: Any) -> tuple[torch.Tensor, ...]:
+        """``value``'s tensors, in order; :class:`SkeletonMismatch` if its structure or any
+        other leaf differs from the skeleton's."""
+        leaves, spec = pytree.tree_flatten(value)
+        if spec != self.spec:
+            raise SkeletonMismatch(f"{describe(value)} where the first sample gave "
+                                   f"{describe(self.fill([torch.empty(0)] * len(self.slots)))}")
+        found = tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
+        for index, (leaf, kept) in enumerate(zip(leaves, self.leaves)):
+            if index not in self.slots and (isinstance(leaf, torch.Tensor) or leaf != kept):
+                raise SkeletonMismatch(f"{leaf!r} where the first sample gave {kept!r}")
+        if len(found) != len(self.slots):
+            raise SkeletonMismatch(f"{len(found)} tensors where the first sample gave "
+                                   f"{len(self.slots)}")
+        return found

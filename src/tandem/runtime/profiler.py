@@ -103,12 +103,13 @@ def _nbytes(value: Any) -> int:
 
 
 def _detached(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        fresh = value.detach()
-        return fresh.requires_grad_(True) if fresh.is_floating_point() else fresh
-    if isinstance(value, (tuple, list)):
-        return type(value)(_detached(item) for item in value)
-    return value
+    """``value`` with every tensor a fresh leaf, floating-point ones requiring a gradient."""
+    def fresh(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        tensor = leaf.detach()
+        return tensor.requires_grad_(True) if tensor.is_floating_point() else tensor
+    return pytree.tree_map(fresh, value)
 
 
 def _run_once(block: nn.Module, inputs: Any, device: torch.device) -> tuple[float, float, Any]:
@@ -168,8 +169,10 @@ def fit_fixed_s(points: Sequence[tuple[float, float]]) -> float:
 
 
 def _first(inputs: Any, samples: int = 2) -> Any:
-    """The first ``samples`` samples of a batch (batch in dim 0 of every tensor)."""
-    return pytree.tree_map(lambda t: t[:samples] if isinstance(t, torch.Tensor) else t, inputs)
+    """The first ``samples`` samples of a batch (batch in dim 0 of every tensor that has a
+    dimension; a 0-dim one, such as a running auxiliary loss, is kept whole)."""
+    return pytree.tree_map(
+        lambda t: t[:samples] if isinstance(t, torch.Tensor) and t.dim() else t, inputs)
 
 
 def _shapes(value: Any) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:

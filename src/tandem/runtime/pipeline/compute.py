@@ -147,7 +147,7 @@ class StageCompute:
             for tensor in _select(received, self.shapes.inputs):
                 tensor.requires_grad_(True)
             given = [t.clone() if spec.clone_received and t.requires_grad else t for t in received]
-            x = given[0] if len(given) == 1 else tuple(given)
+            x = self.shapes.assemble(given)
         assert x is not None
         version = self._weights_version(m) if self.stash else -1
         span.start = time.perf_counter()
@@ -190,7 +190,7 @@ class StageCompute:
                     self.on_loss(micro.step, loss.detach(), micro.size)
                 out = loss * (micro.scale * spec.precision.loss_factor * spec.gradient_factor)
             else:
-                out = _as_specs(out if isinstance(out, tuple) else (out,), self.shapes.outputs)
+                out = _as_specs(self.shapes.sent(out), self.shapes.outputs)
         if known is None:
             known = self.forward_bytes[micro.size] = saved[0]
         self.saved[m] = (received, out, version)

@@ -13,16 +13,18 @@ spans from its post to its message's arrival as seen by the computation that wai
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from tandem.errors import UsageError
 from tandem.runtime.executor import Executor, Span
 from tandem.runtime.pipeline.wire import Traffic, Wire
 from tandem.schedule import Action, Kind
 from tandem.split import TensorSpec
+from tandem.structures import Skeleton, SkeletonMismatch
 
 ACT, GRAD, VERSION = 0, 1, 2
 KEYS = {ACT: "activation", GRAD: "gradient"}
@@ -43,10 +45,36 @@ class StageShapes:
     outputs: tuple[TensorSpec, ...] = ()
     """To the next stage (none for the last); gradients come back for those that require them."""
 
+    input_skeleton: Skeleton | None = None
+    """The structure around the received tensors (None: a tensor, or a tuple of them)."""
+    output_skeleton: Skeleton | None = None
+    """The structure around the sent tensors (None: a tensor, or a tuple of them)."""
+
     @property
     def returned(self) -> tuple[TensorSpec, ...]:
         """The outputs whose gradients come back."""
         return tuple(spec for spec in self.outputs if spec.requires_grad)
+
+    def assemble(self, received: Sequence[torch.Tensor]) -> Any:
+        """What the stage's first block is called with: the received tensors in their
+        structure."""
+        if self.input_skeleton is not None:
+            return self.input_skeleton.fill(received)
+        return received[0] if len(received) == 1 else tuple(received)
+
+    def sent(self, output: Any) -> tuple[torch.Tensor, ...]:
+        """The tensors of the stage's output, to send; one line if its structure or other
+        values differ from the first sample's."""
+        if self.output_skeleton is None:
+            return output if isinstance(output, tuple) else (output,)
+        try:
+            return self.output_skeleton.tensors_of(output)
+        except SkeletonMismatch as error:
+            raise UsageError(
+                f"a stage passes {error} to the next one: a pipeline sends the "
+                f"tensors between blocks and keeps their other values (None, numbers) as the "
+                f"first sample had them; return a value of the same structure for every batch, "
+                f"with tensors for what changes") from None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -61,12 +61,12 @@ def evaluate_stage(trainer: PipelineTrainer) -> dict[str, float | None]:
             dist.recv(message, src=place.rank_of(worker(place.stage - 1, chunk)),
                       tag=EVAL_TAG_BASE + chunk)
             received = trainer.wire.unpack_many(message, shapes, dtypes, "activation")
-            x = received[0] if len(received) == 1 else tuple(received)
+            x = trainer.shapes.assemble(received)
         out = trainer.module(x)
         if batch is not None and place.stage == num_stages - 1:
             totals += score_batch(out, batch.targets, trainer.task.loss, batch.size)
         else:
-            outs = out if isinstance(out, tuple) else (out,)
+            outs = trainer.shapes.sent(out)
             dist.send(trainer.wire.pack_many(outs, "activation", trainer.env.device),
                       dst=place.rank_of(worker(place.stage + 1, chunk)),
                       tag=EVAL_TAG_BASE + chunk)

@@ -4,7 +4,7 @@ Usage::
 
     blocks = pipeline_blocks(model, example_inputs(data.train), what="model 'pkg:build'")
     layout, schedule = pipeline_setup(job, blocks)
-    boundaries = boundary_specs(blocks, example_inputs(data.train))   # what each cut carries
+    boundaries, skeletons = boundary_values(blocks, example_inputs(data.train))  # each cut's
 
 An ``nn.Sequential`` is its own blocks; any other model is traced and split
 (:func:`tandem.split.split_model`).
@@ -19,12 +19,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from tandem import structures
 from tandem.errors import UsageError
 from tandem.runtime.job import Job
 from tandem.runtime.pipeline.layout import PipelineLayout, layout_from_plan
 from tandem.schedule import Schedule
 from tandem.schedule.check import check
 from tandem.split import SplitModel, TensorSpec, split_model
+from tandem.structures import Skeleton
 
 EXAMPLE_SAMPLES = 2
 """Samples of the example call a model is traced on (two, so the batch stays symbolic)."""
@@ -123,17 +125,21 @@ def shared_parameters(blocks: nn.Sequential, bounds: tuple[tuple[int, int], ...]
     return dict(sorted(shared.items()))
 
 
-def boundary_specs(blocks: nn.Sequential, example: Any) -> list[tuple[TensorSpec, ...]]:
-    """What block ``i`` passes to block ``i + 1``, for every ``i``.
+def boundary_values(blocks: nn.Sequential, example: Any
+                    ) -> tuple[list[tuple[TensorSpec, ...]], list[Skeleton | None]]:
+    """What block ``i`` passes to block ``i + 1``, for every ``i``: the tensors sent, and the
+    skeleton around them where the value is more than a tensor or a tuple of tensors (a dict,
+    None, numbers: :class:`~tandem.structures.Skeleton`).
 
     A split model knows; for an ``nn.Sequential`` one sample runs through it in evaluation
-    mode, and every floating-point tensor it passes gets a gradient back. Blocks on the meta
-    device (a built-in model before its stages are materialized) run on a meta copy of the
-    sample: only shapes and dtypes are computed.
+    mode, and every floating-point tensor it passes gets a gradient back (a 0-dim one, such as
+    a running auxiliary loss, has no batch dimension). Blocks on the meta device (a built-in
+    model before its stages are materialized) run on a meta copy of the sample: only shapes and
+    dtypes are computed.
     """
     if isinstance(blocks, SplitModel):
-        return list(blocks.boundaries)
-    specs = []
+        return list(blocks.boundaries), [None] * len(blocks.boundaries)
+    specs, skeletons = [], []
     was_training = blocks.training
     blocks.eval()
     meta = any(t.is_meta for t in (*blocks.parameters(), *blocks.buffers()))
@@ -141,11 +147,21 @@ def boundary_specs(blocks: nn.Sequential, example: Any) -> list[tuple[TensorSpec
         x = example[:1].to("meta") if meta else example[:1]
         for block in list(blocks)[:-1]:
             x = block(x)
-            tensors = x if isinstance(x, tuple) else (x,)
-            specs.append(tuple(TensorSpec.per_sample(t, requires_grad=t.is_floating_point())
-                               for t in tensors))
+            skeleton = Skeleton.of(x)
+            tensors = (x if isinstance(x, tuple) else (x,)) if skeleton is None else \
+                structures.tensors(x)
+            specs.append(tuple(_sent(t) for t in tensors))
+            skeletons.append(skeleton)
     blocks.train(was_training)
-    return specs
+    return specs, skeletons
+
+
+def _sent(tensor: torch.Tensor) -> TensorSpec:
+    """The spec of a tensor passed between blocks: per sample, or whole if it has no
+    dimension."""
+    if tensor.dim() == 0:
+        return TensorSpec(shape=(), dtype=tensor.dtype, requires_grad=tensor.is_floating_point())
+    return TensorSpec.per_sample(tensor, requires_grad=tensor.is_floating_point())
 
 
 def model_names(blocks: nn.Sequential, start: int) -> Any:

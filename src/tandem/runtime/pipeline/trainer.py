@@ -62,7 +62,7 @@ from tandem.runtime.pipeline.engine import (
     ComputeSpec, LinkSpec, StageEngine, StageShapes, Tie, UpdateSpec,
 )
 from tandem.runtime.pipeline.setup import (
-    boundary_specs, example_inputs, model_names, pipeline_setup,
+    boundary_values, example_inputs, model_names, pipeline_setup,
 )
 from tandem.runtime.pipeline.wire import Wire
 from tandem.runtime.pipeline.sharding import StageShards
@@ -108,7 +108,7 @@ class PipelineTrainer(BaseTrainer):
         part = f" tensor part {tensor_rank}" if degree > 1 else ""
         self.divergence.where = f"stage {stage}{replica_text}{part} (rank {env.rank})"
         start, end = self.layout.bounds[stage]
-        boundaries = boundary_specs(blocks, example)
+        boundaries, skeletons = boundary_values(blocks, example)
         self.module = materialize(blocks, start, end, init, env.device)
         self.names = model_names(blocks, start)
         mesh = self._layout_mesh()
@@ -139,8 +139,12 @@ class PipelineTrainer(BaseTrainer):
         shares of the split layers, with tensor parallelism; its shards, sharded)."""
         self.setup_optimizer(self.module.parameters(), delay=self._delay(),
                              every_stage=bool(job.plan.vertical_sync))
-        self.shapes = StageShapes(inputs=boundaries[start - 1] if start else (),
-                                  outputs=boundaries[end - 1] if end < len(blocks) else ())
+        last = end == len(blocks)
+        self.shapes = StageShapes(
+            inputs=boundaries[start - 1] if start else (),
+            outputs=() if last else boundaries[end - 1],
+            input_skeleton=skeletons[start - 1] if start else None,
+            output_skeleton=None if last else skeletons[end - 1])
         self.wire = Wire.build(job.plan.compress, rank=env.rank, world_size=env.world_size)
         self.asynchronous = self.schedule.kind.asynchronous
         self.precision = StagePrecision(config.precision, env.device, clip=config.clip_grad_norm,
