@@ -281,3 +281,14 @@ def test_the_simulator_replays_a_plans_hand_written_schedule() -> None:
     generated = Plan(stages=plan.stages, num_layers=4, num_devices=2, schedule="gpipe",
                      num_microbatches=3)
     assert plan_schedule(generated).text() == gpipe([1, 1], 3).text()
+
+
+@pytest.mark.pure
+def test_a_data_parallel_summary_names_no_pipeline_schedule() -> None:
+    from tandem.runtime.outputs import plan_summary
+
+    dp = plan_summary(plan_from_flags("dp", {}, num_processes=4, num_blocks=3))
+    assert dp["strategy"] == "dp" and "schedule" not in dp and "microbatches" not in dp
+    staged = plan_summary(plan_from_flags("pipeline", {"--stages": 2, "--schedule": "gpipe"},
+                                          num_processes=2, num_blocks=3))
+    assert (staged["schedule"], staged["strategy"]) == ("gpipe", "pipeline")

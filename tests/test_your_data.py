@@ -67,11 +67,16 @@ def test_a_folder_with_train_and_test_subfolders_keeps_its_split(tmp_path: Path)
 def test_user_data_function_with_dict_inputs_matches_single_process(tmp_path: Path) -> None:
     """A map-style dataset whose inputs are dicts and a module with a skip connection: 2 workers
     end equal to 1. (Without BatchNorm: on CPU each worker normalises over its own share of the
-    batch, as DDP does, since SyncBatchNorm needs GPUs; tests/test_buffers.py holds buffers.)"""
+    batch, as DDP does, since SyncBatchNorm needs GPUs; tests/test_buffers.py holds buffers.)
+    The launcher (this process) calls the data function once per run, its checks included."""
+    from tests import user_data
+
     args = ("train", "--model", "tests.user_data:skip_net:norm=False", "--data",
             "tests.user_data:digit_dicts", *SMALL)
     run_json(*args, "--nproc", "1", "--out", str(tmp_path / "one"))
+    user_data.CALLS["digit_dicts"] = 0
     run_json(*args, "--nproc", "2", "--out", str(tmp_path / "two"))
+    assert user_data.CALLS["digit_dicts"] == 1
     assert max_abs_diff(tmp_path / "one" / "final.pt", tmp_path / "two" / "final.pt") <= 1e-5
 
 

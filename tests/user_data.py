@@ -57,8 +57,13 @@ def digit_pairs(test_size: int = 360) -> tuple[Dataset, Dataset]:
     return DigitPairs("train"), DigitPairs("test")
 
 
+CALLS = {"digit_dicts": 0}
+"""How often this process called each data function (a launcher in the test's process)."""
+
+
 def digit_dicts() -> tuple[Dataset, Dataset]:
     """``--data tests.user_data:digit_dicts``: inputs are dicts of tensors."""
+    CALLS["digit_dicts"] += 1
     return DigitDicts("train"), DigitDicts("test")
 
 

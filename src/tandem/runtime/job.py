@@ -26,6 +26,10 @@ class Job:
     objects: Any = None
     """The user's own model, data and loss (a :class:`tandem.runtime.task.UserObjects`, from
     the Python API), or None: the run's specs name them."""
+    prepared: Any = dataclasses.field(default=None, compare=False, repr=False)
+    """The data the launcher built for this job (:func:`tandem.runtime.run.make_job`), which
+    its checks reuse instead of building it again (a user's data function is called once);
+    :func:`tandem.runtime.run.run_training` drops it before the job goes to the workers."""
 
     def __post_init__(self) -> None:
         resumable = (self.run.resume is not None or self.run.stop_after is not None

@@ -27,12 +27,13 @@ GANTT_STEPS = 3
 
 
 def plan_summary(plan: Plan) -> dict[str, Any]:
-    """What every run's summary says of its plan: strategy, layout, schedule, micro-batches,
-    codec, and a shard degree with its level where the plan shards."""
+    """What every run's summary says of its plan: strategy, layout, codec, the schedule and
+    micro-batches where it is a pipeline, and a shard degree with its level where it shards."""
     shard = ({"shard": plan.shard_degree, "shard_level": plan.shard_level}
              if plan.sharded else {})
-    return {"strategy": strategy_of(plan), "plan": plan.config, "schedule": plan.schedule,
-            "microbatches": plan.num_microbatches,
+    staged = {"schedule": plan.schedule, "microbatches": plan.num_microbatches} \
+        if plan.pipelined else {}  # a data-parallel plan has no pipeline schedule
+    return {"strategy": strategy_of(plan), "plan": plan.config, **staged,
             "compress": plan.compress.text if plan.compress else None, **shard}
 
 

@@ -45,21 +45,22 @@ def warn(message: str, category: type[TandemWarning] = MachineWarning) -> None:
 
 
 def build_checked(run: RunConfig, objects: Any = None, *, shares: int = 1,
-                  meta: bool = False) -> tuple[Data, nn.Module]:
+                  meta: bool = False, data: Data | None = None) -> tuple[Data, nn.Module]:
     """The run's data and model (from its specs, or the user's ``objects``). One that would not
     fit in memory is refused before it is built where its size can be told in advance (the
     dataset's options, the model's parameters built on the ``meta`` device), and if building it
     runs out of memory, counting ``1 / shares`` of the model per worker. With ``meta`` a model
     that can be built in pieces comes on the meta device (workers that build it in pieces, or
-    a caller that needs only its structure), so that no process builds it whole."""
+    a caller that needs only its structure), so that no process builds it whole. ``data``: the
+    run's data, built already (then used as it is)."""
     from tandem.runtime.task import Task
 
     available = available_memory_bytes()
-    if objects is None or objects.train is None:
+    if data is None and (objects is None or objects.train is None):
         _check_fits(f"--data {run.data}", dataset_bytes(run.data), available,
                     "a smaller dataset (n, size)")
     try:
-        task = Task(run, objects)
+        task = Task(run, objects, data=data)
     except (MemoryError, RuntimeError) as exc:
         raise _too_big(exc, f"--data {run.data}", "a smaller dataset (n, size)") from None
     data = task.data

@@ -7,6 +7,7 @@ imported inside the functions that use them (each import marked)."""
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from pathlib import Path
 from collections.abc import Mapping
@@ -86,7 +87,8 @@ def check_job(job: Job) -> None:
     run, plan = job.run, job.plan
     check_flags(job)
     shares = model_shares(plan)
-    data, model = preflight.build_checked(run, job.objects, shares=shares, meta=shares > 1)
+    data, model = preflight.build_checked(run, job.objects, shares=shares, meta=shares > 1,
+                                          data=job.prepared)
     if plan.tensor_degree > 1:
         from tandem.models.tensor import tensor_plan  # delays torch
 
@@ -141,6 +143,8 @@ def run_training(job: Job) -> dict[str, Any] | None:
     from tandem.runtime.worker import train_worker  # delays torch
 
     check_job(job)
+    if job.prepared is not None:  # the workers build their own
+        job = dataclasses.replace(job, prepared=None)
     with claim_out(job.run):
         return launch(train_worker, job, nproc=job.run.nproc, threads=job.run.threads,
                       max_restarts=job.run.max_restarts)
@@ -166,7 +170,7 @@ def make_job(strategy: str = "dp", flags: Mapping[str, Any] | None = None, *,
     if isinstance(model, nn.Sequential) or not pipelined:
         blocks = len(model) if isinstance(model, nn.Sequential) else None
         plan = plan_from_flags(strategy, flags or {}, num_processes=run.nproc, num_blocks=blocks)
-        return Job(run=run, plan=plan, objects=objects)
+        return Job(run=run, plan=plan, objects=objects, prepared=data)
     from tandem.runtime.pipeline.bounds import profiled_plan  # delays torch
     from tandem.runtime.pipeline.setup import example_inputs, pipeline_blocks  # delays torch
 
@@ -178,4 +182,4 @@ def make_job(strategy: str = "dp", flags: Mapping[str, Any] | None = None, *,
     if run.split_points is None and not under_launcher():
         plan = profiled_plan(plan, split, data.train, batch_size=run.batch_size,
                              threads=run.threads)
-    return Job(run=run, plan=plan, objects=objects)
+    return Job(run=run, plan=plan, objects=objects, prepared=data)

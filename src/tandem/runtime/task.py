@@ -55,11 +55,14 @@ class UserObjects:
 class Task:
     """The model builder, the data and the loss of one job."""
 
-    def __init__(self, run: Any, objects: UserObjects | None = None) -> None:
+    def __init__(self, run: Any, objects: UserObjects | None = None, *,
+                 data: Data | None = None) -> None:
         self.run, self.objects = run, objects or UserObjects()
         objects = self.objects
-        if objects.train is not None:
-            self.data: Data = data_of(objects.train, objects.test, name=run.data,
+        if data is not None:  # built already, by the launcher's first check
+            self.data: Data = data
+        elif objects.train is not None:
+            self.data = data_of(objects.train, objects.test, name=run.data,
                                       info=objects.info)
         else:
             self.data = load_data(run.data, cache_dir=getattr(run, "cache_dir", None))
