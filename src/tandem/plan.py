@@ -140,6 +140,9 @@ class Plan:
     recompute: bool = False
     """Activation recomputation: each stage keeps only its input per micro-batch in flight and
     runs its forward again before each backward."""
+    sync_batchnorm: bool = False
+    """Data parallelism: BatchNorm layers normalize over the global batch (every worker's
+    samples; :mod:`tandem.sync.sync_batchnorm`), as one process would, not each worker's share."""
     sync: SyncSpec = field(default_factory=AllReduceSync)
     """How the replicas of a stage synchronize (pipelines: allreduce only)."""
     compress: CodecSpec | None = None
@@ -177,6 +180,11 @@ class Plan:
         self._check_shard()
         if not isinstance(self.recompute, bool):
             raise UsageError(f"a plan's recompute must be true or false (got {self.recompute!r})")
+        if self.sync_batchnorm and (self.pipelined or self.tensor_degree > 1
+                                    or not isinstance(self.sync, AllReduceSync)):
+            raise UsageError("--sync-batchnorm normalizes over the workers of synchronous data "
+                             "parallelism (--strategy dp, with or without --shard, no "
+                             "--tensor-parallel); drop it for this plan")
         if self.num_microbatches is None:
             self.num_microbatches = default_microbatches(self.replicas, self.schedule)
         self._check_schedule()
@@ -368,6 +376,7 @@ class Plan:
             "shard_level": self.shard_level,
             "shard_units": self.shard_units,
             "recompute": self.recompute,
+            "sync_batchnorm": self.sync_batchnorm,
             "sync": sync_to_dict(self.sync),
             "compress": self.compress.text if self.compress else None,
             "predicted_schedule": self.predicted_schedule,
@@ -417,7 +426,8 @@ _STAGE_KEYS = ("start", "end", "replicas", "time_s", "compute_s", "parameter_byt
 _PLAN_KEYS = ("num_layers", "num_devices", "bottleneck_s", "single_s", "data_parallel_s",
               "layer_order", "level_configs", "schedule", "num_microbatches", "schedule_text",
               "vertical_sync", "tensor_degree", "tensor_layers", "sharded",
-              "shard_degree", "shard_level", "shard_units", "recompute", "predicted_schedule", "estimate_s", "samples_per_s",
+              "shard_degree", "shard_level", "shard_units", "recompute", "sync_batchnorm",
+              "predicted_schedule", "estimate_s", "samples_per_s",
               "candidates", "solve_s", "options")  # fmt: skip
 
 

@@ -86,7 +86,7 @@ SHARD_UNITS_FLAG = "--shard-units"
 
 DATA_PARALLEL_FLAGS = {"--accumulate": ("dp", "gossip", "easgd", "localsgd"),
                        SHARD_FLAG: ("dp", PIPELINE), SHARD_LEVEL_FLAG: ("dp", PIPELINE),
-                       SHARD_UNITS_FLAG: ("dp",)}
+                       SHARD_UNITS_FLAG: ("dp",), "--sync-batchnorm": ("dp",)}
 """Flags of the data-parallel trainer (and of a stage's replicas), by the strategies that take
 them."""
 
@@ -218,7 +218,8 @@ def plan_from_flags(strategy: str, given: Mapping[str, Any], *, num_processes: i
                 num_devices=num_processes, sharded=shard > 0, schedule=ScheduleKind.ONE_F_ONE_B,
                 num_microbatches=replicas * accumulate, tensor_degree=degree,
                 tensor_layers=parse_tensor_layers(given.get(TENSOR_LAYERS_FLAG)), sync=sync,
-                compress=compress, shard_degree=max(shard, 1), shard_level=level, shard_units=units)
+                compress=compress, shard_degree=max(shard, 1), shard_level=level, shard_units=units,
+                sync_batchnorm=bool(given.get("--sync-batchnorm")))
 
 
 def shard_options(given: Mapping[str, Any], workers: int, tensor: int = 1,

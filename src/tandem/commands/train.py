@@ -108,6 +108,9 @@ def add_train_arguments(parser: argparse.ArgumentParser, defaults: RunConfig) ->
     add("--shard-units", metavar="NAME,...",
         help="with --shard: the submodules gathered one at a time, by module name (default: "
         "each block of the model's sequence of blocks, e.g. transformer.h.*, then the rest)")
+    add("--sync-batchnorm", action="store_true", default=None,
+        help="--strategy dp: BatchNorm layers normalize over every worker's samples (the global "
+        "batch), as one process does; without it each worker normalizes its own share")
     add("--vertical-sync", action="store_true", default=None,
         help="pipedream schedule: every stage uses the weight version stage 0 used")
     add("--recompute", action="store_true", default=None,

@@ -31,6 +31,8 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
     micro-batches where it is a pipeline, and a shard degree with its level where it shards."""
     shard = ({"shard": plan.shard_degree, "shard_level": plan.shard_level}
              if plan.sharded else {})
+    if plan.sync_batchnorm:
+        shard["sync_batchnorm"] = True
     staged = {"schedule": plan.schedule, "microbatches": plan.num_microbatches} \
         if plan.pipelined else {}  # a data-parallel plan has no pipeline schedule
     return {"strategy": strategy_of(plan), "plan": plan.config, **staged,

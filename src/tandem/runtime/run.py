@@ -94,6 +94,10 @@ def check_job(job: Job) -> None:
 
         tensor_plan(run.model if job.objects is None or job.objects.model is None else None,
                     model, plan.tensor_degree, plan.tensor_layers)
+    if plan.sync_batchnorm:
+        from tandem.sync.sync_batchnorm import check_batchnorms  # delays torch
+
+        check_batchnorms(model)
     if plan.sharded and plan.shard_level > 1:
         from tandem.sync.sharded import check_offload, check_units  # delays torch
 

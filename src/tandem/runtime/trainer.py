@@ -44,6 +44,7 @@ from tandem.runtime.export import ShardedFinal, final_state
 from tandem.runtime.resize import resized_checkpoint
 from tandem.sync import SyncStrategy
 from tandem.sync.allreduce import AllReduce
+from tandem.sync.sync_batchnorm import sync_batchnorms
 from tandem.spec.batch_schedule import AUTO
 from tandem.spec.codec import CodecSpec
 from tandem.spec.sync import ParameterServerSync, SyncSpec
@@ -95,6 +96,7 @@ class Trainer(BaseTrainer):
         torch.manual_seed(config.seed)
         model = self.task.build_model(meta=self.strategy.initializer is not None)
         load_whole_model(checkpoint, model)
+        model = sync_batchnorms(model, env.device) if self.plan.sync_batchnorm else model
         self.module = self.strategy.wrap(model, env.device)
         self.current_step = 0
         self.strategy.recorder = self._record_sync
