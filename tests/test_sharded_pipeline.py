@@ -12,11 +12,12 @@ it with FSDP2 over the ``data`` dimension of the job's mesh, alone (2-D, 4 worke
 and end with one process's parameters and buffers (``final.pt``, the model's own names and
 shapes) and test score: gpt at both, level 2 under GPipe with an evaluation mid-run, mlp in 3-D
 and a Hugging Face GPT-2 (built from a config, split by tracing, its input embedding on stage 0
-tied to its output layer on stage 1) in 2-D. GPT-2 in 3-D is refused in one line: traced as a
-worker's share computes (:mod:`tandem.runtime.pipeline.tensor_split`), its shares came out the
-wrong shape on some stage splits. Each gpt worker holds exactly its stage's split layers over ``D * T`` and the rest
-over ``D``. Clipping counts every shard and tensor share once. What the
-sharded pipeline does not take is one line; it takes checkpoints (test_pipeline_checkpoint.py).
+tied to its output layer on stage 1) in 2-D, and with ``--tensor-parallel 2`` (its blocks traced
+as a worker's share computes, :mod:`tandem.runtime.pipeline.tensor_split`) in pipeline 2 x tensor
+2 cut at ``transformer.h.1`` and in 3-D cut inside a block, between ``mlp.c_fc`` and ``c_proj``.
+Each gpt and GPT-2 worker holds exactly its stage's split layers over ``D * T`` and the rest over
+``D``. Clipping counts every shard and tensor share once. What the sharded pipeline does not
+take is one line; it takes checkpoints (test_pipeline_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -186,17 +187,51 @@ def test_units_are_the_stages_blocks() -> None:
     assert "--shard-units applies to --strategy dp only" in result.stderr
 
 
+HF_SHORT = (*HF[:HF.index("--steps") + 1], "2", *HF[HF.index("--steps") + 2:])
+"""GPT-2's runs against one process, 2 steps."""
+TRACED_CUTS = {
+    "2 x 2 at transformer.h.1": ("transformer.h.1", ("--strategy", "pipeline", "--stages", "2",
+                                                     "--tensor-parallel", "2", "--nproc", "4")),
+    "2 x 2 x 2 between mlp.c_fc and c_proj": ("transformer.h.0.mlp.c_proj", THREE_D),
+}
+"""name: (the split point, the layout): a cut between blocks, and one inside a block that
+parts a column-wise layer from its row-wise one (each split alone there)."""
+STAGE_0 = {"transformer.h.1": ("transformer.wte.", "transformer.wpe.", "transformer.h.0."),
+           "transformer.h.0.mlp.c_proj": ("transformer.wte.", "transformer.wpe.",
+                                          "transformer.h.0.ln_", "transformer.h.0.attn.",
+                                          "transformer.h.0.mlp.c_fc.")}
+"""GPT-2's parameters on stage 0 at each split point (stage 1: the rest and ``lm_head``,
+tied to ``transformer.wte``)."""
+HF_SPLIT = ("attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight", "mlp.c_fc.weight",
+            "mlp.c_fc.bias", "mlp.c_proj.weight")
+"""GPT-2's parameters that ``TENSOR_LAYERS`` splits (a row-wise layer's bias stays whole)."""
+
+
 @pytest.mark.multiprocess
-def test_a_traced_model_in_pipeline_x_tensor_is_one_line() -> None:
-    """GPT-2 cut at ``transformer.h.1`` in a pipeline x tensor layout computed shares of the
-    wrong shape ("mat1 and mat2 shapes cannot be multiplied"): refused in one line naming the
-    layouts that run it."""
+@pytest.mark.parametrize("cut", list(TRACED_CUTS))
+def test_a_traced_model_in_pipeline_x_tensor_equals_one_process(shared_run: SharedRun,
+                                                                cut: str) -> None:
+    """GPT-2 (split by tracing, its blocks traced as a worker's share computes) in a pipeline
+    x tensor layout ends within 1e-5 of one process, every stage holding a share of each of
+    its tensor layers, cut between blocks or inside one (it once left a stage's layers whole
+    while its blocks computed shares: 'mat1 and mat2 shapes cannot be multiplied')."""
     pytest.importorskip("transformers")
-    result = run_here("train", *HF, "--strategy", "pipeline", "--stages", "2",
-                      "--tensor-parallel", "2", "--nproc", "4", "--tensor-layers", TENSOR_LAYERS,
-                      "--no-progress")
-    assert result.returncode == 2, result.stderr
-    lines = [line for line in result.stderr.strip().splitlines()
-             if line.startswith("tandem train: error")]
-    assert len(lines) == 1, result.stderr
-    assert "is split by tracing" in lines[0] and "--strategy dp --tensor-parallel 2" in lines[0]
+    split_point, layout = TRACED_CUTS[cut]
+    single, alone = shared_run(*HF_SHORT, "--nproc", "1")
+    out, summary = shared_run(*HF_SHORT, *layout, "--tensor-layers", TENSOR_LAYERS,
+                              "--split-points", split_point)
+    assert summary["mesh"]["tensor"] == 2 and summary["tensor_whole_layers"] == []
+    assert _largest_difference(single, out) <= 1e-5, cut
+    assert summary["test_loss"] == pytest.approx(alone["test_loss"], abs=1e-5)
+    assert summary["test_accuracy"] == alone["test_accuracy"]
+    whole = torch.load(single / "final.pt")
+    shard = summary["mesh"]["data"]
+    for worker in summary["workers"]:
+        held = 0.0
+        for name, value in whole.items():
+            if name.startswith(STAGE_0[split_point]) == (worker["stage"] == 0):
+                split = 2 if name.endswith(HF_SPLIT) else 1
+                held += value.numel() * value.element_size() / (shard * split)
+        assert worker["parameter_bytes"] == held, worker
+    ties = [tie for worker in summary["workers"] for tie in worker["shared_parameters"]]
+    assert len(ties) == len(summary["workers"]) and all(tie["max_abs_diff"] == 0 for tie in ties)

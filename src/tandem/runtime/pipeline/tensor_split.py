@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from tandem.errors import PlanWarning, UsageError
+from tandem.errors import PlanWarning
 from tandem.models.tensor import TensorPlan, head_shares, tensor_plan
 from tandem.runtime.job import Job
 from tandem.runtime.pipeline.layout import StagePlace, layout_from_plan
@@ -62,18 +62,26 @@ class StageSplit:
 
 def tensor_blocks(job: Job, model: nn.Module, example: Any, *, what: str) -> nn.Sequential:
     """``model``'s blocks (:func:`~tandem.runtime.pipeline.setup.pipeline_blocks`); with
-    tensor parallelism an ``nn.Sequential``'s only: a model split by tracing is refused in one
-    line (traced as a worker's share computes, :func:`share_view`, its shares came out the
-    wrong shape on some splits; the code that traces it so stays, for the fix)."""
+    tensor parallelism, a traced model's as a worker's share computes them, its tensor layers
+    called as modules (traced again, as lone layers, where a stage boundary cuts a pair)."""
     split_points = job.run.split_points
     degree = job.plan.tensor_degree
     if degree == 1 or isinstance(model, nn.Sequential):
         return pipeline_blocks(model, example, what=what, split_points=split_points)
-    raise UsageError(f"--tensor-parallel {degree} in a pipeline splits a model that is an "
-                     f"nn.Sequential of blocks; {what} is split by tracing, whose shares come out "
-                     f"the wrong shape on some stage splits yet (GPT-2 cut at transformer.h.1: "
-                     f"'mat1 and mat2 shapes cannot be multiplied'); run it with --strategy dp "
-                     f"--tensor-parallel {degree}, or as a pipeline without --tensor-parallel")
+    plan = model_plan(job, model)
+    sides = share_sides(plan)
+    for _ in range(2):
+        with share_view(model, plan, sides, degree):
+            blocks = pipeline_blocks(model, example, what=what, split_points=split_points,
+                                     leaves=list(plan))
+        assert isinstance(blocks, SplitModel)
+        bounds = layout_from_plan(job.plan, len(blocks)).bounds
+        parts = [traced_stage_plan(blocks, plan, start, end) for start, end in bounds]
+        staged = {name: side for part, _ in parts for name, side in share_sides(part).items()}
+        if staged == sides:
+            return blocks
+        sides = staged  # pairs cut by a stage boundary: lone layers, traced again as such
+    raise AssertionError("the second trace has the first one's blocks")
 
 
 def model_plan(job: Job, model: nn.Module) -> TensorPlan:
@@ -134,19 +142,19 @@ def split_stage(job: Job, module: nn.Module, model: nn.Module, blocks: nn.Sequen
     tensor`` ``mesh`` (:func:`~tandem.runtime.tensor_parallel.layout_mesh`); a traced model's
     blocks must come from :func:`tensor_blocks`."""
     whole_plan = model_plan(job, model)
+    check_trust_ratios(whole_plan, job.run.optimizer)
     part: TensorPlan = {}
     if isinstance(blocks, SplitModel):  # its layers are the blocks' calls of the model's modules
         part, whole_layers = traced_stage_plan(blocks, whole_plan, start, end)
         plan = {f"{blocks.leaves[name] - start}.{name}": style for name, style in part.items()}
     else:
-        check_trust_ratios(whole_plan, job.run.optimizer)
-    plan, whole_layers = stage_plan(whole_plan, start, end)
+        plan, whole_layers = stage_plan(whole_plan, start, end)
     if whole_layers and place.tensor_rank == 0 and place.replica == 0:
         warnings.warn(f"layers {', '.join(whole_layers)} stay whole: a heads layer needs its "
                       f"row-wise layer in its stage", PlanWarning, stacklevel=2)
     whole_bytes = parameter_bytes(module)
     shares = split_model(module, plan, mesh["tensor"])
-    if isinstance(blocks, SplitModel):  # the trace took the attention's share of its heads (share_view)
+    if isinstance(blocks, SplitModel):  # share_view's trace took the attention's share of heads
         shares = head_shares(model, {name: style for name, style in part.items()
                                      if style == "heads"}, place.tensor_degree)
     if shares and place.tensor_rank == 0 and place.replica == 0:
