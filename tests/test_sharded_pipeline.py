@@ -13,8 +13,9 @@ and end with one process's parameters and buffers (``final.pt``, the model's own
 shapes) and test score: gpt at both, level 2 under GPipe with an evaluation mid-run, mlp in 3-D
 and a Hugging Face GPT-2 (built from a config, split by tracing, its input embedding on stage 0
 tied to its output layer on stage 1) in 2-D, and with ``--tensor-parallel 2`` (its blocks traced
-as a worker's share computes, :mod:`tandem.runtime.pipeline.tensor_split`) in pipeline 2 x tensor
-2 cut at ``transformer.h.1`` and in 3-D cut inside a block, between ``mlp.c_fc`` and ``c_proj``.
+as a worker's share computes, :mod:`tandem.runtime.pipeline.tensor_split`) in 3-D cut at
+``transformer.h.1`` and in pipeline 2 x tensor 2 cut inside a block, between ``mlp.c_fc`` and
+``c_proj``.
 Each gpt and GPT-2 worker holds exactly its stage's split layers over ``D * T`` and the rest over
 ``D``. Clipping counts every shard and tensor share once. What the sharded pipeline does not
 take is one line; it takes checkpoints (test_pipeline_checkpoint.py).
@@ -190,12 +191,13 @@ def test_units_are_the_stages_blocks() -> None:
 HF_SHORT = (*HF[:HF.index("--steps") + 1], "2", *HF[HF.index("--steps") + 2:])
 """GPT-2's runs against one process, 2 steps."""
 TRACED_CUTS = {
-    "2 x 2 at transformer.h.1": ("transformer.h.1", ("--strategy", "pipeline", "--stages", "2",
-                                                     "--tensor-parallel", "2", "--nproc", "4")),
-    "2 x 2 x 2 between mlp.c_fc and c_proj": ("transformer.h.0.mlp.c_proj", THREE_D),
+    "2 x 2 x 2 at transformer.h.1": ("transformer.h.1", THREE_D),
+    "2 x 2 between mlp.c_fc and c_proj": ("transformer.h.0.mlp.c_proj", (
+        "--strategy", "pipeline", "--stages", "2", "--tensor-parallel", "2", "--nproc", "4")),
 }
 """name: (the split point, the layout): a cut between blocks, and one inside a block that
-parts a column-wise layer from its row-wise one (each split alone there)."""
+parts a column-wise layer from its row-wise one (each split alone there, and traced twice: the
+fewer workers)."""
 STAGE_0 = {"transformer.h.1": ("transformer.wte.", "transformer.wpe.", "transformer.h.0."),
            "transformer.h.0.mlp.c_proj": ("transformer.wte.", "transformer.wpe.",
                                           "transformer.h.0.ln_", "transformer.h.0.attn.",
