@@ -196,3 +196,24 @@ def test_a_module_that_cannot_be_called_alone_is_one_line() -> None:
         split_model(model, inputs(2), leaves=["layers"])
     message = str(raised.value)
     assert "module 'layers' runs more than once" in message and "tensor layers" in message and "\n" not in message
+
+
+def test_a_split_traced_on_the_meta_device_runs_bound_to_the_models_tensors() -> None:
+    """Traced on the meta device (its code names that device: GPT-2's ``arange``), then the
+    model given storage: the blocks take the model's new tensors by name and run their code on
+    the CPU, computing what the model does."""
+    model, _, inputs = built("gpt2")
+    with torch.device("meta"):
+        shell = gpt2()
+    split = split_model(shell, inputs(2).to("meta"))
+    assert any("device(type='meta')" in block.code for block in split)
+    shell.to_empty(device="cpu")
+    shell.load_state_dict(model.state_dict())
+    split.bind(shell)
+    split.place_code(torch.device("cpu"))
+    assert not any(t.is_meta for t in (*split.parameters(), *split.buffers()))
+    tie = [param for block in split for name, param in block.named_parameters()
+           if name == "transformer.wte.weight"]
+    assert len(tie) == 2 and tie[0] is tie[1] is shell.transformer.wte.weight
+    x = inputs(3)
+    torch.testing.assert_close(floats(split(x)), floats(model(x)), rtol=0, atol=0)

@@ -116,13 +116,30 @@ def compile_graph(graph: fx.Graph, label: str) -> tuple[Callable[..., Any], str]
     return namespace["forward"], code.src
 
 
+def on_device(graph: fx.Graph, device: torch.device) -> fx.Graph:
+    """A copy of ``graph`` whose meta-device arguments name ``device``: a trace on the meta
+    device bakes the device into the calls that make or check tensors (``arange(...,
+    device=meta)``, ``_assert_tensor_metadata``)."""
+    def retarget(value: Any) -> Any:
+        return device if isinstance(value, torch.device) and value.type == "meta" else value
+
+    copy, env = fx.Graph(), dict[fx.Node, fx.Node]()
+    for node in graph.nodes:
+        env[node] = copy.node_copy(node, env.__getitem__)
+        env[node].args = fx.node.map_aggregate(env[node].args, retarget)
+        env[node].kwargs = fx.node.map_aggregate(env[node].kwargs, retarget)
+    return copy
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class BlockCode:
     """How a block runs: its compiled graphs and, at the ends of the model, the pytree specs."""
 
     label: str
+    graphs: dict[bool, fx.Graph]
+    """``self.training`` -> the block's graph."""
     functions: dict[bool, Callable[..., Any]]
-    """``self.training`` -> ``forward(self, *tensors)``."""
+    """``self.training`` -> ``forward(self, *tensors)``, compiled from its graph."""
     sources: dict[bool, str]
     in_spec: pytree.TreeSpec | None
     """First block: how the model's ``(args, kwargs)`` flatten into its inputs."""
@@ -131,6 +148,15 @@ class BlockCode:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> BlockCode:
         return self  # immutable: a copied block runs the same code on its own tensors
+
+    def on_device(self, device: torch.device) -> BlockCode:
+        """This code with its graphs' meta-device arguments on ``device`` (:func:`on_device`)."""
+        graphs = {mode: on_device(graph, device) for mode, graph in self.graphs.items()}
+        compiled = {mode: compile_graph(graph, f"{self.label} ({'train' if mode else 'eval'})")
+                    for mode, graph in graphs.items()}
+        return dataclasses.replace(self, graphs=graphs,
+                                   functions={mode: c[0] for mode, c in compiled.items()},
+                                   sources={mode: c[1] for mode, c in compiled.items()})
 
 
 class Block(nn.Module):
@@ -167,6 +193,10 @@ class Block(nn.Module):
 
     def extra_repr(self) -> str:
         return self.label
+
+    def place_code(self, device: torch.device) -> None:
+        """Run on ``device`` what a trace on the meta device made (:func:`on_device`)."""
+        self._code = self._code.on_device(device)
 
 
 def attach(block: nn.Module, name: str, value: Any, *, persistent: bool = True) -> None:

@@ -47,6 +47,24 @@ class SplitModel(nn.Sequential):
         """The model's names of the tensor a block calls ``name``."""
         return self.aliases.get(name, (name,))
 
+    def bind(self, model: nn.Module) -> None:
+        """Hold ``model``'s parameters and buffers as it holds them now, by name: the split was
+        made from the model on the meta device, whose tensors were then replaced."""
+        for block in self:
+            for prefix, module in block.named_modules():
+                for tensors in (module._parameters, module._buffers):  # noqa: SLF001 - own only
+                    for key, tensor in tensors.items():
+                        value = _fetch(model, f"{prefix}.{key}" if prefix else key)
+                        if isinstance(value, torch.Tensor) and value is not tensor:
+                            tensors[key] = value
+
+    def place_code(self, device: torch.device) -> None:
+        """Run every block on ``device`` (the split was traced on the meta device, which its
+        code names: :func:`~tandem.split.block.on_device`)."""
+        for block in self:
+            assert isinstance(block, Block)
+            block.place_code(device)
+
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's ``state_dict``, from the blocks, under the model's own names."""
         state: dict[str, torch.Tensor] = {}
@@ -195,7 +213,7 @@ def _block(traced: Traced, infos: dict[bool, GraphInfo], cuts: dict[bool, list[A
     persistent = {name for group in names.values() for name in group} & \
         set(model.state_dict(keep_vars=True))
     block_state: dict[str, Any] = {}
-    functions, sources = {}, {}
+    graphs, functions, sources = {}, {}, {}
     leaves: dict[str, None] = {}
     label = ""
     for mode, info in infos.items():
@@ -221,9 +239,10 @@ def _block(traced: Traced, infos: dict[bool, GraphInfo], cuts: dict[bool, list[A
 
         if mode:
             label = _label(info.owners[start:end], info.nodes[start], depth, model)
-        functions[mode], sources[mode] = compile_graph(piece_graph(piece, attribute),
-                                                       f"{index} {label} ({'train' if mode else 'eval'})")
-    code = BlockCode(label=label, functions=functions, sources=sources,
+        graphs[mode] = piece_graph(piece, attribute)
+        functions[mode], sources[mode] = compile_graph(
+            graphs[mode], f"{index} {label} ({'train' if mode else 'eval'})")
+    code = BlockCode(label=label, graphs=graphs, functions=functions, sources=sources,
                      in_spec=traced.in_spec if index == 0 else None,
                      out_spec=traced.out_spec if index == len(cuts[True]) else None)
     block = Block(code)
