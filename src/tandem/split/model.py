@@ -233,7 +233,7 @@ def _block(traced: Traced, infos: dict[bool, GraphInfo], cuts: dict[bool, list[A
                 name = names[id(value)][0]
             else:
                 value = _fetch(gm, str(node.target))
-                name = f"_constants.{'train' if mode else 'eval'}.{node.target}"
+                name = f"_constants.{'train' if mode else 'eval'}_mode.{node.target}"
             block_state[name] = value
             return name
 
