@@ -5,10 +5,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from torch import nn
 
+from tandem.data.info import DataInfo
+from tandem.models.pieces import Initializer, materialize as build_in_pieces, on_meta
+from tandem.runtime.config import RunConfig
+from tandem.runtime.job import sketch_job
+from tandem.runtime.pipeline.materialize import materialize, traced_blocks
+from tests import split_models
 from tests.conftest import max_abs_diff, run_cli, run_json
 
 GPT2 = ("--model", "tests.hf_models:gpt2", "--data", "tests.hf_models:tokens", "--batch-size", "16",
@@ -92,3 +100,46 @@ def test_a_users_sequential_with_init_fn_is_built_a_stage_at_a_time(tmp_path: Pa
     assert all(amount < 0.7 * whole for amount in held), (held, whole)
     assert [worker["shared_parameters"][0]["max_abs_diff"] for worker in summary["workers"]] \
         == [0.0, 0.0]
+
+
+class _MadeOnTheCPU(nn.Module):
+    """Its forward makes a tensor on the CPU, so it cannot be traced on the meta device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x) * torch.tensor([1.0, 2.0, 3.0, 4.0]))
+
+
+@pytest.mark.pure
+def test_a_traced_model_with_init_fn_is_built_a_stage_at_a_time() -> None:
+    """With ``--init-fn`` a model split by tracing is traced on the meta device, and a stage's
+    blocks get the weights of the model built whole (a tie across stages too) while the other
+    stages' stay on the meta device; a model whose forward needs a real device is built whole
+    first, then traced."""
+    job = sketch_job("pipeline", {"--stages": 2}, RunConfig(nproc=2))
+    init = Initializer(seed=3, by_name=False)
+    tokens = SimpleNamespace(inputs=torch.randint(0, 32, (8, 8)))
+    with torch.device("meta"):
+        whole = split_models.tied_lm(DataInfo(task="lm", input_shape=(8,), num_classes=32))
+    build_in_pieces(whole, init, torch.device("cpu"))
+    for start, end in ((0, 4), (4, 9)):
+        with torch.device("meta"):
+            model = split_models.tied_lm(DataInfo(task="lm", input_shape=(8,), num_classes=32))
+        blocks = traced_blocks(job, model, tokens, init, torch.device("cpu"), what="tied_lm")
+        assert len(blocks) == 9 and on_meta(blocks[0]) and on_meta(blocks[-1])
+        stage = materialize(blocks, start, end, init, torch.device("cpu"), model=model)
+        assert not on_meta(stage)
+        others = [*blocks[:start], *blocks[end:]]
+        assert {name for block in others for name, value in block.state_dict().items()
+                if not value.is_meta} == {"embed.weight"}  # the tie, held by both stages
+        for name, value in stage.state_dict().items():
+            assert torch.equal(value, whole.state_dict()[name.partition(".")[2]]), name
+    with torch.device("meta"):
+        made = _MadeOnTheCPU()
+    x = torch.randn(8, 4)
+    blocks = traced_blocks(job, made, SimpleNamespace(inputs=x), init, torch.device("cpu"),
+                           what="made")
+    assert not on_meta(blocks) and torch.equal(blocks(x), made(x))

@@ -190,14 +190,17 @@ def test_units_are_the_stages_blocks() -> None:
 
 HF_SHORT = (*HF[:HF.index("--steps") + 1], "2", *HF[HF.index("--steps") + 2:])
 """GPT-2's runs against one process, 2 steps."""
+PIECES = ("--init-fn", "tests.hf_models:init_gpt2")
+"""GPT-2 traced on the meta device, each worker building its stage alone."""
 TRACED_CUTS = {
-    "2 x 2 x 2 at transformer.h.1": ("transformer.h.1", THREE_D),
-    "2 x 2 between mlp.c_fc and c_proj": ("transformer.h.0.mlp.c_proj", (
-        "--strategy", "pipeline", "--stages", "2", "--tensor-parallel", "2", "--nproc", "4")),
+    "2 x 2 x 2 at transformer.h.1": ("transformer.h.1", THREE_D, ()),
+    "2 x 2 between mlp.c_fc and c_proj, in pieces": ("transformer.h.0.mlp.c_proj", (
+        "--strategy", "pipeline", "--stages", "2", "--tensor-parallel", "2", "--nproc", "4"),
+        PIECES),
 }
-"""name: (the split point, the layout): a cut between blocks, and one inside a block that
-parts a column-wise layer from its row-wise one (each split alone there, and traced twice: the
-fewer workers)."""
+"""name: (the split point, the layout, how it is built): a cut between blocks, and one inside
+a block that parts a column-wise layer from its row-wise one (each split alone there, and
+traced twice: the fewer workers)."""
 STAGE_0 = {"transformer.h.1": ("transformer.wte.", "transformer.wpe.", "transformer.h.0."),
            "transformer.h.0.mlp.c_proj": ("transformer.wte.", "transformer.wpe.",
                                           "transformer.h.0.ln_", "transformer.h.0.attn.",
@@ -216,11 +219,13 @@ def test_a_traced_model_in_pipeline_x_tensor_equals_one_process(shared_run: Shar
     """GPT-2 (split by tracing, its blocks traced as a worker's share computes) in a pipeline
     x tensor layout ends within 1e-5 of one process, every stage holding a share of each of
     its tensor layers, cut between blocks or inside one (it once left a stage's layers whole
-    while its blocks computed shares: 'mat1 and mat2 shapes cannot be multiplied')."""
+    while its blocks computed shares: 'mat1 and mat2 shapes cannot be multiplied'). Built
+    whole on every worker, or with ``--init-fn`` traced on the meta device and each worker
+    building its own stage only (as one process, built whole, draws)."""
     pytest.importorskip("transformers")
-    split_point, layout = TRACED_CUTS[cut]
-    single, alone = shared_run(*HF_SHORT, "--nproc", "1")
-    out, summary = shared_run(*HF_SHORT, *layout, "--tensor-layers", TENSOR_LAYERS,
+    split_point, layout, build = TRACED_CUTS[cut]
+    single, alone = shared_run(*HF_SHORT, *build, "--nproc", "1")
+    out, summary = shared_run(*HF_SHORT, *build, *layout, "--tensor-layers", TENSOR_LAYERS,
                               "--split-points", split_point)
     assert summary["mesh"]["tensor"] == 2 and summary["tensor_whole_layers"] == []
     assert _largest_difference(single, out) <= 1e-5, cut
@@ -235,5 +240,7 @@ def test_a_traced_model_in_pipeline_x_tensor_equals_one_process(shared_run: Shar
                 split = 2 if name.endswith(HF_SPLIT) else 1
                 held += value.numel() * value.element_size() / (shard * split)
         assert worker["parameter_bytes"] == held, worker
+        if build:  # nothing of the other stage's
+            assert worker["held_model_bytes"] == held, worker
     ties = [tie for worker in summary["workers"] for tie in worker["shared_parameters"]]
     assert len(ties) == len(summary["workers"]) and all(tie["max_abs_diff"] == 0 for tie in ties)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from tandem import structures
 from tandem.errors import UsageError
@@ -32,11 +33,13 @@ EXAMPLE_SAMPLES = 2
 """Samples of the example call a model is traced on (two, so the batch stays symbolic)."""
 
 
-def example_inputs(samples: Any) -> Any:
-    """The inputs of a split's first samples, as the model is called with them."""
-    if hasattr(samples, "rows"):
-        return samples.rows(0, EXAMPLE_SAMPLES).inputs
-    return samples.inputs[:EXAMPLE_SAMPLES]
+def example_inputs(samples: Any, *, meta: bool = False) -> Any:
+    """The inputs of a split's first samples, as the model is called with them (``meta``: their
+    tensors on the meta device, to trace a model that has no storage yet)."""
+    inputs = (samples.rows(0, EXAMPLE_SAMPLES).inputs if hasattr(samples, "rows")
+              else samples.inputs[:EXAMPLE_SAMPLES])
+    return pytree.tree_map_only(torch.Tensor, lambda tensor: tensor.to("meta"),
+                                inputs) if meta else inputs
 
 
 def pipeline_blocks(model: nn.Module, example: Any, *, what: str,

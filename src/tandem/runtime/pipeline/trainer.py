@@ -18,9 +18,10 @@ worker adds its tensor shares and shards once (see
 A built-in model (``--model mlp``, ``gpt``, ...) is built on the meta device and each worker
 materializes only its stage's blocks, initialized by name as the whole model would be (see
 ``materialize.py``); so is a user's ``nn.Sequential`` builder with ``--init-fn`` (every block
-built in turn, another stage's freed as soon as it is complete). Any other user's model (an
-``nn.Module``, a builder without ``--init-fn``, a model split by tracing) is built whole on
-every worker, then sliced.
+built in turn, another stage's freed as soon as it is complete), and a user's model split by
+tracing with ``--init-fn`` (traced on the meta device; its modules built in turn, each tensor
+of another stage freed as soon as its module is done). Any other user's model (an
+``nn.Module``, a builder without ``--init-fn``) is built whole on every worker, then sliced.
 
 Checkpoints hold the whole model's state and the optimizer's by parameter name (see
 ``checkpoint.py``), so a run resumes on any layout. A flush schedule is saved between steps, each
@@ -52,8 +53,7 @@ from tandem.runtime.pipeline.checkpoint import (
 )
 from tandem.runtime.pipeline.dcp import checkpointable_rows
 from tandem.runtime.pipeline.layout import StagePlace
-from tandem.models.pieces import materialize as build_in_pieces, on_meta
-from tandem.runtime.pipeline.materialize import materialize
+from tandem.runtime.pipeline.materialize import materialize, traced_blocks
 from tandem.runtime.pipeline.microbatch import StageBatches
 from tandem.runtime.pipeline.report import evaluate_stage, stage_summary, whole_state_dict
 from tandem.runtime.pipeline.groups import point_to_point_links, tied_groups
@@ -87,12 +87,9 @@ class PipelineTrainer(BaseTrainer):
         model = self.task.build_model(meta=init is not None)
         self.loss_log.terms_per_sample = 1
         example = example_inputs(self.feed.data.train)
-        if not isinstance(model, nn.Sequential):  # traced where it runs (a trace fixes devices)
-            if init is not None and on_meta(model):  # a traced model is built whole
-                build_in_pieces(model, init, torch.device("cpu"))
-            model.to(env.device)
-            example = example_inputs(self.feed.train)
-        blocks = tensor_blocks(job, model, example, what=f"model {config.model!r}")
+        what = f"model {config.model!r}"
+        blocks = (tensor_blocks(job, model, example, what=what) if isinstance(model, nn.Sequential)
+                  else traced_blocks(job, model, self.feed.train, init, env.device, what=what))
         path = resume_path(config.resume, self.out)
         checkpoint = self._load_checkpoint(path) if path is not None else None
         announce_resume(env.rank, path, checkpoint["step"] if checkpoint is not None else None)
@@ -109,7 +106,7 @@ class PipelineTrainer(BaseTrainer):
         self.divergence.where = f"stage {stage}{replica_text}{part} (rank {env.rank})"
         start, end = self.layout.bounds[stage]
         boundaries, skeletons = boundary_values(blocks, example)
-        self.module = materialize(blocks, start, end, init, env.device)
+        self.module = materialize(blocks, start, end, init, env.device, model=model)
         self.names = model_names(blocks, start)
         mesh = self._layout_mesh()
         self.split: StageSplit | None = split_stage(
