@@ -14,7 +14,6 @@ fused query/key/value rows put back in order), or is refused in one line.
 from __future__ import annotations
 
 import math
-import re
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.conftest import SharedRun, max_abs_diff, run_here, run_json
+from tests.conftest import SharedRun, max_abs_diff, run_json
 from tests.test_sharded import GPT
 
 SHARDED = ("--strategy", "pipeline", "--stages", "2", "--shard", "2", "--nproc", "4")

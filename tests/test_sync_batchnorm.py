@@ -62,3 +62,38 @@ def test_the_layers_keep_their_tensors_and_names() -> None:
 def test_it_is_refused_where_it_does_not_apply(args: tuple[str, ...], message: str) -> None:
     result = run_here("train", *args, "--data", "digits", "--steps", "2", "--sync-batchnorm")
     assert result.returncode == 2 and message in result.stderr.strip().splitlines()[-1]
+
+
+def _halves(rank: int, world: int, dtype: str) -> list[float]:
+    """Rank ``rank``'s half of a batch through a ``GlobalBatchNorm`` in ``dtype``, against
+    ``nn.BatchNorm2d`` in fp32 on the whole batch: the largest difference of the output and of
+    the input's gradient, and whether any value is not finite."""
+    torch.manual_seed(0)
+    whole = torch.randn(2 * 64, 3, 32, 32) * 3 + 1  # 65,536 values a channel per worker
+    weights = torch.randn_like(whole)  # a loss whose gradient the normalization does not cancel
+    reference = nn.BatchNorm2d(3)
+    x = whole.clone().requires_grad_(True)
+    (reference(x) * weights).sum().backward()
+    layer = sync_batchnorms(nn.Sequential(nn.BatchNorm2d(3)), torch.device("cpu"))
+    mine = whole[rank * 64:(rank + 1) * 64].to(getattr(torch, dtype)).requires_grad_(True)
+    out = layer(mine)
+    (out.float() * weights[rank * 64:(rank + 1) * 64]).sum().backward()
+    assert mine.grad is not None and x.grad is not None
+    expected = reference(whole)[rank * 64:(rank + 1) * 64]
+    return [float((out.float() - expected).abs().max()),
+            float((mine.grad.float() - x.grad[rank * 64:(rank + 1) * 64]).abs().max()
+                  / x.grad.abs().max()),
+            float(not torch.isfinite(out).all())]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("dtype, tolerance", [("float32", 1e-5), ("float16", 2e-3),
+                                              ("bfloat16", 2e-2)])
+def test_the_statistics_are_taken_in_fp32_whatever_the_input(dtype: str,
+                                                             tolerance: float) -> None:
+    """64 samples of 32 x 32 a worker: 65,536 values a channel, which fp16 cannot count."""
+    from tests.distributed import run_distributed
+
+    for output, gradient, infinite in run_distributed(_halves, 2, dtype, timeout_s=90):
+        assert not infinite and output <= tolerance * 10 and gradient <= tolerance, \
+            (output, gradient)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import ROOT, SharedRun, max_abs_diff, run_here, run_json
+from tests.conftest import ROOT, SharedRun, max_abs_diff, run_json
 
 MLP = ("--model", "mlp", "--data", "digits", "--steps", "20", "--batch-size", "32",
        "--lr", "0.05", "--momentum", "0.9", "--seed", "3")

@@ -21,7 +21,8 @@ CHECKPOINT_VERSION = 4
 """2: every worker's own state (random stream, codec residuals; models of decentralized
 strategies) under ``ranks``. 3: the components' states (precision, noise scale, the grown
 batch schedule, a server's codecs), each under its name, in ``components``
-(:meth:`~tandem.runtime.component.Components.state_dict`)."""
+(:meth:`~tandem.runtime.component.Components.state_dict`). 4: a tensor-parallel layer's
+fused query/key/value rows in the model's order (no ``row_orders``)."""
 
 
 def save_atomic(obj: Any, path: str | Path) -> None:

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
+from tandem.errors import UsageError
 from tandem.runtime.tensor_parallel import heads_order
 
 
@@ -157,17 +158,31 @@ def local_chunks(value: Any) -> list[tuple[torch.Size, torch.Tensor]]:
     return [(torch.Size((0,) * value.dim()), value)]
 
 
-def copy_from_whole(held: Any, whole: Any) -> None:
+def copy_from_whole(held: dict[str, Any], whole: dict[str, Any], where: str = "") -> None:
     """Copy into each tensor of ``held`` (nested dicts as DCP is given them: whole tensors,
     DTensors, :class:`NaturalRows`) its part of the whole tensor under the same keys in
-    ``whole``; other values (an optimizer's scalars) stay as they are."""
-    if isinstance(held, dict):
-        for key, value in held.items():
-            if key in whole:
-                copy_from_whole(value, whole[key])
-        return
-    if isinstance(held, (torch.Tensor, NaturalRows)) and isinstance(whole, torch.Tensor):
-        with torch.no_grad():
-            for offsets, view in local_chunks(held):
-                part = whole[tuple(slice(at, at + size) for at, size in zip(offsets, view.shape))]
-                view.copy_(part.to(view.dtype))
+    ``whole``, and set its other values (an optimizer's scalar ``step``) to ``whole``'s; one
+    line for a tensor whose whole size differs (``where``: the path, for the message)."""
+    for key, value in list(held.items()):
+        if key not in whole:
+            continue
+        name = f"{where}.{key}" if where else str(key)
+        if isinstance(value, dict):
+            copy_from_whole(value, whole[key], name)
+        elif isinstance(value, (torch.Tensor, NaturalRows)):
+            _copy_parts(value, whole[key], name)
+        else:
+            held[key] = whole[key]
+
+
+def _copy_parts(held: torch.Tensor | NaturalRows, whole: Any, name: str) -> None:
+    """Each part of ``whole`` that ``held`` holds, copied into it."""
+    size = held.size() if isinstance(held, NaturalRows) else held.shape
+    if not isinstance(whole, torch.Tensor) or tuple(whole.shape) != tuple(size):
+        found = tuple(whole.shape) if isinstance(whole, torch.Tensor) else type(whole).__name__
+        raise UsageError(f"the checkpoint's {name} is {found}, and this run's is {tuple(size)}; "
+                         f"resume with the model and optimizer it was saved from")
+    with torch.no_grad():
+        for offsets, view in local_chunks(held):
+            part = whole[tuple(slice(at, at + size) for at, size in zip(offsets, view.shape))]
+            view.copy_(part.to(view.dtype))

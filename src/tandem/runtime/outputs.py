@@ -31,12 +31,11 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
     micro-batches where it is a pipeline, and a shard degree with its level where it shards."""
     shard = ({"shard": plan.shard_degree, "shard_level": plan.shard_level}
              if plan.sharded else {})
-    if plan.sync_batchnorm:
-        shard["sync_batchnorm"] = True
+    synced = {"sync_batchnorm": True} if plan.sync_batchnorm else {}
     staged = {"schedule": plan.schedule, "microbatches": plan.num_microbatches} \
         if plan.pipelined else {}  # a data-parallel plan has no pipeline schedule
     return {"strategy": strategy_of(plan), "plan": plan.config, **staged,
-            "compress": plan.compress.text if plan.compress else None, **shard}
+            "compress": plan.compress.text if plan.compress else None, **shard, **synced}
 
 
 def write_run_files(job: Job, out: Path) -> None:

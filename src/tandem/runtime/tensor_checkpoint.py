@@ -57,8 +57,8 @@ class TensorCheckpoints:
         return dcp_state(trainer.model, trainer.optimizer, self.rows, trainer.mesh, orders)
 
     def final_state(self) -> ShardedFinal | None:
-        """The model's final state as shards in ``OUT/final.dcp`` (collective), its ``heads``
-        layers' row orders beside them; rank 0 exports ``final.pt`` from it, one tensor at a
+        """The model's final state as shards in ``OUT/final.dcp`` (collective, its ``heads``
+        layers in the model's order); rank 0 exports ``final.pt`` from it, one tensor at a
         time (:mod:`tandem.runtime.export`). None on other ranks and without ``OUT``."""
         state, _, _ = self._state()
         return shards_written(self.trainer.out, state["model"], self.trainer.env.rank)
@@ -134,6 +134,21 @@ def row_orders(model: nn.Module, plan: TensorPlan, degree: int) -> dict[str, int
     return orders
 
 
+class WriteThrough(dict[str, Any]):
+    """One parameter's optimizer state as DCP is given it, views in place of its tensors: a
+    value set in it that is no tensor (LAMB's ``step``, loaded or copied) is set in the
+    optimizer's own entry ``own`` too, which is what ``set_state_dict`` reads."""
+
+    def __init__(self, values: dict[str, Any], own: dict[str, Any]) -> None:
+        super().__init__(values)
+        self.own = own
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        super().__setitem__(key, value)
+        if not isinstance(value, (torch.Tensor, NaturalRows)):
+            self.own[key] = value
+
+
 def dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer, rows: list[str],
               mesh: DeviceMesh | None, orders: dict[str, int | dict[str, int]]
               ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
@@ -160,16 +175,16 @@ def dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer, rows: list[str
     for name in rows:
         model_io[name] = as_rows(cast(torch.Tensor, model_state[name]))
         if name in states:
-            states[name] = {key: as_rows(value)
-                            if isinstance(value, torch.Tensor) and value.ndim else value
-                            for key, value in states[name].items()}
+            states[name] = WriteThrough({key: as_rows(value) if isinstance(value, torch.Tensor)
+                                         and value.ndim else value
+                                         for key, value in states[name].items()}, states[name])
     for name, entry in orders.items():
         parameter = cast(torch.Tensor, model_state[name])
         model_io[name] = in_order(parameter, entry)
         if name in states:
-            states[name] = {key: in_order(value, entry) if isinstance(value, torch.Tensor)
-                            and value.shape == parameter.shape else value
-                            for key, value in states[name].items()}
+            states[name] = WriteThrough({key: in_order(value, entry) if isinstance(
+                value, torch.Tensor) and value.shape == parameter.shape else value
+                for key, value in states[name].items()}, states[name])
     optimizer_io = {**optimizer_state, "state": states}
     return ({"model": model_io, "optimizer": optimizer_io}, dict(model_state),
             dict(optimizer_state))

@@ -32,26 +32,33 @@ class GlobalBatchNorm(_BatchNorm):
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+        if self.dims is not None and input.dim() not in self.dims:
+            raise ValueError(f"expected {' or '.join(f'{d}D' for d in self.dims)} input (got "
+                             f"{input.dim()}D input), as the BatchNorm layer it replaced")
+
+    dims: tuple[int, ...] | None = None
+    """The input dimensions the replaced layer took (``BatchNorm2d``: 4); None: any."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
         if not self.training or not dist.is_initialized() or dist.get_world_size() == 1:
             return super().forward(input)
+        values = input.float()  # statistics in fp32 whatever the input (fp16 counts overflow)
         dims = [0, *range(2, input.dim())]
         shape = [1, input.shape[1], *([1] * (input.dim() - 2))]
-        count = torch.tensor([input.numel() // input.shape[1]], dtype=input.dtype,
+        count = torch.tensor([input.numel() // input.shape[1]], dtype=torch.float32,
                              device=input.device)
-        sums = _summed(torch.cat([input.sum(dims), count]))
+        sums = _summed(torch.cat([values.sum(dims), count]))
         total = sums[-1]
         mean = sums[:-1] / total
-        centered = input - mean.view(shape)
+        centered = values - mean.view(shape)
         var = _summed(centered.square().sum(dims)) / total
         output = centered * torch.rsqrt(var + self.eps).view(shape)
         if self.affine:
-            output = output * self.weight.view(shape) + self.bias.view(shape)
+            output = output * self.weight.float().view(shape) + self.bias.float().view(shape)
         if self.track_running_stats:
             self._update_running(mean.detach(), var.detach() * total / (total - 1).clamp(min=1))
-        return output
+        return output.to(input.dtype)
 
     @torch.no_grad()
     def _update_running(self, mean: torch.Tensor, unbiased: torch.Tensor) -> None:
@@ -61,8 +68,8 @@ class GlobalBatchNorm(_BatchNorm):
         self.num_batches_tracked.add_(1)
         factor = (1.0 / float(self.num_batches_tracked) if self.momentum is None
                   else self.momentum)
-        self.running_mean.mul_(1 - factor).add_(mean, alpha=factor)
-        self.running_var.mul_(1 - factor).add_(unbiased, alpha=factor)
+        self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype), alpha=factor)
+        self.running_var.mul_(1 - factor).add_(unbiased.to(self.running_var.dtype), alpha=factor)
 
 
 def _summed(tensor: torch.Tensor) -> torch.Tensor:
@@ -90,6 +97,11 @@ def sync_batchnorms(model: nn.Module, device: torch.device) -> nn.Module:
     return _converted(model)
 
 
+_DIMS: dict[type, tuple[int, ...]] = {nn.BatchNorm1d: (2, 3), nn.BatchNorm2d: (4,),
+                                      nn.BatchNorm3d: (5,)}
+"""The input dimensions torch's BatchNorm layers take."""
+
+
 def _converted(module: nn.Module) -> nn.Module:
     """``module`` with every ``_BatchNorm`` (itself included) replaced by a
     :class:`GlobalBatchNorm` holding its parameters and buffers."""
@@ -102,6 +114,7 @@ def _converted(module: nn.Module) -> nn.Module:
             layer.register_parameter(key, getattr(module, key))
         for key in ("running_mean", "running_var", "num_batches_tracked"):
             layer.register_buffer(key, getattr(module, key, None))
+        layer.dims = _DIMS.get(type(module))
         layer.train(module.training)
         return layer
     for name, child in module.named_children():

@@ -25,6 +25,7 @@ from torch import nn
 from torch.func import functional_call
 
 from tandem import structures
+from tandem.errors import UsageError
 from tandem.runtime.executor import Span
 from tandem.runtime.pipeline.links import ACT, GRAD, VERSION, StageLinks, StageShapes
 from tandem.runtime.pipeline.recompute import Recompute, saved_bytes, storages
@@ -77,8 +78,12 @@ def _select(values: Sequence[Any], specs: Sequence[TensorSpec]) -> list[Any]:
 def _as_specs(outputs: Sequence[torch.Tensor],
               specs: Sequence[TensorSpec]) -> tuple[torch.Tensor, ...]:
     """``outputs`` in the dtypes of their boundary (autocast may have computed them in another)."""
+    if len(outputs) != len(specs):
+        raise UsageError(f"a stage passes {len(outputs)} tensors to the next one where the "
+                         f"first sample gave {len(specs)}; return the same structure for every "
+                         f"batch")
     return tuple(t.to(spec.dtype) if t.dtype != spec.dtype else t
-                 for t, spec in zip(outputs, specs))
+                 for t, spec in zip(outputs, specs, strict=True))
 
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from tandem.runtime.pipeline.checkpoint import Names
     from tandem.runtime.pipeline.trainer import PipelineTrainer
 
+
 def _by_name(state: dict[str, Any], names: Names) -> dict[str, Any]:
     """``state`` (keyed by the stage's ``state_dict`` keys) under the whole model's names."""
     return {name: value for key, value in state.items() for name in names(key)}
@@ -114,9 +115,13 @@ def load_stage_from_whole(trainer: PipelineTrainer, model: dict[str, Any],
         raise UsageError(f"checkpoint {path} holds no tensor named {absent!r}, which this model "
                          f"has; resume with the model it was saved from")
     copy_from_whole(state["model"], model)
-    copy_from_whole(state["optimizer"]["state"], optimizer["state"])
+    copy_from_whole(state["optimizer"]["state"], optimizer["state"], "optimizer")
     set_state_dict(trainer.module, trainer.optimizer, model_state_dict=model_state,
                    optim_state_dict=optimizer_state)
-    for group, settings in zip(trainer.optimizer.param_groups, optimizer["param_groups"],
-                               strict=False):
+    groups, saved = trainer.optimizer.param_groups, optimizer["param_groups"]
+    if len(groups) != len(saved):
+        raise UsageError(f"checkpoint {path} holds {len(saved)} optimizer parameter groups, and "
+                         f"this run's optimizer has {len(groups)}; resume with the optimizer "
+                         f"settings it was saved with")
+    for group, settings in zip(groups, saved, strict=True):
         group.update({key: value for key, value in settings.items() if key != "params"})
