@@ -86,6 +86,10 @@ class NaturalRows:
         return self.chunks[torch.Size(index.offset)]
 
 
+PLACEHOLDER = "<tandem: NaturalRows standing aside>"
+"""What stands in a state for a :class:`NaturalRows` while DCP's load planner is set up."""
+
+
 class _NaturalSavePlanner(DefaultSavePlanner):
     """DCP's default save planner, writing a :class:`NaturalRows`'s chunks from its views."""
 
@@ -102,15 +106,15 @@ class _NaturalLoadPlanner(DefaultLoadPlanner):
     def set_up_planner(self, state_dict: dict[str, Any], metadata: Any = None,
                        is_coordinator: bool = False) -> None:
         # DCP's set-up gives meta tensors storage and replaces every object it does not know
-        # with None, in place: the views stand aside (as 0) meanwhile, then take their places
-        # in the state and in its flattened copy again
+        # with None, in place: the views stand aside (as PLACEHOLDER, a string it keeps)
+        # meanwhile, then take their places in the state and in its flattened copy again
         held: dict[tuple[Any, ...], NaturalRows] = {}
 
         def stand_aside(state: dict[Any, Any], path: tuple[Any, ...]) -> None:
             for key, value in state.items():
                 if isinstance(value, NaturalRows):
                     held[(*path, key)] = value
-                    state[key] = 0
+                    state[key] = PLACEHOLDER
                 elif isinstance(value, dict):
                     stand_aside(value, (*path, key))
 

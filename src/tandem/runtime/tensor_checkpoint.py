@@ -31,7 +31,7 @@ from tandem.runtime.checkpoint import (
 )
 from tandem.runtime.export import ShardedFinal, shards_written
 from tandem.runtime.faults import announce_resume
-from tandem.runtime.natural_rows import NaturalRows
+from tandem.runtime.natural_rows import PLACEHOLDER, NaturalRows
 from tandem.runtime.sharded_checkpoint import (
     apply_group_settings, existing_folder, folder_name, group_settings, holds_groups,
     remove_older, write_shards,
@@ -145,7 +145,7 @@ class WriteThrough(dict[str, Any]):
 
     def __setitem__(self, key: str, value: Any) -> None:
         super().__setitem__(key, value)
-        if not isinstance(value, (torch.Tensor, NaturalRows)):
+        if not isinstance(value, (torch.Tensor, NaturalRows)) and value is not PLACEHOLDER:
             self.own[key] = value
 
 
