@@ -223,7 +223,8 @@ def _fields(config: RunConfig) -> dict[str, object]:
     (["--lr-scaling", "cubic"], "--lr-scaling 'cubic' is not one of: linear, sqrt"),
     (["--lr-scaling", "linear", "--base-batch", "0"], "--base-batch must be at least 1 (got 0)"),
     (["--base-batch", "32"], "--base-batch 32 is the batch --lr is for, which only --lr-scaling"),
-    (["--optimizer", "lion"], "--optimizer 'lion' is not one of: sgd, adam, adamw, lars, lamb"),
+    (["--optimizer", "lion!"], "--optimizer 'lion!' is neither a torch.optim class name nor "
+                               "package.module:Class"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str], flags: list[str],
                                           message: str) -> None:

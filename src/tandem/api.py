@@ -57,6 +57,8 @@ def fit(model: nn.Module | Callable[..., nn.Module] | str,
         data: str | None = None, info: Any = None,
         strategy: str | None = None, plan: Plan | str | None = None,
         nproc: int | None = None, out: str | Path | None = None,
+        param_groups: Callable[[nn.Module], Any] | None = None,
+        scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
         **options: Any) -> FitResult:
     """Train ``model`` on ``train`` with a distributed plan; evaluate on ``test``.
 
@@ -82,8 +84,18 @@ def fit(model: nn.Module | Callable[..., nn.Module] | str,
             ``strategy``); ``nproc`` defaults to its workers.
         nproc: local worker processes (default: the plan's, else 1; ignored under torchrun).
         out: directory for ``final.pt``, ``metrics.jsonl``, ``trace.json``, checkpoints.
+        param_groups: ``param_groups(model)`` returns the optimizer's parameter groups as
+            ``torch.optim`` takes them (``[{"params": decay}, {"params": rest,
+            "weight_decay": 0.0}]``), over the whole model it is given; every strategy applies
+            them to the parameters each worker holds (see :mod:`tandem.runtime.param_groups`).
+        scheduler: ``scheduler(optimizer)`` returns a ``torch.optim.lr_scheduler`` scheduler
+            over the optimizer it is given, stepped after every optimizer step instead of
+            ``warmup_steps``/``lr_schedule``/``lr_scaling`` (synchronous strategies and
+            pipelines; one line elsewhere).
         **options: the run's settings, named like ``tandem train``'s flags: ``steps``,
-            ``batch_size``, ``optimizer``, ``lr``, ``momentum``, ``seed``, ``precision``, ...;
+            ``batch_size``, ``optimizer`` (a name, ``"package.module:Class"``),
+            ``optimizer_options`` (a dict: ``{"betas": (0.9, 0.95)}``), ``no_decay``
+            (``"norm,bias"``), ``lr``, ``momentum``, ``seed``, ``precision``, ...;
             ``init_fn``, ``"reset"`` or a function ``init_fn(module)`` that initializes one
             module's own weights, builds a model given as a function on the meta device one
             module at a time (:mod:`tandem.models.pieces`).
@@ -114,7 +126,8 @@ def fit(model: nn.Module | Callable[..., nn.Module] | str,
                          f"init_fn")
     objects = UserObjects(model=None if isinstance(model, str) else model, train=train,
                           test=test, loss=None if loss is None or isinstance(loss, str) else loss,
-                          info=info, init_fn=None if isinstance(init_fn, str) else init_fn)
+                          info=info, init_fn=None if isinstance(init_fn, str) else init_fn,
+                          param_groups=param_groups, scheduler=scheduler)
     settings, flags = _split_options(options, PLAN_FLAGS, RunConfig)
     if init_fn is not None:
         settings["init_fn"] = init_fn if isinstance(init_fn, str) else _label(init_fn, "init_fn")
@@ -184,7 +197,7 @@ def _label(thing: Any, what: str = "model") -> str:
 
 def _check_picklable(objects: Any) -> None:
     """Objects must reach spawned workers: refuse, in one line, one that does not pickle."""
-    for field in ("model", "train", "test", "loss", "info"):
+    for field in ("model", "train", "test", "loss", "info", "param_groups", "scheduler"):
         value = getattr(objects, field)
         if value is None:
             continue

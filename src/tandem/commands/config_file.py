@@ -5,7 +5,8 @@
 Each ``key: value`` of the file becomes ``--key=value`` in front of the command line, so argparse
 converts and checks it as it does a typed flag, and a flag given on the command line wins. A
 value is read as its command-line spelling (``steps: 010`` is 10, as ``--steps 010`` is); a
-switch (``--json``) takes ``true`` or ``false``.
+switch (``--json``) takes ``true`` or ``false``; an option of ``KEY=VALUE`` words
+(``--optimizer-options``) takes a mapping too (``optimizer-options: {betas: [0.9, 0.95]}``).
 
 argparse has no public way to list a parser's options or to convert one value, so this module
 reads its long-stable private tables (``_option_string_actions``, ``_mutually_exclusive_groups``)
@@ -25,6 +26,10 @@ from tandem.errors import UsageError
 
 CONFIG_DEST = "config"
 """Where ``--config`` lands in the parsed arguments."""
+KEY_VALUE = "KEY=VALUE"
+"""The metavar of an option of ``KEY=VALUE`` words (``--optimizer-options``), which a file
+may give as a mapping (``optimizer-options: {betas: [0.9, 0.95], eps: 1.0e-8}``), a list of
+words or one line of them."""
 
 
 def add_config_argument(parser: argparse.ArgumentParser) -> None:
@@ -236,17 +241,30 @@ def _tokens(parser: argparse.ArgumentParser, option: str, action: argparse.Actio
             return [option] if value else []
         raise UsageError(f"{where}: YAML reads {key}: {entry.text} as {str(value).lower()}, but "
                          f"{option} takes a value; write {key}: \"{entry.text}\" for the word")
-    if isinstance(value, dict) or (isinstance(value, list) and not many):
+    if (isinstance(value, dict) and action.metavar != KEY_VALUE) or (
+            isinstance(value, list) and not many):
         kind = "a mapping" if isinstance(value, dict) else "a list"
         raise UsageError(f"{where}: '{key}' is {kind}, but {option} takes one value; give "
                          f"{_example(action)}")
-    words = [str(item) for item in value] if isinstance(value, list) else [str(entry.text)]
+    if isinstance(value, dict):
+        words = [f"{name}={_word(item)}" for name, item in value.items()]
+    elif isinstance(value, list):
+        words = [str(item) for item in value]
+    else:
+        words = str(entry.text).split() if action.metavar == KEY_VALUE else [str(entry.text)]
     try:
         parser._get_values(action, list(words))
     except argparse.ArgumentError as exc:
         fix = "" if action.choices is not None else f"; give {_example(action)}"
         raise UsageError(f"{where}: {key}: {exc.message}{fix}") from None
     return [option, *words] if many else [f"{option}={words[0]}"]
+
+
+def _word(value: Any) -> str:
+    """A mapping's value as a ``KEY=VALUE`` word's value: a list joined by commas."""
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(item) for item in value)
+    return str(value)
 
 
 def _switch(parser: argparse.ArgumentParser, option: str, action: argparse.Action, entry: Entry,

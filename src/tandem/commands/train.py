@@ -8,6 +8,7 @@ from typing import Any
 
 from tandem import strict_json
 from tandem.cluster import parse_duration
+from tandem.commands.config_file import KEY_VALUE
 from tandem.errors import UsageError
 from tandem.plan import Plan
 from tandem.runtime.config import (
@@ -135,12 +136,21 @@ def add_train_arguments(parser: argparse.ArgumentParser, defaults: RunConfig) ->
     add("--offload", default=defaults.offload, metavar="optimizer",
         help="with --shard on GPUs: keep the shards of the optimizer state, gradients and "
         "parameters in CPU memory and step the optimizer there (FSDP2's CPU offload)")
-    add("--optimizer", default=defaults.optimizer,
-        help=f"one of: {', '.join(OPTIMIZERS)} (lars and lamb: layer-wise trust ratios for large "
-        f"batches, see docs/large_batch.md)")
+    add("--optimizer", default=defaults.optimizer, metavar="NAME|PACKAGE.MODULE:CLASS",
+        help=f"{', '.join(OPTIMIZERS)} (lars and lamb: layer-wise trust ratios for large "
+        f"batches, see docs/large_batch.md), any torch.optim class by name (rmsprop, NAdam, ...) "
+        f"or a class of yours (default {defaults.optimizer})")
+    add("--optimizer-options", nargs="+", default=None, metavar=KEY_VALUE,
+        help="the optimizer's keyword options, e.g. betas=0.9,0.95 eps=1e-8 (lr and "
+        "weight_decay come from --lr and --weight-decay, SGD's momentum from --momentum)")
+    add("--no-decay", default=defaults.no_decay, metavar="norm,bias,embedding",
+        help="weight decay 0 for these parameters (a second group): those of normalization "
+        "layers, those whose name ends in bias, embedding weights")
     add("--lr", type=float, default=defaults.lr, help="learning rate")
-    add("--momentum", type=float, default=defaults.momentum, help="SGD momentum")
-    add("--weight-decay", type=float, default=defaults.weight_decay)
+    add("--momentum", type=float, default=defaults.momentum,
+        help="momentum of sgd and lars (default 0.9)")
+    add("--weight-decay", type=float, default=defaults.weight_decay,
+        help="weight decay of every optimizer that takes one (default 0)")
     add("--lr-scaling", default=defaults.lr_scaling, metavar="linear|sqrt",
         help="--lr is for a global batch of --base-batch B0; use it times B/B0 (linear, Goyal "
         "et al. 2017; pair it with --warmup-steps) or sqrt(B/B0) at --batch-size B")

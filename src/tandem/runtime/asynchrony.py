@@ -14,7 +14,8 @@ Lian and Liu ("Staleness-aware async-SGD for distributed deep learning", 2016) â
 :func:`compensation` for the rule and docs/large_batch.md for the measurements that chose it.
 
 Optimizers without momentum keep their learning rate; Adam-family optimizers (adam, adamw,
-lamb) compensate their first-moment coefficient ``beta1`` the same way.
+lamb and any other with ``betas``) compensate their first-moment coefficient ``beta1`` the
+same way; other ``torch.optim`` classes with a ``momentum`` option compensate it as SGD's.
 """
 
 from __future__ import annotations
@@ -31,10 +32,6 @@ from tandem.spec.kinds import CompensationMode
 if TYPE_CHECKING:
     from tandem.runtime.config import RunConfig
 
-ADAM_BETA1 = 0.9
-"""``beta1`` of the Adam-family optimizers (PyTorch's default, which tandem uses)."""
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class Compensation(Component):
     """The settings of a worker whose updates are ``delay`` versions stale."""
@@ -46,6 +43,8 @@ class Compensation(Component):
     """The explicit momentum (SGD, LARS) or ``beta1`` (Adam family) to use."""
     lr_scale: float
     """Multiplier of the learning rate."""
+    groups: tuple[float | None, ...] = ()
+    """Each optimizer group's momentum or ``beta1`` as :func:`apply_compensation` set it."""
 
     def describe(self) -> dict[str, float]:
         """The summary's account of it."""
@@ -95,27 +94,46 @@ def compensation(mode: str, momentum: float, delay: int, *, share: float = 1.0,
 
 def compensation_for(config: RunConfig, delay: int, *, share: float = 1.0,
                      every_stage: bool = False) -> Compensation:
-    """:func:`compensation` for a run's optimizer: its momentum, or Adam's ``beta1``."""
-    heavy_ball = config.optimizer in ("sgd", "lars")
-    coefficient = config.momentum if heavy_ball else ADAM_BETA1
+    """:func:`compensation` for a run's optimizer: SGD's and LARS's momentum, another's
+    ``beta1`` or ``momentum`` (:func:`~tandem.runtime.optimizer_class.momentum_coefficient`)."""
+    from tandem.runtime.optimizer_class import momentum_coefficient  # it imports the config
+
+    coefficient, heavy_ball = momentum_coefficient(config)
     return compensation(config.async_compensation, coefficient, delay, share=share,
                         heavy_ball=heavy_ball, every_stage=every_stage)
 
 
-def apply_compensation(optimizer: torch.optim.Optimizer, comp: Compensation) -> None:
-    """Set ``optimizer``'s momentum (or ``beta1``) and scale its learning rate; call before a
-    learning-rate scheduler is made over it (the scheduler starts from these rates)."""
+def apply_compensation(optimizer: torch.optim.Optimizer, comp: Compensation) -> Compensation:
+    """Scale ``optimizer``'s learning rate and, where updates are stale, set its momentum (or
+    ``beta1``); call before a learning-rate scheduler is made over it (the scheduler starts
+    from these rates). Returns ``comp`` holding each group's momentum as set, for
+    :func:`restore_momentum`."""
     for group in optimizer.param_groups:
         group["lr"] *= comp.lr_scale
-    restore_momentum(optimizer, comp)
+    if comp.delay:
+        restore_momentum(optimizer, comp)
+    return dataclasses.replace(comp, groups=tuple(_momentum(group)
+                                                  for group in optimizer.param_groups))
 
 
 def restore_momentum(optimizer: torch.optim.Optimizer, comp: Compensation) -> None:
     """Set ``optimizer``'s momentum (or ``beta1``) to ``comp``'s: after loading a checkpoint's
     optimizer state, whose groups carry the momentum of the run that saved it (another mode,
-    schedule or number of workers compensates differently)."""
-    for group in optimizer.param_groups:
+    schedule or number of workers compensates differently). Where nothing is compensated,
+    each group gets back the momentum :func:`apply_compensation` found in it (groups may have
+    their own)."""
+    for number, group in enumerate(optimizer.param_groups):
+        value = comp.momentum if comp.delay or number >= len(comp.groups) else comp.groups[number]
+        if value is None:
+            continue
         if "betas" in group:
-            group["betas"] = (comp.momentum, group["betas"][1])
+            group["betas"] = (value, group["betas"][1])
         elif "momentum" in group:
-            group["momentum"] = comp.momentum
+            group["momentum"] = value
+
+
+def _momentum(group: dict[str, Any]) -> float | None:
+    """A group's momentum or ``beta1`` (None where it has neither)."""
+    if "betas" in group:
+        return float(group["betas"][0])
+    return float(group["momentum"]) if "momentum" in group else None

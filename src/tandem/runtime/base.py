@@ -14,13 +14,15 @@ from __future__ import annotations
 import abc
 import statistics
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from tandem.plan import Plan
-from tandem.runtime.asynchrony import Compensation, apply_compensation, compensation_for
+from tandem.runtime.asynchrony import Compensation
 from tandem.runtime.batches import BatchFeed, BatchGrowth
 from tandem.runtime.checkpoint import Checkpoints
 from tandem.runtime.component import Components, StepEnd
@@ -30,11 +32,11 @@ from tandem.runtime.divergence import DivergenceCheck, LossWatch
 from tandem.runtime.export import ShardedFinal, write_final
 from tandem.runtime.faults import maybe_fail
 from tandem.runtime.job import Job
-from tandem.runtime.learning_rate import (StepSchedule, batch_lr_factor, build_optimizer,
-                                         lr_factor, scaled_lr, schedule_for)
+from tandem.runtime.learning_rate import batch_lr_factor, lr_factor, scaled_lr
 from tandem.runtime.loss_log import LogHooks, LossLog
 from tandem.runtime.memory import PeakMemory
 from tandem.runtime.noise_scale import NoiseScale
+from tandem.runtime.optimizer_setup import worker_optimizer
 from tandem.runtime.outputs import (
     MAX_TRACED_STEPS, gather_events, plan_summary, write_run_files, write_timeline,
 )
@@ -43,7 +45,6 @@ from tandem.runtime.reporting import PeriodicEvaluation, Reporter
 from tandem.runtime.task import Task
 from tandem.runtime.watchdog import Heartbeat
 from tandem.spec.batch_schedule import AUTO, format_schedule
-from tandem.spec.sync import ElasticAveragingSync
 from tandem.strategy import strategy_of
 from tandem.timeline import Event, Timeline
 
@@ -70,7 +71,7 @@ class BaseTrainer(Worker):
     precision: Precision | StagePrecision
     """Its mixed precision and clipping (set by the subclass)."""
     optimizer: torch.optim.Optimizer
-    scheduler: StepSchedule
+    scheduler: torch.optim.lr_scheduler.LRScheduler
     """Set by :meth:`setup_optimizer`."""
 
     def __init__(self, job: Job, env: WorkerEnv, beat: Heartbeat) -> None:
@@ -145,16 +146,13 @@ class BaseTrainer(Worker):
         """Stop the background loader (its processes end)."""
         self.feed.stop_loading()
 
-    def setup_optimizer(self, params: Any, delay: int = 0, every_stage: bool = False) -> None:
-        """Create the optimizer and learning-rate schedule over ``params`` (with Nesterov
-        momentum for EAMSGD's workers), compensated for updates ``delay`` versions stale
-        (:mod:`tandem.runtime.asynchrony`)."""
-        sync = self.plan.sync
-        nesterov = isinstance(sync, ElasticAveragingSync) and sync.nesterov
-        self.optimizer = build_optimizer(self.config, params, nesterov=nesterov)
-        self.compensation = compensation_for(self.config, delay, every_stage=every_stage)
-        apply_compensation(self.optimizer, self.compensation)
-        self.scheduler = schedule_for(self.config, self.optimizer, self.lr_multiplier)
+    def setup_optimizer(self, params: Iterable[tuple[str, torch.Tensor]], *, model: nn.Module,
+                        delay: int = 0, every_stage: bool = False) -> None:
+        """Create the optimizer over ``params``, its compensation and the run's schedule
+        (:func:`~tandem.runtime.optimizer_setup.worker_optimizer`)."""
+        self.optimizer, self.compensation, self.scheduler = worker_optimizer(
+            self.job, params, model=model, multiplier=self.lr_multiplier, delay=delay,
+            every_stage=every_stage)
 
     def lr_multiplier(self, step: int) -> float:
         """The scheduler's factor of the optimizer's learning rate at ``step``: warm-up and

@@ -42,7 +42,9 @@ import torch
 import torch.distributed as dist
 
 from tandem.cluster import Cluster, Level
-from tandem.runtime.optimizers import Lamb, Lars
+from tandem.runtime.optimizer_class import optimizer_class
+from tandem.runtime.optimizers import Lars
+from tandem.spec.optimizer import canonical_optimizer
 
 SMALL_BYTES = 4096
 LARGE_BYTES = 4 * 2**20
@@ -104,8 +106,8 @@ def calibrate(num_workers: int, *, repeats: int = 3, iterations: int = 12,
 
 def optimizer_Bps(num_bytes: float, optimizer: str = "sgd", *, repeats: int = 10) -> float:
     """Parameter bytes per second a step of ``optimizer`` (``sgd`` with momentum, ``adam``,
-    ``adamw``, ``lars``, ``lamb``) updates here on one flat tensor of ``num_bytes``, in this
-    process's threads."""
+    ``adamw``, ``lars``, ``lamb``, any other ``--optimizer`` with its default options) updates
+    here on one flat tensor of ``num_bytes``, in this process's threads."""
     numel = max(1, int(num_bytes // 4))
     param = torch.nn.Parameter(torch.zeros(numel))
     param.grad = torch.ones(numel)
@@ -113,8 +115,7 @@ def optimizer_Bps(num_bytes: float, optimizer: str = "sgd", *, repeats: int = 10
         cls = torch.optim.SGD if optimizer == "sgd" else Lars
         opt: torch.optim.Optimizer = cls([param], lr=0.01, momentum=0.9)
     else:
-        opt = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW,
-               "lamb": Lamb}[optimizer]([param], lr=0.01)
+        opt = optimizer_class(canonical_optimizer(optimizer))([param], lr=0.01)
     times = []
     for _ in range(repeats + 2):
         start = time.perf_counter()

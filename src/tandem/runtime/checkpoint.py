@@ -136,10 +136,13 @@ def load_schedule(optimizer: torch.optim.Optimizer, scheduler: Any, state: dict[
     A checkpoint's optimizer and schedule hold the learning rate it was trained with; resuming
     with another ``--lr`` (the fix for a run that diverged) must use the new one, so the base
     rates this run's optimizer was built with replace the saved ones, and (``announce``) one
-    line says so. The same ``--lr`` changes nothing.
+    line says so. The same ``--lr`` changes nothing. A user's scheduler that is no
+    ``LambdaLR`` (``tandem.fit(..., scheduler=...)``) continues as saved.
     """
     base_lrs = list(scheduler.base_lrs)
     scheduler.load_state_dict(state)
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+        return
     saved = list(scheduler.base_lrs)
     if saved == base_lrs:
         return

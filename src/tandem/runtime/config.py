@@ -11,9 +11,14 @@ from tandem.spec.batch_schedule import AUTO, BatchSchedule, parse_batch_schedule
 from tandem.cluster import parse_size
 from tandem.errors import UsageError
 from tandem.spec.model import is_builtin
+from tandem.spec.optimizer import (
+    BUILTIN_OPTIMIZERS, TANDEM_OPTIMIZERS, canonical_optimizer, no_decay_kinds, parse_options,
+)
 from tandem.spec.options import MAX_SEED
 
-OPTIMIZERS = ("sgd", "adam", "adamw", "lars", "lamb")
+OPTIMIZERS = BUILTIN_OPTIMIZERS
+"""``--optimizer`` names tandem has always taken; any ``torch.optim`` class by name, or
+``package.module:Class``, is taken too (:mod:`tandem.spec.optimizer`)."""
 LR_SCALINGS = ("linear", "sqrt")
 """``--lr-scaling`` choices: ``--lr`` times B/B0 or sqrt(B/B0) (see
 :func:`tandem.runtime.learning_rate.scaled_lr`)."""
@@ -72,9 +77,17 @@ class RunConfig:
     (or besides) decaying the learning rate; or ``auto`` (data parallelism: grow the batch toward
     the measured gradient noise scale). See :mod:`tandem.spec.batch_schedule`."""
     optimizer: str = "sgd"
+    """``sgd``, ``adam``, ``adamw``, ``lars``, ``lamb``, any other ``torch.optim`` class by name
+    (any case) or ``package.module:Class`` (:mod:`tandem.runtime.optimizer_class`)."""
+    optimizer_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The optimizer's keyword options besides ``lr`` and ``weight_decay`` (``{"betas": (0.9,
+    0.95)}``; ``KEY=VALUE`` words are read as :func:`tandem.spec.optimizer.parse_options` does)."""
+    no_decay: str | None = None
+    """``norm,bias,embedding`` (any of them): these parameters get weight decay 0, in a second
+    group (:mod:`tandem.runtime.param_groups`)."""
     lr: float = 0.05
     momentum: float = 0.9
-    """Momentum of SGD and LARS (ignored by Adam/AdamW/LAMB, which use their betas)."""
+    """Momentum of SGD and LARS (other optimizers take theirs in ``optimizer_options``)."""
     weight_decay: float = 0.0
     lr_scaling: str | None = None
     """``linear`` or ``sqrt``: ``lr`` is for a global batch of ``base_batch`` and the run uses it
@@ -147,7 +160,7 @@ class RunConfig:
         """Checks of each setting alone and against ``steps``; those that need the data, the
         model, the plan or the machine run in ``Job`` and in ``tandem train``'s ``check_job``."""
         self._check_counts()
-        self._check_optimizer()
+        check_optimizer_settings(self)
         self._check_lr_scaling()
         _choice("--backend", self.backend, BACKENDS)
         if not 0 < self.timeout_s <= MAX_TIMEOUT_S:
@@ -213,30 +226,6 @@ class RunConfig:
                 f"--stop-after {self.stop_after} must be between 1 and --steps ({self.steps})"
             )
 
-    def _check_optimizer(self) -> None:
-        _choice("--optimizer", self.optimizer, OPTIMIZERS)
-        if self.lr_schedule.startswith("step:"):
-            step_decay(self.lr_schedule, steps=self.steps)
-        else:
-            _choice("--lr-schedule", self.lr_schedule, SCHEDULES[:2] + ("step:0.2@200,400",))
-        _choice("--precision", self.precision, PRECISIONS)
-        if self.offload is not None:
-            _choice("--offload", self.offload, OFFLOADS)
-        _choice("--async-compensation", self.async_compensation, COMPENSATIONS)
-        if self.clip_grad_norm is not None and not (self.clip_grad_norm > 0
-                                                    and math.isfinite(self.clip_grad_norm)):
-            raise UsageError(f"--clip-grad-norm must be a positive finite number (got "
-                             f"{self.clip_grad_norm}); e.g. --clip-grad-norm 1.0")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise UsageError(f"--lr must be a positive finite number (got {self.lr}); "
-                             f"e.g. --lr 0.05")
-        if not 0 <= self.momentum < 1:
-            raise UsageError(f"--momentum must be in [0, 1) (got {self.momentum}); e.g. "
-                             f"--momentum 0.9, or 0 for none")
-        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
-            raise UsageError(f"--weight-decay must be a finite number >= 0 (got "
-                             f"{self.weight_decay}); e.g. --weight-decay 1e-4, or 0 for none")
-
     def _check_batch_schedule(self) -> None:
         schedule = self.parsed_batch_schedule()
         if schedule is not None and schedule[0][1] != self.batch_size:
@@ -288,6 +277,42 @@ class RunConfig:
                              f"between 1 and {MAX_STRAGGLER:g}, e.g. 1:4")
         return rank, factor
 
+
+
+def check_optimizer_settings(config: RunConfig) -> None:
+    """Check the optimizer's settings and the learning rate's schedule, each alone; keep the
+    optimizer's name, options and ``--no-decay`` in their canonical forms
+    (:mod:`tandem.spec.optimizer`; the class itself is checked with torch, before launch)."""
+    config.optimizer = canonical_optimizer(config.optimizer)
+    config.optimizer_options = parse_options(config.optimizer_options)
+    kinds = no_decay_kinds(config.no_decay)
+    config.no_decay = ",".join(kinds) if kinds else None
+    if kinds and config.optimizer in TANDEM_OPTIMIZERS:
+        raise UsageError(f"--no-decay {config.no_decay} with --optimizer {config.optimizer}: "
+                         f"{config.optimizer} already keeps biases and normalization "
+                         f"parameters (every parameter of one dimension) out of weight "
+                         f"decay and trust ratios; drop --no-decay")
+    if config.lr_schedule.startswith("step:"):
+        step_decay(config.lr_schedule, steps=config.steps)
+    else:
+        _choice("--lr-schedule", config.lr_schedule, SCHEDULES[:2] + ("step:0.2@200,400",))
+    _choice("--precision", config.precision, PRECISIONS)
+    if config.offload is not None:
+        _choice("--offload", config.offload, OFFLOADS)
+    _choice("--async-compensation", config.async_compensation, COMPENSATIONS)
+    if config.clip_grad_norm is not None and not (config.clip_grad_norm > 0
+                                                and math.isfinite(config.clip_grad_norm)):
+        raise UsageError(f"--clip-grad-norm must be a positive finite number (got "
+                         f"{config.clip_grad_norm}); e.g. --clip-grad-norm 1.0")
+    if not (config.lr > 0 and math.isfinite(config.lr)):
+        raise UsageError(f"--lr must be a positive finite number (got {config.lr}); "
+                         f"e.g. --lr 0.05")
+    if not 0 <= config.momentum < 1:
+        raise UsageError(f"--momentum must be in [0, 1) (got {config.momentum}); e.g. "
+                         f"--momentum 0.9, or 0 for none")
+    if not (config.weight_decay >= 0 and math.isfinite(config.weight_decay)):
+        raise UsageError(f"--weight-decay must be a finite number >= 0 (got "
+                         f"{config.weight_decay}); e.g. --weight-decay 1e-4, or 0 for none")
 
 
 def resolve_batch_size(settings: dict[str, Any]) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from tandem.runtime.config import RunConfig
 from tandem.spec.batch_schedule import AUTO
 from tandem.spec.codec import BUCKET_CODECS
 from tandem.spec.kinds import CompensationMode
+from tandem.spec.optimizer import NOT_ELEMENTWISE, TANDEM_OPTIMIZERS
 from tandem.spec.sync import AllReduceSync, ElasticAveragingSync, ParameterServerSync
 from tandem.strategy import plan_from_flags, strategy_of
 
@@ -55,7 +56,7 @@ class Job:
         self._check_precision()
         self._check_async_ps()
         if not CompensationMode(self.run.async_compensation).compensates \
-                and not _stale(self.plan):
+                and not stale_updates(self.plan):
             raise UsageError("--async-compensation off applies to strategies whose updates are "
                              "stale (ps --mode async or ssp, --schedule pipedream); this plan's "
                              "are not, so drop it")
@@ -67,6 +68,7 @@ class Job:
                              f"model is evaluated at the end)")
         self._check_auto_batch()
         self._check_nesterov()
+        check_optimizer_plan(self.plan, self.run, self.objects)
 
     def _check_tensor(self) -> None:
         """Tensor parallelism runs alone, with data parallelism (allreduce's plan) or in a
@@ -256,7 +258,7 @@ class Job:
         return {"model": run.model, "data": run.data, "loss": run.loss,
                 "strategy": strategy_of(self.plan),
                 "batch_size": run.batch_size, "batch_schedule": run.batch_schedule,
-                "optimizer": run.optimizer, "seed": run.seed,
+                "optimizer": run.optimizer, "no_decay": run.no_decay, "seed": run.seed,
                 "compress": self.plan.compress.text if self.plan.compress else None}
 
 
@@ -309,6 +311,41 @@ def check_shard(plan: Plan, run: RunConfig) -> None:
                              f"drop {flag} or {shard}")
 
 
+def check_optimizer_plan(plan: Plan, run: RunConfig, objects: Any = None) -> None:
+    """The optimizer against the plan, without torch: an optimizer that reads whole matrices on
+    split or sharded parameters, the user's groups with LARS/LAMB or ``--no-decay``, and the
+    user's scheduler beside tandem's schedule or on workers that keep their own clocks."""
+    name = run.optimizer
+    split = plan.tensor_degree > 1 or (plan.sharded and plan.shard_level > 1)
+    if name in NOT_ELEMENTWISE and split:
+        raise UsageError(f"--optimizer {name} steps each matrix as a whole, and this plan splits "
+                         f"parameters ({strategy_of(plan)} with --tensor-parallel or --shard at "
+                         f"level 2 or 3); use an elementwise optimizer (adamw, sgd, ...), or "
+                         f"--shard-level 1")
+    if getattr(objects, "param_groups", None) is not None:
+        if name in TANDEM_OPTIMIZERS:
+            raise UsageError(f"param_groups with --optimizer {name}: {name} makes its own groups "
+                             f"(weights, then biases and norms without decay or trust ratio); "
+                             f"drop param_groups")
+        if run.no_decay:
+            raise UsageError(f"--no-decay {run.no_decay} and param_groups both make the "
+                             f"parameter groups; give one (put the weight decay in your groups)")
+    if getattr(objects, "scheduler", None) is None:
+        return
+    schedule = {"--warmup-steps": run.warmup_steps or None, "--lr-scaling": run.lr_scaling,
+                "--lr-schedule": None if run.lr_schedule == "constant" else run.lr_schedule}
+    for flag, value in schedule.items():
+        if value is not None:
+            raise UsageError(f"scheduler= replaces tandem's learning-rate schedule, of which "
+                             f"{flag} {value} is a part; drop {flag}, or do it in your scheduler")
+    sync = plan.sync
+    if isinstance(sync, (ParameterServerSync, ElasticAveragingSync)) and sync.asynchronous:
+        raise UsageError(f"scheduler= with --strategy {strategy_of(plan)} --mode {sync.mode}: "
+                         f"its servers and workers keep clocks of their own, which a scheduler "
+                         f"stepped per update would not follow; use --mode sync, or "
+                         f"--warmup-steps and --lr-schedule")
+
+
 def _check_pipeline_shard(plan: Plan) -> None:
     """A sharded pipeline: every stage's replicas shard it (FSDP2 over the ``data`` dimension,
     at level 2 or 3), under a flush schedule, its units the stage's blocks."""
@@ -344,7 +381,7 @@ def sketch_job(strategy: str, flags: Mapping[str, Any], run: RunConfig,
     return Job(run=run, plan=plan, objects=objects)
 
 
-def _stale(plan: Plan) -> bool:
+def stale_updates(plan: Plan) -> bool:
     """Whether ``plan``'s updates are computed on stale weights (compensated; see
     :mod:`tandem.runtime.asynchrony`)."""
     if plan.pipelined:

@@ -10,8 +10,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tandem.errors import UsageError
 from tandem.runtime.config import DEFAULT_BASE_BATCH, RunConfig, step_decay
-from tandem.runtime.optimizers import Lamb, Lars
+from tandem.runtime.optimizer_class import check_option_names, optimizer_class, optimizer_kwargs
+from tandem.runtime.param_groups import GroupPlan
+from tandem.spec.optimizer import TANDEM_OPTIMIZERS
 
 if TYPE_CHECKING:
     from tandem.sync import SyncStrategy
@@ -19,11 +22,15 @@ if TYPE_CHECKING:
 
 def build_optimizer(config: RunConfig,
                     params: Iterable[torch.Tensor | tuple[str, torch.Tensor]], *,
-                    nesterov: bool = False) -> torch.optim.Optimizer:
+                    nesterov: bool = False, groups: GroupPlan | None = None,
+                    ) -> torch.optim.Optimizer:
     """The optimizer named in ``config`` over ``params`` (tensors, or ``(name, tensor)`` pairs
-    as ``named_parameters()`` gives them), at :func:`scaled_lr` for the run's first batch;
-    ``nesterov``: SGD with Nesterov momentum (EAMSGD's workers;
-    :class:`~tandem.runtime.job.Job` has checked that the optimizer is SGD with momentum).
+    under the whole model's names, as ``named_parameters()`` gives them), at :func:`scaled_lr`
+    for the run's first batch, with the keyword arguments of
+    :func:`~tandem.runtime.optimizer_class.optimizer_kwargs`; ``nesterov``: SGD with Nesterov
+    momentum (EAMSGD's workers; :class:`~tandem.runtime.job.Job` has checked that the optimizer
+    is SGD with momentum). ``groups``: the parameter groups by name
+    (:mod:`tandem.runtime.param_groups`), every one of them in order; None: one group.
 
     LARS and LAMB get two groups, always in this order (a pipeline stage's checkpoint matches
     groups by position): the weights (``ndim >= 2``), with trust ratio and weight decay, then the
@@ -33,21 +40,23 @@ def build_optimizer(config: RunConfig,
     (:func:`tandem.runtime.ps.protocol.shard_ranges` cuts between tensors); a tensor-parallel
     share or an FSDP2 shard is a DTensor, whose norm sums the shares (convolutions split by
     channels, plain tensors, are refused with LARS/LAMB: ``check_trust_ratios``)."""
-    tensors = [p[1] if isinstance(p, tuple) else p for p in params]
-    lr = scaled_lr(config)
-    if config.optimizer == "sgd":
-        return torch.optim.SGD(tensors, lr=lr, momentum=config.momentum,
-                               weight_decay=config.weight_decay, nesterov=nesterov)
-    if config.optimizer in ("lars", "lamb"):
-        groups: list[dict[str, Any]] = [{"params": [p for p in tensors if p.ndim > 1]},
+    named = [p if isinstance(p, tuple) else ("", p) for p in params]
+    tensors = [tensor for _, tensor in named]
+    cls = optimizer_class(config.optimizer)
+    kwargs = optimizer_kwargs(config, cls, lr=scaled_lr(config), nesterov=nesterov)
+    if config.optimizer in TANDEM_OPTIMIZERS:
+        if groups is not None:
+            raise UsageError(f"--optimizer {config.optimizer} makes its own parameter groups "
+                             f"(weights, then biases and norms); drop param_groups")
+        own: list[dict[str, Any]] = [{"params": [p for p in tensors if p.ndim > 1]},
                   {"params": [p for p in tensors if p.ndim <= 1], "weight_decay": 0.0,
                    "trust": False}]
-        if config.optimizer == "lars":
-            return Lars(groups, lr=lr, momentum=config.momentum,
-                        weight_decay=config.weight_decay)
-        return Lamb(groups, lr=lr, weight_decay=config.weight_decay)
-    cls = torch.optim.Adam if config.optimizer == "adam" else torch.optim.AdamW
-    return cls(tensors, lr=lr, weight_decay=config.weight_decay)
+        return cls(own, **kwargs)
+    if groups is None:
+        return cls(tensors, **kwargs)
+    for number, options in enumerate(groups.options):
+        check_option_names(cls, list(options), f"param_groups(model): group {number} sets")
+    return cls(groups.assign(named), **kwargs)
 
 
 def scaled_lr(config: RunConfig, batch_size: int | None = None) -> float:
@@ -117,13 +126,38 @@ def schedule_for(config: RunConfig, optimizer: torch.optim.Optimizer,
                         last_epoch=last_epoch)
 
 
+SchedulerFn = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
+"""``scheduler(optimizer)``: a learning-rate scheduler of the user's over the run's optimizer."""
+
+
+def user_scheduler(make: SchedulerFn, optimizer: torch.optim.Optimizer,
+                   ) -> torch.optim.lr_scheduler.LRScheduler:
+    """The user's scheduler over ``optimizer`` (``tandem.fit(..., scheduler=make)``), stepped
+    after every optimizer step as :class:`StepSchedule` is; one line if ``make`` returns
+    something else, or a scheduler that needs a metric at each step."""
+    made = make(optimizer)
+    if isinstance(made, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise UsageError("scheduler(optimizer) returned ReduceLROnPlateau, which steps on a "
+                         "metric that tandem's loop does not pass; use a scheduler stepped "
+                         "per step (LambdaLR, OneCycleLR, CosineAnnealingLR, ...)")
+    if not isinstance(made, torch.optim.lr_scheduler.LRScheduler):
+        raise UsageError(f"scheduler(optimizer) returned {type(made).__name__}; return a "
+                         f"torch.optim.lr_scheduler.LRScheduler over the optimizer it is given, "
+                         f"e.g. lambda opt: torch.optim.lr_scheduler.StepLR(opt, 100)")
+    if made.optimizer is not optimizer:
+        raise UsageError("scheduler(optimizer) returned a scheduler of another optimizer; "
+                         "build it over the optimizer it is given")
+    return made
+
+
 def sharded_optimizer(strategy: SyncStrategy, optimizer: torch.optim.Optimizer,
-                      scheduler: StepSchedule, multiplier: Callable[[int], float],
-                      ) -> tuple[torch.optim.Optimizer, StepSchedule]:
+                      scheduler: torch.optim.lr_scheduler.LRScheduler,
+                      make: SchedulerFn) -> tuple[torch.optim.Optimizer,
+                                                  torch.optim.lr_scheduler.LRScheduler]:
     """The optimizer and schedule a worker steps: ``optimizer`` and ``scheduler``, or where
-    ``strategy`` shards the optimizer state, its sharded optimizer with a schedule of the
-    same ``multiplier``."""
+    ``strategy`` shards the optimizer state, its sharded optimizer with a schedule ``make``
+    makes over it."""
     sharded = strategy.shard_optimizer(optimizer)
     if sharded is optimizer:
         return optimizer, scheduler
-    return sharded, StepSchedule(sharded, multiplier, constant=scheduler.constant)
+    return sharded, make(sharded)

@@ -15,12 +15,13 @@ from typing import Any
 
 from tandem.errors import PlanWarning, UsageError
 from tandem.runtime.config import RunConfig, resolve_batch_size
-from tandem.runtime.job import Job, sketch_job
+from tandem.runtime.job import Job, sketch_job, stale_updates
 from tandem.plan import Plan
 from tandem.runtime.faults import check_fault
 from tandem.runtime.launcher_env import under_launcher, world_size
 from tandem.spec.codec import check_codec
 from tandem.spec.data import check_data_spec
+from tandem.spec.kinds import CompensationMode
 from tandem.spec.model import check_model_spec
 from tandem.spec.sync import GossipSync
 from tandem.strategy import STRATEGIES, plan_from_flags, strategy_of
@@ -89,6 +90,10 @@ def check_job(job: Job) -> None:
     shares = model_shares(plan)
     data, model = preflight.build_checked(run, job.objects, shares=shares, meta=shares > 1,
                                           data=job.prepared)
+    from tandem.runtime.optimizer_class import check_run_optimizer  # delays torch
+
+    check_run_optimizer(run, job.objects, model, stale=stale_updates(plan) and CompensationMode(
+        run.async_compensation).compensates)
     if plan.tensor_degree > 1:
         from tandem.models.tensor import tensor_plan  # delays torch
 

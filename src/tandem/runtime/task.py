@@ -50,6 +50,12 @@ class UserObjects:
     init_fn: Any = None
     """``init_fn(module)``: initializes one module's own weights, for a model built in pieces
     (see :mod:`tandem.models.pieces`); None: ``--init-fn`` says."""
+    param_groups: Any = None
+    """``param_groups(model)``: the optimizer's parameter groups over the whole model (see
+    :mod:`tandem.runtime.param_groups`); None: one group, or ``--no-decay``'s two."""
+    scheduler: Any = None
+    """``scheduler(optimizer)``: a learning-rate scheduler, stepped after every optimizer step
+    (see :func:`tandem.runtime.learning_rate.user_scheduler`); None: tandem's own."""
 
 
 class Task:

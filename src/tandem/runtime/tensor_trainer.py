@@ -120,7 +120,7 @@ class TensorParallelTrainer(BaseTrainer):
         self.noise = NoiseScale.unavailable(
             "the gradient noise scale is measured in data parallelism only (from each worker's "
             "gradient and their allreduced mean); tensor-parallel workers share every batch")
-        self.setup_optimizer(model.parameters())
+        self.setup_optimizer(model.named_parameters(), model=model)
         # the norm's terms: each share of a split layer once, and each whole layer once (tensor
         # rank 0's); replicas hold the same gradients, unless FSDP shards them over the replicas
         self.precision = StagePrecision(config.precision, env.device, clip=config.clip_grad_norm,

@@ -32,6 +32,7 @@ from tandem.runtime.executor import Executor, Handler, Program, compile_program
 from tandem.runtime.faults import announce_resume, maybe_fail
 from tandem.runtime.memory import PeakMemory
 from tandem.runtime.learning_rate import schedule_for, sharded_optimizer
+from tandem.runtime.optimizer_setup import scheduler_maker
 from tandem.runtime.sharded_checkpoint import (check_sharded_resume, held_state, load_whole_model,
                                                remove_older, restore_state)
 from tandem.runtime.precision import Precision
@@ -102,9 +103,10 @@ class Trainer(BaseTrainer):
         self.strategy.recorder = self._record_sync
         self.module.train()
         self.model = self.strategy.unwrap(self.module)
-        self.setup_optimizer(self.module.parameters())
+        self.setup_optimizer(self.model.named_parameters(), model=self.model)
         self.optimizer, self.scheduler = sharded_optimizer(self.strategy, self.optimizer,
-                                                           self.scheduler, self.lr_multiplier)
+                                                           self.scheduler,
+                                                           scheduler_maker(job, self.lr_multiplier))
         self.precision = worker_precision(config, env, self.strategy, self.plan.sync)
         self.strategy.step_fn = self.precision.step
         noise, self.noise_samples = noise_measure(

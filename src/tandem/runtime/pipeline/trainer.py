@@ -134,7 +134,8 @@ class PipelineTrainer(BaseTrainer):
                                     (*blocks.parameters(), *blocks.buffers()) if not t.is_meta)
         """Bytes of the whole model's parameters and buffers this worker materialized (its
         shares of the split layers, with tensor parallelism; its shards, sharded)."""
-        self.setup_optimizer(self.module.parameters(), delay=self._delay(),
+        named = [(self.names(key)[0], p) for key, p in self.module.named_parameters()]
+        self.setup_optimizer(named, model=model, delay=self._delay(),
                              every_stage=bool(job.plan.vertical_sync))
         last = end == len(blocks)
         self.shapes = StageShapes(

@@ -164,7 +164,8 @@ class ParameterServer(Worker):
         return UpdateRule(self.config, self.shard,
                           delay=workers - 1 if sync.mode.asynchronous else 0,
                           share=1 / workers, staleness_lr=sync.staleness_lr,
-                          clips=self.config.clip_grad_norm is not None and sync.server_clips)
+                          clips=self.config.clip_grad_norm is not None and sync.server_clips,
+                          objects=self.job.objects)
 
     def updates(self) -> int:
         """Updates of the model so far (the summary's ``updates``)."""

@@ -16,9 +16,13 @@ from tandem.runtime.asynchrony import (
 )
 from tandem.runtime.config import RunConfig
 from tandem.runtime.divergence import diverged, first_non_finite
-from tandem.runtime.learning_rate import batch_lr_factor, build_optimizer, lr_factor, scaled_lr
+from tandem.runtime.learning_rate import (
+    batch_lr_factor, build_optimizer, lr_factor, user_scheduler,
+)
+from tandem.runtime.param_groups import group_plan
 from tandem.runtime.ps import protocol
 from tandem.runtime.ps.shard import ServerShard
+from tandem.runtime.task import UserObjects
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -48,15 +52,25 @@ class UpdateRule:
 
     def __init__(self, config: RunConfig, shard: ServerShard, *, delay: int = 0,
                  share: float = 1.0, optimize: bool = True, clips: bool = False,
-                 staleness_lr: bool = False) -> None:
+                 staleness_lr: bool = False, objects: UserObjects | None = None) -> None:
         self.config = config
         self.shard = shard
-        self.optimizer = (build_optimizer(config, shard.params)
+        user = objects or UserObjects()
+        self.optimizer = (build_optimizer(config, list(zip(shard.keys, shard.params)),
+                                          groups=group_plan(config, shard.model,
+                                                            user.param_groups))
                           if optimize and shard.params else None)
         self.compensation: Compensation = compensation_for(config, delay, share=share)
         """How stale updates are compensated (a component of the server: its summary)."""
+        self.base_lrs: list[float] = []
+        """Each group's learning rate before warm-up and schedule (compensation's scale in)."""
+        self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+        """The user's scheduler (``tandem.fit(..., scheduler=...)``; synchronous servers)."""
         if self.optimizer is not None:
-            apply_compensation(self.optimizer, self.compensation)
+            self.compensation = apply_compensation(self.optimizer, self.compensation)
+            self.base_lrs = [group["lr"] for group in self.optimizer.param_groups]
+            if user.scheduler is not None:
+                self.scheduler = user_scheduler(user.scheduler, self.optimizer)
         self.clips = clips
         self.staleness_lr = staleness_lr
 
@@ -71,24 +85,31 @@ class UpdateRule:
             return False
         if self.optimizer is not None and gradient is not None:
             self.shard.set_gradient(gradient)
-            factor = lr_factor(self.config, step) * batch_lr_factor(self.config, batch_size)
-            if self.staleness_lr:
-                factor /= max(1, staleness)
-            for group in self.optimizer.param_groups:
-                group["lr"] = scaled_lr(self.config) * self.compensation.lr_scale * factor
+            if self.scheduler is None:
+                factor = lr_factor(self.config, step) * batch_lr_factor(self.config, batch_size)
+                if self.staleness_lr:
+                    factor /= max(1, staleness)
+                for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+                    group["lr"] = base * factor
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+            if self.scheduler is not None:
+                self.scheduler.step()
         return True
 
     def state_dict(self) -> dict[str, Any]:
         """The optimizer's state (None without one)."""
-        return {"optimizer": self.optimizer.state_dict() if self.optimizer else None}
+        return {"optimizer": self.optimizer.state_dict() if self.optimizer else None,
+                "scheduler": self.scheduler.state_dict() if self.scheduler else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the optimizer's state, with the momentum its compensation expects."""
+        """Restore the optimizer's state, with the momentum its compensation expects, and the
+        user's scheduler's."""
         if self.optimizer is not None and state.get("optimizer") is not None:
             self.optimizer.load_state_dict(state["optimizer"])
             restore_momentum(self.optimizer, self.compensation)
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
 
 
 def clip_across_servers(gradient: torch.Tensor | None, limit: float,
