@@ -5,7 +5,8 @@ Python, ``param_groups=fn``) and a scheduler of the user's, on every strategy.
 AdamW with betas (0.9, 0.95) and no weight decay on norms and biases: one process equals
 ``torch.optim.AdamW`` over the same groups by hand; data parallelism, synchronous parameter
 servers, tensor parallelism and a pipeline, given on the command line and through
-``tandem.fit``, equal that one process.
+``tandem.fit``, equal that one process; so do sharded data parallelism (FSDP2, ZeRO) and a
+pipeline stopped and resumed.
 
 Adam on attention: the key part of a query-key-value bias has a zero gradient in exact
 arithmetic (softmax ignores a shift shared by every key), so what it gets is rounding noise
@@ -29,7 +30,7 @@ import tandem
 from tandem.data import build_dataset
 from tandem.errors import UsageError
 from tandem.models import build_model
-from tests.conftest import SharedRun, run_here
+from tests.conftest import SharedRun, run_here, run_json
 
 MODEL, DATA = "gpt:layers=2,dim=32,heads=4,dropout=0", "tokens:n=256,seq=12,vocab=32"
 STEPS, BATCH, LR, SEED, DECAY = 8, 16, 0.003, 3, 0.1
@@ -136,6 +137,33 @@ def test_every_layout_equals_one_process(shared_run: SharedRun, tmp_path: Path, 
         out, summary = tmp_path, result.summary
     assert summary["finished"] and summary["world_size"] == kwargs["nproc"]
     rest, keys = differences(torch.load(single / "final.pt"), torch.load(out / "final.pt"))
+    assert rest <= 1e-5 and keys <= 1e-3, (rest, keys)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", [("--shard", "2"), ("--shard", "2", "--shard-level", "1")],
+                         ids=["fsdp2", "zero"])
+def test_sharded_data_parallelism_equals_one_process(shared_run: SharedRun,
+                                                     layout: tuple[str, ...]) -> None:
+    """FSDP2's workers step their shards of each group; ZeRO's sharded optimizer keeps the
+    groups (and takes AdamW's defaults, one of which its constructor does not)."""
+    single, _ = shared_run(*RUN, *ADAMW, "--nproc", "1")
+    out, summary = shared_run(*RUN, *ADAMW, "--nproc", "2", *layout)
+    assert summary["shard"] == 2
+    rest, keys = differences(torch.load(single / "final.pt"), torch.load(out / "final.pt"))
+    assert rest <= 1e-5 and keys <= 1e-3, (rest, keys)
+
+
+@pytest.mark.multiprocess
+def test_a_pipeline_resumes_its_groups(shared_run: SharedRun, tmp_path: Path) -> None:
+    """Each stage's checkpoint holds both groups (one may be empty), matched by position."""
+    single, _ = shared_run(*RUN, *ADAMW, "--nproc", "1")
+    pipeline = LAYOUTS["pipeline"][0]
+    stopped = run_json("train", *RUN, *ADAMW, *pipeline, "--out", str(tmp_path),
+                       "--stop-after", "4")
+    assert (stopped["steps"], stopped["finished"]) == (4, False)
+    run_json("train", *RUN, *ADAMW, *pipeline, "--out", str(tmp_path), "--resume")
+    rest, keys = differences(torch.load(single / "final.pt"), torch.load(tmp_path / "final.pt"))
     assert rest <= 1e-5 and keys <= 1e-3, (rest, keys)
 
 

@@ -406,14 +406,19 @@ class ShardedOptimizer(AllReduce):
 
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """``optimizer``'s class, groups and settings as a ``ZeroRedundancyOptimizer`` over the
-        worker's shard group."""
+        worker's shard group (the defaults its constructor takes: AdamW's hold
+        ``decoupled_weight_decay``, which only Adam's constructor takes)."""
         from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        from tandem.runtime.optimizer_class import class_options
 
         groups = [{key: value for key, value in group.items() if key != "initial_lr"}
                   for group in optimizer.param_groups]
+        known, any_name = class_options(type(optimizer))
+        defaults = {key: value for key, value in optimizer.defaults.items()
+                    if any_name or key in known}
         return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer),
-                                       process_group=self.mesh.get_group("shard"),
-                                       **optimizer.defaults)
+                                       process_group=self.mesh.get_group("shard"), **defaults)
 
     def summary(self) -> dict[str, Any]:
         """The run summary's description of the sharding."""
