@@ -115,7 +115,8 @@ def optimizer_Bps(num_bytes: float, optimizer: str = "sgd", *, repeats: int = 10
         cls = torch.optim.SGD if optimizer == "sgd" else Lars
         opt: torch.optim.Optimizer = cls([param], lr=0.01, momentum=0.9)
     else:
-        opt = optimizer_class(canonical_optimizer(optimizer))([param], lr=0.01)
+        defaults: dict[str, Any] = {"lr": 0.01}  # the class's own for the rest
+        opt = optimizer_class(canonical_optimizer(optimizer))([param], **defaults)
     times = []
     for _ in range(repeats + 2):
         start = time.perf_counter()
