@@ -41,8 +41,9 @@ ADAMW = ("--optimizer", "adamw", "--optimizer-options", "betas=0.9,0.95", "eps=1
 LAYOUTS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     # name: (command-line flags, tandem.fit's keyword arguments)
     "dp": (("--nproc", "2"), {"nproc": 2}),
-    "ps sync": (("--strategy", "ps", "--servers", "1", "--mode", "sync", "--nproc", "3"),
-                {"strategy": "ps", "servers": 1, "mode": "sync", "nproc": 3}),
+    # two servers: each applies the groups to its shard, by the parameters' names
+    "ps sync": (("--strategy", "ps", "--servers", "2", "--mode", "sync", "--nproc", "4"),
+                {"strategy": "ps", "servers": 2, "mode": "sync", "nproc": 4}),
     "tensor": (("--nproc", "2", "--tensor-parallel", "2"), {"nproc": 2, "tensor_parallel": 2}),
     "pipeline": (("--strategy", "pipeline", "--stages", "2", "--nproc", "2"),
                  {"strategy": "pipeline", "stages": 2, "nproc": 2}),
