@@ -104,9 +104,8 @@ class Trainer(BaseTrainer):
         self.module.train()
         self.model = self.strategy.unwrap(self.module)
         self.setup_optimizer(self.model.named_parameters(), model=self.model)
-        self.optimizer, self.scheduler = sharded_optimizer(self.strategy, self.optimizer,
-                                                           self.scheduler,
-                                                           scheduler_maker(job, self.lr_multiplier))
+        self.optimizer, self.scheduler = sharded_optimizer(
+            self.strategy, self.optimizer, self.scheduler, scheduler_maker(job, self.lr_multiplier))
         self.precision = worker_precision(config, env, self.strategy, self.plan.sync)
         self.strategy.step_fn = self.precision.step
         noise, self.noise_samples = noise_measure(
