@@ -54,11 +54,12 @@ def killed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.cli
 def test_a_killed_worker_is_restarted_and_the_job_ends_as_if_uninterrupted(
         uninterrupted: Path, tmp_path: Path) -> None:
-    result = _with_fault("2:35", *RUN, "--nproc", "4", "--out", str(tmp_path), "--max-restarts",
+    """On 2 workers (as the 2-worker resume below, the uninterrupted 4-worker run's result)."""
+    result = _with_fault("1:35", *RUN, "--nproc", "2", "--out", str(tmp_path), "--max-restarts",
                          "1", "--resume", "auto", "--json")
     assert result.returncode == 0, result.stderr
     lines = result.stderr.strip().splitlines()
-    assert "tandem: worker rank 2 at step 35 died: killed by SIGKILL; restarting the 4 workers " \
+    assert "tandem: worker rank 1 at step 35 died: killed by SIGKILL; restarting the 2 workers " \
            "(restart 1 of 1)" in lines
     assert f"tandem: restart 1: resuming from step 30 ({tmp_path / 'checkpoint.pt'})" in lines
     summary = __import__("json").loads(result.stdout.strip().splitlines()[-1])
@@ -80,6 +81,8 @@ def test_a_stopped_job_resumes_on_fewer_workers_with_the_same_result(
 @pytest.mark.cli
 def test_torchrun_restarts_the_workers_and_they_resume_by_themselves(
         uninterrupted: Path, tmp_path: Path) -> None:
+    """On 2 workers, not the 4 of the uninterrupted run: the same result (the 2-worker resume
+    above), and torchrun starts each worker as a fresh interpreter (a torch import each)."""
     import socket
 
     with socket.socket() as probe:  # a free port for the rendezvous
@@ -87,18 +90,18 @@ def test_torchrun_restarts_the_workers_and_they_resume_by_themselves(
         port = probe.getsockname()[1]
     command = ["-m", "torch.distributed.run", "--nnodes", "1:2", "--rdzv-backend", "c10d",
                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", "last_call_timeout=1",
-               "--nproc-per-node", "4", "--max-restarts", "1", "-m", "tandem", *RUN,
+               "--nproc-per-node", "2", "--max-restarts", "1", "-m", "tandem", *RUN,
                "--out", str(tmp_path), "--resume", "auto", "--json"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TANDEM_FAULT": "2:35"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TANDEM_FAULT": "1:35"}
     result = subprocess.run([sys.executable, *command], capture_output=True, text=True, env=env,
                             timeout=400, cwd=ROOT)
     # the workers' own lines come first; torchrun's report of the failure closes the output
     assert result.returncode == 0, result.stderr[:4000] + "\n[...]\n" + result.stderr[-1500:]
-    assert "tandem: TANDEM_FAULT=2:35: killing rank 2 at step 35" in result.stderr
+    assert "tandem: TANDEM_FAULT=1:35: killing rank 1 at step 35" in result.stderr
     assert f"tandem: restart 1: resuming from step 30 ({tmp_path / 'checkpoint.pt'})" \
         in result.stderr
     summary = __import__("json").loads(result.stdout.strip().splitlines()[-1])
-    assert summary["restarts"] == 1
+    assert summary["restarts"] == 1 and summary["world_size"] == 2
     assert max_abs_diff(uninterrupted, tmp_path / "final.pt") <= 1e-6
 
 
