@@ -10,6 +10,7 @@ import pytest
 
 from tandem.cluster import Cluster, Level
 from tandem.planning import PartitionOptions
+from tandem.planning.partition import memo
 from tandem.planning.partition.pipedream import partition
 import importlib
 
@@ -17,6 +18,13 @@ partition_module = importlib.import_module("tandem.planning.partition.pipedream"
 from tandem.profile import LayerProfile, ModelProfile
 
 pytestmark = pytest.mark.pure
+
+
+@pytest.fixture(autouse=True)
+def _solve_afresh() -> None:
+    """Each test solves for itself: remembered solves (:mod:`memo`) would answer the fast
+    path's cases with the table's."""
+    memo.forget()
 
 
 def random_profile(rng: random.Random, num_layers: int, dag: bool) -> ModelProfile:

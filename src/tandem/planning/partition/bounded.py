@@ -66,6 +66,33 @@ def solve_row0(problem: LevelProblem, bound: float = np.inf) -> LevelTable:
     return LevelTable(problem=problem, best=best[None], split=split[None], replicas=replicas[None])
 
 
+def known_bound(problem: LevelProblem, plans: list[tuple[tuple[int, int, int], ...]]) -> float:
+    """The least bottleneck, by ``problem``'s own cost and memory models, among ``plans`` (each
+    its stages as (state before, state, replicas)) that are plans of ``problem``: every unit
+    used, each stage within the memory limit; inf when none is. A bound for
+    :func:`solve_row0` (one level whose units are single devices)."""
+    best = np.inf
+    N = problem.num_units
+    for stages in plans:
+        before, state, replicas = (np.array(column, dtype=np.int64) for column in zip(*stages))
+        if (int(replicas.sum()) != N or state[-1] != problem.states.num_states - 1
+                or (problem.straight and bool((replicas != 1).any()))):
+            continue
+        used = np.cumsum(replicas)
+        if not bool(problem.fits(before + 1, state, replicas, used).all()):
+            continue
+        times = problem.stage_time(before + 1, state, replicas.astype(np.float64),
+                                   first=before < 0)
+        best = min(best, float(np.max(times)))
+    return best * (1 + 1e-12) if np.isfinite(best) else np.inf
+
+
+def one_stage_bound(problem: LevelProblem) -> float:
+    """The bottleneck of the whole model as one stage, the plan :func:`solve_row0` knows exists
+    (inf when it does not fit)."""
+    return _known_bound(problem, _one_stage_times(problem))
+
+
 def _one_stage_times(problem: LevelProblem) -> np.ndarray:
     """``[j, m]``: the layers up to state ``j`` as one stage on ``m + 1`` units."""
     states = np.arange(problem.states.num_states)[:, None]

@@ -34,6 +34,8 @@ from tandem.planning.partition.parametric import _Parametric
 
 MAX_BOUNDS = 200
 """Bisection steps at most (each halves the gap or lands on a plan's bottleneck)."""
+QUICK_STEPS = 8
+"""Bisection steps of :func:`quick_plan`."""
 PRECISION = 1e-15
 """The bisection stops when the gap is below this fraction of the best plan's bottleneck."""
 
@@ -53,6 +55,31 @@ def solve_limited(problem: LevelProblem) -> tuple[LevelTable | None, float]:
     if every is not None:
         return _table(problem, every), max(piece[3] for piece in every)
     return None, search.widened_bound(bound)
+
+
+def quick_plan(problem: LevelProblem, steps: int = QUICK_STEPS) -> tuple[bool, list[Piece] | None]:
+    """Whether any plan fits the memory of ``problem`` (one flat level with a memory limit),
+    and a plan on exactly N units found by ``steps`` of geometric bisection on the bound, from
+    the compute's share of a unit up (None when none was found): a bound for :mod:`.bounded`'s
+    table, far cheaper than the search to the optimum."""
+    search = _Limited(problem)
+    loosest = search._loosest()
+    if search.reach(loosest) is None:
+        return False, None
+    found = search.widened(loosest)
+    if found is None:
+        return True, None
+    high = max(piece[3] for piece in found)
+    low = float(problem.compute_s[0, -1]) / problem.num_units
+    for _ in range(steps):
+        if not 0 < low < high:
+            break
+        pieces = search.widened(math.sqrt(low * high))
+        if pieces is None:
+            low = math.sqrt(low * high)
+        else:
+            found, high = pieces, max(piece[3] for piece in pieces)
+    return True, found
 
 
 def _table(problem: LevelProblem, pieces: list[Piece] | None) -> LevelTable:

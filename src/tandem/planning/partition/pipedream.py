@@ -37,10 +37,11 @@ import numpy as np
 
 from tandem.cluster import Cluster
 from tandem.errors import UsageError
-from tandem.planning.partition.antichain import States, build_states
-from tandem.planning.partition.bounded import solve_row0
-from tandem.planning.partition.levels import LevelProblem, LevelTable, solve_level
-from tandem.planning.partition.limited import solve_limited
+from tandem.planning.partition import memo
+from tandem.planning.partition.antichain import States
+from tandem.planning.partition.bounded import known_bound, one_stage_bound, solve_row0
+from tandem.planning.partition.levels import DeviceStages, LevelProblem, LevelTable, solve_level
+from tandem.planning.partition.limited import quick_plan, solve_limited
 from tandem.planning.partition.memory import FLUSH_SCHEDULES
 from tandem.planning.partition.parametric import solve_level_fast
 from tandem.profile import ModelProfile
@@ -141,17 +142,33 @@ class Partition:
 def partition(
     profile: ModelProfile, cluster: Cluster, options: PartitionOptions | None = None
 ) -> Partition:
-    """Solve PipeDream's dynamic program for ``profile`` on ``cluster``."""
+    """Solve PipeDream's dynamic program for ``profile`` on ``cluster`` (once per distinct
+    question: :mod:`.memo`)."""
     options = options or PartitionOptions()
     memory = options.memory_bytes if options.memory_bytes is not None else cluster.memory_bytes
-    states = build_states(profile)
+    options = dataclasses.replace(options, memory_bytes=memory)
+    content = memo.content(profile)
+    return memo.recall((content, cluster.levels, cluster.speed, options),
+                       lambda: _partition(profile, content, cluster, options))
+
+
+def _partition(profile: ModelProfile, content: memo.Content, cluster: Cluster,
+               options: PartitionOptions) -> Partition:  # fmt: skip
+    memory = options.memory_bytes
+    states = memo.states_of(profile, content)
     _check_stage_count(states, cluster, options)
+    fit_key = (content, cluster.num_devices, options.schedule, options.optimizer_state_factor,
+               options.straight, options.allow_idle)
+    limited = memory if len(cluster.levels) == 1 else None  # feasibility: memory's alone
+    if limited is not None and memo.infeasible(fit_key, limited):
+        raise NoPlanFits(_infeasible_message(cluster, limited))
     compute = _segment_matrix(states, states.compute_s)
     if cluster.speed != 1:
         compute /= cluster.speed
     params = _segment_matrix(states, states.parameter_bytes)
     stash = _segment_matrix(states, states.activation_bytes)
     tables: list[LevelTable] = []
+    inner: DeviceStages | None = None
     top = len(cluster.levels) - 1
     for level_index, level in enumerate(cluster.levels):
         problem = LevelProblem(
@@ -170,39 +187,79 @@ def partition(
             all_rows=level_index < top,
             schedule=options.schedule,
             optimizer_state_factor=options.optimizer_state_factor,
-            inner=tables[-1].device_stages() if tables and memory is not None else None,
+            inner=inner,
         )
-        table = _solve(problem, options, final=level_index == top)
+        if level_index == top:
+            one_level = len(cluster.levels) == 1
+            known = memo.known_plans((content, cluster.num_devices)) if one_level else []
+            tables.append(_solve(problem, options, known))
+            break
+        key = (content, cluster.speed, cluster.levels[: level_index + 1], options)
+        table, inner = memo.inner_table(key, lambda: _inner(problem, memory is not None))
         tables.append(table)
         compute = np.where(np.isnan(params), np.nan, table.best[:, :, -1])
-    return _assemble(profile, cluster, states, tables, memory, options.gradient_compression)
+    try:
+        solved = _assemble(profile, cluster, states, tables, memory, options.gradient_compression)
+    except NoPlanFits:
+        if limited is not None:
+            memo.note_infeasible(fit_key, limited)
+        raise
+    memo.note_plan((content, cluster.num_devices),
+                   tuple((s.before, s.state, s.replicas) for s in solved.stages))
+    return solved
+
+
+def _inner(problem: LevelProblem, limited: bool) -> tuple[LevelTable, DeviceStages | None]:
+    """An inner level's full table, and its plans' devices for the level above when memory is
+    limited."""
+    table = solve_level(problem)
+    return table, table.device_stages() if limited else None
 
 
 FAST_PATH_ELEMENTS = 50_000_000
 """Use the parametric fast path when the full table would touch more cells than this."""
 
 
-def _solve(problem: LevelProblem, options: PartitionOptions, *, final: bool) -> LevelTable:
-    """Solve one level: every row (inner levels) or row 0 (the final level).
+def _solve(problem: LevelProblem, options: PartitionOptions,
+           known: list[memo.StageKey]) -> LevelTable:  # fmt: skip
+    """Row 0 of the final level.
 
-    Row 0 goes to a parametric search when the table would be large (under a memory limit on a
-    flat level, :mod:`.limited`), else to the table pruned by a known plan's bottleneck (under a
-    memory limit, the least bound :mod:`.limited` proves when it cannot prove the optimum).
+    It goes to a parametric search when the table would be large (under a memory limit on a
+    flat level, :mod:`.limited`), else to the table pruned by the bottleneck of a plan known to
+    exist: the least among the ``known`` plans that fit (:func:`known_bound`), the whole model
+    as one stage and, under a memory limit, the least bound :mod:`.limited` proves when it
+    cannot prove the optimum, or else a plan its quick search finds (:func:`quick_plan`, which
+    also proves at once that nothing fits). ``options.exact_dp``: the table, bounded by the
+    whole model alone.
     """
+    if options.exact_dp:
+        return solve_row0(problem)
     pairs = int(problem.states.below.sum())
-    bound = math.inf
-    if final and not options.exact_dp and pairs * problem.num_units**2 > FAST_PATH_ELEMENTS:
+    bound = known_bound(problem, known) if known else math.inf
+    limited = problem.inner is None and problem.memory_bytes is not None and (
+        problem.allow_idle or not problem.straight)
+    if pairs * problem.num_units**2 > FAST_PATH_ELEMENTS:
+        fast = None
         if problem.memory_bytes is None:
             fast = solve_level_fast(problem)
-        elif problem.inner is None and (problem.allow_idle or not problem.straight):
-            fast, bound = solve_limited(problem)
-        else:
-            fast = None
+        elif limited:
+            fast, proven = solve_limited(problem)
+            bound = min(bound, proven)
         if fast is not None:
             return fast
-    if not problem.all_rows:
-        return solve_row0(problem, bound)
-    return solve_level(problem)
+    elif limited and not math.isfinite(min(bound, one_stage_bound(problem))):
+        feasible, quick = quick_plan(problem)
+        if not feasible:
+            return _infeasible_table(problem)
+        if quick is not None:
+            bound = known_bound(problem, [tuple(piece[:3] for piece in quick)])
+    return solve_row0(problem, bound)
+
+
+def _infeasible_table(problem: LevelProblem) -> LevelTable:
+    """Row 0 when no plan fits: every cell inf."""
+    best = np.full((1, problem.states.num_states, problem.num_units), np.inf)
+    return LevelTable(problem=problem, best=best, pieces=[])
 
 
 def _check_stage_count(states: States, cluster: Cluster, options: PartitionOptions) -> None:

@@ -1,0 +1,202 @@
+"""The partitioner's solves remembered within a process, so that none is done twice.
+
+The planner asks the partitioner for plans along ladders of link speeds and memory budgets, on
+a fixed grid of budgets that every rung and every limit shares; ``tandem scale`` asks again for
+every device count, and a caller comparing clusters (a bandwidth series, a tighter limit) asks
+again for the rungs they share. What is kept, by the content of its inputs (never by object
+identity, so an equal profile built anew is recognised):
+
+- :func:`recall`: a whole solve (its :class:`Partition` or its :class:`NoPlanFits`), by the
+  profile, the cluster's levels, speed and memory, and the options; an LRU of
+  :data:`MAX_SOLVES`.
+- :func:`states_of`: the cut states of a profile (:func:`build_states`), once per profile.
+- :func:`inner_table`: the full table of an inner level of a hierarchy, by the levels up to
+  its own (a ``tandem scale`` point differs from the next in its outer level only); an LRU of
+  at most :data:`MAX_TABLE_BYTES`.
+- :func:`infeasible`: on one level, whether a plan fits depends on memory alone (links and
+  speed change times, not bytes), and a plan that fits a budget fits every looser one; so the
+  loosest budget known to fit nothing is kept per profile, unit count and memory options, and
+  a budget at or below it needs no solve.
+- :func:`known_plans`: the stages of every plan solved, by profile and device count, for
+  :mod:`.bounded`'s table to take the least bottleneck among those that fit as its bound (a
+  plan known to exist: pruning by it keeps the answer exactly).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import Any, TypeVar
+
+import numpy as np
+
+from tandem.planning.partition.antichain import States, build_states
+from tandem.profile import ModelProfile
+
+T = TypeVar("T")
+
+MAX_SOLVES = 512
+"""Whole solves kept (a planning takes a few dozen; each holds its stages and shares states)."""
+MAX_PROFILES = 16
+"""Profiles whose states, infeasible budgets and plans are kept."""
+MAX_TABLE_BYTES = 256e6
+"""Bytes of inner-level tables kept (ResNet-50 on servers of 4: 6 MB each)."""
+MAX_KNOWN_PLANS = 64
+"""Plans kept per profile and device count for bounds (the latest)."""
+
+StageKey = tuple[tuple[int, int, int], ...]
+"""A plan's stages as (state before, state, replicas)."""
+
+
+class Content:
+    """A profile's layers and edges as a key: hashed once, compared by value."""
+
+    __slots__ = ("value", "_hash")
+
+    def __init__(self, value: tuple[Any, ...]) -> None:
+        self.value = value
+        self._hash = hash(value)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Content) and (self.value is other.value
+                                               or self.value == other.value)
+
+
+class _Lru:
+    """An ordered dict that forgets its least recently used entries beyond a total size."""
+
+    def __init__(self, capacity: float, size: Callable[[Any], float] = lambda _: 1.0) -> None:
+        self.capacity = capacity
+        self.size = size
+        self.entries: OrderedDict[Hashable, Any] = OrderedDict()
+        self.total = 0.0
+
+    def get(self, key: Hashable) -> Any:
+        if key not in self.entries:
+            return None
+        self.entries.move_to_end(key)
+        return self.entries[key]
+
+    def put(self, key: Hashable, value: Any) -> None:
+        if key in self.entries:
+            self.total -= self.size(self.entries.pop(key))
+        self.entries[key] = value
+        self.total += self.size(value)
+        while self.total > self.capacity and len(self.entries) > 1:
+            _, old = self.entries.popitem(last=False)
+            self.total -= self.size(old)
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.total = 0.0
+
+
+_SOLVES = _Lru(MAX_SOLVES)
+_STATES = _Lru(MAX_PROFILES)
+_TABLES = _Lru(MAX_TABLE_BYTES, size=lambda entry: _nbytes(entry, depth=3))
+_INFEASIBLE = _Lru(MAX_PROFILES * 64)
+_KNOWN = _Lru(MAX_PROFILES * 8)
+_CONTENTS = _Lru(MAX_PROFILES)
+
+
+def _nbytes(value: Any, depth: int) -> float:
+    """The bytes of the arrays in ``value`` (a tuple or dataclass of them, ``depth`` deep)."""
+    if isinstance(value, np.ndarray):
+        return float(value.nbytes)
+    if depth == 0:
+        return 0.0
+    if isinstance(value, tuple):
+        return sum(_nbytes(item, depth - 1) for item in value)
+    if dataclasses.is_dataclass(value):
+        return sum(_nbytes(getattr(value, field.name), depth - 1)
+                   for field in dataclasses.fields(value) if field.name != "states")
+    return 0.0
+
+
+def content(profile: ModelProfile) -> Content:
+    """``profile``'s layers and edges as a key (equal profiles give the same object)."""
+    key = Content((tuple(profile.layers), tuple(profile.edge_list())))
+    found = _CONTENTS.get(key)
+    if found is None:
+        _CONTENTS.put(key, key)
+        return key
+    return found  # type: ignore[no-any-return]
+
+
+def recall(key: Hashable, solve: Callable[[], T]) -> T:
+    """``solve()``, or what it returned (or raised) before for ``key``."""
+    found = _SOLVES.get(key)
+    if found is None:
+        try:
+            found = (True, solve())
+        except Exception as exc:
+            from tandem.planning.partition.pipedream import NoPlanFits
+            if not isinstance(exc, NoPlanFits):
+                raise
+            found = (False, exc.args)
+            _SOLVES.put(key, found)
+            raise
+        _SOLVES.put(key, found)
+    ok, value = found
+    if not ok:
+        from tandem.planning.partition.pipedream import NoPlanFits
+        raise NoPlanFits(*value)
+    return value  # type: ignore[no-any-return]
+
+
+def states_of(profile: ModelProfile, key: Content) -> States:
+    """The cut states of ``profile`` (whose content is ``key``), built once."""
+    found = _STATES.get(key)
+    if found is None:
+        found = build_states(profile)
+        _STATES.put(key, found)
+    return found  # type: ignore[no-any-return]
+
+
+def inner_table(key: Hashable, solve: Callable[[], T]) -> T:
+    """The table of an inner level, solved once for ``key`` (the levels up to it and every
+    input of their problems)."""
+    found = _TABLES.get(key)
+    if found is None:
+        found = solve()
+        _TABLES.put(key, found)
+    return found  # type: ignore[no-any-return]
+
+
+def infeasible(key: Hashable, memory_bytes: float) -> bool:
+    """Whether no plan fits ``memory_bytes`` per device, as known for ``key`` (a profile, a
+    one-level cluster's unit count and the options that change memory or the plans allowed)."""
+    loosest = _INFEASIBLE.get(key)
+    return loosest is not None and memory_bytes <= loosest
+
+
+def note_infeasible(key: Hashable, memory_bytes: float) -> None:
+    """No plan fits ``memory_bytes`` for ``key`` (nor any tighter budget)."""
+    loosest = _INFEASIBLE.get(key)
+    _INFEASIBLE.put(key, memory_bytes if loosest is None else max(loosest, memory_bytes))
+
+
+def known_plans(key: Hashable) -> list[StageKey]:
+    """The plans solved for ``key`` (a profile and a device count), latest last."""
+    found = _KNOWN.get(key)
+    return list(found) if found is not None else []
+
+
+def note_plan(key: Hashable, stages: StageKey) -> None:
+    """A plan solved for ``key``: kept among the latest :data:`MAX_KNOWN_PLANS`."""
+    found: dict[StageKey, None] = _KNOWN.get(key) or {}
+    found.pop(stages, None)
+    found[stages] = None
+    while len(found) > MAX_KNOWN_PLANS:
+        del found[next(iter(found))]
+    _KNOWN.put(key, found)
+
+
+def forget() -> None:
+    """Drop everything kept (for measuring a cold start)."""
+    for cache in (_SOLVES, _STATES, _TABLES, _INFEASIBLE, _KNOWN, _CONTENTS):
+        cache.clear()
