@@ -23,6 +23,8 @@ bisection takes about 60 bounds. Memory: a few arrays of one entry per segment.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -82,6 +84,44 @@ def quick_plan(problem: LevelProblem, steps: int = QUICK_STEPS) -> tuple[bool, l
     return True, found
 
 
+def memory_bracket(problem: LevelProblem, low: float, high: float,
+                   tolerance: float) -> tuple[float, float | None] | None:  # fmt: skip
+    """For ``problem`` at budgets from ``low`` (where nothing fits) to ``high`` (its own limit
+    ignored): a budget below which no plan on at most N units fits the shared memory model
+    (a lower bound on every plan's need), and the least at which one on exactly N units is
+    found (:meth:`_Limited.widened`; None: none up to ``high``), each to a relative
+    ``tolerance``, one pass of the search per budget (geometric bisection for the first, for
+    the second a gallop up from the first). None when nothing fits ``high``."""
+    search = _Limited(dataclasses.replace(problem, memory_bytes=high))
+
+    def reaches(budget: float) -> bool:
+        limited = search.at(budget)
+        return limited.reach(limited._loosest()) is not None
+
+    def widens(budget: float) -> bool:
+        limited = search.at(budget)
+        return limited.widened(limited._loosest()) is not None
+
+    if not reaches(high):
+        return None
+    top = high
+    while top > low * (1 + tolerance):
+        middle = math.sqrt(low * top)
+        low, top = (low, middle) if reaches(middle) else (middle, top)
+    ratio = 1 + tolerance
+    while low * ratio < high and not widens(low * ratio):
+        low, ratio = low * ratio, ratio * ratio
+    if low * ratio >= high:
+        if not widens(high):
+            return top / (1 + tolerance), None
+        ratio = high / low
+    roof = low * ratio
+    while roof > low * (1 + tolerance):
+        middle = math.sqrt(low * roof)
+        low, roof = (low, middle) if widens(middle) else (middle, roof)
+    return top / (1 + tolerance), roof
+
+
 def _table(problem: LevelProblem, pieces: list[Piece] | None) -> LevelTable:
     best = np.full((1, problem.states.num_states, problem.num_units), np.inf)
     if pieces is not None:
@@ -100,14 +140,25 @@ class _Limited(_Parametric):
         self.offsets = np.searchsorted(self.rows, np.arange(problem.states.num_states + 2))
         self.g_coef = np.where(self.first, 0.0, self.g_coef)  # the first stage moves nothing
         self.one_s = self._exact(np.ones(self.rows.size))
-        pipedream = not problem.schedule.flushes
-        self.held = self._most_held() if pipedream else np.zeros(self.rows.size)
-        """PipeDream's schedule: the most ``ceil(d / r)`` a device of the segment holds."""
-        self.least_memory = None if pipedream else self._least_memory_units()
-        """Flush schedules: the fewest units whose devices hold the segment."""
-        self.never = (self.held < 0 if self.least_memory is None
-                      else ~np.isfinite(self.least_memory))
-        """Segments no device holds on any unit count."""
+        self.held, self.least_memory, self.never = self._holding()
+
+    def _holding(self) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+        """What the memory limit allows: under PipeDream's schedule the most ``ceil(d / r)`` a
+        device of each segment holds; under flush schedules the fewest units whose devices hold
+        it; and the segments no device holds on any unit count."""
+        pipedream = not self.problem.schedule.flushes
+        held = self._most_held() if pipedream else np.zeros(self.rows.size)
+        least_memory = None if pipedream else self._least_memory_units()
+        never = held < 0 if least_memory is None else ~np.isfinite(least_memory)
+        return held, least_memory, never
+
+    def at(self, limit: float) -> _Limited:
+        """The same search under the memory limit ``limit``."""
+        other = copy.copy(self)
+        other.problem = copy.copy(self.problem)
+        other.problem.memory_bytes = limit
+        other.held, other.least_memory, other.never = other._holding()
+        return other
 
     def _need(self, replicas: np.ndarray | float, downstream: np.ndarray | float,
               index: np.ndarray | slice = slice(None)) -> np.ndarray:  # fmt: skip

@@ -41,6 +41,7 @@ from tandem.planning.partition import memo
 from tandem.planning.partition.antichain import States
 from tandem.planning.partition.bounded import known_bound, one_stage_bound, solve_row0
 from tandem.planning.partition.levels import DeviceStages, LevelProblem, LevelTable, solve_level
+from tandem.planning.partition.limited import memory_bracket as limited_bracket
 from tandem.planning.partition.limited import quick_plan, solve_limited
 from tandem.planning.partition.memory import FLUSH_SCHEDULES
 from tandem.planning.partition.parametric import solve_level_fast
@@ -162,33 +163,13 @@ def _partition(profile: ModelProfile, content: memo.Content, cluster: Cluster,
     limited = memory if len(cluster.levels) == 1 else None  # feasibility: memory's alone
     if limited is not None and memo.infeasible(fit_key, limited):
         raise NoPlanFits(_infeasible_message(cluster, limited))
-    compute = _segment_matrix(states, states.compute_s)
-    if cluster.speed != 1:
-        compute /= cluster.speed
-    params = _segment_matrix(states, states.parameter_bytes)
-    stash = _segment_matrix(states, states.activation_bytes)
+    compute, params, stash = _segments(states, cluster.speed)
     tables: list[LevelTable] = []
     inner: DeviceStages | None = None
     top = len(cluster.levels) - 1
-    for level_index, level in enumerate(cluster.levels):
-        problem = LevelProblem(
-            states=states,
-            compute_s=compute,
-            parameter_bytes=params,
-            stash_bytes=stash,
-            num_units=level.num_units,
-            bandwidth_Bps=level.bandwidth_Bps,
-            devices_per_unit=cluster.devices_per_unit(level_index),
-            activation_compression=options.activation_compression,
-            gradient_compression=options.gradient_compression,
-            memory_bytes=memory,
-            straight=options.straight,
-            allow_idle=options.allow_idle,
-            all_rows=level_index < top,
-            schedule=options.schedule,
-            optimizer_state_factor=options.optimizer_state_factor,
-            inner=inner,
-        )
+    for level_index in range(len(cluster.levels)):
+        problem = _level_problem(states, (compute, params, stash), cluster, level_index, options,
+                                 inner)
         if level_index == top:
             one_level = len(cluster.levels) == 1
             known = memo.known_plans((content, cluster.num_devices)) if one_level else []
@@ -207,6 +188,59 @@ def _partition(profile: ModelProfile, content: memo.Content, cluster: Cluster,
     memo.note_plan((content, cluster.num_devices),
                    tuple((s.before, s.state, s.replicas) for s in solved.stages))
     return solved
+
+
+def memory_bracket(profile: ModelProfile, cluster: Cluster, options: PartitionOptions,
+                   high: float, tolerance: float) -> tuple[float, float | None] | None:
+    """For a one-level ``cluster``: a budget below which no plan fits (by the shared memory
+    model) and the least at which :mod:`.limited`'s quick search finds one on every device
+    (None: none up to ``high``), to ``tolerance`` (:func:`.limited.memory_bracket`); None
+    where that search does not apply (hierarchies, straight pipelines without idle devices) or
+    nothing fits ``high``."""
+    if len(cluster.levels) != 1 or (options.straight and not options.allow_idle):
+        return None
+    states = memo.states_of(profile, memo.content(profile))
+    problem = _level_problem(states, _segments(states, cluster.speed), cluster, 0,
+                             dataclasses.replace(options, memory_bytes=high), None)
+    # every device holding the largest layer holds its weights, gradients and optimizer state
+    largest = max(layer.parameter_bytes for layer in profile.layers)
+    low = min(largest * (2 + options.optimizer_state_factor), high) * (1 - 1e-9)
+    return limited_bracket(problem, max(low, high * 1e-12), high, tolerance)
+
+
+def _segments(states: States, speed: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Compute seconds (on devices of ``speed``), parameter and stashed bytes of every segment."""
+    compute = _segment_matrix(states, states.compute_s)
+    if speed != 1:
+        compute /= speed
+    return (compute, _segment_matrix(states, states.parameter_bytes),
+            _segment_matrix(states, states.activation_bytes))
+
+
+def _level_problem(states: States, segments: tuple[np.ndarray, np.ndarray, np.ndarray],
+                   cluster: Cluster, level_index: int, options: PartitionOptions,
+                   inner: DeviceStages | None) -> LevelProblem:  # fmt: skip
+    """Level ``level_index`` of ``cluster`` as a problem on ``segments`` (compute, parameter
+    and stashed bytes)."""
+    level = cluster.levels[level_index]
+    return LevelProblem(
+        states=states,
+        compute_s=segments[0],
+        parameter_bytes=segments[1],
+        stash_bytes=segments[2],
+        num_units=level.num_units,
+        bandwidth_Bps=level.bandwidth_Bps,
+        devices_per_unit=cluster.devices_per_unit(level_index),
+        activation_compression=options.activation_compression,
+        gradient_compression=options.gradient_compression,
+        memory_bytes=options.memory_bytes,
+        straight=options.straight,
+        allow_idle=options.allow_idle,
+        all_rows=level_index < len(cluster.levels) - 1,
+        schedule=options.schedule,
+        optimizer_state_factor=options.optimizer_state_factor,
+        inner=inner,
+    )
 
 
 def _inner(problem: LevelProblem, limited: bool) -> tuple[LevelTable, DeviceStages | None]:

@@ -28,7 +28,7 @@ import dataclasses
 import functools
 import math
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 from tandem.cluster import Cluster, Level
 from tandem.errors import UsageError
@@ -38,7 +38,7 @@ from tandem.planning.partition.memory import stage_memory_bytes
 from tandem.planning.search.candidates import (Candidate, CandidatePool, microbatch_counts,
                                                minibatch)
 from tandem.planning.partition.pipedream import (NoPlanFits, Partition, PartitionOptions,
-                                                 partition, schedule_kind)
+                                                 memory_bracket, partition, schedule_kind)
 from tandem.planning.simulate.sharded import sharded_plans
 from tandem.planning.simulate.simulator import SimOptions, SimResult, data_parallel_plan, simulate
 from tandem.profile import ModelProfile, topological_order
@@ -134,6 +134,8 @@ def make_plan(
     if len(cluster.levels) > 1:
         views.append(("flat", _flat_at_slowest_link(cluster)))
     candidates = pool.ladders(views, options, functools.partial(partition_plan, profile))
+    if asked and not _as_asked(kind, [c for c in candidates if c.fits]):
+        _refuse(profile, cluster, options, sim, candidates)  # the references would change nothing
     candidates += _references(profile, cluster, pool, candidates)
     eligible = candidates
     if asked:
@@ -144,16 +146,24 @@ def make_plan(
     fitting = _as_asked(kind, [c for c in eligible if c.fits]) if asked else [
         c for c in eligible if c.fits]
     if not fitting:
-        runnable = [c for c in eligible if c.plan is not None]
-        if not runnable and candidates:
-            reasons = "; ".join(dict.fromkeys(c.note for c in eligible if c.note))
-            raise UsageError(f"no {kind} plan on {cluster.num_devices} devices can run as asked: "
-                             f"{reasons}")
-        raise NoPlanFits(_no_fit_message(profile, cluster, options, sim, memory, eligible))
+        _refuse(profile, cluster, options, sim, eligible)
     best = min(fitting, key=lambda c: c.step_s)
     rows = sorted(candidates, key=lambda c: (c.name not in PIPELINE_CANDIDATES, not c.fits,
                                              c.step_s))
     return _chosen_plan(best, rows, options, time.perf_counter() - started)
+
+
+def _refuse(profile: ModelProfile, cluster: Cluster, options: PartitionOptions, sim: SimOptions,
+            eligible: list[Candidate]) -> NoReturn:  # fmt: skip
+    """No ``eligible`` candidate fits: :class:`UsageError` with the reasons when none could run
+    at all (data parallelism and one device, always built, are candidates too), else
+    :class:`NoPlanFits` naming the smallest memory that would do."""
+    if not any(c.plan is not None for c in eligible):
+        reasons = "; ".join(dict.fromkeys(c.note for c in eligible if c.note))
+        raise UsageError(f"no {options.schedule} plan on {cluster.num_devices} devices can run as "
+                         f"asked: {reasons}")
+    raise NoPlanFits(_no_fit_message(profile, cluster, options, sim, options.memory_bytes,
+                                     eligible))
 
 
 def _as_asked(kind: ScheduleKind, fitting: list[Candidate]) -> list[Candidate]:
@@ -306,7 +316,9 @@ def smallest_memory_bytes(profile: ModelProfile, cluster: Cluster, options: Part
     """The least per-device memory at which the partitioner's plan for a flat cluster of
     ``cluster``'s devices fits (memory does not depend on the links; ``options``' straight and
     idle rules kept): bisection on the limit, a limit counting as met when the simulator's peak
-    of the plan is within it, to :data:`MEMORY_TOLERANCE`."""
+    of the plan is within it, to :data:`MEMORY_TOLERANCE`. The bisection starts from the
+    bracket of :func:`memory_bracket` (single passes of a quick search, no solve): no plan
+    below its floor, and its roof, once a solve confirms it, is often the answer itself."""
     sim = dataclasses.replace(sim or SimOptions(), record=False)
     flat = _flat_at_slowest_link(cluster)
     relaxed = options
@@ -335,9 +347,16 @@ def smallest_memory_bytes(profile: ModelProfile, cluster: Cluster, options: Part
     high = float(stage_memory_bytes(options.schedule, parameter_bytes=params, activation_bytes=acts,
                                     replicas=1, downstream=0,
                                     optimizer_state_factor=options.optimizer_state_factor))
-    high = max(high, 1.0)
-    found = peak(high) or high
-    low = 0.0
+    high, low = max(high, 1.0), 0.0
+    bracket = memory_bracket(compress_for_planning(profile).profile, flat, relaxed, high,
+                             MEMORY_TOLERANCE / 4)
+    reached = None
+    if bracket is not None:  # no plan below the floor; the search's plan on every device
+        floor, roof = bracket
+        low = floor / max(scales)
+        reached = peak(roof) if roof is not None else None
+        high = roof if reached is not None and roof is not None else high
+    found = reached or peak(high) or high
     while high - low > MEMORY_TOLERANCE * high:
         middle = (low + high) / 2
         reached = peak(middle)
