@@ -309,7 +309,8 @@ def _recursive(
     problem: LevelProblem, best: np.ndarray, rows: np.ndarray, below: np.ndarray, j: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
     """Best split per row and unit count m: min over k, r of max(best[row, k, m - r],
-    last[k, r]), the first minimum in the order of ``below`` then ``r``."""
+    last[k, r]), the first minimum in the order of ``below`` then ``r`` (``r`` up to ``m``:
+    the prefix keeps a unit)."""
     N = problem.num_units
     rec = np.full((rows.size, N), np.inf)
     rec_k = np.full((rows.size, N), -3, dtype=np.int64)
@@ -317,30 +318,29 @@ def _recursive(
     if below.size == 0 or N < 2:
         return rec, rec_k, rec_r
     last = _last_stage_times(problem, below, j)  # [k, r]
-    m = np.arange(N)[:, None]
-    r = np.arange(1, N + 1)[None, :]
-    prior = np.clip(m - r, 0, None)
-    blocked = (m - r < 0)[None, None]  # [1, 1, m, r]
-    if problem.memory_bytes is not None:
-        fits = problem.fits((below + 1)[:, None, None], j, r[None], (m + 1)[None])
-        blocked = blocked | ~fits[None]
     # a prefix up to k must start after row - 1: state row - 1 below k (row 0: any k)
     starts = np.ones((rows.size, below.size), dtype=bool)
     inner = rows > 0
     starts[inner] = problem.states.below[rows[inner] - 1][:, below]
-    step = max(1, _CHUNK_ELEMENTS // max(1, below.size * N * N))
-    for first in range(0, rows.size, step):
-        part = slice(first, first + step)
-        prefix = best[rows[part]][:, below][:, :, prior]  # [row, k, m, r]
-        cand = np.maximum(prefix, last[None, :, None, :])
-        cand = np.where(blocked | ~starts[part, :, None, None], np.inf, cand)
-        flat = cand.transpose(0, 2, 1, 3).reshape(cand.shape[0], N, -1)
-        arg = np.argmin(flat, axis=2)
-        value = np.take_along_axis(flat, arg[:, :, None], axis=2)[:, :, 0]
-        found = np.isfinite(value)
-        rec[part] = value
-        rec_k[part] = np.where(found, below[arg // N], -3)
-        rec_r[part] = np.where(found, arg % N + 1, 0)
+    for m in range(1, N):
+        r = np.arange(1, m + 1)
+        blocked = ~starts[:, :, None]
+        if problem.memory_bytes is not None:
+            fits = problem.fits((below + 1)[:, None], j, r[None], np.full((1, m), m + 1))
+            blocked = blocked | ~fits[None]
+        step = max(1, _CHUNK_ELEMENTS // max(1, below.size * m))
+        for first in range(0, rows.size, step):
+            part = slice(first, first + step)
+            prefix = best[rows[part]][:, below][:, :, m - r]  # [row, k, r]
+            cand = np.maximum(prefix, last[None, :, :m])
+            cand = np.where(blocked[part], np.inf, cand)
+            flat = cand.reshape(cand.shape[0], -1)
+            arg = np.argmin(flat, axis=1)
+            value = np.take_along_axis(flat, arg[:, None], axis=1)[:, 0]
+            found = np.isfinite(value)
+            rec[part, m] = value
+            rec_k[part, m] = np.where(found, below[arg // m], -3)
+            rec_r[part, m] = np.where(found, arg % m + 1, 0)
     return rec, rec_k, rec_r
 
 
