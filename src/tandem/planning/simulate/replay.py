@@ -152,6 +152,8 @@ class _Replayer:
         self.num_ar = [0] * self.num_workers
         self.backward_start = [0.0] * self.num_workers
         self.port_free: dict[int, float] = defaultdict(float)
+        self.routes: dict[tuple[int, int], tuple[int, int, float, float]] = {}
+        self.last_stage = len(workload.forward_s) - 1
         self.activation = [0.0] * self.num_workers
         self.version = [0] * self.num_workers
         self.pinned: list[dict[int, int]] = [{} for _ in range(self.num_workers)]
@@ -200,47 +202,49 @@ class _Replayer:
     def _advance(self, w: int, now: float) -> None:
         """Run worker ``w``'s actions from time ``now`` until it waits or its clock moves on."""
         actions = self.actions[w]
+        pc = self.pc
         while True:
-            if self.pc[w] == len(actions):
+            if pc[w] == len(actions):
                 if not self._end_step(w, now):
                     return
                 if self.step[w] == self.num_steps:
                     return
                 continue
-            code, m, peer = actions[self.pc[w]]
-            if code in (_F, _B):
+            code, m, peer = actions[pc[w]]
+            if code <= _B:  # _F or _B
                 assert m is not None  # a forward or backward names its micro-batch
                 self._compute(w, now, code, m)
                 return
-            if code in (_RA, _RG):
+            if code == _RA or code == _RG:
                 assert peer is not None  # a send or receive names its peer
                 key: _Transfer = (self.step[w], peer, w, _ACT if code == _RA else _GRAD, m)
                 if self.record:
-                    self.receive_names[key] = self.names[w][self.pc[w]]
+                    self.receive_names[key] = self.names[w][pc[w]]
                 self._post(w, now, key, receiving=True)
-            elif code in (_SA, _SG):
+            elif code == _SA or code == _SG:
                 assert peer is not None
                 key = (self.step[w], w, peer, _ACT if code == _SA else _GRAD, m)
                 end = now + self.work.send_overhead_s
                 message = self._post(w, now, key, receiving=False)
-                self._event(w, self._name(w, self.pc[w]), now, end, m, message[3])
+                if self.record:
+                    self._event(w, self._name(w, pc[w]), now, end, m, message[3])
                 if end > now:
-                    self.pc[w] += 1
+                    pc[w] += 1
                     self._push(end, w)
                     return
             elif code == _AR:
-                self.pc[w] += 1
+                pc[w] += 1
                 self._allreduce(w, now, m)
                 return
             else:
                 end = now + self.work.step_s[self.stage_of[w]]
-                self._event(w, self._name(w, self.pc[w]), now, end, m)
+                self._event(w, self._name(w, pc[w]), now, end, m)
                 self.out.busy_s[w][self._key(w, m)] += end - now
                 self._update_versions(w, m, end)
-                self.pc[w] += 1
+                pc[w] += 1
                 self._push(end, w)
                 return
-            self.pc[w] += 1
+            pc[w] += 1
 
     def _end_step(self, w: int, now: float) -> bool:
         """Wait for the worker's sends (``finish_sends``); True once its step is over."""
@@ -260,13 +264,13 @@ class _Replayer:
 
     def _compute(self, w: int, now: float, code: int, m: int) -> None:
         stage = self.stage_of[w]
-        last = len(self.work.forward_s) - 1
-        needs = stage > 0 if code == _F else stage < last
+        work = self.work
+        forward = code == _F
         start = now
-        if needs:
-            neighbour = stage + (-1 if code == _F else 1)
+        if stage > 0 if forward else stage < self.last_stage:
+            neighbour = stage - 1 if forward else stage + 1
             peer = self.first_worker[neighbour] + m % self.schedule.replicas[neighbour]
-            key = (self.step[w], peer, w, _ACT if code == _F else _GRAD, m)
+            key = (self.step[w], peer, w, _ACT if forward else _GRAD, m)
             message = self.messages[key]
             if message[2] is None:
                 self.waiting[key] = w
@@ -275,27 +279,28 @@ class _Replayer:
             start = max(now, message[2])
             if self.record:
                 self._event(w, self.receive_names.pop(key), message[1], start, m, message[3])
-        duration = (self.work.forward_s if code == _F else self.work.backward_s)[stage]
+        duration = (work.forward_s if forward else work.backward_s)[stage]
         end = start + duration
-        version = self._pin(w, code, m)
-        self._event(w, self._name(w, self.pc[w]), start, end, m, version=version)
-        tensor = self.work.tensor_s[stage][code == _B] if self.work.tensor_s else 0.0
-        self.out.busy_s[w][self._key(w, m)] += duration - tensor
+        if self.pipedream or self.record:
+            version = self._pin(w, code, m)
+            self._event(w, self._name(w, self.pc[w]), start, end, m, version=version)
+        account = m if self.pipedream else self.step[w]
+        tensor = work.tensor_s[stage][not forward] if work.tensor_s else 0.0
+        self.out.busy_s[w][account] += duration - tensor
         if tensor:
-            self.out.communication_s[w][self._key(w, m)] += tensor
-        if code == _F:
-            self.activation[w] += self.work.stash_bytes[stage]
-            self.out.peak_activation_bytes[w] = max(self.out.peak_activation_bytes[w],
-                                                    self.activation[w])
+            self.out.communication_s[w][account] += tensor
+        peaks = self.out.peak_activation_bytes
+        if forward:
+            self.activation[w] += work.stash_bytes[stage]
+            peaks[w] = max(peaks[w], self.activation[w])
         else:
-            if self.work.recompute_bytes is not None:
-                self.out.peak_activation_bytes[w] = max(
-                    self.out.peak_activation_bytes[w],
-                    self.activation[w] + self.work.recompute_bytes[stage])
-            self.activation[w] -= self.work.stash_bytes[stage]
+            if work.recompute_bytes is not None:
+                peaks[w] = max(peaks[w], self.activation[w] + work.recompute_bytes[stage])
+            self.activation[w] -= work.stash_bytes[stage]
             self.backward_start[w] = start
         self.pc[w] += 1
-        self._push(end, w)
+        self.counter += 1
+        heapq.heappush(self.heap, (end, self.counter, w))
 
     # -- weight versions (PipeDream) ----------------------------------------------------------------
 
@@ -339,18 +344,19 @@ class _Replayer:
     def _book(self, key: _Transfer, message: _Message, now: float) -> None:
         """Both ends posted: the transfer takes its ports when they are free."""
         step, src, dst, tensor, m = key
-        a, b = self.work.devices[src], self.work.devices[dst]
-        level = link_level(self.cluster, a, b, self.sizes)
-        out_port, in_port = port(level, a, self.sizes), -1 - port(level, b, self.sizes)
+        route = self.routes.get((src, dst))
+        if route is None:
+            route = self.routes[src, dst] = self._route(src, dst)
+        out_port, in_port, bandwidth_Bps, latency_s = route
         num_bytes = message[3]
-        spec = self.cluster.levels[level]
-        start = max(now, self.port_free[out_port], self.port_free[in_port])
-        busy_until = start + num_bytes / spec.bandwidth_Bps
-        self.port_free[out_port] = self.port_free[in_port] = busy_until
-        message[2] = arrival = busy_until + spec.latency_s
+        port_free = self.port_free
+        start = max(now, port_free[out_port], port_free[in_port])
+        busy_until = start + num_bytes / bandwidth_Bps
+        port_free[out_port] = port_free[in_port] = busy_until
+        message[2] = arrival = busy_until + latency_s
+        account = m if self.pipedream and m is not None else step
         for worker in (src, dst):
-            self.out.communication_s[worker][m if self.pipedream and m is not None else step] \
-                += arrival - start
+            self.out.communication_s[worker][account] += arrival - start
         self.unbooked[src] -= 1
         self.sends_arrive[src] = max(self.sends_arrive[src], arrival)
         if self.parked_for_sends[src] and not self.unbooked[src]:
@@ -359,6 +365,15 @@ class _Replayer:
         waiter = self.waiting.pop(key, None)
         if waiter is not None:
             self._push(max(now, arrival), waiter)
+
+    def _route(self, src: int, dst: int) -> tuple[int, int, float, float]:
+        """The ports a transfer from worker ``src`` to ``dst`` takes, and its link's bandwidth
+        and latency."""
+        a, b = self.work.devices[src], self.work.devices[dst]
+        level = link_level(self.cluster, a, b, self.sizes)
+        spec = self.cluster.levels[level]
+        return (port(level, a, self.sizes), -1 - port(level, b, self.sizes), spec.bandwidth_Bps,
+                spec.latency_s)
 
     def _allreduce(self, w: int, now: float, m: int | None) -> None:
         stage = self.stage_of[w]
