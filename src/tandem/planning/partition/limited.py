@@ -310,7 +310,7 @@ class _Limited(_Parametric):
     def least_reach(self) -> tuple[float, list[Piece]] | None:
         """The least bound reachable on at most N units and a plan reaching it (None: no plan
         fits the memory at any bound)."""
-        return self._bisect(self.reach, 0.0)
+        return self._bisect(self.reach, 0.0, monotone=True)
 
     def widened_bound(self, least: float) -> float:
         """The least bound above ``least`` at which :meth:`widened` finds a plan (an upper
@@ -318,17 +318,25 @@ class _Limited(_Parametric):
         found = self._bisect(self.widened, least)
         return math.inf if found is None else found[0]
 
-    def _bisect(self, plan_within: Callable[[float], list[Piece] | None],
-                low: float) -> tuple[float, list[Piece]] | None:  # fmt: skip
-        """The least bound above ``low`` at which ``plan_within`` finds a plan, and the plan."""
+    def _bisect(self, plan_within: Callable[[float], list[Piece] | None], low: float, *,
+                monotone: bool = False) -> tuple[float, list[Piece]] | None:  # fmt: skip
+        """The least bound above ``low`` at which ``plan_within`` finds a plan, and the plan.
+        ``monotone``: a bound that finds none proves that no tighter one does, so the bisection
+        stops once nothing is found just below the best plan's bottleneck (every later step
+        would find nothing: the same answer and plan)."""
         pieces = plan_within(self._loosest())
         if pieces is None:
             return None
         high = max(piece[3] for piece in pieces)
+        checked = math.inf
         for _ in range(MAX_BOUNDS):
             mid = 0.5 * (low + high)
             if not low < mid < high or high - low <= high * PRECISION:
                 break
+            if monotone and high != checked:
+                checked = high
+                if plan_within(float(np.nextafter(high, 0.0))) is None:
+                    break
             found = plan_within(mid)
             if found is None:
                 low = mid

@@ -135,7 +135,10 @@ class _Parametric:
         return pieces[::-1]
 
     def minimize(self) -> tuple[float, list[Piece]]:
-        """The least bound reachable with at most N units, and a plan reaching it."""
+        """The least bound reachable with at most N units, and a plan reaching it: bisection,
+        which stops as soon as nothing just below the best plan's bottleneck is reachable
+        (fewer units never carry a tighter bound, so every later step would fail: the plain
+        bisection's answer and plan, without its last forty steps)."""
         n, N = self.problem.states.num_states, self.problem.num_units
         one_stage = self.problem.stage_time(0, n - 1, np.arange(1, N + 1, dtype=np.float64),
                                             first=True)
@@ -144,10 +147,15 @@ class _Parametric:
         r = int(np.argmin(one_stage))
         pieces = [self.problem.piece(-1, n - 1, r + 1, first=True)]
         low, high = 0.0, float(one_stage[r])
+        checked = np.inf  # the last ``high`` proven or not proven optimal
         for _ in range(200):
             mid = 0.5 * (low + high)
             if not low < mid < high or high - low <= high * 1e-15:
                 break
+            if high != checked:
+                checked = high
+                if not self._reachable(np.nextafter(high, 0.0)):
+                    break  # nothing below high is reachable: every later bound would fail
             need = self.least_units(mid)
             total, arg = self._prefix(need)
             if total[n] <= N:
@@ -156,6 +164,11 @@ class _Parametric:
             else:
                 low = mid
         return high, pieces
+
+    def _reachable(self, bound: float) -> bool:
+        """Whether at most N units carry the model within ``bound``."""
+        total, _ = self._prefix(self.least_units(bound))
+        return bool(total[-1] <= self.problem.num_units)
 
     def use_every_unit(self, bound: float) -> list[Piece] | None:
         """A plan within ``bound`` using exactly N units: one stage absorbs the spare units."""
