@@ -6,8 +6,10 @@ Cases: ResNet-50 (PipeDream's profile) on 16 devices at 10 Gb/s against the naiv
 a 1,000-layer chain on 1,024 flat devices; ResNet-50 on 16 servers x 8 devices. Every time,
 the references' as much as tandem's, is the best of ``REPEATS`` samples, a sample being enough
 back-to-back runs to last ``SAMPLE_S`` (a single run for anything slower) divided by their
-number, as ``timeit`` does. Times cover building the states from a loaded profile; reading the
-profile is not timed, except in reference B, which is PipeDream's whole procedure from the file.
+number, as ``timeit`` does; every run solves afresh (the partitioner's remembered solves,
+``planning/partition/memo.py``, are forgotten before each, outside the timing). Times cover
+building the states from a loaded profile; reading the profile is not timed, except in
+reference B, which is PipeDream's whole procedure from the file.
 
 The whole planner, as a user runs it: ``tandem plan`` (partitioner, candidates, simulations,
 output) for ResNet-50 on 16 devices at 10 Gb/s and for the 1,000-layer chain on 1,024 devices,
@@ -33,6 +35,7 @@ from typing import Callable, TypeVar
 
 from tandem.cluster import flat_cluster, parse_cluster
 from tandem.planning import PartitionOptions
+from tandem.planning.partition import memo
 from tandem.planning.partition.pipedream import partition
 from tandem.planning.partition.antichain import build_states
 from tandem.profile import LayerProfile, ModelProfile, load_profile
@@ -161,11 +164,15 @@ def timed(fn: Callable[[], T]) -> tuple[T, float]:
 
 
 def _run(fn: Callable[[], T], number: int) -> tuple[T, float]:
-    """The last result of ``number`` back-to-back runs and the seconds per run."""
-    started = time.perf_counter()
+    """The last result of ``number`` back-to-back runs and the seconds per run, each run solving
+    afresh (the partitioner's remembered solves forgotten before it, untimed)."""
+    total = 0.0
     for _ in range(number):
+        memo.forget()
+        started = time.perf_counter()
         result = fn()
-    return result, (time.perf_counter() - started) / number
+        total += time.perf_counter() - started
+    return result, total / number
 
 
 Row = tuple[str, float, str, float]
