@@ -6,7 +6,7 @@ every device count, and a caller comparing clusters (a bandwidth series, a tight
 again for the rungs they share. What is kept, by the content of its inputs (never by object
 identity, so an equal profile built anew is recognised):
 
-- :func:`recall`: a whole solve (its :class:`Partition` or its :class:`NoPlanFits`), by the
+- :func:`recall`: a whole solve (its partition or its refusal, no plan fits), by the
   profile, the cluster's levels, speed and memory, and the options; an LRU of
   :data:`MAX_SOLVES`.
 - :func:`states_of`: the cut states of a profile (:func:`build_states`), once per profile.
@@ -40,7 +40,7 @@ MAX_SOLVES = 512
 """Whole solves kept (a planning takes a few dozen; each holds its stages and shares states)."""
 MAX_PROFILES = 16
 """Profiles whose states, infeasible budgets and plans are kept."""
-MAX_TABLE_BYTES = 256e6
+MAX_TABLE_BYTES = 128e6
 """Bytes of inner-level tables kept (ResNet-50 on servers of 4: 6 MB each)."""
 MAX_KNOWN_PLANS = 64
 """Plans kept per profile and device count for bounds (the latest)."""
@@ -127,24 +127,20 @@ def content(profile: ModelProfile) -> Content:
     return found  # type: ignore[no-any-return]
 
 
-def recall(key: Hashable, solve: Callable[[], T]) -> T:
-    """``solve()``, or what it returned (or raised) before for ``key``."""
+def recall(key: Hashable, solve: Callable[[], T], refusal: type[Exception]) -> T:
+    """``solve()``, or what it returned before for ``key``; a ``refusal`` it raised before is
+    raised again (other errors are not kept)."""
     found = _SOLVES.get(key)
     if found is None:
         try:
             found = (True, solve())
-        except Exception as exc:
-            from tandem.planning.partition.pipedream import NoPlanFits
-            if not isinstance(exc, NoPlanFits):
-                raise
-            found = (False, exc.args)
-            _SOLVES.put(key, found)
+        except refusal as exc:
+            _SOLVES.put(key, (False, exc.args))
             raise
         _SOLVES.put(key, found)
     ok, value = found
     if not ok:
-        from tandem.planning.partition.pipedream import NoPlanFits
-        raise NoPlanFits(*value)
+        raise refusal(*value)
     return value  # type: ignore[no-any-return]
 
 

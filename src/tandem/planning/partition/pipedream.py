@@ -150,7 +150,7 @@ def partition(
     options = dataclasses.replace(options, memory_bytes=memory)
     content = memo.content(profile)
     return memo.recall((content, cluster.levels, cluster.speed, options),
-                       lambda: _partition(profile, content, cluster, options))
+                       lambda: _partition(profile, content, cluster, options), NoPlanFits)
 
 
 def _partition(profile: ModelProfile, content: memo.Content, cluster: Cluster,
