@@ -16,7 +16,7 @@ import random
 import pytest
 
 from tandem.planning.partition.levels import LevelProblem, solve_level
-from tandem.planning.partition.limited import solve_limited
+from tandem.planning.partition.limited import memory_bracket, quick_plan, solve_limited
 from tandem.planning.partition.memory import stage_memory_bytes
 from tandem.spec.kinds import ScheduleKind
 from tests.test_partition_bounded import random_problem
@@ -84,3 +84,47 @@ def test_limited_search_equals_table(seed: int) -> None:
         check_plan(problem, table.backtrack(0, problem.states.num_states - 1), got)
     assert proven >= 25
 
+
+
+def test_quick_plan_is_a_plan_and_proves_when_nothing_fits() -> None:
+    """The quick search that bounds the table: its plan holds every unit within the limit, and
+    it says nothing fits exactly when the table finds nothing."""
+    rng = random.Random(100)
+    for _ in range(20):
+        problem = limited_problem(rng)
+        if problem.straight and not problem.allow_idle:
+            continue
+        expected = float(solve_level(problem).best[0, -1, -1])
+        feasible, pieces = quick_plan(problem)
+        if not feasible:
+            assert math.isinf(expected), problem
+            continue
+        if pieces is not None:
+            bottleneck = max(piece[3] for piece in pieces)
+            assert sum(piece[2] for piece in pieces) == problem.num_units
+            check_plan(problem, pieces, bottleneck)
+            assert bottleneck >= expected * (1 - 1e-12)
+
+
+def test_memory_bracket_holds_the_least_memory_that_fits() -> None:
+    """No plan fits below the bracket's floor; one on every unit fits its roof (what lets the
+    smallest memory named by ``tandem plan`` be found with a solve or two)."""
+    rng = random.Random(200)
+    checked = 0
+    for _ in range(14):
+        problem = limited_problem(rng)
+        if problem.straight and not problem.allow_idle:
+            continue
+        high = float(problem.memory_bytes or 1.0) * 50
+        bracket = memory_bracket(problem, high * 1e-9, high, 1e-4)
+        if bracket is None:
+            continue
+        floor, roof = bracket
+        below = dataclasses.replace(problem, memory_bytes=floor)
+        assert math.isinf(float(solve_level(below).best[0, -1, -1])), problem
+        if roof is not None:
+            at = dataclasses.replace(problem, memory_bytes=roof)
+            assert math.isfinite(float(solve_level(at).best[0, -1, -1])), problem
+            assert floor <= roof
+            checked += 1
+    assert checked >= 6
