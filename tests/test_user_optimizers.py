@@ -354,7 +354,7 @@ def test_what_cannot_apply_is_one_line(case: str) -> None:
     against the plan (without torch), and of the class and its options."""
     from tandem.runtime.config import RunConfig
     from tandem.runtime.job import sketch_job
-    from tandem.runtime.optimizer_class import check_run_optimizer
+    from tandem.runtime.learning_rate import check_run_optimizer
 
     settings, message = REFUSED[case]
     settings = dict(settings)
@@ -417,7 +417,7 @@ def test_fit_refuses_what_cannot_apply_in_one_line(case: str, tmp_path: Path) ->
     kwargs, message = FIT_REFUSED[case]
     if case == "an option AdamW does not take":  # a lambda: checked before the pickling
         from tandem.runtime.config import RunConfig
-        from tandem.runtime.optimizer_class import check_run_optimizer
+        from tandem.runtime.learning_rate import check_run_optimizer
 
         with pytest.raises(UsageError) as caught:
             check_run_optimizer(RunConfig(optimizer="adamw"), types.SimpleNamespace(

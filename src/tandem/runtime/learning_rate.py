@@ -12,7 +12,9 @@ import torch
 
 from tandem.errors import UsageError
 from tandem.runtime.config import DEFAULT_BASE_BATCH, RunConfig, step_decay
-from tandem.runtime.optimizer_class import check_option_names, optimizer_class, optimizer_kwargs
+from tandem.runtime.optimizer_class import (
+    check_option_names, check_optimizer, optimizer_class, optimizer_kwargs,
+)
 from tandem.runtime.param_groups import GroupPlan
 from tandem.spec.optimizer import TANDEM_OPTIMIZERS
 
@@ -161,3 +163,33 @@ def sharded_optimizer(strategy: SyncStrategy, optimizer: torch.optim.Optimizer,
     if sharded is optimizer:
         return optimizer, scheduler
     return sharded, make(sharded)
+
+
+def check_run_optimizer(run: RunConfig, objects: Any, model: torch.nn.Module, *,
+                        stale: bool) -> None:
+    """Before launch: the optimizer (:func:`check_optimizer`), and its groups built over
+    ``model`` (the whole model, as the launcher builds it): the options each group sets, and
+    no group's own momentum or ``beta1`` where ``stale`` updates are compensated (the
+    compensation sets one for every group)."""
+    from tandem.runtime.param_groups import group_plan
+
+    check_optimizer(run)
+    groups = group_plan(run, model, getattr(objects, "param_groups", None))
+    if groups is None:
+        return
+    for number, options in enumerate(groups.options):
+        own = [key for key in ("betas", "momentum") if key in options]
+        if own and stale:
+            raise UsageError(f"param_groups(model): group {number} sets its own {own[0]}, and "
+                             f"this run's stale updates are compensated by one momentum for "
+                             f"every group (see --async-compensation); drop it from the group, "
+                             f"or give --async-compensation off")
+    try:
+        build_optimizer(run, model.named_parameters(), groups=groups)
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, UsageError):
+            raise
+        lines = str(exc).strip().splitlines()
+        raise UsageError(f"param_groups(model): {optimizer_class(run.optimizer).__name__} "
+                         f"refused the groups ({lines[0] if lines else type(exc).__name__}); "
+                         f"fix their options") from None

@@ -26,7 +26,7 @@ import torch
 from tandem.errors import UsageError
 from tandem.runtime.config import RunConfig
 from tandem.runtime.optimizers import Lamb, Lars
-from tandem.spec.optimizer import OPTIMIZER_EXAMPLE, is_user_class
+from tandem.spec.optimizer import OPTIMIZER_EXAMPLE, class_options, is_user_class
 
 HEAVY_BALL = ("sgd", "lars")
 """Optimizers whose ``momentum`` comes from ``--momentum``."""
@@ -84,15 +84,6 @@ def _user_class(name: str) -> type[torch.optim.Optimizer]:
         raise UsageError(f"--optimizer {name} is {type(found).__name__!r}, not a subclass of "
                          f"torch.optim.Optimizer; name the optimizer's class")
     return found
-
-
-def class_options(cls: type[torch.optim.Optimizer]) -> tuple[tuple[str, ...], bool]:
-    """The keyword options ``cls`` takes after its parameters, and whether it takes any
-    (``**kwargs``)."""
-    parameters = list(inspect.signature(cls.__init__).parameters.values())[2:]
-    names = tuple(p.name for p in parameters
-                  if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
-    return names, any(p.kind == p.VAR_KEYWORD for p in parameters)
 
 
 def option_default(cls: type[torch.optim.Optimizer], name: str) -> Any:
@@ -173,34 +164,3 @@ def check_optimizer(config: RunConfig) -> None:
         raise UsageError(f"--optimizer {config.optimizer}{given}: {cls.__name__} refused them "
                          f"({lines[0] if lines else type(exc).__name__}); fix the options "
                          f"(its options: {', '.join(class_options(cls)[0])})") from None
-
-
-def check_run_optimizer(run: RunConfig, objects: Any, model: torch.nn.Module, *,
-                        stale: bool) -> None:
-    """Before launch: the optimizer (:func:`check_optimizer`), and its groups built over
-    ``model`` (the whole model, as the launcher builds it): the options each group sets, and
-    no group's own momentum or ``beta1`` where ``stale`` updates are compensated (the
-    compensation sets one for every group)."""
-    from tandem.runtime.learning_rate import build_optimizer  # it imports this module
-    from tandem.runtime.param_groups import group_plan
-
-    check_optimizer(run)
-    groups = group_plan(run, model, getattr(objects, "param_groups", None))
-    if groups is None:
-        return
-    for number, options in enumerate(groups.options):
-        own = [key for key in ("betas", "momentum") if key in options]
-        if own and stale:
-            raise UsageError(f"param_groups(model): group {number} sets its own {own[0]}, and "
-                             f"this run's stale updates are compensated by one momentum for "
-                             f"every group (see --async-compensation); drop it from the group, "
-                             f"or give --async-compensation off")
-    try:
-        build_optimizer(run, model.named_parameters(), groups=groups)
-    except (TypeError, ValueError) as exc:
-        if isinstance(exc, UsageError):
-            raise
-        lines = str(exc).strip().splitlines()
-        raise UsageError(f"param_groups(model): {optimizer_class(run.optimizer).__name__} "
-                         f"refused the groups ({lines[0] if lines else type(exc).__name__}); "
-                         f"fix their options") from None

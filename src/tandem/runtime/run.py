@@ -90,7 +90,7 @@ def check_job(job: Job) -> None:
     shares = model_shares(plan)
     data, model = preflight.build_checked(run, job.objects, shares=shares, meta=shares > 1,
                                           data=job.prepared)
-    from tandem.runtime.optimizer_class import check_run_optimizer  # delays torch
+    from tandem.runtime.learning_rate import check_run_optimizer  # delays torch
 
     check_run_optimizer(run, job.objects, model, stale=stale_updates(plan) and CompensationMode(
         run.async_compensation).compensates)

@@ -12,6 +12,8 @@ Usage::
 
 from __future__ import annotations
 
+import inspect
+
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -117,3 +119,12 @@ def no_decay_kinds(text: str | Sequence[str] | None) -> tuple[str, ...]:
         raise UsageError(f"--no-decay {text!r}: {', '.join(map(repr, unknown)) or 'nothing'} is "
                          f"not one of {', '.join(NO_DECAY_KINDS)}; e.g. --no-decay norm,bias")
     return words
+
+
+def class_options(cls: type[Any]) -> tuple[tuple[str, ...], bool]:
+    """The keyword options ``cls`` takes after its parameters, and whether it takes any
+    (``**kwargs``)."""
+    parameters = list(inspect.signature(cls.__init__).parameters.values())[2:]
+    names = tuple(p.name for p in parameters
+                  if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+    return names, any(p.kind == p.VAR_KEYWORD for p in parameters)

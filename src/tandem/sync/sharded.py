@@ -410,7 +410,7 @@ class ShardedOptimizer(AllReduce):
         ``decoupled_weight_decay``, which only Adam's constructor takes)."""
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        from tandem.runtime.optimizer_class import class_options
+        from tandem.spec.optimizer import class_options
 
         groups = [{key: value for key, value in group.items() if key != "initial_lr"}
                   for group in optimizer.param_groups]
