@@ -134,6 +134,37 @@ def shared_run(tmp_path_factory: pytest.TempPathFactory) -> SharedRun:
     return run
 
 
+RUNS_SHARED_WITH = {
+    **dict.fromkeys(["tests/test_trace_schedule.py", "tests/test_compress_pipeline.py",
+                     "tests/test_pipeline_resume.py"], "tests/test_pipeline.py"),
+    "tests/test_executor.py": "tests/test_tensor_parallel.py",
+    **dict.fromkeys(["tests/test_sharded_pipeline.py", "tests/test_sharded_precision.py",
+                     "tests/test_tensor_hf.py", "tests/test_pipeline_checkpoint.py"],
+                    "tests/test_sharded.py"),
+}
+"""Test files that ask :func:`shared_run` for runs of another file's tests (two or more runs,
+or one run that a third file shares too), and that file. ``make test`` runs the files on two
+processes (pytest-xdist, ``--dist loadfile``), each a session with its own shared runs: each
+group goes to one process, so that its runs are made once (a run made on both processes cost
+3-14 s again; 16 runs are asked for by more than one file)."""
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadfile``, a file of :data:`RUNS_SHARED_WITH` in the unit of the file it
+    names (None: xdist's own scheduler for the other ``--dist`` modes)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedRunsScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return RUNS_SHARED_WITH.get(scope, scope)
+
+    return SharedRunsScheduling(config, log)
+
+
 def max_abs_diff(path_a: Path, path_b: Path) -> float:
     """Largest absolute difference between two saved state_dicts with the same keys."""
     a, b = torch.load(path_a), torch.load(path_b)
