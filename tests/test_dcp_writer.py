@@ -110,3 +110,20 @@ def test_copy_from_whole_copies_scalars_and_refuses_other_sizes() -> None:
     with pytest.raises(UsageError, match=r"the checkpoint's optimizer.b is \(1,\), and this "
                                          r"run's is \(2,\)"):
         copy_from_whole(held, {"b": torch.ones(1)}, "optimizer")
+
+
+@pytest.mark.pure
+def test_a_channels_share_is_one_chunk_at_its_place_in_the_layer() -> None:
+    """Tensor rank 2 of 4 holds rows 6-8 of a 12-row convolution: one chunk at row 6, a view of
+    its own tensor (written and read in place); copied from the whole layer, those rows."""
+    from tandem.runtime.natural_rows import NaturalRows, copy_from_whole
+
+    share = torch.zeros(3, 2, 1, 1)
+    rows = NaturalRows.row_share(share, 2, 4)
+    assert rows.size() == torch.Size((12, 2, 1, 1))
+    assert list(rows.chunks) == [torch.Size((6, 0, 0, 0))]
+    assert rows.chunks[torch.Size((6, 0, 0, 0))].data_ptr() == share.data_ptr()
+    whole = torch.arange(24.0).reshape(12, 2, 1, 1)
+    copy_from_whole({"w": rows}, {"w": whole})
+    assert torch.equal(share, whole[6:9])
+    assert NaturalRows.row_share(torch.zeros(0, 2), 1, 2).chunks == {}  # an empty FSDP shard

@@ -8,7 +8,8 @@ x tensor layout with a worker killed and the job restarted, end within 1e-6 of t
 uninterrupted runs; each rank writes exactly the tensors
 it holds into ``checkpoint-STEP.dcp``, and no checkpoint raises a rank's peak memory by more
 than that; a checkpoint resumes on another layout (a plain pipeline reads whole tensors, the
-fused query/key/value rows put back in order), or is refused in one line.
+fused query/key/value rows put back in order), or is refused in one line. vgg's convolutions
+split by channels on sharded stages (3-D) checkpoint and resume too.
 """
 
 from __future__ import annotations
@@ -30,14 +31,15 @@ TENSOR = ("--strategy", "pipeline", "--stages", "2", "--tensor-parallel", "2", "
 PLAIN = ("--strategy", "pipeline", "--stages", "2", "--nproc", "2")
 
 
-def stopped_then_resumed(out: Path, layout: tuple[str, ...]) -> dict[str, Any]:
-    """``layout`` stopped after 4 of 8 steps (checkpoints every 2), then resumed on it: the
-    checkpoint the stopped run left."""
-    run_json("train", *GPT, *layout, "--checkpoint-every", "2", "--stop-after", "4",
+def stopped_then_resumed(out: Path, layout: tuple[str, ...],
+                         model: tuple[str, ...] = GPT) -> dict[str, Any]:
+    """``model`` on ``layout`` stopped after 4 of 8 steps (checkpoints every 2), then resumed
+    on it: the checkpoint the stopped run left."""
+    run_json("train", *model, *layout, "--checkpoint-every", "2", "--stop-after", "4",
              "--out", str(out))
     saved = torch.load(out / "checkpoint.pt", weights_only=False)
     shutil.copytree(out, out.with_name(f"{out.name}-stopped"))
-    resumed = run_json("train", *GPT, *layout, "--checkpoint-every", "2", "--resume",
+    resumed = run_json("train", *model, *layout, "--checkpoint-every", "2", "--resume",
                        "--out", str(out))
     assert (resumed["steps"], resumed["finished"]) == (8, True)
     return saved
@@ -146,6 +148,32 @@ def test_a_killed_pipeline_x_tensor_worker_is_restarted_and_ends_as_if_uninterru
                        "--resume", "auto", "--out", str(tmp_path))
     assert (summary["restarts"], summary["steps"], summary["finished"]) == (1, 8, True)
     assert max_abs_diff(whole / "final.pt", tmp_path / "final.pt") <= 1e-6
+
+
+VGG = ("--model", "vgg:width=0.0625,hidden=32", "--data", "digits", "--steps", "8",
+       "--batch-size", "32", "--lr", "0.05", "--momentum", "0.9", "--seed", "3")
+THREE_D = (*SHARDED[:-2], "--tensor-parallel", "2", "--nproc", "8")
+
+
+@pytest.mark.multiprocess
+def test_sharded_stages_with_convolutions_split_by_channels_checkpoint_and_resume(
+        shared_run: SharedRun, tmp_path: Path) -> None:
+    """vgg in 3-D (2 stages x 2 shards x tensor 2): each convolution split by channels holds
+    its rows as a plain tensor that FSDP2 shards again over the stage's replicas, so each rank
+    writes its shard of its rows at their place in the whole layer (rows of tensor rank t lie
+    after t blocks). Stopped after 4 of 8 steps and resumed, it ends where one process does;
+    the same checkpoint resumes as tensor 2 alone (each worker reading its plain block of
+    rows, and saving it again at step 6) and ends there too."""
+    single, _ = shared_run(*VGG, "--nproc", "1")
+    out = tmp_path / "cube"
+    saved = stopped_then_resumed(out, THREE_D, VGG)
+    assert saved["sharded"] == "checkpoint-4.dcp"
+    assert max_abs_diff(single / "final.pt", out / "final.pt") <= 1e-5
+    as_tensor = out.with_name("cube-stopped")
+    run_json("train", *VGG, "--nproc", "2", "--tensor-parallel", "2", "--resume",
+             "--checkpoint-every", "6", "--out", str(as_tensor))
+    assert (as_tensor / "checkpoint-8.dcp").is_dir()  # written by the plain blocks of rows
+    assert max_abs_diff(single / "final.pt", as_tensor / "final.pt") <= 1e-5
 
 
 @pytest.mark.multiprocess

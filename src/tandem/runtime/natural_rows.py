@@ -1,6 +1,6 @@
-"""A tensor-parallel ``heads`` layer's tensors handed to ``torch.distributed.checkpoint`` (DCP) in
-the model's own order, so that a checkpoint reads back on any layout: another tensor degree,
-sharded or plain data parallelism, or a pipeline stage.
+"""A tensor-parallel layer's tensors handed to ``torch.distributed.checkpoint`` (DCP) in the
+model's own order, so that a checkpoint reads back on any layout: another tensor degree, sharded
+or plain data parallelism, or a pipeline stage.
 
 A split fused query/key/value layer holds its outputs in its shares' order (each worker's
 queries, keys and values together, :func:`~tandem.runtime.tensor_parallel.heads_order`), so a
@@ -9,12 +9,14 @@ keys and values). :class:`NaturalRows` gives DCP those blocks, each a view of th
 tensor, as chunks of the layer in the model's order (DCP's checkpointable hooks), and
 :func:`save_planner` and :func:`load_planner` resolve DCP's reads and writes of a chunk to its
 view: saving writes the model's order, loading reads whatever chunks this layout holds, in
-place. :func:`copy_from_whole` fills the same state from whole tensors (a checkpoint of a run
-that held the whole model).
+place. A ``channels`` convolution's share (a block of rows in rank order, possibly sharded again
+by FSDP2) is one chunk (:meth:`NaturalRows.row_share`). :func:`copy_from_whole` fills the same
+state from whole tensors (a checkpoint of a run that held the whole model).
 
 Usage::
 
     state["model"][name] = NaturalRows(parameter, degree, dim)   # before DCP's save or load
+    state["model"][conv] = NaturalRows.row_share(rows, rank, degree)
     save(state, storage_writer=..., planner=save_planner())
     load(state, checkpoint_id=..., planner=load_planner())
     copy_from_whole(state, whole_state)    # or: each rank's parts of a whole checkpoint's tensors
@@ -43,15 +45,8 @@ class NaturalRows:
     order; each chunk is a view of the worker's local tensor."""
 
     def __init__(self, tensor: torch.Tensor, degree: int, dim: int = 0) -> None:
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
         self.global_size = torch.Size(tensor.shape)
-        if isinstance(tensor, DTensor):
-            local = tensor.to_local()
-            _, offsets = compute_local_shape_and_global_offset(
-                tensor.shape, tensor.device_mesh, tensor.placements)
-        else:
-            local, offsets = tensor, (0,) * tensor.dim()
+        local, offsets = _local_part(tensor)
         first, count = offsets[dim], local.shape[dim]
         natural = heads_order(self.global_size[dim], degree)[first : first + count]
         # a new chunk wherever the next row is not the one after this one in the model's order
@@ -62,6 +57,19 @@ class NaturalRows:
                 at = list(offsets)
                 at[dim] = int(natural[start])
                 self.chunks[torch.Size(at)] = local.narrow(dim, start, end - start)
+
+    @classmethod
+    def row_share(cls, tensor: torch.Tensor, rank: int, degree: int) -> NaturalRows:
+        """``tensor`` as one chunk of the whole: the ``rank``-th of ``degree`` equal blocks of
+        rows (a ``channels`` convolution's share, in rank order), held whole or sharded again by
+        FSDP2 over a stage's replicas (a DTensor; its rows lie at its shard's offset within the
+        block). An empty shard (more replicas than rows) gives no chunk."""
+        local, offsets = _local_part(tensor)
+        share = cls.__new__(cls)
+        share.global_size = torch.Size((tensor.shape[0] * degree, *tensor.shape[1:]))
+        at = torch.Size((offsets[0] + rank * tensor.shape[0], *offsets[1:]))
+        share.chunks = {at: local} if local.numel() else {}
+        return share
 
     def size(self) -> torch.Size:
         """The whole tensor's size (DCP checks it against the checkpoint's)."""
@@ -151,15 +159,22 @@ def local_chunks(value: Any) -> list[tuple[torch.Size, torch.Tensor]]:
     """Where in the whole tensor each part of ``value`` that this rank holds lies: the offsets
     and a view of each chunk (a :class:`NaturalRows`'s chunks, a DTensor's local shard, a plain
     tensor whole)."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     if isinstance(value, NaturalRows):
         return list(value.chunks.items())
-    if isinstance(value, DTensor):
+    local, offsets = _local_part(value)
+    return [(torch.Size(offsets), local)]
+
+
+def _local_part(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """The part of ``tensor`` this rank holds and where it lies in the whole (a DTensor's local
+    shard; a plain tensor whole, at the origin)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if isinstance(tensor, DTensor):
         _, offsets = compute_local_shape_and_global_offset(
-            value.shape, value.device_mesh, value.placements)
-        return [(torch.Size(offsets), value.to_local())]
-    return [(torch.Size((0,) * value.dim()), value)]
+            tensor.shape, tensor.device_mesh, tensor.placements)
+        return tensor.to_local(), tuple(offsets)
+    return tensor, (0,) * tensor.dim()
 
 
 def copy_from_whole(held: dict[str, Any], whole: dict[str, Any], where: str = "") -> None:

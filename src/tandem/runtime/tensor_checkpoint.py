@@ -8,8 +8,8 @@ and the optimizer's state, written collectively, and ``checkpoint.pt``, written 
 which names the folder and holds the step, the schedule, the data position, the tensor degree and
 each worker's random stream and components. The replicas of a data x tensor layout hold the same
 shares, so DCP writes each once. Split layers are DTensors; the rows of a ``channels``
-convolution, which are plain tensors, are given to DCP as DTensors sharded by rows over the
-tensor mesh, and the fused query/key/value layers, whose shares hold their outputs in another
+convolution, which are plain tensors (or FSDP2's shards of them), are given to DCP as one chunk
+each at its place in the whole layer, and the fused query/key/value layers, whose shares hold their outputs in another
 order, in the model's order (:mod:`tandem.runtime.natural_rows`). So a checkpoint resumes on
 any layout: another tensor degree, any number of replicas, sharded or plain ``dp``, or a
 pipeline; DCP reshards.
@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
 
 from tandem.models.tensor import TensorPlan, output_dim
 from tandem.runtime.checkpoint import (
@@ -154,7 +153,8 @@ def dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer, rows: list[str
               ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """What DCP writes or reads of ``model`` and ``optimizer`` (``{"model", "optimizer"}``: the
     parameters named in ``rows``, plain tensors of this worker's rows, and their optimizer state
-    as DTensors sharded by rows over the tensor ``mesh`` that view them; those :func:`row_orders`
+    as chunks of the whole at this worker's place in the tensor ``mesh``
+    (:meth:`NaturalRows.row_share`) that view them; those :func:`row_orders`
     names (``orders``), and their optimizer state, as :class:`NaturalRows` in the model's order),
     and the model's and optimizer's state dicts themselves (:func:`get_state_dict`'s, for
     ``set_state_dict``)."""
@@ -164,9 +164,9 @@ def dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer, rows: list[str
     model_io: dict[str, Any] = dict(model_state)
     states: dict[str, Any] = dict(cast(dict[str, Any], optimizer_state["state"]))
 
-    def as_rows(tensor: torch.Tensor) -> DTensor:
+    def as_rows(tensor: torch.Tensor) -> NaturalRows:
         assert mesh is not None, "rows are shares of a tensor mesh"
-        return DTensor.from_local(tensor, mesh, [Shard(0)], run_check=False)
+        return NaturalRows.row_share(tensor, mesh.get_local_rank(), mesh.size())
 
     def in_order(tensor: torch.Tensor, entry: int | dict[str, int]) -> NaturalRows:
         degree, dim = (entry, 0) if isinstance(entry, int) else (entry["degree"], entry["dim"])

@@ -378,9 +378,9 @@ def gathered_state_dict(model: nn.Module, plan: TensorPlan,
     for key, value in model.state_dict().items():
         owner, _, kind = key.rpartition(".")
         tensor = value.detach()
-        if isinstance(tensor, DTensor):
+        if isinstance(tensor, DTensor):  # a split layer, or a share FSDP2 sharded again
             tensor = tensor.full_tensor()
-        elif owner in channels:
+        if owner in channels:  # this worker's rows of the whole layer
             parts = [torch.empty_like(tensor) for _ in range(mesh.size())]
             dist.all_gather(parts, tensor.contiguous(), group=mesh.get_group())
             tensor = torch.cat(parts)

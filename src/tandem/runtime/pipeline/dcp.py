@@ -14,8 +14,8 @@ names share (tied weights) is written under each. Each rank gives DCP its tensor
 them: whole (from a stage's first replica, buffers included; the stages that share a tied
 weight give equal copies, and DCP keeps one writer of each), FSDP2's shards over the stage's
 replicas (``--shard``), or DTensor shares (``--tensor-parallel``; a ``channels`` convolution's
-rows are given as DTensors sharded by rows, and a split ``heads`` layer's in the model's order,
-:mod:`tandem.runtime.natural_rows`). DCP reads into each rank's own tensors the part it holds of
+rows, sharded or not, as one chunk at their place in the layer, and a split ``heads`` layer's in
+the model's order, :mod:`tandem.runtime.natural_rows`). DCP reads into each rank's own tensors the part it holds of
 whatever layout wrote them (other stages, shard or tensor degree, data parallelism); the
 optimizer's group settings, every stage's the same, travel in ``checkpoint.pt``.
 """
@@ -46,7 +46,7 @@ def _stage_io(trainer: PipelineTrainer) -> tuple[dict[str, Any], dict[str, Any],
     """What DCP writes or reads of this stage, by the model's names, and the stage's own model
     and optimizer state dicts (whose tensors it views) for ``set_state_dict``."""
     split, module = trainer.split, trainer.module
-    rows = checkpointable_rows(trainer)
+    rows = channel_rows(trainer)
     orders = row_orders(module, split.plan, trainer.place.tensor_degree) if split else {}
     io, model_state, optimizer_state = dcp_state(
         module, trainer.optimizer, rows, split.mesh["tensor"] if split is not None else None,
@@ -56,20 +56,13 @@ def _stage_io(trainer: PipelineTrainer) -> tuple[dict[str, Any], dict[str, Any],
     return named, model_state, optimizer_state
 
 
-def checkpointable_rows(trainer: PipelineTrainer) -> list[str]:
-    """The stage's parameters split by channels (handed to DCP as DTensors sharded by rows);
-    one line if the stage is also sharded, which DCP cannot write so yet. The trainer calls it
-    at start-up when the run will checkpoint, so that it is refused before training."""
+def channel_rows(trainer: PipelineTrainer) -> list[str]:
+    """The stage's parameters split by channels: each worker's block of rows (or FSDP2's shard
+    of it, on a sharded stage), handed to DCP as one chunk of the whole layer."""
     split = trainer.split
     channels = {name for name, style in split.plan.items() if style == "channels"} if split else ()
-    rows = [name for name, _ in trainer.module.named_parameters()
+    return [name for name, _ in trainer.module.named_parameters()
             if name.rpartition(".")[0] in channels]
-    if trainer.shards is not None and rows:
-        named = ", ".join(trainer.names(name)[0] for name in rows)
-        raise UsageError(f"a sharded stage's convolutions split by channels ({named}) cannot be "
-                         f"checkpointed yet; drop --shard or --tensor-parallel, or "
-                         f"--resume/--stop-after/--checkpoint-every/--max-restarts")
-    return rows
 
 
 def save_stage_shards(trainer: PipelineTrainer, folder: Path) -> None:

@@ -51,7 +51,6 @@ from tandem.runtime.faults import announce_resume
 from tandem.runtime.pipeline.checkpoint import (
     restore_stage, save_stage_checkpoint, worker_state,
 )
-from tandem.runtime.pipeline.dcp import checkpointable_rows
 from tandem.runtime.pipeline.layout import StagePlace
 from tandem.runtime.pipeline.materialize import materialize, traced_blocks
 from tandem.runtime.pipeline.microbatch import StageBatches
@@ -126,9 +125,6 @@ class PipelineTrainer(BaseTrainer):
         self.shards = StageShards(self.module, mesh, level=job.plan.shard_level,
                                   ties=ties) if mesh is not None and job.plan.sharded else None
         """With ``--shard``: FSDP2 on this stage over its replicas."""
-        if config.resume or config.stop_after is not None or config.checkpoint_every \
-                or config.max_restarts:
-            checkpointable_rows(self)  # refused now, not at the first checkpoint
         ties = self.shards.ties if self.shards is not None else ties
         self.held_model_bytes = sum(local_tensor(t).numel() * t.element_size() for t in
                                     (*blocks.parameters(), *blocks.buffers()) if not t.is_meta)
