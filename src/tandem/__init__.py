@@ -12,13 +12,14 @@ Usage::
 
 from tandem.errors import UsageError
 
-__all__ = ["FitResult", "UsageError", "__version__", "fit"]
+__all__ = ["Callback", "FitResult", "StepInfo", "UsageError", "__version__", "fit"]
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> object:
-    """``tandem.fit`` and ``tandem.FitResult`` (imported on first use: they need torch)."""
-    if name in ("fit", "FitResult"):
+    """``tandem.fit`` and ``tandem.FitResult`` (imported on first use: they need torch), and
+    ``tandem.Callback`` and ``tandem.StepInfo`` for ``fit``'s callbacks."""
+    if name in ("fit", "FitResult", "Callback", "StepInfo"):
         from tandem import api  # delays torch
 
         return getattr(api, name)

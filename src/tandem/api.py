@@ -32,8 +32,9 @@ from torch import nn
 
 from tandem.errors import UsageError
 from tandem.plan import Plan
+from tandem.runtime.callbacks import Callback, StepInfo
 
-__all__ = ["FitResult", "fit"]
+__all__ = ["Callback", "FitResult", "StepInfo", "fit"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -59,6 +60,8 @@ def fit(model: nn.Module | Callable[..., nn.Module] | str,
         nproc: int | None = None, out: str | Path | None = None,
         param_groups: Callable[[nn.Module], Any] | None = None,
         scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+        callbacks: list[Any] | None = None,
+        metrics: dict[str, Callable[[Any, Any], Any]] | None = None,
         **options: Any) -> FitResult:
     """Train ``model`` on ``train`` with a distributed plan; evaluate on ``test``.
 
@@ -92,6 +95,13 @@ def fit(model: nn.Module | Callable[..., nn.Module] | str,
             over the optimizer it is given, stepped after every optimizer step instead of
             ``warmup_steps``/``lr_schedule``/``lr_scaling`` (synchronous strategies and
             pipelines; one line elsewhere).
+        callbacks: objects with hooks ``on_step_end``, ``on_log``, ``on_evaluation`` and
+            ``on_checkpoint`` (subclass :class:`tandem.Callback`), run in the workers, on rank 0
+            unless ``every_rank`` (see :mod:`tandem.runtime.callbacks`).
+        metrics: ``{name: metric(outputs, targets)}``, each a number computed on the whole
+            evaluation's outputs and targets (gathered on rank 0), reported as ``test_<name>``
+            in the summary, the metrics lines and the progress bar (see
+            :mod:`tandem.runtime.user_metrics`).
         **options: the run's settings, named like ``tandem train``'s flags: ``steps``,
             ``batch_size``, ``optimizer`` (a name, ``"package.module:Class"``),
             ``optimizer_options`` (a dict: ``{"betas": (0.9, 0.95)}``), ``no_decay``
@@ -104,11 +114,13 @@ def fit(model: nn.Module | Callable[..., nn.Module] | str,
         UsageError: a mistake in the arguments, data, model or loss (one line naming it).
         WorkerFailure: a worker failed or died (one line naming it).
     """
+    from tandem.runtime.callbacks import check_callbacks
     from tandem.runtime.config import RunConfig
     from tandem.runtime.job import Job
     from tandem.runtime.launcher_env import under_launcher, world_size
     from tandem.runtime.run import make_job, run_training
     from tandem.runtime.task import UserObjects
+    from tandem.runtime.user_metrics import check_metrics
     from tandem.strategy import PLAN_FLAGS, plan_with_flags
 
     if train is None and data is None:
@@ -127,7 +139,8 @@ def fit(model: nn.Module | Callable[..., nn.Module] | str,
     objects = UserObjects(model=None if isinstance(model, str) else model, train=train,
                           test=test, loss=None if loss is None or isinstance(loss, str) else loss,
                           info=info, init_fn=None if isinstance(init_fn, str) else init_fn,
-                          param_groups=param_groups, scheduler=scheduler)
+                          param_groups=param_groups, scheduler=scheduler,
+                          callbacks=check_callbacks(callbacks), metrics=check_metrics(metrics))
     settings, flags = _split_options(options, PLAN_FLAGS, RunConfig)
     if init_fn is not None:
         settings["init_fn"] = init_fn if isinstance(init_fn, str) else _label(init_fn, "init_fn")
@@ -197,7 +210,8 @@ def _label(thing: Any, what: str = "model") -> str:
 
 def _check_picklable(objects: Any) -> None:
     """Objects must reach spawned workers: refuse, in one line, one that does not pickle."""
-    for field in ("model", "train", "test", "loss", "info", "param_groups", "scheduler"):
+    for field in ("model", "train", "test", "loss", "info", "param_groups", "scheduler",
+                  "callbacks", "metrics"):
         value = getattr(objects, field)
         if value is None:
             continue

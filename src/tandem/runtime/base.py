@@ -24,6 +24,7 @@ from torch import nn
 from tandem.plan import Plan
 from tandem.runtime.asynchrony import Compensation
 from tandem.runtime.batches import BatchFeed, BatchGrowth
+from tandem.runtime.callbacks import UserCallbacks
 from tandem.runtime.checkpoint import Checkpoints
 from tandem.runtime.component import Components, StepEnd
 from tandem.runtime.config import RunConfig
@@ -196,7 +197,7 @@ class BaseTrainer(Worker):
         """The components of this run, in the order they act after a step: progress, the loss
         watch, the metrics line, the batch's growth, evaluations, memory, checkpoints (those
         off are left out); then those that only give the summary its fields or hold state."""
-        config = self.config
+        config, told = self.config, self.reporter.callbacks  # the user's callbacks
         return Components(
             self.reporter,
             DivergenceCheck(self.divergence, lambda: self.precision.skipped_in_a_row),
@@ -206,9 +207,10 @@ class BaseTrainer(Worker):
             (PeriodicEvaluation(config.eval_every, self.evaluate, self.reporter)
              if config.eval_every else None),
             self.memory,
-            Checkpoints(self.memory.measured(self.save_checkpoint),
+            Checkpoints(told.telling(self.memory.measured(self.save_checkpoint), self.out),
                         check=lambda step: self.divergence.check_parameters(
                             self.module.parameters(), step)),
+            told if told.active else None,
             self.noise, self.compensation, self.precision,
         )
 
@@ -226,7 +228,9 @@ class BaseTrainer(Worker):
         self.reporter = Reporter(
             enabled=self.env.rank == 0, show_progress=config.progress, total_steps=config.steps,
             metrics_path=self.out / "metrics.jsonl" if self.out else None,
-            first_step=self.first_step,
+            first_step=self.first_step, callbacks=UserCallbacks(
+                self.task.callbacks, self.env.rank,
+                lr=lambda: float(self.scheduler.get_last_lr()[0])),
         )
         self.memory.training_bytes = 0
         self.components = self.start_components()
@@ -246,7 +250,7 @@ class BaseTrainer(Worker):
         write_final(final, self.out)  # rank 0, after the collectives: no rank waits on it
         if self.env.rank != 0:
             return None
-        return {**self._summary(last_step, evaluation, finished), **extra}
+        return {**run_summary(self, last_step, evaluation, finished), **extra}
 
     def train_steps(self, first: int, last: int) -> None:
         """Optimizer steps ``first`` to ``last - 1``, each followed by the components' step hook
@@ -289,24 +293,28 @@ class BaseTrainer(Worker):
         write_run_files(self.job, self.out)
         return state
 
-    def _summary(self, last_step: int, evaluation: dict[str, float | None],
-                 finished: bool) -> dict[str, Any]:
-        timed = self.step_times[min(len(self.step_times) - 1, 2):]
-        train_s = sum(self.step_times)
-        config, sampler = self.config, self.feed.sampler
-        return {
-            **plan_summary(self.plan), "model": config.model, "data": config.data,
-            "world_size": self.env.world_size, "backend": self.env.backend,
-            "steps": last_step, "finished": finished,
-            "global_batch_size": sampler.batch_size_at(last_step - 1),
-            "batch_schedule": config.batch_schedule,
-            **({"batch_schedule_grown": format_schedule(sampler.schedule)}
-               if config.batch_schedule == AUTO else {}),
-            "lr": scaled_lr(config),
-            "final_loss": self.loss_log.loss, **evaluation, **self.task.summary_fields(),
-            "samples_per_s": sum(sampler.batch_size_at(step) for step in range(
-                self.first_step, self.first_step + len(self.step_times))) / max(train_s, 1e-12),
-            "step_time_s": statistics.median(timed) if timed else 0.0,
-            "train_s": round(train_s, 4), "out": str(self.out) if self.out else None,
-            **self.feed.wait_summary(train_s), **self.components.summary(),
-        }
+
+def run_summary(trainer: BaseTrainer, last_step: int, evaluation: dict[str, float | None],
+                finished: bool) -> dict[str, Any]:
+    """Rank 0's summary of ``trainer``'s run, up to ``last_step`` (strategy-specific fields
+    aside: :meth:`BaseTrainer.summary_extra`)."""
+    timed = trainer.step_times[min(len(trainer.step_times) - 1, 2):]
+    train_s = sum(trainer.step_times)
+    config, sampler = trainer.config, trainer.feed.sampler
+    return {
+        **plan_summary(trainer.plan), "model": config.model, "data": config.data,
+        "world_size": trainer.env.world_size, "backend": trainer.env.backend,
+        "steps": last_step, "finished": finished,
+        "global_batch_size": sampler.batch_size_at(last_step - 1),
+        "batch_schedule": config.batch_schedule,
+        **({"batch_schedule_grown": format_schedule(sampler.schedule)}
+           if config.batch_schedule == AUTO else {}),
+        "lr": scaled_lr(config),
+        "final_loss": trainer.loss_log.loss, **evaluation, **trainer.task.summary_fields(),
+        "samples_per_s": sum(sampler.batch_size_at(step) for step in range(
+            trainer.first_step, trainer.first_step + len(trainer.step_times)))
+        / max(train_s, 1e-12),
+        "step_time_s": statistics.median(timed) if timed else 0.0,
+        "train_s": round(train_s, 4), "out": str(trainer.out) if trainer.out else None,
+        **trainer.feed.wait_summary(train_s), **trainer.components.summary(),
+    }

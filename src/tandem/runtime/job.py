@@ -9,6 +9,7 @@ from typing import Any
 
 from tandem.errors import UsageError
 from tandem.plan import Plan
+from tandem.runtime.callbacks import check_callbacks_plan
 from tandem.runtime.config import RunConfig
 from tandem.spec.batch_schedule import AUTO
 from tandem.spec.codec import BUCKET_CODECS
@@ -69,6 +70,7 @@ class Job:
         self._check_auto_batch()
         self._check_nesterov()
         check_optimizer_plan(self.plan, self.run, self.objects)
+        check_callbacks_plan(self.plan, getattr(self.objects, "callbacks", None))
 
     def _check_tensor(self) -> None:
         """Tensor parallelism runs alone, with data parallelism (allreduce's plan) or in a

@@ -1,6 +1,6 @@
 """What rank 0 shows and writes while training: a progress bar and ``metrics.jsonl`` (strict
 JSON, one whole line at a time; a failed write stops the run with one line naming the file),
-with the evaluations at ``--eval-every`` steps."""
+with the evaluations at ``--eval-every`` steps; every line is told to the user's callbacks."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from rich.progress import (
 
 from tandem import strict_json
 from tandem.output_files import AppendLog
+from tandem.runtime.callbacks import UserCallbacks
 from tandem.runtime.component import Component, StepEnd
 
 
@@ -25,17 +26,20 @@ class Reporter(Component):
     component, it advances the bar after every step."""
 
     def __init__(self, *, enabled: bool, show_progress: bool, metrics_path: Path | None,
-                 total_steps: int, first_step: int) -> None:
+                 total_steps: int, first_step: int, callbacks: UserCallbacks | None = None
+                 ) -> None:
         self.enabled = enabled
+        self.callbacks = callbacks if callbacks is not None else UserCallbacks([], 0, float)
+        """The user's callbacks, told of every line on every rank (they choose their ranks)."""
         self._metrics = AppendLog(metrics_path) if enabled and metrics_path else None
         self._progress = Progress(
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]} samples/s"),
-            TimeElapsedColumn(), TimeRemainingColumn(),
+            TextColumn("{task.fields[evaluation]}"), TimeElapsedColumn(), TimeRemainingColumn(),
             console=Console(stderr=True), disable=not (enabled and show_progress),
         )
         self._task = self._progress.add_task(
-            "train", total=total_steps, completed=first_step, loss="-", rate="-"
+            "train", total=total_steps, completed=first_step, loss="-", rate="-", evaluation=""
         )
         self._start = time.perf_counter()
 
@@ -58,7 +62,9 @@ class Reporter(Component):
         self.advance()
 
     def record(self, **fields: Any) -> None:
-        """Write one line to ``metrics.jsonl`` and refresh the bar's loss and rate."""
+        """Write one line to ``metrics.jsonl``, refresh the bar's loss and rate (a training
+        line) or its evaluation (a line with ``test_loss``), and tell the callbacks."""
+        self.callbacks.logged(dict(fields))
         if not self.enabled:
             return
         fields["time_s"] = round(time.perf_counter() - self._start, 4)
@@ -67,6 +73,10 @@ class Reporter(Component):
         if "loss" in fields:
             self._progress.update(self._task, loss=f"{fields['loss']:.4f}",
                                   rate=f"{fields.get('samples_per_s', 0):.0f}")
+        if "test_loss" in fields:
+            shown = [f"{key.removeprefix('test_')} {value:.4g}" for key, value in fields.items()
+                     if key.startswith("test_") and isinstance(value, (int, float))]
+            self._progress.update(self._task, evaluation=" ".join(shown))
 
     def message(self, text: str) -> None:
         """A line for the user, above the bar: one line, never wrapped at the console's width

@@ -25,9 +25,11 @@ from torch import nn
 from tandem import structures
 from tandem.data import Data, DataInfo, TensorSamples, data_of, load_data
 from tandem.errors import UsageError
-from tandem.loss import LossFn, checked_loss, load_loss, loss_name, score_batch
+from tandem.loss import LossFn, checked_loss, evaluation, load_loss, loss_name, score_batch
 from tandem.models import build_model, is_builtin
 from tandem.models.pieces import Initializer, materialize
+from tandem.runtime.callbacks import check_callbacks
+from tandem.runtime.user_metrics import KeptOutputs, check_metrics
 from tandem.spec.options import user_function
 
 
@@ -56,6 +58,12 @@ class UserObjects:
     scheduler: Any = None
     """``scheduler(optimizer)``: a learning-rate scheduler, stepped after every optimizer step
     (see :func:`tandem.runtime.learning_rate.user_scheduler`); None: tandem's own."""
+    callbacks: Any = None
+    """Objects with hooks after steps, metrics lines, evaluations and checkpoints (see
+    :mod:`tandem.runtime.callbacks`); None: none."""
+    metrics: Any = None
+    """``{name: metric(outputs, targets)}`` over each whole evaluation (see
+    :mod:`tandem.runtime.user_metrics`); None: none."""
 
 
 class Task:
@@ -76,6 +84,8 @@ class Task:
         self.scores_training_data = objects.train is not None and objects.test is None
         self.loss_fn: LossFn = objects.loss if objects.loss is not None else load_loss(run.loss)
         self.loss_label = loss_name(objects.loss if objects.loss is not None else run.loss)
+        self.callbacks = check_callbacks(objects.callbacks)
+        self.metrics = check_metrics(objects.metrics)
 
     def _loader_workers(self, given: int | None) -> int:
         """Background loader processes: as given, else 1 for streamed data and 0 otherwise;
@@ -148,12 +158,14 @@ class Task:
 
     @torch.no_grad()
     def score(self, model: nn.Module, start: int, end: int, *, samples: Any = None,
-              chunk: int = 1024, device: torch.device | None = None) -> torch.Tensor:
+              chunk: int = 1024, device: torch.device | None = None,
+              keep: KeptOutputs | None = None) -> torch.Tensor:
         """``[correct, predictions, summed loss, samples]`` of ``model`` on test samples
         ``start`` to ``end - 1`` (of ``samples``, e.g. already on the model's device; default
         :attr:`test_samples`), in eval mode, in chunks (see :func:`tandem.loss.score_batch`), on
         ``device`` (default: the model's parameters'; a model whose shards are offloaded to CPU
-        memory computes on the worker's device)."""
+        memory computes on the worker's device); ``keep`` keeps the outputs and targets for
+        the user's metrics."""
         samples = self.test_samples if samples is None else samples
         was_training = model.training
         model.eval()
@@ -164,8 +176,17 @@ class Task:
             batch = samples.rows(low, min(end, low + chunk)).to(device)
             output = structures.call_model(model, batch.inputs)
             totals += score_batch(output, batch.targets, self.loss, batch.size).to(device)
+            if keep is not None:
+                keep.keep(low, output, batch.targets)
         model.train(was_training)
         return totals
+
+    def evaluated(self, model: nn.Module) -> dict[str, float | None]:
+        """``test_accuracy``, ``test_loss`` and the user's metrics (``test_<name>``) of
+        ``model`` on the whole test split, scored by this worker alone."""
+        kept = KeptOutputs(self.metrics)
+        totals = self.score(model, 0, len(self.test_samples), keep=kept)
+        return {**evaluation(totals), **kept.values(gather=False)}
 
     def summary_fields(self) -> dict[str, Any]:
         """What a run's summary says of its task: the loss, and what the evaluation scored."""

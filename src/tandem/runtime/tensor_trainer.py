@@ -45,6 +45,7 @@ from tandem.runtime.noise_scale import NoiseScale
 from tandem.runtime.precision import StagePrecision
 from tandem.runtime.export import ShardedFinal
 from tandem.runtime.tensor_checkpoint import TensorCheckpoints
+from tandem.runtime.user_metrics import KeptOutputs
 from tandem.runtime.tensor_parallel import (
     MESH_DIMS, check_trust_ratios, data_mesh, describe_shares, gathered_state_dict, layout_mesh,
     local_tensor, materialize_split, memory_report, parameter_bytes, split_model,
@@ -230,8 +231,9 @@ class TensorParallelTrainer(BaseTrainer):
         (each forward runs the split layers' collectives)."""
         self.beat.phase = "evaluate"
         test = self.feed.test
-        totals = self.task.score(self.model, 0, len(test), samples=test)
-        return evaluation(totals)
+        kept = KeptOutputs(self.task.metrics if self.env.rank == 0 else None)
+        totals = self.task.score(self.model, 0, len(test), samples=test, keep=kept)
+        return {**evaluation(totals), **kept.values(gather=False)}
 
     def sent_bytes(self) -> float:
         """The data dimension's gradient exchanges (what the codec sent, with ``--compress``;

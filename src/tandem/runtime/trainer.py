@@ -15,7 +15,6 @@ import torch.distributed as dist
 
 from tandem.data import shard_sizes
 from tandem.errors import UsageError
-from tandem.loss import evaluation
 from tandem.runtime.asynchrony import restore_momentum
 from tandem.runtime.base import BaseTrainer
 from tandem.runtime.outputs import save_worker_trace
@@ -40,6 +39,7 @@ from tandem.runtime.watchdog import Heartbeat
 from tandem.schedule import Action, Kind
 from tandem.runtime.strategies import build_strategy
 from tandem.runtime.task import Task
+from tandem.runtime.user_metrics import KeptOutputs, reduced_evaluation
 from tandem.runtime.ps import ElasticClient, ParameterServerClient
 from tandem.runtime.export import ShardedFinal, final_state
 from tandem.runtime.resize import resized_checkpoint
@@ -267,12 +267,12 @@ class Trainer(BaseTrainer):
         """Accuracy and mean loss on the test split, each worker scoring its own shard."""
         self.beat.phase = "evaluate"
         sizes = shard_sizes(len(self.feed.test), self.env.world_size)
+        kept = KeptOutputs(self.task.metrics)
         with self.strategy.evaluating(self.module):
             totals = score_shard(self.task, self.model, self.feed.test, sizes, self.env.rank,
                                  lockstep=self.strategy.collective_forward,
-                                 device=self.env.device)
-        dist.all_reduce(totals)
-        return evaluation(totals)
+                                 device=self.env.device, keep=kept)
+        return reduced_evaluation(totals, kept)
 
     def end_training(self) -> None:
         self.strategy.finish()
@@ -330,17 +330,20 @@ def worker_memory(env: WorkerEnv, strategy: SyncStrategy,
 
 
 def score_shard(task: Task, model: torch.nn.Module, test: Any, sizes: list[int], rank: int, *,
-                lockstep: bool, device: torch.device | None = None) -> torch.Tensor:
+                lockstep: bool, device: torch.device | None = None,
+                keep: KeptOutputs | None = None) -> torch.Tensor:
     """This worker's evaluation totals (:meth:`Task.score`) on its share ``sizes[rank]`` of
     ``test``. ``lockstep`` (a forward is collective): in as many pieces as every other worker,
     of up to 1024 samples; where the share has fewer samples than pieces, the forward the
-    others run is run on one sample and not counted."""
+    others run is run on one sample and not counted (nor kept: ``keep``, for the user's
+    metrics)."""
     start, size = sum(sizes[:rank]), sizes[rank]
     if not lockstep:
-        return task.score(model, start, start + size, samples=test, device=device)
+        return task.score(model, start, start + size, samples=test, device=device, keep=keep)
     totals: torch.Tensor | None = None
     for piece in shard_sizes(size, max(1, -(-sizes[0] // 1024))):
-        part = task.score(model, start, start + piece, samples=test, device=device) if piece \
+        part = task.score(model, start, start + piece, samples=test, device=device,
+                          keep=keep) if piece \
             else 0 * task.score(model, 0, 1, samples=test, device=device)
         totals = part if totals is None else totals + part
         start += piece

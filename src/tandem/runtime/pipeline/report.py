@@ -9,9 +9,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from tandem.loss import evaluation, score_batch
+from tandem.loss import score_batch
 from tandem.runtime import memory
 from tandem.runtime.export import ShardedFinal, shards_written
+from tandem.runtime.user_metrics import KeptOutputs, reduced_evaluation
 from tandem.runtime.pipeline.update import Tie
 from tandem.runtime.tensor_parallel import gathered_state_dict, local_tensor, memory_report
 
@@ -46,6 +47,8 @@ def evaluate_stage(trainer: PipelineTrainer) -> dict[str, float | None]:
 
     samples = trainer.task.test_samples.to(trainer.env.device)
     totals = torch.zeros(4, dtype=torch.float64, device=trainer.env.device)
+    counted = not (place.tensor_rank or (sharded and place.replica))  # the same samples once
+    kept = KeptOutputs(trainer.task.metrics if counted else None)
     for chunk, start in enumerate(range(0, len(samples), EVAL_CHUNK)):
         if chunk % replicas[place.stage] != place.replica and not sharded:
             continue
@@ -65,6 +68,7 @@ def evaluate_stage(trainer: PipelineTrainer) -> dict[str, float | None]:
         out = trainer.module(x)
         if batch is not None and place.stage == num_stages - 1:
             totals += score_batch(out, batch.targets, trainer.task.loss, batch.size)
+            kept.keep(start, out, batch.targets)
         else:
             outs = trainer.shapes.sent(out)
             dist.send(trainer.wire.pack_many(outs, "activation", trainer.env.device),
@@ -73,10 +77,9 @@ def evaluate_stage(trainer: PipelineTrainer) -> dict[str, float | None]:
     trainer.module.train()
     if trainer.shards is not None:
         trainer.shards.reshard()
-    if place.tensor_rank or (sharded and place.replica):  # count the same samples once
+    if not counted:
         totals.zero_()
-    dist.all_reduce(totals)
-    return evaluation(totals)
+    return reduced_evaluation(totals, kept)
 
 
 def whole_state_dict(trainer: PipelineTrainer) -> ShardedFinal | None:

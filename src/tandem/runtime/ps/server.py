@@ -24,7 +24,6 @@ from typing import Any
 import torch
 
 from tandem.errors import WorkerFailure
-from tandem.loss import evaluation
 from tandem.runtime.base import Worker
 from tandem.runtime.component import Components, StepEnd
 from tandem.runtime.config import RunConfig
@@ -345,7 +344,7 @@ class ParameterServer(Worker):
         return finish(self, evaluation)
 
     def _evaluate(self) -> dict[str, float | None]:
-        return evaluation(self.task.score(self.shard.model, 0, len(self.task.test_samples)))
+        return self.task.evaluated(self.shard.model)
 
 
 def server_components(server: ParameterServer) -> Components:
