@@ -177,6 +177,19 @@ def _one_thread() -> None:
     torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _runs_elsewhere(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Runs without ``--out`` write to ``runs/<date>_<time>``: under the session's temporary
+    directory here (``TANDEM_RUNS_DIR``), not in the checkout."""
+    before = os.environ.get("TANDEM_RUNS_DIR")
+    os.environ["TANDEM_RUNS_DIR"] = str(tmp_path_factory.mktemp("runs"))
+    yield
+    if before is None:
+        os.environ.pop("TANDEM_RUNS_DIR", None)
+    else:
+        os.environ["TANDEM_RUNS_DIR"] = before
+
+
 PROFILES = Path(__file__).parent / "data" / "profiles"
 """PipeDream's published profiles (see the README there)."""
 VGG = str(PROFILES / "vgg16.graph.txt")

@@ -300,3 +300,36 @@ def test_a_full_disk_stops_the_run_with_one_line(small_fs: Path) -> None:
     assert load_checkpoint(out / "checkpoint.pt", {})["step"] == 2
     for line in (out / "metrics.jsonl").read_text().splitlines():
         strict_loads(line)
+
+
+@pytest.mark.multiprocess
+def test_a_run_without_out_goes_to_a_new_runs_directory(tmp_path: Path) -> None:
+    """Without ``--out`` (issue 29): a new ``runs/<date>_<time>`` under ``$TANDEM_RUNS_DIR``,
+    named on stderr, holds the run's outputs; a run refused before launch leaves none."""
+    runs = tmp_path / "runs"
+    result = run_here("train", "--steps", "2", "--json", "--no-progress",
+                      env={"TANDEM_RUNS_DIR": str(runs)})
+    assert result.returncode == 0, result.stderr
+    out = Path(json.loads(result.stdout.strip().splitlines()[-1])["out"])
+    assert out.parent == runs and (out / "final.pt").exists() and (out / "metrics.jsonl").exists()
+    assert f"tandem: writing this run's outputs to {out} (--out DIR chooses)" in result.stderr
+    refused = run_here("train", "--steps", "2", "--batch-size", "0",
+                       env={"TANDEM_RUNS_DIR": str(runs)})
+    assert refused.returncode == 2 and sorted(runs.iterdir()) == [out]
+
+
+@pytest.mark.pure
+def test_runs_started_in_the_same_second_get_their_own_directories(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tandem.runtime import out_dir
+
+    monkeypatch.setenv("TANDEM_RUNS_DIR", str(tmp_path))
+    monkeypatch.setattr(out_dir.time, "strftime", lambda _: "2026-11-27_12-00-00")
+    made = [out_dir.default_out() for _ in range(3)]
+    assert [path.name for path in made] == ["2026-11-27_12-00-00", "2026-11-27_12-00-00-2",
+                                            "2026-11-27_12-00-00-3"]
+    for key, value in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(UsageError, match="under torchrun, give --out DIR"):
+        out_dir.default_out()

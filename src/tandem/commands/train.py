@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from typing import Any
 
@@ -16,6 +17,7 @@ from tandem.runtime.config import (
 )
 from tandem.runtime.job import Job, sketch_job
 from tandem.runtime.launcher_env import under_launcher, world_size
+from tandem.runtime.out_dir import default_out
 from tandem.runtime.run import check_flags, make_job, run_training, start_forkserver
 from tandem.strategy import PLAN_FLAGS, STRATEGIES, plan_with_flags
 
@@ -172,7 +174,8 @@ def add_train_arguments(parser: argparse.ArgumentParser, defaults: RunConfig) ->
         f"by 0.2 at step 200 and again at 400)")
     add("--seed", type=int, default=defaults.seed)
     add("--out", default=defaults.out,
-        help="directory for final.pt, metrics.jsonl, trace.json, plan.json, checkpoint.pt")
+        help="directory for final.pt, metrics.jsonl, trace.json, plan.json, checkpoint.pt "
+        "(default: a new runs/<date>_<time>, under $TANDEM_RUNS_DIR if set)")
     add("--resume", nargs="?", const="auto", default=None, metavar="auto|PATH",
         help="resume from a checkpoint: auto (also a bare --resume) resumes OUT/checkpoint.pt "
         "if it exists and starts afresh if not, so one command line serves every attempt of a "
@@ -221,12 +224,33 @@ def given_plan_flags(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def job_from_args(args: argparse.Namespace) -> Job:
-    """The run's settings and its plan: read from ``--plan``, or built from the flags."""
-    given = given_plan_flags(args)
-    processes = world_size() if under_launcher() else args.nproc
+    """The run's settings and its plan: read from ``--plan``, or built from the flags. Without
+    ``--out`` (and ``--resume``, which needs it), the run's outputs go to a new
+    :func:`~tandem.runtime.out_dir.default_out`, removed again if the flags are refused."""
     fields = RunConfig.__dataclass_fields__
     settings = resolve_batch_size(
         {key: value for key, value in vars(args).items() if key in fields and key != "nproc"})
+    made = None
+    if settings.get("out") is None and settings.get("resume") is None:
+        made = default_out()  # never nowhere
+        settings["out"] = str(made)
+    try:
+        job = _job(args, settings)
+    except BaseException:
+        if made is not None:
+            with contextlib.suppress(OSError):
+                made.rmdir()
+        raise
+    if made is not None:
+        print(f"tandem: writing this run's outputs to {made} (--out DIR chooses)",
+              file=sys.stderr)
+    return job
+
+
+def _job(args: argparse.Namespace, settings: dict[str, Any]) -> Job:
+    """The job of ``args`` with the run's ``settings``, checked."""
+    given = given_plan_flags(args)
+    processes = world_size() if under_launcher() else args.nproc
     if args.plan is None:
         strategy, nproc = args.strategy or "dp", 1 if processes is None else processes
         sketch = sketch_job(strategy, given, RunConfig(**settings, nproc=nproc))

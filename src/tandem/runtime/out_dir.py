@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import itertools
 import os
 import shutil
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,6 +39,33 @@ RUN_FILES = ("checkpoint.pt", "final.pt", "metrics.jsonl", "trace.json", "gantt.
              "config.json", "final.dcp")
 """Files that show a run wrote to a directory (with :data:`RUN_PATTERNS`)."""
 RUN_PATTERNS = ("server-*.pt", "worker-*.pt", "trace-rank*.json", "checkpoint-*.dcp")
+
+
+RUNS_DIR_VARIABLE = "TANDEM_RUNS_DIR"
+"""Where runs without ``--out`` go (default ``runs``, under the working directory)."""
+
+
+def default_out() -> Path:
+    """A new directory for a run without ``--out``: ``runs/<date>_<time>`` (``-2``, ``-3``, ...
+    after it when two runs start in the same second), made now so that no other run takes it;
+    under ``$TANDEM_RUNS_DIR`` instead of ``runs`` where that is set. Under ``torchrun`` the
+    workers could not agree on a name: one line asks for ``--out``."""
+    if under_launcher():
+        raise UsageError("under torchrun, give --out DIR (every worker must name the same "
+                         "directory; on several machines, a shared one or one per machine)")
+    base = Path(os.environ.get(RUNS_DIR_VARIABLE) or "runs")
+    stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+    for attempt in itertools.count(1):
+        path = base / (stamp if attempt == 1 else f"{stamp}-{attempt}")
+        try:
+            path.mkdir(parents=True)
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise UsageError(f"cannot make {path} for this run's outputs ({exc.strerror}); give "
+                             f"--out DIR, or set {RUNS_DIR_VARIABLE}") from None
+        return path
+    raise AssertionError("unreachable")
 
 
 @contextlib.contextmanager
