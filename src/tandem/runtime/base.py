@@ -94,7 +94,8 @@ class BaseTrainer(Worker):
             terms_per_sample=(first_targets[0].numel()
                               if isinstance(first_targets, torch.Tensor) else 1),
             hooks=LogHooks(lr=lambda: float(self.scheduler.get_last_lr()[0]),
-                           sent_bytes=self.sent_bytes, noise=lambda: self.noise,
+                           sent_bytes=self.sent_bytes, data_wait_s=lambda: self.feed.wait_s,
+                           noise=lambda: self.noise,
                            record=lambda **fields: self.reporter.record(**fields)))
         """The metrics line at log steps (:mod:`tandem.runtime.loss_log`)."""
         self.compensation = Compensation(delay=0, momentum=config.momentum, lr_scale=1.0)

@@ -1,6 +1,7 @@
 """A worker's metrics line at each ``--log-every`` step: the mean loss and the bytes sent per step
-since the last line (summed across workers in the background), the rate, and the gradient noise
-scale whose sums ride on the same allreduce."""
+since the last line (summed across workers in the background), the rate, the worker's memory
+and the share of its time it waited for data, and the gradient noise scale whose sums ride on
+the same allreduce."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch.distributed as dist
 
 from tandem.data import GlobalBatchSampler
 from tandem.runtime.component import Component, StepEnd
+from tandem.runtime.memory import rss_bytes
 from tandem.runtime.noise_scale import NoiseScale
 
 Pending = tuple[Any, torch.Tensor, int, dict[str, Any]]
@@ -24,15 +26,16 @@ class LossLog(Component):
 
     The cross-worker sum runs in the background and is read at the next report (at once for
     the last step), so logging never makes the workers wait for one another — which would
-    drain an asynchronous pipeline every ``--log-every`` steps. ``lr()``, ``sent_bytes()`` and
-    ``noise()`` are read at each report, ``record`` writes the line; ``step_times`` are the
-    steps' durations (the last ones time the rate).
+    drain an asynchronous pipeline every ``--log-every`` steps. The hooks are read at each
+    report, ``record`` writes the line; ``step_times`` are the steps' durations (the last ones
+    time the rate and the data wait).
     """
 
     def __init__(self, sampler: GlobalBatchSampler, device: torch.device, *,
                  terms_per_sample: int, first_step: int, step_times: list[float],
                  hooks: LogHooks) -> None:
         self.sampler = sampler
+        self.device = device
         self.hooks = hooks
         self.step_times = step_times
         self.total = torch.zeros((), device=device)
@@ -52,6 +55,7 @@ class LossLog(Component):
         report: ``[sum of |G|² estimates, sum of tr(Σ) estimates, their count]`` (float64)."""
         self.logged = first_step
         self.logged_bytes = 0.0
+        self.logged_wait_s = 0.0
         self.pending: Pending | None = None
 
     def add(self, loss_sum: torch.Tensor) -> None:
@@ -68,7 +72,7 @@ class LossLog(Component):
         steps = range(self.logged, done)
         fields = {"step": done, "lr": self.hooks.lr(),
                   "batch_size": self.sampler.batch_size_at(done - 1),
-                  "samples_per_s": self._samples_per_s(steps)}
+                  "samples_per_s": self._samples_per_s(steps), **self._resources(steps)}
         sent = self.hooks.sent_bytes()
         total = torch.stack([self.total.to(torch.float64),
                              torch.tensor(sent - self.logged_bytes, dtype=torch.float64,
@@ -109,6 +113,19 @@ class LossLog(Component):
             fields["noise_scale"] = noise.estimate()
         self.hooks.record(loss=self.loss, **fields)
 
+    def _resources(self, steps: range) -> dict[str, Any]:
+        """This worker's memory now (resident; on CUDA also the most its tensors have held) and
+        the share of ``steps``' time (those timed) it waited for batches."""
+        waited = self.hooks.data_wait_s()
+        window = self.step_times[-len(steps):] if len(steps) else []
+        fields: dict[str, Any] = {
+            "rss_bytes": rss_bytes(),
+            "data_wait_fraction": round((waited - self.logged_wait_s) / max(sum(window), 1e-12), 6)}
+        self.logged_wait_s = waited
+        if self.device.type == "cuda":
+            fields["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        return fields
+
     def _samples_per_s(self, steps: range) -> float:
         """Samples per second of ``steps`` (the last ones timed), each at its scheduled batch."""
         window = self.step_times[-len(steps):] if len(steps) else []
@@ -118,8 +135,11 @@ class LossLog(Component):
 
 class LogHooks:
     """What a :class:`LossLog` reads from its worker at each report: the learning rate, the
-    bytes sent so far, the noise scale's averages, and where the line goes."""
+    bytes sent so far, the seconds its steps waited for data so far, the noise scale's
+    averages, and where the line goes."""
 
     def __init__(self, *, lr: Callable[[], float], sent_bytes: Callable[[], float],
-                 noise: Callable[[], NoiseScale], record: Callable[..., None]) -> None:
-        self.lr, self.sent_bytes, self.noise, self.record = lr, sent_bytes, noise, record
+                 data_wait_s: Callable[[], float], noise: Callable[[], NoiseScale],
+                 record: Callable[..., None]) -> None:
+        self.lr, self.sent_bytes, self.data_wait_s = lr, sent_bytes, data_wait_s
+        self.noise, self.record = noise, record

@@ -355,7 +355,7 @@ def server_components(server: ParameterServer) -> Components:
     (compensation, noise scale)."""
     config, reporter = server.config, server.reporter
     return Components(
-        reporter, ServerLog(server.stats, reporter, server.pace.batch_at),
+        reporter, ServerLog(server.stats, reporter, server.pace.batch_at, server.rule.lr),
         (PeriodicEvaluation(config.eval_every, server._evaluate, reporter)  # noqa: SLF001
          if config.eval_every else None),
         server.codecs if server.codecs.spec is not None else None,

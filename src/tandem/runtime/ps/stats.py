@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tandem.runtime.component import Component, StepEnd
+from tandem.runtime.memory import rss_bytes
 from tandem.runtime.outputs import MAX_TRACED_STEPS
 from tandem.runtime.ps import protocol
 from tandem.runtime.reporting import Reporter
@@ -99,11 +100,12 @@ class ServerStats:
 class ServerLog(Component):
     """The metrics line of a server at each ``--log-every`` step (and the last): the mean loss
     the workers pushed since the last line, the rate, the traffic (``batch_at``: the global
-    batch of a step)."""
+    batch of a step), the learning rate of its last update (``lr``: None for a server without
+    an optimizer, whose line has none) and its resident memory."""
 
-    def __init__(self, stats: ServerStats, reporter: Reporter,
-                 batch_at: Callable[[int], int]) -> None:
-        self.stats, self.reporter, self.batch_at = stats, reporter, batch_at
+    def __init__(self, stats: ServerStats, reporter: Reporter, batch_at: Callable[[int], int],
+                 lr: Callable[[], float | None]) -> None:
+        self.stats, self.reporter, self.batch_at, self.lr = stats, reporter, batch_at, lr
 
     def after_step(self, end: StepEnd) -> None:
         if not end.logging:
@@ -112,8 +114,10 @@ class ServerLog(Component):
         if stats.loss[1]:
             elapsed = time.perf_counter() - stats.started
             stats.last_loss = stats.loss[0] / stats.loss[1]
+            lr = self.lr()
             self.reporter.record(step=end.done, loss=stats.last_loss,
+                                 **({"lr": lr} if lr is not None else {}),
                                  batch_size=self.batch_at(end.step),
                                  samples_per_s=stats.samples_per_s(elapsed),
-                                 **stats.traffic_per_step(end.done))
+                                 **stats.traffic_per_step(end.done), rss_bytes=rss_bytes())
         stats.loss = [0.0, 0]

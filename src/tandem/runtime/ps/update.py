@@ -97,6 +97,10 @@ class UpdateRule:
                 self.scheduler.step()
         return True
 
+    def lr(self) -> float | None:
+        """The learning rate of the last update (its first group's; None without an optimizer)."""
+        return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else None
+
     def state_dict(self) -> dict[str, Any]:
         """The optimizer's state (None without one)."""
         return {"optimizer": self.optimizer.state_dict() if self.optimizer else None,
