@@ -159,7 +159,7 @@ def test_callbacks_choose_their_ranks_and_fail_in_one_line(tmp_path: Path) -> No
     assert other_rank.active == [everywhere]
     other_rank.after_step(StepEnd(done=2, last=4))
     other_rank.logged({"step": 2, "loss": 1.5})
-    other_rank.logged({"step": 2, "test_loss": 1.0, "test_accuracy": 0.5})
+    other_rank.evaluated(2, {"test_loss": 1.0, "test_accuracy": 0.5})
     calls = [json.loads(line) for line in (tmp_path / "b").open()]
     assert calls == [{"hook": "step", "step": 2, "last": 4, "lr": 0.5, "rank": 1},
                      {"hook": "log", "step": 2, "loss": 1.5},

@@ -121,6 +121,8 @@ USAGE_ERRORS: list[tuple[list[str], str]] = [
     (["train", "--tensor-parallel", "3", "--nproc", "4"],
      "--tensor-parallel 3 does not divide --nproc 4"),
     (["train", "--max-restarts", "1"], "--max-restarts 1 starts the workers again"),
+    (["train", "--log-to", "wandb"], "--log-to 'wandb' is not one of: jsonl, csv, tensorboard"),
+    (["train", "--log-to", "csv"], "--log-to csv writes its logs into the run's --out"),
     (["train", "--model", "nope"], "unknown model 'nope'; choose one of: emulated, gpt, mlp"),
     (["train", "--model", "mlp:hidden"], "malformed model option 'hidden' in 'mlp:hidden'"),
     (["train", "--model", "gpt:heads=3"], "heads (3) must divide dim (128)"),

@@ -86,7 +86,8 @@ def fit(model: nn.Module | Callable[..., nn.Module] | str,
         plan: a :class:`tandem.plan.Plan` or the path of a ``plan.json`` (instead of
             ``strategy``); ``nproc`` defaults to its workers.
         nproc: local worker processes (default: the plan's, else 1; ignored under torchrun).
-        out: directory for ``final.pt``, ``metrics.jsonl``, ``trace.json``, checkpoints.
+        out: directory for ``final.pt``, ``metrics.jsonl``, ``trace.json``, checkpoints
+            (``log_to="tensorboard,csv,jsonl"`` picks the logs: see ``tandem train --log-to``).
         param_groups: ``param_groups(model)`` returns the optimizer's parameter groups as
             ``torch.optim`` takes them (``[{"params": decay}, {"params": rest,
             "weight_decay": 0.0}]``), over the whole model it is given; every strategy applies
@@ -115,7 +116,7 @@ def fit(model: nn.Module | Callable[..., nn.Module] | str,
         WorkerFailure: a worker failed or died (one line naming it).
     """
     from tandem.runtime.callbacks import check_callbacks
-    from tandem.runtime.config import RunConfig
+    from tandem.runtime.config import RunConfig, log_sinks
     from tandem.runtime.job import Job
     from tandem.runtime.launcher_env import under_launcher, world_size
     from tandem.runtime.run import make_job, run_training
@@ -149,6 +150,11 @@ def fit(model: nn.Module | Callable[..., nn.Module] | str,
                     loss=loss if isinstance(loss, str) else (None if loss is None
                                                              else _label(loss, "loss")),
                     progress=options.get("progress", False))
+    files = [name for name in log_sinks(settings.get("log_to", "jsonl")) if name != "jsonl"]
+    if files and out is None:
+        raise UsageError(f"fit(log_to={','.join(files)!r}) writes its logs into out, and none is "
+                         f"given (without it the run's files are removed when fit returns); "
+                         f"give out=DIR")
     temporary = None
     if out is None:
         temporary = tempfile.TemporaryDirectory(prefix="tandem-fit-")

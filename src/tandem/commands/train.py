@@ -190,6 +190,11 @@ def add_train_arguments(parser: argparse.ArgumentParser, defaults: RunConfig) ->
         help="stop (with a checkpoint) after this many steps; finish later with --resume")
     add("--eval-every", type=int, default=defaults.eval_every)
     add("--log-every", type=int, default=defaults.log_every)
+    add("--log-to", default=defaults.log_to, metavar="jsonl,csv,tensorboard",
+        help="where the metrics lines go (loss, lr, samples/s, memory, data wait, noise scale, "
+        "evaluations): a comma list of jsonl (OUT/metrics.jsonl), csv (OUT/metrics.csv) and "
+        "tensorboard (event files in OUT/tensorboard; needs pip install tensorboard) "
+        "(default jsonl)")
     add("--noise-every", type=int, default=defaults.noise_every, metavar="N",
         help="measure the gradient noise scale every N steps (data parallelism; default: at "
         "the --log-every steps, every step with --batch-schedule auto)")

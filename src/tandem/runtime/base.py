@@ -100,7 +100,7 @@ class BaseTrainer(Worker):
         """The metrics line at log steps (:mod:`tandem.runtime.loss_log`)."""
         self.compensation = Compensation(delay=0, momentum=config.momentum, lr_scale=1.0)
         """How this worker's optimizer compensates stale updates (set by setup_optimizer)."""
-        self.reporter = Reporter(enabled=False, show_progress=False, metrics_path=None,
+        self.reporter = Reporter(enabled=False, show_progress=False, out=None,
                                  total_steps=config.steps, first_step=0)
         self.divergence = LossWatch(config, where=f"worker {env.rank} (rank {env.rank})",
                                     rank=env.rank, device=env.device)
@@ -228,10 +228,9 @@ class BaseTrainer(Worker):
         self.loss_log.logged = self.first_step
         self.reporter = Reporter(
             enabled=self.env.rank == 0, show_progress=config.progress, total_steps=config.steps,
-            metrics_path=self.out / "metrics.jsonl" if self.out else None,
-            first_step=self.first_step, callbacks=UserCallbacks(
-                self.task.callbacks, self.env.rank,
-                lr=lambda: float(self.scheduler.get_last_lr()[0])),
+            out=self.out, log_to=config.log_to, first_step=self.first_step,
+            callbacks=UserCallbacks(self.task.callbacks, self.env.rank,
+                                    lr=lambda: float(self.scheduler.get_last_lr()[0])),
         )
         self.memory.training_bytes = 0
         self.components = self.start_components()
@@ -244,7 +243,7 @@ class BaseTrainer(Worker):
             self.end_training()
             self.memory.training_done()
             evaluation = self.evaluate()
-            self.reporter.record(step=last_step, **evaluation)
+            self.reporter.evaluated(last_step, evaluation)
         finished = last_step == config.steps
         final = self._write_outputs(finished)
         extra = self.summary_extra()

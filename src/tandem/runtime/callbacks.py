@@ -112,12 +112,14 @@ class UserCallbacks(Component):
                                               rank=self.rank))
 
     def logged(self, fields: dict[str, Any]) -> None:
-        """A metrics line (an evaluation's, with ``test_loss``, or a training one)."""
-        if not self.active:
-            return
-        step = int(fields.get("step", 0))
-        values = {key: value for key, value in fields.items() if key != "step"}
-        self.call("on_evaluation" if "test_loss" in fields else "on_log", step, values)
+        """A training metrics line (its ``step``, ``loss``, ``lr``, ...)."""
+        if self.active:
+            values = {key: value for key, value in fields.items() if key != "step"}
+            self.call("on_log", int(fields.get("step", 0)), values)
+
+    def evaluated(self, step: int, values: dict[str, Any]) -> None:
+        """An evaluation after ``step`` steps."""
+        self.call("on_evaluation", step, values)
 
     def telling(self, save: Callable[[int], None], out: Path | None) -> Callable[[int], None]:
         """``save(done)`` (a worker's checkpoint), followed by the callbacks' ``on_checkpoint``

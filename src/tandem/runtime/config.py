@@ -4,6 +4,7 @@ each checked on its own (:mod:`tandem.runtime.job` checks them against the plan)
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 from typing import Any
 
@@ -42,6 +43,11 @@ MAX_LOADER_WORKERS = 64
 """Most ``--loader-workers`` per worker."""
 MAX_STRAGGLER = 1000.0
 """Largest ``--straggler`` factor (a slower worker would outwait any timeout)."""
+LOG_SINKS = ("jsonl", "csv", "tensorboard")
+"""``--log-to`` choices: ``OUT/metrics.jsonl``, ``OUT/metrics.csv`` and TensorBoard's event
+files in ``OUT/tensorboard/`` (:mod:`tandem.runtime.log_sinks` writes them)."""
+TENSORBOARD_MISSING = ("--log-to tensorboard needs the tensorboard package: pip install "
+                       "tensorboard (or pip install -e .[tensorboard])")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -126,6 +132,9 @@ class RunConfig:
     """Evaluate on the test split every this many steps (0: only at the end)."""
     log_every: int = 10
     """Write the global loss to ``metrics.jsonl`` every this many steps."""
+    log_to: str = "jsonl"
+    """Where the metrics lines go: a comma list of :data:`LOG_SINKS` (``tensorboard,jsonl``;
+    a list or tuple of them is taken too); all but ``jsonl`` need ``out``."""
     noise_every: int | None = None
     """Measure the gradient noise scale (data parallelism, two or more workers) every this many
     steps; None: at the ``--log-every`` steps, or every step with ``--batch-schedule auto``,
@@ -172,6 +181,7 @@ class RunConfig:
         self.straggler_factor()
         self.memory_limit_bytes()
         self._check_batch_schedule()
+        check_log_to(self)
         _check_init_fn(self.init_fn, self.model)
         if self.resume is not None and self.resume == "auto" and self.out is None:
             raise UsageError("--resume without a path needs --out DIR (it resumes DIR/checkpoint.pt)")
@@ -313,6 +323,45 @@ def check_optimizer_settings(config: RunConfig) -> None:
     if not (config.weight_decay >= 0 and math.isfinite(config.weight_decay)):
         raise UsageError(f"--weight-decay must be a finite number >= 0 (got "
                          f"{config.weight_decay}); e.g. --weight-decay 1e-4, or 0 for none")
+
+
+def log_sinks(value: Any) -> tuple[str, ...]:
+    """The sinks ``--log-to`` names (a comma list, or a list of names), each once, in
+    :data:`LOG_SINKS`'s order; one line for a name that is not one or for none at all."""
+    words = [str(word) for word in value] if isinstance(value, (list, tuple)) else \
+        str(value).split(",")
+    names = {word.strip() for word in words if word.strip()}
+    example = "e.g. --log-to tensorboard,jsonl"
+    if not names:
+        raise UsageError(f"--log-to {value!r} names no log; give a comma list of "
+                         f"{', '.join(LOG_SINKS)}, {example}")
+    unknown = sorted(names - set(LOG_SINKS))
+    if unknown:
+        raise UsageError(f"--log-to {unknown[0]!r} is not one of: {', '.join(LOG_SINKS)} (a "
+                         f"comma list, {example})")
+    return tuple(name for name in LOG_SINKS if name in names)
+
+
+def check_log_to(config: RunConfig) -> None:
+    """Keep ``--log-to`` as a canonical comma list; one line for a log file with nowhere to
+    go (no ``--out``: ``jsonl`` alone writes nothing then, as it always has) and for
+    ``tensorboard`` without its package (found, not imported: before any worker starts)."""
+    sinks = log_sinks(config.log_to)
+    config.log_to = ",".join(sinks)
+    files = [name for name in sinks if name != "jsonl"]
+    if files and config.out is None:
+        raise UsageError(f"--log-to {','.join(files)} writes its logs into the run's --out "
+                         f"directory, and none is given; add --out DIR (e.g. --out runs/a)")
+    if "tensorboard" in sinks and not tensorboard_installed():
+        raise UsageError(TENSORBOARD_MISSING)
+
+
+def tensorboard_installed() -> bool:
+    """Whether the ``tensorboard`` package can be imported (looked up without importing it)."""
+    try:
+        return importlib.util.find_spec("tensorboard") is not None
+    except (ImportError, ValueError):  # ValueError: in sys.modules without a spec
+        return False
 
 
 def resolve_batch_size(settings: dict[str, Any]) -> dict[str, Any]:

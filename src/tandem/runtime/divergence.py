@@ -1,5 +1,6 @@
 """Divergence: a worker whose loss (or gradient, or parameters) goes bad stops the run with one
-line naming the step, the worker and the likely fix, and a record in ``metrics.jsonl``.
+line naming the step, the worker and the likely fix, and a record in ``metrics.jsonl`` (where
+``--log-to`` keeps one).
 
 The rules, for each worker's own loss (its share of the step's batch; a pipeline's last stage,
 micro-batch by micro-batch):
@@ -49,7 +50,7 @@ from tandem import strict_json
 from tandem.errors import Diverged
 from tandem.output_files import AppendLog
 from tandem.runtime.component import Component, StepEnd
-from tandem.runtime.config import RunConfig
+from tandem.runtime.config import RunConfig, log_sinks
 
 EXPLODING_FACTOR = 1000.0
 """A loss above this many times max(first loss, 1) has exploded."""
@@ -114,7 +115,8 @@ def likely_fix(config: RunConfig, *, step_index: int = 1, overflow: bool = False
 
 def diverged(config: RunConfig, *, problem: str, step_index: int, where: str, rank: int,
              loss: float | None = None, overflow: bool = False, at: str = "at") -> Diverged:
-    """The error that stops the run, after writing its record to ``OUT/metrics.jsonl``.
+    """The error that stops the run, after writing its record to ``OUT/metrics.jsonl`` (with
+    ``--log-to jsonl``, the default).
 
     ``step_index`` counts from 0 (the message says ``step_index + 1``); ``at`` is how the step
     relates to the problem (``"at"``, ``"after"`` or ``"from"``).
@@ -122,7 +124,7 @@ def diverged(config: RunConfig, *, problem: str, step_index: int, where: str, ra
     step = step_index + 1
     message = (f"{problem} {at} step {step} on {where}: "
                f"{likely_fix(config, step_index=step_index, overflow=overflow)}")
-    if config.out is not None:
+    if config.out is not None and "jsonl" in log_sinks(config.log_to):
         record = {"step": step, "diverged": problem, "rank": rank, "worker": where,
                   "loss": loss, "message": message}
         log = AppendLog(Path(config.out) / "metrics.jsonl")

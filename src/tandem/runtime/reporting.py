@@ -1,6 +1,8 @@
-"""What rank 0 shows and writes while training: a progress bar and ``metrics.jsonl`` (strict
-JSON, one whole line at a time; a failed write stops the run with one line naming the file),
-with the evaluations at ``--eval-every`` steps; every line is told to the user's callbacks."""
+"""What rank 0 shows and writes while training: a progress bar and the metrics lines, with the
+evaluations at ``--eval-every`` steps, in the logs ``--log-to`` names (``metrics.jsonl``, strict
+JSON, one whole line at a time; ``metrics.csv``; TensorBoard's event files: see
+:mod:`tandem.runtime.log_sinks`). A failed write stops the run with one line naming the file.
+Every line is told to the user's callbacks."""
 
 from __future__ import annotations
 
@@ -15,23 +17,28 @@ from rich.progress import (
     BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn,
 )
 
-from tandem import strict_json
-from tandem.output_files import AppendLog
 from tandem.runtime.callbacks import UserCallbacks
 from tandem.runtime.component import Component, StepEnd
+from tandem.runtime.config import log_sinks
+from tandem.runtime.log_sinks import LogSink, close_sinks, open_sinks
 
 
 class Reporter(Component):
-    """Progress bar (stderr) and metrics file of rank 0; other ranks get a silent one. As a
-    component, it advances the bar after every step."""
+    """Progress bar (stderr) and logs of rank 0 (``log_to``, in ``out``; none without it);
+    other ranks get a silent one. The logs are open inside its ``with`` block, and closed
+    (flushed) when it ends, however it ends. As a component, it advances the bar after every
+    step, and gives the summary the logs it writes (``logs``)."""
 
-    def __init__(self, *, enabled: bool, show_progress: bool, metrics_path: Path | None,
-                 total_steps: int, first_step: int, callbacks: UserCallbacks | None = None
-                 ) -> None:
+    def __init__(self, *, enabled: bool, show_progress: bool, out: Path | None,
+                 log_to: str = "jsonl", total_steps: int, first_step: int,
+                 callbacks: UserCallbacks | None = None) -> None:
         self.enabled = enabled
         self.callbacks = callbacks if callbacks is not None else UserCallbacks([], 0, float)
         """The user's callbacks, told of every line on every rank (they choose their ranks)."""
-        self._metrics = AppendLog(metrics_path) if enabled and metrics_path else None
+        self._logs = (log_sinks(log_to), out) if enabled and out is not None else None
+        self._first_step = first_step
+        self.sinks: list[LogSink] = []
+        """The open logs (:mod:`tandem.runtime.log_sinks`)."""
         self._progress = Progress(
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]} samples/s"),
@@ -44,14 +51,19 @@ class Reporter(Component):
         self._start = time.perf_counter()
 
     def __enter__(self) -> Reporter:
+        if self._logs is not None:
+            self.sinks = open_sinks(*self._logs, first_step=self._first_step)
         self._progress.start()
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self._progress.stop()
-        if self._metrics:
-            self._metrics.close()
+        try:
+            close_sinks(self.sinks)
+        except Exception:
+            if kind is None:  # else the error that ended the block is the one to report
+                raise
 
     def advance(self) -> None:
         """One optimizer step done."""
@@ -61,22 +73,34 @@ class Reporter(Component):
     def after_step(self, end: StepEnd) -> None:
         self.advance()
 
+    def summary(self) -> dict[str, Any]:
+        return {"logs": {sink.name: str(sink.path) for sink in self.sinks}}
+
     def record(self, **fields: Any) -> None:
-        """Write one line to ``metrics.jsonl``, refresh the bar's loss and rate (a training
-        line) or its evaluation (a line with ``test_loss``), and tell the callbacks."""
+        """Write a training line (its ``step``, loss, rate, ...) to the logs and refresh the
+        bar's loss and rate; tell the callbacks."""
         self.callbacks.logged(dict(fields))
+        self._write(fields, "train")
+        if self.enabled and "loss" in fields:
+            self._progress.update(self._task, loss=f"{fields['loss']:.4f}",
+                                  rate=f"{fields.get('samples_per_s', 0):.0f}")
+
+    def evaluated(self, step: int, evaluation: dict[str, Any]) -> None:
+        """Write the evaluation after ``step`` steps (``test_loss``, ``test_accuracy``, the
+        user's metrics), show it on the bar and tell the callbacks."""
+        self.callbacks.evaluated(step, dict(evaluation))
+        self._write({"step": step, **evaluation}, "eval")
+        if self.enabled:
+            shown = [f"{key.removeprefix('test_')} {value:.4g}" for key, value in evaluation.items()
+                     if key.startswith("test_") and isinstance(value, (int, float))]
+            self._progress.update(self._task, evaluation=" ".join(shown))
+
+    def _write(self, fields: dict[str, Any], section: str) -> None:
         if not self.enabled:
             return
         fields["time_s"] = round(time.perf_counter() - self._start, 4)
-        if self._metrics:
-            self._metrics.write_line(strict_json.dumps(fields))
-        if "loss" in fields:
-            self._progress.update(self._task, loss=f"{fields['loss']:.4f}",
-                                  rate=f"{fields.get('samples_per_s', 0):.0f}")
-        if "test_loss" in fields:
-            shown = [f"{key.removeprefix('test_')} {value:.4g}" for key, value in fields.items()
-                     if key.startswith("test_") and isinstance(value, (int, float))]
-            self._progress.update(self._task, evaluation=" ".join(shown))
+        for sink in self.sinks:
+            sink.write(fields, section)
 
     def message(self, text: str) -> None:
         """A line for the user, above the bar: one line, never wrapped at the console's width
@@ -95,4 +119,4 @@ class PeriodicEvaluation(Component):
 
     def after_step(self, end: StepEnd) -> None:
         if end.done % self.every == 0 and not end.final:
-            self.reporter.record(step=end.done, **self.evaluate())
+            self.reporter.evaluated(end.done, self.evaluate())

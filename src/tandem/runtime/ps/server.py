@@ -324,7 +324,7 @@ class ParameterServer(Worker):
         rank0, config = self.env.rank == 0, self.config
         self.reporter = Reporter(
             enabled=rank0, show_progress=config.progress, total_steps=config.steps,
-            metrics_path=self.out / "metrics.jsonl" if self.out and rank0 else None,
+            out=self.out, log_to=config.log_to,
             first_step=self.version // self.pace.per_step)
         self.components = server_components(self)
         self.components.load_state_dict(self.resumed_components)
@@ -339,7 +339,7 @@ class ParameterServer(Worker):
                 self.checkpoint.save(steps)  # its shard where the run ends (server 0: below)
                 return None
             evaluation = self._evaluate()
-            self.reporter.record(step=steps, **evaluation)
+            self.reporter.evaluated(steps, evaluation)
         self.checkpoint.save(steps)  # after the evaluation
         return finish(self, evaluation)
 
