@@ -87,8 +87,9 @@ def test_an_unknown_log_or_one_without_out_is_one_line(tmp_path: Path) -> None:
          "tensorboard (a comma list, e.g. --log-to tensorboard,jsonl)"),
         (["--log-to", ","], "--log-to ',' names no log; give a comma list of jsonl, csv, "
          "tensorboard, e.g. --log-to tensorboard,jsonl"),
-        (["--log-to", "jsonl,csv"], "--log-to csv writes its logs into the run's --out "
-         "directory, and none is given; add --out DIR (e.g. --out runs/a)"),
+        # without --out a run gets runs/<date>_<time>, except a --resume of a given path
+        (["--log-to", "jsonl,csv", "--resume", "x.pt"], "--log-to csv writes its logs into the "
+         "run's --out directory, and none is given; add --out DIR (e.g. --out runs/a)"),
     ]:
         result = run_here("train", *argv)
         assert (result.returncode, result.stderr.splitlines()) == (
