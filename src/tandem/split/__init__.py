@@ -9,7 +9,8 @@ Usage::
     blocks.boundaries[0]                             # what block 0 passes to block 1
     blocks.model_state_dict()                        # under the model's own names
 
-The model is traced with ``torch.export`` (batch dimension dynamic, training and evaluation
+The model is traced with ``torch.export`` (batch dimension dynamic, and with ``vary=True`` the
+inputs' other sizes too, for batches padded to their longest sample; training and evaluation
 mode); each block is a stretch of the trace that takes the tuple of tensors live at its start
 and returns the tuple live at its end, so a skip connection carries several tensors across a
 cut. Parameters and buffers keep the model's names; a parameter used by two blocks (tied

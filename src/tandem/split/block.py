@@ -96,10 +96,10 @@ def _size(node: fx.Node, graph: fx.Graph, env: dict[fx.Node, Any], piece: Piece,
     tensor, dim = node.args
     assert isinstance(tensor, fx.Node)  # sym_size.int(tensor, dim)
     if tensor not in env:
-        wanted = symbolic_dim(value, piece.info.batch)
+        wanted = symbolic_dim(value, piece.info.symbols)
         tensor, dim = next((v, d) for v in piece.inputs for d, size in
                            enumerate(v.meta["val"].shape)
-                           if symbolic_dim(size, piece.info.batch) == wanted)
+                           if symbolic_dim(size, piece.info.symbols) == wanted)
     size = graph.call_function(torch.ops.aten.sym_size.int, (env[tensor], dim))
     size.meta = dict(node.meta)
     return size

@@ -4,14 +4,15 @@ The graph's computing nodes, in execution order, are numbered ``0..N-1``; a *cut
 a new block with node ``p``. Every node is owned by the module whose code ran it (from the
 tracer's ``nn_module_stack``), so cuts can fall between modules at any depth of the model's
 tree (``transformer.h.3`` is depth 3). Parameters and buffers (``get_attr``) belong to no
-block: each block that uses one holds it. Shape arithmetic on the batch size (``SymInt``
+block: each block that uses one holds it. Shape arithmetic on the batch size (and on the
+inputs' other sizes where batches vary, see :func:`~tandem.split.trace.trace`; ``SymInt``
 nodes) is recomputed in every block that needs it, from the tensors the block receives.
 
 No cut may fall where it would change what the model computes: inside an in-place update of a
 tensor and its views, between the uses of a parameter or buffer that is updated in place
 (BatchNorm's statistics stay with one block), inside a ``no_grad`` region, or where a value
 that is not a tensor (a list, a context) or a tensor whose size is not a function of the
-batch would have to cross.
+inputs' sizes would have to cross.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 from torch import fx, nn
 
 from tandem.split.spec import symbolic_dim
-from tandem.split.trace import batch_symbol
+from tandem.split.trace import size_symbols
 
 UPDATED_STATISTICS = ("running_mean", "running_var")
 """Arguments that BatchNorm-like ops update in training although their schema does not say so."""
@@ -45,9 +46,11 @@ class GraphInfo:
     """Path of the module that ran each node (``("transformer", "h", "0")``; ``()``: top)."""
     forbidden: list[str | None]
     """Per position ``p``: why no cut may fall before ``nodes[p]`` (None: a cut may)."""
-    batch: sympy.Symbol | None
+    symbols: dict[sympy.Symbol, sympy.Symbol]
+    """The trace's symbols of the inputs' sizes -> tandem's (:func:`~tandem.split.trace.
+    size_symbols`)."""
     scalars: set[fx.Node]
-    """Size arithmetic on the batch, recomputed by every block that needs it."""
+    """Size arithmetic on the inputs' sizes, recomputed by every block that needs it."""
     placeholders: list[fx.Node]
     first: dict[fx.Node, int]
     """Value -> index of its definition (placeholders: -1)."""
@@ -80,8 +83,8 @@ class GraphInfo:
 def analyse(gm: fx.GraphModule, model: nn.Module) -> GraphInfo:
     """The computing nodes of ``gm`` (a trace of ``model``) and where cuts may fall."""
     graph = gm.graph
-    batch = batch_symbol(graph)
-    scalars = _scalars(graph, batch)
+    symbols = size_symbols(graph)
+    scalars = _scalars(graph, symbols)
     nodes = [n for n in graph.nodes if n.op not in ("placeholder", "get_attr", "output")
              and n.target != GUARDS and n not in scalars]
     index = {node: i for i, node in enumerate(nodes)}
@@ -89,7 +92,7 @@ def analyse(gm: fx.GraphModule, model: nn.Module) -> GraphInfo:
     first = {**{p: -1 for p in placeholders}, **index}
     last = {value: _last_use(value, index, len(nodes)) for value in first}
     info = GraphInfo(graph=graph, nodes=nodes, owners=[_owner(n, model) for n in nodes],
-                     forbidden=[None] * (len(nodes) + 1), batch=batch, scalars=scalars,
+                     forbidden=[None] * (len(nodes) + 1), symbols=symbols, scalars=scalars,
                      placeholders=placeholders, first=first, last=last)
     info.forbidden[0] = info.forbidden[-1] = "a block cannot be empty"
     _forbid_non_tensors(info)
@@ -99,12 +102,12 @@ def analyse(gm: fx.GraphModule, model: nn.Module) -> GraphInfo:
     return info
 
 
-def _scalars(graph: fx.Graph, batch: sympy.Symbol | None) -> set[fx.Node]:
+def _scalars(graph: fx.Graph, symbols: dict[sympy.Symbol, sympy.Symbol]) -> set[fx.Node]:
     found: set[fx.Node] = set()
     for node in graph.nodes:
         value = node.meta.get("val")
         if node.op != "call_function" or not isinstance(value, (torch.SymInt, int)) or \
-                isinstance(value, bool) or symbolic_dim(value, batch) is None:
+                isinstance(value, bool) or symbolic_dim(value, symbols) is None:
             continue
         args = [a for a in _node_args(node)]
         if node.target == torch.ops.aten.sym_size.int or all(a in found for a in args):
@@ -156,10 +159,10 @@ def _forbid_non_tensors(info: GraphInfo) -> None:
         if not isinstance(meta, torch.Tensor):
             _forbid(info, start, info.last[value],
                     f"{value.name} (a {type(meta).__name__}, not a tensor) would cross it")
-        elif any(symbolic_dim(size, info.batch) is None for size in meta.shape):
+        elif any(symbolic_dim(size, info.symbols) is None for size in meta.shape):
             _forbid(info, start, info.last[value],
                     f"{value.name}'s shape {tuple(meta.shape)} would cross it and depends on "
-                    f"more than the batch size")
+                    f"more than the inputs' sizes")
 
 
 def alias_source(node: fx.Node) -> fx.Node | None:
@@ -251,14 +254,14 @@ def _forbid_no_grad(info: GraphInfo) -> None:
 
 
 def _forbid_lost_sizes(info: GraphInfo, index: dict[fx.Node, int], scalars: set[fx.Node]) -> None:
-    """A block recomputes the batch's size arithmetic from a tensor it receives: some crossing
+    """A block recomputes the inputs' size arithmetic from a tensor it receives: some crossing
     tensor must have every size that later nodes read from tensors computed earlier."""
     end = len(info.nodes)
     reads: dict[int, set[tuple[sympy.Expr, int]]] = defaultdict(set)
     users = [*index.items(), *((n, end) for n in info.graph.find_nodes(op="output"))]
     for node, position in users:
         for leaf in _size_leaves(node, scalars):
-            expr = symbolic_dim(leaf.meta["val"], info.batch)
+            expr = symbolic_dim(leaf.meta["val"], info.symbols)
             if not isinstance(expr, int):
                 reads[position].add((expr, info.first.get(leaf.args[0], -1)))  # type: ignore[arg-type]
     alive = _alive_sizes(info)
@@ -269,7 +272,7 @@ def _forbid_lost_sizes(info: GraphInfo, index: dict[fx.Node, int], scalars: set[
             continue
         needed = {expr for expr, defined in pending if defined < position}
         if needed - alive[position]:
-            info.forbidden[position] = "no tensor crossing it carries the batch size"
+            info.forbidden[position] = "no tensor crossing it carries the inputs' sizes"
 
 
 def _alive_sizes(info: GraphInfo) -> list[set[Any]]:
@@ -285,7 +288,7 @@ def _alive_sizes(info: GraphInfo) -> list[set[Any]]:
         for value in starts.get(position, []):
             if info.last[value] < position:
                 continue
-            dims = {symbolic_dim(size, info.batch) for size in value.meta["val"].shape}
+            dims = {symbolic_dim(size, info.symbols) for size in value.meta["val"].shape}
             for dim in dims:
                 counts[dim] += 1
             ends[info.last[value] + 1].append(dims)

@@ -88,11 +88,12 @@ class Anchor:
 
 def split_model(model: nn.Module, inputs: Any, *, split_points: Sequence[str] | None = None,
                 max_blocks: int = MAX_BLOCKS, what: str = "the model",
-                leaves: Sequence[str] = ()) -> SplitModel:
+                leaves: Sequence[str] = (), vary: bool = False) -> SplitModel:
     """``model`` as a :class:`SplitModel` (``inputs``: an example call, batch in dim 0, at
     least 2 samples); cuts before the modules ``split_points`` if given, else automatic; the
-    submodules ``leaves`` called as modules (:mod:`tandem.split.leaf`)."""
-    traced = trace(model, inputs, what=what)
+    submodules ``leaves`` called as modules (:mod:`tandem.split.leaf`); ``vary``: the inputs'
+    sizes besides the batch vary between calls (:func:`~tandem.split.trace.trace`)."""
+    traced = trace(model, inputs, what=what, vary=vary)
     infos = {mode: analyse(gm, model) for mode, gm in traced.graphs.items()}
     calls = {mode: leaf_calls(info, leaves) for mode, info in infos.items()}
     anchors = (user_anchors(model, split_points) if split_points
@@ -189,7 +190,7 @@ def _check_modes(infos: dict[bool, GraphInfo], cuts: dict[bool, list[int | None]
 
 
 def _shapes(info: GraphInfo, position: int) -> list[tuple[Any, ...]]:
-    return [(tuple(symbolic_dim(s, info.batch) for s in v.meta["val"].shape), v.meta["val"].dtype)
+    return [(tuple(symbolic_dim(s, info.symbols) for s in v.meta["val"].shape), v.meta["val"].dtype)
             for v in info.crossing(position)]
 
 
@@ -304,7 +305,7 @@ def _boundaries(split: SplitModel, info: GraphInfo, cuts: list[Any],
         split.train(was_training)
     boundaries = []
     for position, grads in zip(cuts, flags):
-        specs = [TensorSpec(shape=tuple(symbolic_dim(s, info.batch) for s in v.meta["val"].shape),
+        specs = [TensorSpec(shape=tuple(symbolic_dim(s, info.symbols) for s in v.meta["val"].shape),
                             dtype=v.meta["val"].dtype, requires_grad=grad)
                  for v, grad in zip(info.crossing(position), grads)]
         boundaries.append(tuple(specs))

@@ -1,4 +1,5 @@
-"""What crosses a block boundary: each tensor's shape as a function of the batch, and its dtype.
+"""What crosses a block boundary: each tensor's shape as a function of the batch (and, for
+inputs whose sizes vary from batch to batch, of those sizes), and its dtype.
 
 Usage::
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any, TypeAlias
 
 import sympy
@@ -20,6 +22,13 @@ BATCH = sympy.Symbol("batch", integer=True, positive=True)
 """The number of samples of a call, in the shapes of :class:`TensorSpec`."""
 
 Dim: TypeAlias = "int | sympy.Expr"
+
+
+def input_size(index: int) -> sympy.Symbol:
+    """The ``index``-th size of the model's inputs other than the batch that a trace keeps
+    symbolic (a padded sequence's length, when batches vary: see
+    :func:`tandem.split.trace.trace`)."""
+    return sympy.Symbol(f"size{index}", integer=True, positive=True)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -33,8 +42,16 @@ class TensorSpec:
     requires_grad: bool
     """A gradient comes back for it (floating point and computed from parameters)."""
 
+    @property
+    def varies(self) -> bool:
+        """Whether its shape depends on input sizes besides the batch (then only the tensor
+        itself tells its shape)."""
+        return any(not isinstance(d, int) and d.free_symbols - {BATCH} for d in self.shape)
+
     def shape_at(self, batch: int) -> tuple[int, ...]:
-        """The sizes for a call on ``batch`` samples."""
+        """The sizes for a call on ``batch`` samples (of a spec that does not vary)."""
+        if self.varies:
+            raise ValueError(f"a tensor of shape {self.shape} has no shape for a batch alone")
         return tuple(d if isinstance(d, int) else int(d.subs(BATCH, batch)) for d in self.shape)
 
     def bytes_at(self, batch: int) -> int:
@@ -48,13 +65,14 @@ class TensorSpec:
                    requires_grad=requires_grad)
 
 
-def symbolic_dim(size: Any, batch: sympy.Symbol | None) -> Dim | None:
-    """``size`` (an int or a ``SymInt`` of a trace) in terms of :data:`BATCH`, where the trace
-    named the batch ``batch``; None if it depends on any other symbol."""
+def symbolic_dim(size: Any, symbols: Mapping[sympy.Symbol, sympy.Symbol]) -> Dim | None:
+    """``size`` (an int or a ``SymInt`` of a trace) in terms of :data:`BATCH` and the inputs'
+    other sizes (:func:`input_size`), where ``symbols`` maps the trace's own symbols of the
+    inputs' sizes to them; None if it depends on any other symbol."""
     if isinstance(size, int):
         return size
     expr = sympy.sympify(size.node.expr)
-    if expr.free_symbols - ({batch} if batch is not None else set()):
+    if expr.free_symbols - set(symbols):
         return None
-    expr = expr.subs(batch, BATCH) if batch is not None else expr
+    expr = expr.subs(symbols, simultaneous=True) if symbols else expr
     return int(expr) if expr.is_Integer else expr

@@ -8,7 +8,9 @@ Usage::
 
 ``inputs`` are what the model is called with: a tensor (``model(x)``), a tuple of tensors
 (``model(*inputs)``) or a dict (``model(**inputs)``), each with the batch in dim 0. The batch is
-traced as a dynamic dimension, so the graphs run on any number of samples. Both modes are traced
+traced as a dynamic dimension, so the graphs run on any number of samples; with ``vary`` (batches
+padded to their longest sample by a ``collate_fn``) every other size of the inputs is traced
+dynamic too, unless the model fixes it (``torch.export.Dim.AUTO``). Both modes are traced
 because a trace bakes ``self.training`` in (BatchNorm's statistics, dropout). A model that
 cannot be traced raises one :class:`~tandem.errors.UsageError` naming the line that failed.
 A model with a ``config.use_cache`` (Hugging Face) is traced with it off: training never uses a
@@ -34,6 +36,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from tandem.errors import UsageError
+from tandem.split.spec import BATCH, input_size
 
 TORCH_DIR = str(Path(torch.__file__).parent)
 TANDEM_DIR = str(Path(__file__).parent.parent)
@@ -63,8 +66,9 @@ def call_args(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
                      f"(got {type(inputs).__name__})")
 
 
-def trace(model: nn.Module, inputs: Any, *, what: str) -> Traced:
-    """Export ``model`` called on ``inputs`` in both modes (its own mode is restored)."""
+def trace(model: nn.Module, inputs: Any, *, what: str, vary: bool = False) -> Traced:
+    """Export ``model`` called on ``inputs`` in both modes (its own mode is restored); with
+    ``vary``, the inputs' sizes besides the batch are dynamic too."""
     args, kwargs = call_args(inputs)
     was_training = model.training
     graphs: dict[bool, fx.GraphModule] = {}
@@ -73,7 +77,7 @@ def trace(model: nn.Module, inputs: Any, *, what: str) -> Traced:
         with without_cache(model):
             for mode in (True, False):
                 model.train(mode)
-                program = _export(model, args, kwargs, what)
+                program = _export(model, args, kwargs, what, vary)
                 graphs[mode] = program.module()
                 specs.append(program.call_spec)
     finally:
@@ -96,25 +100,32 @@ def without_cache(model: nn.Module) -> Iterator[None]:
         config.use_cache = True
 
 
-def batch_symbol(graph: fx.Graph) -> sympy.Symbol | None:
-    """The symbol a traced graph calls the batch (dim 0 of its inputs), None if static."""
+def size_symbols(graph: fx.Graph) -> dict[sympy.Symbol, sympy.Symbol]:
+    """The symbols a traced graph calls its inputs' sizes, each mapped to tandem's own: the
+    batch (dim 0) to :data:`~tandem.split.spec.BATCH`, any other dynamic size to
+    :func:`~tandem.split.spec.input_size` in the order the inputs have them (the same in
+    both modes' traces)."""
+    found: dict[sympy.Symbol, sympy.Symbol] = {}
     for node in graph.find_nodes(op="placeholder"):
         value = node.meta.get("val")
-        if isinstance(value, torch.Tensor) and value.dim() and \
-                isinstance(value.shape[0], torch.SymInt):
-            expr = value.shape[0].node.expr
-            if isinstance(expr, sympy.Symbol):
-                return expr
-    return None
+        if not isinstance(value, torch.Tensor):
+            continue
+        for dim, size in enumerate(value.shape):
+            expr = size.node.expr if isinstance(size, torch.SymInt) else None
+            if isinstance(expr, sympy.Symbol) and expr not in found:
+                found[expr] = BATCH if dim == 0 else input_size(
+                    sum(symbol != BATCH for symbol in found.values()))
+    return found
 
 
 def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-            what: str) -> torch.export.ExportedProgram:
+            what: str, vary: bool) -> torch.export.ExportedProgram:
     batch = torch.export.Dim("batch")
     shapes = torch.export.ShapesCollection()  # type: ignore[no-untyped-call]  # torch's
     for leaf in pytree.tree_leaves((args, kwargs)):
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            shapes[leaf] = {0: batch}
+            shapes[leaf] = {0: batch, **dict.fromkeys(range(1, leaf.dim()) if vary else (),
+                                                       torch.export.Dim.AUTO)}
     with quiet(), torch.random.fork_rng(devices=[]):
         try:
             return torch.export.export(
