@@ -114,12 +114,13 @@ def check_job(job: Job) -> None:
     if not under_launcher():
         if plan.pipelined:
             from tandem.runtime.pipeline.setup import (  # delays torch
-                example_inputs, pipeline_blocks, pipeline_setup,
+                batches_vary, example_inputs, pipeline_blocks, pipeline_setup,
             )
 
             pipeline_setup(job, pipeline_blocks(model, example_inputs(data.train),
                                                 what=f"model {run.model!r}",
-                                                split_points=run.split_points))
+                                                split_points=run.split_points,
+                                                vary=batches_vary(data.train)))
         note = preflight.check_machine(run, model, shares)
     if run.out is not None:
         _check_writable(Path(run.out))
@@ -181,10 +182,12 @@ def make_job(strategy: str = "dp", flags: Mapping[str, Any] | None = None, *,
         plan = plan_from_flags(strategy, flags or {}, num_processes=run.nproc, num_blocks=blocks)
         return Job(run=run, plan=plan, objects=objects, prepared=data)
     from tandem.runtime.pipeline.bounds import profiled_plan  # delays torch
-    from tandem.runtime.pipeline.setup import example_inputs, pipeline_blocks  # delays torch
+    from tandem.runtime.pipeline.setup import (  # delays torch
+        batches_vary, example_inputs, pipeline_blocks,
+    )
 
     split = pipeline_blocks(model, example_inputs(data.train), what=f"model {run.model!r}",
-                            split_points=run.split_points)
+                            split_points=run.split_points, vary=batches_vary(data.train))
     plan = plan_from_flags(strategy, flags or {}, num_processes=run.nproc, num_blocks=len(split))
     # the user's split points are their stages' blocks; under torchrun every process would
     # measure its own profile and could cut elsewhere, so the stages stay even there

@@ -8,8 +8,8 @@ input and its backward runs it again (see ``recompute.py``), on the same weight 
 PipeDream's weight stashing. ``peak_activation_bytes`` is the most this worker held at once of
 what autograd saves for backwards (the stage's weights excepted): every micro-batch in flight's,
 plus, with ``recompute``, what the backward's recomputation saves. What a forward saves is
-counted (by a saved-tensors hook) on the first forward of each micro-batch size only: a stage's
-shapes are fixed, and the hook costs a Python call per saved tensor.
+counted (by a saved-tensors hook) on the first forward of each micro-batch size only (of each
+size and input shape, where batches vary): the hook costs a Python call per saved tensor.
 """
 
 from __future__ import annotations
@@ -116,9 +116,9 @@ class StageCompute:
         self.versions: dict[int, int] = {}
         self.saved_bytes: dict[int, int] = {}
         self.peak_activation_bytes = 0
-        self.forward_bytes: dict[int, int] = {}
-        """Samples -> what a forward of that many saves for its backward (the stage's shapes
-        are fixed, so it is counted once per size)."""
+        self.forward_bytes: dict[Any, int] = {}
+        """Samples (and, where batches vary, the input's shapes) -> what a forward of them
+        saves for its backward (counted once for each)."""
         self.loss_total = torch.zeros((), device=device)
         self.live_weights = storages(self.module.parameters())
         """Storages of the live parameters (updated in place, so read once)."""
@@ -156,7 +156,9 @@ class StageCompute:
         assert x is not None
         version = self._weights_version(m) if self.stash else -1
         span.start = time.perf_counter()
-        known = self.forward_bytes.get(micro.size)
+        size: Any = micro.size if not self.links.spec.vary else (
+            micro.size, tuple(tuple(t.shape) for t in structures.tensors(x)))
+        known = self.forward_bytes.get(size)
         saved = [0]
         weights: set[int] = set()
         counting: Any = contextlib.nullcontext()
@@ -197,7 +199,7 @@ class StageCompute:
             else:
                 out = _as_specs(self.shapes.sent(out), self.shapes.outputs)
         if known is None:
-            known = self.forward_bytes[micro.size] = saved[0]
+            known = self.forward_bytes[size] = saved[0]
         self.saved[m] = (received, out, version)
         self.versions[m] = version
         self.saved_bytes[m] = known

@@ -8,6 +8,12 @@ backward that consumes them; sends are posted (``isend``) and completed at the e
 communication overlaps compute wherever the schedule places it early. A receive's trace event
 spans from its post to its message's arrival as seen by the computation that waits for it
 (under vertical sync, the weight version's message too); a send's, its post.
+
+Where batches vary in shape (a ``collate_fn`` pads each to its longest sample), an activation's
+message follows a header with its tensors' shapes (``shape_header.py``), and its receive is
+posted when its consumer needs it: the header must arrive before its buffer can be sized, and
+NCCL matches a link's messages in the order they were posted. A gradient's shapes are those of
+the activation this stage sent for the micro-batch, so it comes without a header.
 """
 
 from __future__ import annotations
@@ -21,19 +27,21 @@ import torch.distributed as dist
 
 from tandem.errors import UsageError
 from tandem.runtime.executor import Executor, Span
+from tandem.runtime.pipeline.shape_header import header_length, read_header, shape_header
 from tandem.runtime.pipeline.wire import Traffic, Wire
 from tandem.schedule import Action, Kind
 from tandem.split import TensorSpec
 from tandem.structures import Skeleton, SkeletonMismatch
 
-ACT, GRAD, VERSION = 0, 1, 2
+ACT, GRAD, VERSION, SHAPES = 0, 1, 2, 3
 KEYS = {ACT: "activation", GRAD: "gradient"}
 """What the codec is told each channel's tensors are."""
 
 
 def tag(microbatch: int, channel: int) -> int:
-    """Message tag of a micro-batch's activation, gradient or weight version (gloo matches on it)."""
-    return microbatch * 3 + channel
+    """Message tag of a micro-batch's activation, gradient, weight version or activation
+    shapes (gloo matches on it)."""
+    return microbatch * 4 + channel
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -91,6 +99,9 @@ class LinkSpec:
     wire: Wire = dataclasses.field(default_factory=Wire)
     vertical_sync: bool = False
     """Activations carry the weight version stage 0 used (PipeDream's vertical sync)."""
+    vary: bool = False
+    """Batches vary in shape: activations follow a header with their shapes, and receives
+    are posted when their consumer needs them."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -120,6 +131,12 @@ class StageLinks:
         self.sizes: dict[tuple[int, int], tuple[tuple[tuple[int, ...], ...],
                                                 tuple[torch.dtype, ...]]] = {}
         """(channel, samples) -> the shapes and dtypes of its tensors (worked out once)."""
+        self.deferred: dict[tuple[int, int], tuple[int, Span]] = {}
+        """Where batches vary: (micro-batch, channel) -> (peer, span) of a receive to post
+        when its consumer needs it."""
+        self.sent_shapes: dict[int, tuple[tuple[int, ...], ...]] = {}
+        """Where batches vary: micro-batch -> the shapes of the activations sent for it whose
+        gradients come back."""
 
     def group(self, source: int, destination: int) -> dist.ProcessGroup:
         return self.spec.links[(source, destination)]
@@ -133,6 +150,11 @@ class StageLinks:
         group = self.group(peer, spec.worker)
         span.waits = 1
         specs, channel = self.specs[action.kind]
+        if spec.vary:
+            if channel == ACT and spec.vertical_sync:
+                span.waits += 1
+            self.deferred[(m, channel)] = (peer, span)
+            return
         if channel == ACT and spec.vertical_sync:
             version = torch.zeros(1, dtype=torch.int64, device=self.device)
             work = dist.irecv(version, src=source, tag=tag(m, VERSION), group=group)
@@ -148,8 +170,35 @@ class StageLinks:
         self.receives[(m, channel)] = Receive(work, buffer, shapes, dtypes, span)
         span.num_bytes = buffer.numel() * buffer.element_size()
 
+    def _post_deferred(self, m: int, channel: int) -> None:
+        """Post a receive deferred until now (batches vary): the weight version's under
+        vertical sync, then the activation's header, waited for, then its message; a
+        gradient's message has the shapes of the activation sent for ``m``."""
+        peer, span = self.deferred.pop((m, channel))
+        spec, source = self.spec, self.spec.rank_of(peer)
+        group = self.group(peer, spec.worker)
+        specs = self.specs[Kind.RECV_ACT if channel == ACT else Kind.RECV_GRAD][0]
+        if channel == ACT:
+            if spec.vertical_sync:
+                version = torch.zeros(1, dtype=torch.int64, device=self.device)
+                work = dist.irecv(version, src=source, tag=tag(m, VERSION), group=group)
+                self.receives[(m, VERSION)] = Receive(work, version, ((1,),), (torch.int64,),
+                                                      span)
+            header = torch.empty(header_length(specs), dtype=torch.int64, device=self.device)
+            dist.recv(header, src=source, tag=tag(m, SHAPES), group=group)
+            shapes = read_header(header, specs)
+        else:
+            shapes = self.sent_shapes.pop(m)
+        dtypes = tuple(s.dtype for s in specs)
+        buffer = spec.wire.receive_many(shapes, dtypes, self.device)
+        work = dist.irecv(buffer, src=source, tag=tag(m, channel), group=group)
+        self.receives[(m, channel)] = Receive(work, buffer, shapes, dtypes, span)
+        span.num_bytes = buffer.numel() * buffer.element_size()
+
     def arrived(self, microbatch: int, channel: int) -> Receive:
         """A posted receive, once its message has arrived."""
+        if (microbatch, channel) in self.deferred:
+            self._post_deferred(microbatch, channel)
         receive = self.receives.pop((microbatch, channel))
         receive.work.wait()
         self.executor.arrived(receive.span)
@@ -175,6 +224,13 @@ class StageLinks:
             work = dist.isend(stamp, dst=destination, tag=tag(m, VERSION), group=group)
             self.sends.append((step, work, stamp))
             self.traffic.other_bytes += stamp.numel() * stamp.element_size()
+        if spec.vary and channel == ACT:
+            header = shape_header(tensors, self.device)
+            self.sends.append((step, dist.isend(header, dst=destination, tag=tag(m, SHAPES),
+                                                group=group), header))
+            self.traffic.other_bytes += header.numel() * header.element_size()
+            self.sent_shapes[m] = tuple(tuple(t.shape) for t, s in
+                                        zip(tensors, self.shapes.outputs) if s.requires_grad)
         message = spec.wire.pack_many(tensors, KEYS[channel], self.device)
         work = dist.isend(message, dst=destination, tag=tag(m, channel), group=group)
         self.sends.append((step, work, message))

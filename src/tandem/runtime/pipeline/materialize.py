@@ -30,7 +30,7 @@ from tandem.models.pieces import (
     Initializer, materialize as build_in_pieces, on_meta, own_state,
 )
 from tandem.runtime.job import Job
-from tandem.runtime.pipeline.setup import example_inputs
+from tandem.runtime.pipeline.setup import batches_vary, example_inputs
 from tandem.runtime.pipeline.tensor_split import tensor_blocks
 from tandem.split import SplitModel
 
@@ -68,12 +68,14 @@ def traced_blocks(job: Job, model: nn.Module, samples: Any, init: Initializer | 
     on ``device``, the model built whole first. ``samples``: the data its example comes from."""
     if init is not None and on_meta(model):
         try:
-            return _split(tensor_blocks(job, model, example_inputs(samples, meta=True), what=what))
+            return _split(tensor_blocks(job, model, example_inputs(samples, meta=True),
+                                        what=what, vary=batches_vary(samples)))
         except (UsageError, RuntimeError) as exc:  # raised again below if not the meta device's
             logger.debug(f"{what} is built whole: its trace on the meta device failed: {exc}")
         build_in_pieces(model, init, torch.device("cpu"))
     model.to(device)
-    return _split(tensor_blocks(job, model, example_inputs(samples), what=what))
+    return _split(tensor_blocks(job, model, example_inputs(samples), what=what,
+                                vary=batches_vary(samples)))
 
 
 def _split(blocks: nn.Sequential) -> SplitModel:

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from tandem.loss import score_batch
 from tandem.runtime import memory
 from tandem.runtime.export import ShardedFinal, shards_written
+from tandem.runtime.pipeline.shape_header import header_length, read_header, shape_header
 from tandem.runtime.user_metrics import KeptOutputs, reduced_evaluation
 from tandem.runtime.pipeline.update import Tie
 from tandem.runtime.tensor_parallel import gathered_state_dict, local_tensor, memory_report
@@ -57,29 +58,43 @@ def evaluate_stage(trainer: PipelineTrainer) -> dict[str, float | None]:
         if batch is not None and place.stage == 0:
             x = batch.inputs
         else:
-            specs = trainer.shapes.inputs
-            shapes = [spec.shape_at(end - start) for spec in specs]
-            dtypes = [spec.dtype for spec in specs]
-            message = trainer.wire.receive_many(shapes, dtypes, trainer.env.device)
-            dist.recv(message, src=place.rank_of(worker(place.stage - 1, chunk)),
-                      tag=EVAL_TAG_BASE + chunk)
-            received = trainer.wire.unpack_many(message, shapes, dtypes, "activation")
-            x = trainer.shapes.assemble(received)
+            x = _receive_chunk(trainer, end - start, place.rank_of(worker(place.stage - 1,
+                                                                          chunk)), chunk)
         out = trainer.module(x)
         if batch is not None and place.stage == num_stages - 1:
             totals += score_batch(out, batch.targets, trainer.task.loss, batch.size)
             kept.keep(start, out, batch.targets)
         else:
+            destination, device = place.rank_of(worker(place.stage + 1, chunk)), trainer.env.device
             outs = trainer.shapes.sent(out)
-            dist.send(trainer.wire.pack_many(outs, "activation", trainer.env.device),
-                      dst=place.rank_of(worker(place.stage + 1, chunk)),
-                      tag=EVAL_TAG_BASE + chunk)
+            if trainer.vary:
+                dist.send(shape_header(outs, device), dst=destination,
+                          tag=EVAL_TAG_BASE + 2 * chunk + 1)
+            dist.send(trainer.wire.pack_many(outs, "activation", device), dst=destination,
+                      tag=EVAL_TAG_BASE + 2 * chunk)
     trainer.module.train()
     if trainer.shards is not None:
         trainer.shards.reshard()
     if not counted:
         totals.zero_()
     return reduced_evaluation(totals, kept)
+
+
+def _receive_chunk(trainer: PipelineTrainer, samples: int, source: int, chunk: int) -> Any:
+    """The activations of evaluation chunk ``chunk`` (``samples`` samples) from ``source``,
+    as the stage's first block takes them; where batches vary, their shapes come first."""
+    specs, device = trainer.shapes.inputs, trainer.env.device
+    if trainer.vary:
+        header = torch.empty(header_length(specs), dtype=torch.int64, device=device)
+        dist.recv(header, src=source, tag=EVAL_TAG_BASE + 2 * chunk + 1)
+        shapes = list(read_header(header, specs))
+    else:
+        shapes = [spec.shape_at(samples) for spec in specs]
+    dtypes = [spec.dtype for spec in specs]
+    message = trainer.wire.receive_many(shapes, dtypes, device)
+    dist.recv(message, src=source, tag=EVAL_TAG_BASE + 2 * chunk)
+    return trainer.shapes.assemble(trainer.wire.unpack_many(message, shapes, dtypes,
+                                                            "activation"))
 
 
 def whole_state_dict(trainer: PipelineTrainer) -> ShardedFinal | None:

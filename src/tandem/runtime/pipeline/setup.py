@@ -42,19 +42,27 @@ def example_inputs(samples: Any, *, meta: bool = False) -> Any:
                                 inputs) if meta else inputs
 
 
+def batches_vary(samples: Any) -> bool:
+    """Whether batches of ``samples`` may differ in shape besides their samples (a user's
+    ``collate_fn`` makes them: one that pads, say); then a traced model keeps its inputs'
+    sizes symbolic and stages send each activation's shapes ahead of it."""
+    return getattr(samples, "collate", None) is not None
+
+
 def pipeline_blocks(model: nn.Module, example: Any, *, what: str,
                     split_points: str | None = None,
-                    leaves: list[str] | None = None) -> nn.Sequential:
+                    leaves: list[str] | None = None, vary: bool = False) -> nn.Sequential:
     """``model`` itself if it is an ``nn.Sequential``, else its split: before the submodules
     named in ``split_points`` (comma-separated), or automatic; ``leaves``: the submodules its
-    blocks call as modules (:mod:`tandem.split.leaf`)."""
+    blocks call as modules (:mod:`tandem.split.leaf`); ``vary``: :func:`batches_vary`."""
     names = parse_split_points(split_points)
     if isinstance(model, nn.Sequential):
         if names:
             raise UsageError(f"--split-points {split_points} is for models that are not an "
                              f"nn.Sequential; {what} is one, and its blocks are its layers")
         return model
-    return split_model(model, example, what=what, split_points=names, leaves=leaves or ())
+    return split_model(model, example, what=what, split_points=names, leaves=leaves or (),
+                       vary=vary)
 
 
 def parse_split_points(text: str | None) -> list[str] | None:

@@ -60,20 +60,22 @@ class StageSplit:
     """The stage's parameter bytes by name before the split (its memory report's baseline)."""
 
 
-def tensor_blocks(job: Job, model: nn.Module, example: Any, *, what: str) -> nn.Sequential:
-    """``model``'s blocks (:func:`~tandem.runtime.pipeline.setup.pipeline_blocks`); with
-    tensor parallelism, a traced model's as a worker's share computes them, its tensor layers
-    called as modules (traced again, as lone layers, where a stage boundary cuts a pair)."""
+def tensor_blocks(job: Job, model: nn.Module, example: Any, *, what: str,
+                  vary: bool = False) -> nn.Sequential:
+    """``model``'s blocks (:func:`~tandem.runtime.pipeline.setup.pipeline_blocks`, ``vary``
+    as there); with tensor parallelism, a traced model's as a worker's share computes them,
+    its tensor layers called as modules (traced again, as lone layers, where a stage boundary
+    cuts a pair)."""
     split_points = job.run.split_points
     degree = job.plan.tensor_degree
     if degree == 1 or isinstance(model, nn.Sequential):
-        return pipeline_blocks(model, example, what=what, split_points=split_points)
+        return pipeline_blocks(model, example, what=what, split_points=split_points, vary=vary)
     plan = model_plan(job, model)
     sides = share_sides(plan)
     for _ in range(2):
         with share_view(model, plan, sides, degree):
             blocks = pipeline_blocks(model, example, what=what, split_points=split_points,
-                                     leaves=list(plan))
+                                     leaves=list(plan), vary=vary)
         assert isinstance(blocks, SplitModel)
         bounds = layout_from_plan(job.plan, len(blocks)).bounds
         parts = [traced_stage_plan(blocks, plan, start, end) for start, end in bounds]

@@ -61,7 +61,7 @@ from tandem.runtime.pipeline.engine import (
     ComputeSpec, LinkSpec, StageEngine, StageShapes, Tie, UpdateSpec,
 )
 from tandem.runtime.pipeline.setup import (
-    boundary_values, example_inputs, model_names, pipeline_setup,
+    batches_vary, boundary_values, example_inputs, model_names, pipeline_setup,
 )
 from tandem.runtime.pipeline.wire import Wire
 from tandem.runtime.pipeline.sharding import StageShards
@@ -134,6 +134,8 @@ class PipelineTrainer(BaseTrainer):
         self.setup_optimizer(named, model=model, delay=self._delay(),
                              every_stage=bool(job.plan.vertical_sync))
         last = end == len(blocks)
+        self.vary = batches_vary(self.feed.data.train)
+        """Batches differ in shape (a user's collate_fn): activations carry their shapes."""
         self.shapes = StageShapes(
             inputs=boundaries[start - 1] if start else (),
             outputs=() if last else boundaries[end - 1],
@@ -151,7 +153,8 @@ class PipelineTrainer(BaseTrainer):
         updates, kept until the checkpoint of that step is saved."""
         self.engine = StageEngine(
             links=LinkSpec(worker=worker, links=links, rank_of=place.rank_of,
-                           wire=self.wire, vertical_sync=job.plan.vertical_sync),
+                           wire=self.wire, vertical_sync=job.plan.vertical_sync,
+                           vary=self.vary),
             compute=ComputeSpec(module=self.module, first=stage == 0,
                                 last=stage == self.layout.num_stages - 1,
                                 loss_fn=self.task.loss, precision=self.precision,
