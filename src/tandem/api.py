@@ -62,6 +62,8 @@ def fit(model: nn.Module | Callable[..., nn.Module] | str,
         scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
         callbacks: list[Any] | None = None,
         metrics: dict[str, Callable[[Any, Any], Any]] | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        sampler: Any = None, loader_options: dict[str, Any] | None = None,
         **options: Any) -> FitResult:
     """Train ``model`` on ``train`` with a distributed plan; evaluate on ``test``.
 
@@ -103,6 +105,23 @@ def fit(model: nn.Module | Callable[..., nn.Module] | str,
             evaluation's outputs and targets (gathered on rank 0), reported as ``test_<name>``
             in the summary, the metrics lines and the progress bar (see
             :mod:`tandem.runtime.user_metrics`).
+        collate_fn: ``collate_fn(items)`` makes one batch of a list of ``train``'s (and
+            ``test``'s) items, as ``DataLoader(collate_fn=...)`` does, and returns it as
+            ``(inputs, targets)`` with one row per item (items may then be anything it takes,
+            and batches may differ in shape: a padding collate). Every strategy uses it; the
+            launching process collates a few items first, so one that fails is one line before
+            any worker starts (:mod:`tandem.data.collate`). A ``--data`` function returns its
+            own: ``(train, test, collate_fn)``.
+        sampler: a ``torch.utils.data.Sampler`` (or iterable) of training-set indices that
+            orders each epoch (a ``WeightedRandomSampler``, say); tandem still makes batches of
+            ``batch_size`` from that order, splits each over the data-parallel workers and
+            resumes exactly, so the sampler must give the same order whenever it is asked for
+            the same epoch (tandem seeds torch's random state per epoch and calls
+            ``set_epoch``; see :mod:`tandem.data.user_sampler`).
+        loader_options: ``DataLoader`` options that apply to tandem's batches: ``num_workers``
+            (``loader_workers``: processes reading batches ahead), ``prefetch_factor``,
+            ``pin_memory`` (GPU runs), ``shuffle`` and ``drop_last``; any other is refused
+            in one line (:mod:`tandem.spec.loader`).
         **options: the run's settings, named like ``tandem train``'s flags: ``steps``,
             ``batch_size``, ``optimizer`` (a name, ``"package.module:Class"``),
             ``optimizer_options`` (a dict: ``{"betas": (0.9, 0.95)}``), ``no_decay``
@@ -131,6 +150,9 @@ def fit(model: nn.Module | Callable[..., nn.Module] | str,
         raise UsageError("fit() got both train= and data=; give one of them")
     if test is not None and train is None:
         raise UsageError("fit() got test= without train=; give both datasets, or data=<spec>")
+    if collate_fn is not None and train is None:
+        raise UsageError("fit() got collate_fn= with data=; give the datasets (train=, test=) "
+                         "with it, or return (train, test, collate_fn) from the data function")
     init_fn = options.pop("init_fn", None)
     if init_fn is not None and isinstance(model, nn.Module):
         raise UsageError(f"init_fn initializes a model that tandem builds, and the model given "
@@ -141,8 +163,10 @@ def fit(model: nn.Module | Callable[..., nn.Module] | str,
                           test=test, loss=None if loss is None or isinstance(loss, str) else loss,
                           info=info, init_fn=None if isinstance(init_fn, str) else init_fn,
                           param_groups=param_groups, scheduler=scheduler,
-                          callbacks=check_callbacks(callbacks), metrics=check_metrics(metrics))
+                          callbacks=check_callbacks(callbacks),
+                          metrics=check_metrics(metrics), collate_fn=collate_fn, sampler=sampler)
     settings, flags = _split_options(options, PLAN_FLAGS, RunConfig)
+    settings.update(_loader_settings(loader_options, settings.get("loader_workers")))
     if init_fn is not None:
         settings["init_fn"] = init_fn if isinstance(init_fn, str) else _label(init_fn, "init_fn")
     settings.update(model=model if isinstance(model, str) else _label(model),
@@ -187,7 +211,7 @@ def _split_options(options: dict[str, Any], plan_flags: tuple[str, ...],
                    run_config: type) -> tuple[dict[str, Any], dict[str, Any]]:
     """``fit``'s keyword options: the run's settings and the plan's flags (``--servers``)."""
     fields = {field.name for field in dataclasses.fields(run_config)}
-    fields -= {"model", "data", "loss", "out", "nproc"}
+    fields -= {"model", "data", "loss", "out", "nproc", "loader_options"}
     aliases = {"timeout": "timeout_s"}
     flag_names = {flag.lstrip("-").replace("-", "_"): flag for flag in plan_flags}
     settings: dict[str, Any] = {}
@@ -207,6 +231,19 @@ def _split_options(options: dict[str, Any], plan_flags: tuple[str, ...],
     return settings, flags
 
 
+def _loader_settings(loader_options: dict[str, Any] | None,
+                     loader_workers: int | None) -> dict[str, Any]:
+    """``fit``'s ``loader_options`` as run settings: ``num_workers`` is ``loader_workers``."""
+    rest = dict(loader_options or {})
+    if "num_workers" not in rest:
+        return {"loader_options": rest}
+    workers = rest.pop("num_workers")
+    if loader_workers is not None and loader_workers != workers:
+        raise UsageError(f"fit() got loader_workers={loader_workers} and loader option "
+                         f"num_workers={workers}; give one of them")
+    return {"loader_options": rest, "loader_workers": workers}
+
+
 def _label(thing: Any, what: str = "model") -> str:
     """How the summary names an object (its class, or a function's qualified name)."""
     if isinstance(thing, (nn.Module, torch.utils.data.Dataset)) or not callable(thing):
@@ -217,7 +254,7 @@ def _label(thing: Any, what: str = "model") -> str:
 def _check_picklable(objects: Any) -> None:
     """Objects must reach spawned workers: refuse, in one line, one that does not pickle."""
     for field in ("model", "train", "test", "loss", "info", "param_groups", "scheduler",
-                  "callbacks", "metrics"):
+                  "callbacks", "metrics", "collate_fn", "sampler"):
         value = getattr(objects, field)
         if value is None:
             continue

@@ -26,6 +26,9 @@ from tandem.spec.options import user_function
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 DEFAULT_LOSS = "cross_entropy"
+IGNORED = -100
+"""The target of a position that is no prediction (padding): ``F.cross_entropy``'s
+``ignore_index``, which the default loss skips too."""
 
 
 def cross_entropy(output: Any, targets: torch.Tensor) -> torch.Tensor:
@@ -87,7 +90,8 @@ def score_batch(output: Any, targets: Any, loss_fn: LossFn, size: int) -> torch.
 
     Accuracy counts where the output has logits whose argmax can be compared with integer
     targets of the logits' leading shape; otherwise ``correct`` and ``predictions`` are 0 and
-    the run reports no accuracy.
+    the run reports no accuracy. A target of ``IGNORED`` (-100, cross-entropy's
+    ``ignore_index``: padding) is no prediction.
     """
     loss = loss_fn(output, targets).detach().double() * size
     logits = structures.logits_of(output)
@@ -95,8 +99,9 @@ def score_batch(output: Any, targets: Any, loss_fn: LossFn, size: int) -> torch.
     if (logits is not None and isinstance(targets, torch.Tensor)
             and not targets.is_floating_point() and logits.dim() >= 1
             and tuple(logits.shape[:-1]) == tuple(targets.shape)):
-        correct = float((logits.argmax(-1) == targets).sum())
-        predictions = float(targets.numel())
+        counted = targets != IGNORED
+        correct = float(((logits.argmax(-1) == targets) & counted).sum())
+        predictions = float(counted.sum())
     device = loss.device
     return torch.stack([torch.tensor(correct, dtype=torch.float64, device=device),
                         torch.tensor(predictions, dtype=torch.float64, device=device),

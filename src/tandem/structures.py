@@ -22,9 +22,11 @@ import torch
 from torch.utils import _pytree as pytree
 
 
-def to_device(tree: Any, device: torch.device) -> Any:
-    """``tree`` with every tensor moved to ``device`` (other leaves kept)."""
-    return pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, tree)
+def to_device(tree: Any, device: torch.device, *, non_blocking: bool = False) -> Any:
+    """``tree`` with every tensor moved to ``device`` (other leaves kept); ``non_blocking``
+    from pinned memory to a GPU."""
+    return pytree.tree_map(lambda x: x.to(device, non_blocking=non_blocking)
+                           if isinstance(x, torch.Tensor) else x, tree)
 
 
 def tensors(tree: Any) -> list[torch.Tensor]:

@@ -27,12 +27,12 @@ from torch.utils.data import DataLoader, Dataset
 from tandem import structures
 from tandem.data.pack import NUMPY_DTYPES
 from tandem.data.samples import Batch, Samples
+from tandem.errors import UsageError
+from tandem.spec.loader import DEFAULT_PREFETCH
 
 PIPE_BYTES = 1 << 20
 """Batches smaller than this travel from a loader process through its pipe as arrays (a third
 of the time of passing tensors through shared memory, which larger ones use)."""
-DEFAULT_PREFETCH = 4
-"""Batches each loader process reads ahead."""
 SKIP_AHEAD = 16
 """Planned batches a worker may skip (a parameter server moving it on a step) and still be
 handed the next one read ahead."""
@@ -85,6 +85,12 @@ def _as_is(item: Any) -> Any:
     return item
 
 
+def _pinned(tree: Any) -> Any:
+    """``tree`` with every tensor in pinned memory (those pinned already kept)."""
+    return pytree.tree_map(lambda x: x if not isinstance(x, torch.Tensor) or x.is_pinned()
+                           else x.pin_memory(), tree)
+
+
 def _one_thread(worker_id: int) -> None:
     torch.set_num_threads(1)
 
@@ -100,14 +106,18 @@ class PlannedLoader:
 
     def __init__(self, samples: Samples, plan: Sequence[torch.Tensor], *, workers: int,
                  device: torch.device | None = None, prefetch: int = DEFAULT_PREFETCH,
-                 context: Any = None) -> None:
+                 context: Any = None, pin_memory: bool = False) -> None:
         if workers < 1:
             raise ValueError(f"a loader needs at least one worker process (got {workers})")
+        if pin_memory and (device is None or device.type != "cuda"):
+            raise UsageError(f"loader option pin_memory=True pins batches for their copy to a "
+                             f"GPU, and this worker trains on {device or 'the CPU'}; drop it")
         self.plan, self.device, self.position = list(plan), device, 0
+        self.pinned = pin_memory
         self.loader = DataLoader(_PlannedBatches(samples, self.plan), batch_size=None,
                                  shuffle=False, num_workers=workers, prefetch_factor=prefetch,
                                  collate_fn=_as_is, worker_init_fn=_one_thread,
-                                 multiprocessing_context=context)
+                                 multiprocessing_context=context, pin_memory=pin_memory)
         self.batches: Iterator[tuple[Any, Any, int]] | None = (
             iter(self.loader) if self.plan else None)
 
@@ -128,7 +138,13 @@ class PlannedLoader:
         batch = Batch(inputs, targets, size)
         if self.position == len(self.plan):
             self.close()
-        return batch.to(self.device) if self.device is not None else batch
+        if self.device is None:
+            return batch
+        if self.pinned:  # pinned by the DataLoader's thread (arrays came through the pipe)
+            return Batch(structures.to_device(_pinned(inputs), self.device, non_blocking=True),
+                         structures.to_device(_pinned(targets), self.device, non_blocking=True),
+                         size)
+        return batch.to(self.device)
 
     def close(self) -> None:
         """Stop the loader processes."""

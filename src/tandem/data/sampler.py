@@ -1,7 +1,8 @@
 """Deterministic distributed sampling: every rank gets its share of every global batch.
 
 The order of samples depends only on the seed and the epoch, never on the number of ranks, so
-training on 1, 2 or 4 ranks sees the same global batches. Within a global batch, rank ``r`` gets
+training on 1, 2 or 4 ranks sees the same global batches (a user's sampler may give the order
+of each epoch instead: :mod:`tandem.data.user_sampler`). Within a global batch, rank ``r`` gets
 a contiguous shard; shard sizes differ by at most one, so an uneven batch (the last one of an
 epoch, or a size not divisible by the ranks) loses and duplicates no sample.
 
@@ -15,7 +16,7 @@ Usage::
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch.utils.data import Sampler
@@ -41,6 +42,7 @@ class GlobalBatchSampler:
     def __init__(
         self, num_samples: int, *, global_batch_size: int, seed: int, shuffle: bool = True,
         drop_last: bool = False, schedule: Sequence[tuple[int, int]] | None = None,
+        order: Callable[[int], torch.Tensor] | None = None,
     ) -> None:
         if num_samples <= 0 or global_batch_size <= 0:
             raise ValueError(
@@ -63,6 +65,10 @@ class GlobalBatchSampler:
         self.seed = seed
         self.shuffle = shuffle
         self.drop_last = drop_last
+        self.order = order
+        """Epoch -> its ``num_samples`` sample indices in order (a user's sampler, see
+        :mod:`tandem.data.user_sampler`); None: a shuffle by the seed (or, without
+        ``shuffle``, the samples in turn)."""
         self._epoch_order: tuple[int, torch.Tensor] | None = None
         self._segments: list[tuple[int, int, int, int]] = []
         """``(first_step, batch, epoch, samples_into_epoch)`` where each schedule entry starts."""
@@ -154,7 +160,9 @@ class GlobalBatchSampler:
     def epoch_order(self, epoch: int) -> torch.Tensor:
         """The order of all sample indices in ``epoch``."""
         if self._epoch_order is None or self._epoch_order[0] != epoch:
-            if self.shuffle:
+            if self.order is not None:
+                order = self.order(epoch)
+            elif self.shuffle:
                 gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
                 order = torch.randperm(self.num_samples, generator=gen)
             else:

@@ -6,8 +6,10 @@ tensors or structures of tensors (:mod:`tandem.structures`) with the batch in di
 
 A user's dataset gives each sample as an ``(input, target)`` pair (the convention of
 torchvision's datasets and of ``TensorDataset``); either part may be a tensor, a number, or a
-tuple/dict of them, and samples are stacked with ``torch.utils.data.default_collate``. An
-``IterableDataset`` is read once, in order, into memory when the run starts (it must be finite).
+tuple/dict of them, and samples are stacked with ``torch.utils.data.default_collate``. With the
+user's ``collate_fn`` the items may be anything it takes, and it makes the batches
+(:mod:`tandem.data.collate`). An ``IterableDataset`` is read once, in order, into memory when
+the run starts (it must be finite). A ``DataLoader`` is refused: tandem makes the batches.
 """
 
 from __future__ import annotations
@@ -15,14 +17,15 @@ from __future__ import annotations
 import abc
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset, IterableDataset, TensorDataset, default_collate
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate
 
 from tandem import structures
 from tandem.data.bundle import Split
+from tandem.data.collate import Collate, collated, function_label
 from tandem.data.sampler import GlobalBatchSampler
 from tandem.errors import UsageError
 
@@ -58,6 +61,10 @@ class Samples(abc.ABC):
 
     streams = False
     """Whether the samples are read from storage as training goes (shards), not held."""
+    collate: Collate | None = None
+    """The user's ``collate_fn`` that makes the batches (None: tandem's own stacking); then
+    batches may differ in shape besides their samples (a collate that pads each to its
+    longest item)."""
 
     @abc.abstractmethod
     def __len__(self) -> int:
@@ -76,14 +83,21 @@ class Samples(abc.ABC):
         return self.take(torch.arange(start, end))
 
     def batch_sampler(self, *, global_batch_size: int, seed: int, partitions: int,
-                      schedule: Sequence[tuple[int, int]] | None = None) -> GlobalBatchSampler:
+                      schedule: Sequence[tuple[int, int]] | None = None,
+                      order: Callable[[int], torch.Tensor] | None = None,
+                      num_samples: int | None = None, shuffle: bool = True,
+                      drop_last: bool = False) -> GlobalBatchSampler:
         """The order of training: global batches addressed by step, each cut into
         ``partitions`` shares (the data-parallel ranks); ``schedule`` changes the batch size
         at given steps (``(first_step, batch_size)`` pairs, see :class:`GlobalBatchSampler`).
         Held samples are shuffled as one whole, so the batches do not depend on
-        ``partitions``; streamed ones are not."""
-        return GlobalBatchSampler(len(self), global_batch_size=global_batch_size, seed=seed,
-                                  schedule=schedule)
+        ``partitions``; streamed ones are not. ``order``: each epoch's ``num_samples``
+        indices (a user's sampler, :mod:`tandem.data.user_sampler`) instead of a shuffle
+        (or, without ``shuffle``, the samples in turn); ``drop_last``: no short last batch."""
+        return GlobalBatchSampler(len(self) if num_samples is None else num_samples,
+                                  global_batch_size=global_batch_size, seed=seed,
+                                  schedule=schedule, order=order, shuffle=shuffle,
+                                  drop_last=drop_last)
 
 
 class TensorSamples(Samples):
@@ -115,10 +129,12 @@ class TensorSamples(Samples):
 
 
 class DatasetSamples(Samples):
-    """Samples of a map-style ``Dataset`` whose items are ``(input, target)`` pairs."""
+    """Samples of a map-style ``Dataset`` whose items are ``(input, target)`` pairs, or any
+    items the user's ``collate`` makes batches of."""
 
-    def __init__(self, dataset: Any, *, what: str, device: torch.device | None = None) -> None:
-        self.dataset, self.what, self.device = dataset, what, device
+    def __init__(self, dataset: Any, *, what: str, device: torch.device | None = None,
+                 collate: Collate | None = None) -> None:
+        self.dataset, self.what, self.device, self.collate = dataset, what, device, collate
         try:
             self.length = len(dataset)
         except TypeError:
@@ -130,8 +146,12 @@ class DatasetSamples(Samples):
         return self.length
 
     def take(self, indices: torch.Tensor) -> Batch:
-        items = [self._item(int(i)) for i in indices.tolist()]
-        inputs, targets = default_collate(items)
+        if self.collate is not None:
+            items = [self.dataset[i] for i in indices.tolist()]
+            inputs, targets = collated(self.collate, items, what=self.what)
+        else:
+            items = [self._item(int(i)) for i in indices.tolist()]
+            inputs, targets = default_collate(items)
         batch = Batch(inputs, targets, len(items))
         return batch.to(self.device) if self.device is not None else batch
 
@@ -144,15 +164,23 @@ class DatasetSamples(Samples):
 
     def to(self, device: torch.device) -> DatasetSamples:
         moved = DatasetSamples.__new__(DatasetSamples)
-        moved.dataset, moved.what, moved.length, moved.device = (
-            self.dataset, self.what, self.length, device)
+        moved.dataset, moved.what, moved.length, moved.device, moved.collate = (
+            self.dataset, self.what, self.length, device, self.collate)
         return moved
 
 
-def samples_of(dataset: Any, *, what: str) -> Samples:
+def samples_of(dataset: Any, *, what: str, collate: Collate | None = None) -> Samples:
     """The samples of a user's dataset: a ``TensorDataset`` of two tensors or a tandem ``Split``
     as tensors, a map-style ``Dataset`` (or any sequence of pairs) by index, and an
-    ``IterableDataset`` (or any other iterable) read into memory first."""
+    ``IterableDataset`` (or any other iterable) read into memory first; with ``collate``, a
+    dataset of items that it makes batches of (a ``TensorDataset`` too)."""
+    if isinstance(dataset, DataLoader):
+        raise UsageError(f"{what} is a DataLoader; tandem makes the batches itself (--batch-size"
+                         f" is the global batch, split over the workers): give its dataset "
+                         f"(loader.dataset), with collate_fn=loader.collate_fn and "
+                         f"sampler=... to tandem.fit if it has its own")
+    if collate is not None:
+        return _collated_samples(dataset, what=what, collate=collate)
     if isinstance(dataset, Samples):
         return dataset
     streamed = getattr(dataset, "tandem_samples", None)
@@ -162,6 +190,24 @@ def samples_of(dataset: Any, *, what: str) -> Samples:
         return TensorSamples.of(dataset)
     if isinstance(dataset, TensorDataset) and len(dataset.tensors) == 2:
         return TensorSamples(*dataset.tensors)
+    return _items(dataset, what=what, collate=None)
+
+
+def _collated_samples(dataset: Any, *, what: str, collate: Collate) -> Samples:
+    """A user's dataset of items that ``collate`` makes batches of; data that tandem reads
+    and batches itself (shards, built-in data) is refused."""
+    if not callable(collate):
+        raise UsageError(f"collate_fn is a {type(collate).__name__}, not a function; give a "
+                         f"function of a list of items that returns (inputs, targets)")
+    if isinstance(dataset, (Samples, Split)) or hasattr(dataset, "tandem_samples"):
+        raise UsageError(f"collate_fn {function_label(collate)} makes batches of a Dataset's "
+                         f"items, and {what} is read and batched by tandem itself (shards or "
+                         f"built-in data); drop collate_fn, or give a Dataset")
+    return _items(dataset, what=what, collate=collate)
+
+
+def _items(dataset: Any, *, what: str, collate: Collate | None) -> Samples:
+    """A map-style dataset by index, an iterable one read into memory first."""
     if isinstance(dataset, IterableDataset) or (
             not hasattr(dataset, "__getitem__") and hasattr(dataset, "__iter__")):
         items = list(itertools.islice(iter(dataset), MAX_ITERABLE_SAMPLES + 1))
@@ -170,9 +216,9 @@ def samples_of(dataset: Any, *, what: str) -> Samples:
                              f"reads an IterableDataset into memory, so it must be finite")
         if not items:
             raise UsageError(f"{what} is empty; give at least one (input, target) sample")
-        return DatasetSamples(items, what=what)
+        return DatasetSamples(items, what=what, collate=collate)
     if isinstance(dataset, Dataset) or hasattr(dataset, "__getitem__"):
-        samples = DatasetSamples(dataset, what=what)
+        samples = DatasetSamples(dataset, what=what, collate=collate)
         if not len(samples):
             raise UsageError(f"{what} is empty; give at least one (input, target) sample")
         return samples

@@ -37,7 +37,7 @@ import hashlib
 import json
 import os
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -234,7 +234,11 @@ class ShardSamples(Samples):
                             device=device)
 
     def batch_sampler(self, *, global_batch_size: int, seed: int, partitions: int,
-                      schedule: Sequence[tuple[int, int]] | None = None) -> GlobalBatchSampler:
+                      schedule: Sequence[tuple[int, int]] | None = None,
+                      order: Callable[[int], torch.Tensor] | None = None,
+                      num_samples: int | None = None, shuffle: bool = True,
+                      drop_last: bool = False) -> GlobalBatchSampler:
+        assert order is None and shuffle and not drop_last, "refused by Task for shards"
         return ShardBatchSampler([s.samples for s in self.shards],
                                  global_batch_size=global_batch_size, seed=seed,
                                  partitions=partitions, shuffle_buffer=self.shuffle,

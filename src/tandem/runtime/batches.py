@@ -37,9 +37,14 @@ class BatchFeed:
         self.device = device
         self.partitions = partitions
         self.loader_workers = task.loader_workers
+        self.options = config.loader
+        """The run's ``DataLoader`` options (:class:`tandem.spec.loader.LoaderOptions`)."""
+        order = task.order
         self.sampler: GlobalBatchSampler = self.data.train.batch_sampler(
             global_batch_size=config.batch_size, seed=config.seed, partitions=partitions,
-            schedule=config.parsed_batch_schedule())
+            schedule=config.parsed_batch_schedule(), order=order,
+            num_samples=None if order is None else order.length,
+            shuffle=self.options.shuffle, drop_last=self.options.drop_last)
         self.loader: PlannedLoader | None = None
         self.wait_s = 0.0
         """Seconds the steps waited for their batches (read, or handed over), after the
@@ -67,7 +72,9 @@ class BatchFeed:
         plan = planned() if self.loader_workers else []
         if plan:
             self.loader = PlannedLoader(self.data.train, plan, workers=self.loader_workers,
-                                        device=self.device, context=child_context())
+                                        device=self.device, context=child_context(),
+                                        prefetch=self.options.prefetch,
+                                        pin_memory=self.options.pin_memory)
 
     def stop_loading(self) -> None:
         """Stop the background loader (its processes end)."""

@@ -11,6 +11,7 @@ from typing import Any
 from tandem.spec.batch_schedule import AUTO, BatchSchedule, parse_batch_schedule
 from tandem.cluster import parse_size
 from tandem.errors import UsageError
+from tandem.spec.loader import LoaderOptions
 from tandem.spec.model import is_builtin
 from tandem.spec.optimizer import (
     BUILTIN_OPTIMIZERS, TANDEM_OPTIMIZERS, canonical_optimizer, no_decay_kinds, parse_options,
@@ -145,6 +146,10 @@ class RunConfig:
     loader_workers: int | None = None
     """Background processes that read batches ahead (:mod:`tandem.data.loader`); None: 1 for
     data streamed from shards, 0 (read in the worker) for a user's ``Dataset``."""
+    loader_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """``DataLoader`` options that apply to tandem's batches (``{"drop_last": True,
+    "pin_memory": True}``, :class:`tandem.spec.loader.LoaderOptions`; ``tandem.fit``'s
+    ``loader_options``)."""
     cache_dir: str | None = None
     """Keep local copies of the shards of ``--data shards:DIR`` here (a slow source read once)."""
     find_unused_parameters: bool = False
@@ -243,10 +248,19 @@ class RunConfig:
                              f"{schedule[0][1]}, but --batch-size is {self.batch_size}; drop "
                              f"--batch-size (the schedule's first batch is the run's) or make "
                              f"them agree")
+        if self.loader.drop_last and self.batch_schedule is not None:
+            raise UsageError(f"loader option drop_last drops each epoch's short last batch, "
+                             f"which needs one batch size, and --batch-schedule "
+                             f"{self.batch_schedule} changes it; drop one of them")
         if self.batch_schedule == AUTO and self.loader_workers:
             raise UsageError(f"--batch-schedule auto decides the batch as training goes, but "
                              f"--loader-workers {self.loader_workers} reads batches ahead; use "
                              f"--loader-workers 0 or a fixed --batch-schedule")
+
+    @property
+    def loader(self) -> LoaderOptions:
+        """``loader_options``, checked."""
+        return LoaderOptions.parse(self.loader_options)
 
     def parsed_batch_schedule(self) -> BatchSchedule | None:
         """``batch_schedule`` as ``(first_step, batch_size)`` pairs; None without one or for

@@ -261,7 +261,17 @@ class Job:
                 "strategy": strategy_of(self.plan),
                 "batch_size": run.batch_size, "batch_schedule": run.batch_schedule,
                 "optimizer": run.optimizer, "no_decay": run.no_decay, "seed": run.seed,
-                "compress": self.plan.compress.text if self.plan.compress else None}
+                "compress": self.plan.compress.text if self.plan.compress else None,
+                "order": self._order()}
+
+    def _order(self) -> str | None:
+        """How the run orders its samples where it is not tandem's shuffle of whole epochs
+        (None then, as in checkpoints from before these options)."""
+        options, sampler = self.run.loader, getattr(self.objects, "sampler", None)
+        parts = [*([] if options.shuffle else ["shuffle=False"]),
+                 *(["drop_last=True"] if options.drop_last else []),
+                 *([] if sampler is None else [f"sampler={type(sampler).__name__}"])]
+        return ",".join(parts) or None
 
 
 def check_shard(plan: Plan, run: RunConfig) -> None:

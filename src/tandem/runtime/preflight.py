@@ -110,6 +110,31 @@ def _first_line(exc: BaseException) -> str:
     return lines[0][:200] if lines else ""
 
 
+def check_data(run: RunConfig, data: Data, objects: Any = None) -> None:
+    """The user's ``collate_fn`` makes a batch of the first items of each split, and the
+    user's sampler gives the same order when asked twice (:func:`tandem.data.collate.
+    check_collate`, :func:`tandem.data.user_sampler.check_order`), here rather than in every
+    worker; ``pin_memory`` needs the workers on GPUs."""
+    from tandem.data.collate import check_collate
+    from tandem.data.user_sampler import SamplerOrder, check_order
+    from tandem.runtime.dist import choose_backend
+
+    check_collate(data.train, batch_size=run.batch_size)
+    if data.test is not data.train:
+        check_collate(data.test, batch_size=run.batch_size)
+    sampler = getattr(objects, "sampler", None)
+    if sampler is not None:
+        order = SamplerOrder(sampler, seed=run.seed, num_items=len(data.train))
+        check_order(order)
+        if order.length < max(run.batches()):
+            raise UsageError(f"sampler {type(sampler).__name__} gives {order.length} samples an "
+                             f"epoch, fewer than a global batch of {max(run.batches())}; use a "
+                             f"smaller batch_size, or a sampler with more samples")
+    if run.loader.pin_memory and choose_backend(run.backend) != "nccl":
+        raise UsageError("loader option pin_memory=True pins batches for their copy to a GPU, "
+                         "and this run's workers train on the CPU (gloo); drop it")
+
+
 def check_batch(run: RunConfig, data: Data) -> None:
     """A global batch (each of a ``--batch-schedule``) takes at most the whole training split;
     ``--batch-schedule auto`` needs samples held, whose order does not depend on the batches

@@ -90,6 +90,7 @@ def check_job(job: Job) -> None:
     shares = model_shares(plan)
     data, model = preflight.build_checked(run, job.objects, shares=shares, meta=shares > 1,
                                           data=job.prepared)
+    preflight.check_data(run, data, job.objects)
     from tandem.runtime.learning_rate import check_run_optimizer  # delays torch
 
     check_run_optimizer(run, job.objects, model, stale=stale_updates(plan) and CompensationMode(

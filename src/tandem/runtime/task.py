@@ -24,6 +24,7 @@ from torch import nn
 
 from tandem import structures
 from tandem.data import Data, DataInfo, TensorSamples, data_of, load_data
+from tandem.data.user_sampler import SamplerOrder
 from tandem.errors import UsageError
 from tandem.loss import LossFn, checked_loss, evaluation, load_loss, loss_name, score_batch
 from tandem.models import build_model, is_builtin
@@ -64,6 +65,13 @@ class UserObjects:
     metrics: Any = None
     """``{name: metric(outputs, targets)}`` over each whole evaluation (see
     :mod:`tandem.runtime.user_metrics`); None: none."""
+    collate_fn: Any = None
+    """``collate_fn(items) -> (inputs, targets)``: makes the train and test batches from the
+    datasets' items (see :mod:`tandem.data.collate`); None: items are (input, target) pairs
+    that tandem stacks."""
+    sampler: Any = None
+    """A ``Sampler`` (or iterable) of training-set indices that orders each epoch (see
+    :mod:`tandem.data.user_sampler`); None: a shuffle by the seed."""
 
 
 class Task:
@@ -77,10 +85,16 @@ class Task:
             self.data: Data = data
         elif objects.train is not None:
             self.data = data_of(objects.train, objects.test, name=run.data,
-                                      info=objects.info)
+                                info=objects.info, collate=objects.collate_fn)
         else:
+            if objects.collate_fn is not None:
+                raise UsageError("collate_fn makes batches of the datasets given to tandem.fit "
+                                 "(train=, test=); a --data function returns its own: "
+                                 "(train, test, collate_fn)")
             self.data = load_data(run.data, cache_dir=getattr(run, "cache_dir", None))
         self.loader_workers = self._loader_workers(getattr(run, "loader_workers", None))
+        self.order = self._order(run)
+        """The user's sampler as each epoch's order (None: tandem's shuffle)."""
         self.scores_training_data = objects.train is not None and objects.test is None
         self.loss_fn: LossFn = objects.loss if objects.loss is not None else load_loss(run.loss)
         self.loss_label = loss_name(objects.loss if objects.loss is not None else run.loss)
@@ -89,15 +103,43 @@ class Task:
 
     def _loader_workers(self, given: int | None) -> int:
         """Background loader processes: as given, else 1 for streamed data and 0 otherwise;
-        refused for samples held in memory (nothing to read ahead)."""
+        refused for samples held in memory (nothing to read ahead). The loader options that
+        tune them need some."""
         train = self.data.train
-        if given is None:
-            return 1 if train.streams else 0
         if given and isinstance(train, TensorSamples):
             raise UsageError(f"--loader-workers {given} reads batches ahead from storage, and "
                              f"--data {self.run.data} is held in memory; drop --loader-workers "
                              f"(or stream it: tandem pack, then --data shards:DIR)")
-        return given
+        workers = (1 if train.streams else 0) if given is None else given
+        options = self.run.loader
+        for key, value in (("prefetch_factor", options.prefetch_factor),
+                           ("pin_memory", options.pin_memory or None)):
+            if value is not None and not workers:
+                raise UsageError(f"loader option {key}={value} tunes the loader processes that "
+                                 f"read batches ahead, and this run has none; add "
+                                 f"loader_workers=1 (DataLoader's num_workers) or drop {key}")
+        return workers
+
+    def _order(self, run: Any) -> SamplerOrder | None:
+        """The user's sampler over the training samples, which tandem's own order then
+        leaves to it; refused with streamed data (ordered by its shards) and with ``shuffle``
+        (as a ``DataLoader`` refuses both)."""
+        sampler, options = self.objects.sampler, run.loader
+        streams = self.data.train.streams
+        for given, value in (("shuffle=False", not options.shuffle),
+                             ("drop_last=True", options.drop_last)):
+            if value and streams:
+                raise UsageError(f"loader option {given} orders held samples, and --data "
+                                 f"{run.data} streams from shards in their own order; drop it")
+        if sampler is None:
+            return None
+        if streams:
+            raise UsageError(f"sampler orders held samples, and --data {run.data} streams from "
+                             f"shards in their own order; drop sampler")
+        if not options.shuffle:
+            raise UsageError("loader option shuffle=False conflicts with sampler (the sampler "
+                             "gives the order); drop one of them")
+        return SamplerOrder(sampler, seed=run.seed, num_items=len(self.data.train))
 
     def initializer(self) -> Initializer | None:
         """How a model built in pieces is initialized: a built-in one by module name, a user's
