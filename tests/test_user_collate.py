@@ -84,6 +84,33 @@ def test_fit_takes_a_collate_a_sampler_and_loader_options_on_two_workers() -> No
         assert torch.allclose(model.state_dict()[key], value, atol=1e-5), key
 
 
+@pytest.mark.multiprocess
+def test_gpipe_and_pipedream_with_vertical_sync_take_padded_batches() -> None:
+    """A traced model (split before its output layer) on padded batches: GPipe's 4
+    micro-batches equal a plain loop; PipeDream, whose activations carry the weight version
+    ahead of their shapes, runs every step (asynchronous: its weights differ)."""
+    torch.manual_seed(0)
+    model = padded_data.TokenNet()
+    start = copy.deepcopy(model)
+    train, test = padded_data.Sequences(48, seed=1), padded_data.Sequences(8, seed=2)
+    common = {"loss": padded_data.sequence_loss, "collate_fn": padded_data.pad, "steps": 6,
+              "batch_size": 8, "lr": 0.5, "momentum": 0.0, "seed": 3, "strategy": "pipeline",
+              "stages": 2, "nproc": 2, "split_points": "out"}
+    tandem.fit(model, train, test, schedule="gpipe", microbatches=4, **common)
+    sampler = GlobalBatchSampler(len(train), global_batch_size=8, seed=3)
+    optimizer = torch.optim.SGD(start.parameters(), lr=0.5)
+    for step in range(6):
+        inputs, targets = padded_data.pad([train[i] for i in sampler.global_indices(step)])
+        optimizer.zero_grad()
+        padded_data.sequence_loss(start(inputs), targets).backward()
+        optimizer.step()
+    for key, value in start.state_dict().items():
+        assert torch.allclose(model.state_dict()[key], value, atol=1e-5), key
+    summary = tandem.fit(padded_data.TokenNet, train, test, schedule="pipedream",
+                         vertical_sync=True, **common).summary
+    assert summary["steps"] == 6 and summary["vertical_sync"]
+
+
 @pytest.mark.pure
 def test_a_collate_that_raises_is_one_line_before_launch() -> None:
     with pytest.raises(UsageError) as error:
