@@ -262,16 +262,17 @@ class Job:
                 "batch_size": run.batch_size, "batch_schedule": run.batch_schedule,
                 "optimizer": run.optimizer, "no_decay": run.no_decay, "seed": run.seed,
                 "compress": self.plan.compress.text if self.plan.compress else None,
-                "order": self._order()}
+                "order": sample_order(self.run, self.objects)}
 
-    def _order(self) -> str | None:
-        """How the run orders its samples where it is not tandem's shuffle of whole epochs
-        (None then, as in checkpoints from before these options)."""
-        options, sampler = self.run.loader, getattr(self.objects, "sampler", None)
-        parts = [*([] if options.shuffle else ["shuffle=False"]),
-                 *(["drop_last=True"] if options.drop_last else []),
-                 *([] if sampler is None else [f"sampler={type(sampler).__name__}"])]
-        return ",".join(parts) or None
+
+def sample_order(run: RunConfig, objects: Any) -> str | None:
+    """How a run orders its samples where it is not tandem's shuffle of whole epochs, for
+    checkpoints to agree on (None then, as in checkpoints from before these options)."""
+    options, sampler = run.loader, getattr(objects, "sampler", None)
+    parts = [*([] if options.shuffle else ["shuffle=False"]),
+             *(["drop_last=True"] if options.drop_last else []),
+             *([] if sampler is None else [f"sampler={type(sampler).__name__}"])]
+    return ",".join(parts) or None
 
 
 def check_shard(plan: Plan, run: RunConfig) -> None:
