@@ -134,6 +134,10 @@ def test_metrics_see_the_whole_evaluation_in_order_and_fail_in_one_line() -> Non
     kept.keep(0, {"logits": torch.zeros(4, 3), "aux": torch.tensor(2.0)}, torch.ones(4))
     assert kept.values(gather=False) == {"test_first": 0.0, "test_parts": 3.0, "test_size": 6.0}
     assert KeptOutputs(None).values(gather=False) == {}
+    padded = KeptOutputs({"lengths": lambda out, y: float(sum(part.shape[1] for part in out))})
+    padded.keep(0, torch.zeros(2, 5), torch.zeros(2))
+    padded.keep(2, torch.zeros(2, 7), torch.zeros(2))  # batches padded to their own lengths
+    assert padded.values(gather=False) == {"test_lengths": 12.0}
     for metric, expected in [(_raise, "metric 'bad' failed: ValueError: no classes"),
                              (lambda out, y: "high", "returned str")]:
         failing = KeptOutputs({"bad": metric})

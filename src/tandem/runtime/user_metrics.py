@@ -13,7 +13,8 @@ samples' order and calls each metric once on the whole set::
 A metric ``name`` appears as ``test_<name>`` beside ``test_loss`` and ``test_accuracy``: in the
 summary, the metrics lines and the progress bar. It is given the model's outputs for every
 evaluated sample, each tensor of the output concatenated along its first (batch) dimension
-(0-dimensional tensors, one per scored chunk, stacked; other values from the first chunk), and
+(a list of the chunks' tensors where their other sizes differ, as padded batches' do;
+0-dimensional tensors, one per scored chunk, stacked; other values from the first chunk), and
 the targets likewise, and returns a number. Rank 0 holds the whole evaluation's outputs to do
 so: keep the test set to a size whose outputs fit in its memory.
 """
@@ -104,15 +105,19 @@ def _on_cpu(tree: Any) -> Any:
 
 
 def _joined(chunks: list[Any]) -> Any:
-    """The chunks' trees as one: tensors concatenated along the batch dimension, 0-dimensional
-    ones stacked, other values from the first chunk."""
+    """The chunks' trees as one: tensors concatenated along the batch dimension (a list of the
+    chunks' tensors where their other dimensions differ: batches padded each to its own
+    length), 0-dimensional ones stacked, other values from the first chunk."""
     flat = [pytree.tree_flatten(chunk) for chunk in chunks]
     leaves, spec = flat[0]
     joined = []
     for index, leaf in enumerate(leaves):
         column = [chunk_leaves[index] for chunk_leaves, _ in flat]
-        if isinstance(leaf, torch.Tensor):
-            joined.append(torch.cat(column) if leaf.dim() else torch.stack(column))
+        if isinstance(leaf, torch.Tensor) and not leaf.dim():
+            joined.append(torch.stack(column))
+        elif isinstance(leaf, torch.Tensor):  # chunks padded to their own lengths: a list
+            same = all(part.shape[1:] == leaf.shape[1:] for part in column)
+            joined.append(torch.cat(column) if same else column)
         else:
             joined.append(leaf)
     return pytree.tree_unflatten(joined, spec)
