@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
+from pathlib import Path
 from typing import Any
 
 from tandem import strict_json
@@ -17,7 +17,7 @@ from tandem.runtime.config import (
 )
 from tandem.runtime.job import Job, sketch_job
 from tandem.runtime.launcher_env import under_launcher, world_size
-from tandem.runtime.out_dir import default_out
+from tandem.runtime.out_dir import default_out, remove_if_unused
 from tandem.runtime.run import check_flags, make_job, run_training, start_forkserver
 from tandem.strategy import PLAN_FLAGS, STRATEGIES, plan_with_flags
 
@@ -229,27 +229,11 @@ def given_plan_flags(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def job_from_args(args: argparse.Namespace) -> Job:
-    """The run's settings and its plan: read from ``--plan``, or built from the flags. Without
-    ``--out`` (and ``--resume``, which needs it), the run's outputs go to a new
-    :func:`~tandem.runtime.out_dir.default_out`, removed again if the flags are refused."""
+    """The run's settings and its plan: read from ``--plan``, or built from the flags."""
     fields = RunConfig.__dataclass_fields__
     settings = resolve_batch_size(
         {key: value for key, value in vars(args).items() if key in fields and key != "nproc"})
-    made = None
-    if settings.get("out") is None and settings.get("resume") is None:
-        made = default_out()  # never nowhere
-        settings["out"] = str(made)
-    try:
-        job = _job(args, settings)
-    except BaseException:
-        if made is not None:
-            with contextlib.suppress(OSError):
-                made.rmdir()
-        raise
-    if made is not None:
-        print(f"tandem: writing this run's outputs to {made} (--out DIR chooses)",
-              file=sys.stderr)
-    return job
+    return _job(args, settings)
 
 
 def _job(args: argparse.Namespace, settings: dict[str, Any]) -> Job:
@@ -289,7 +273,16 @@ def print_summary(summary: dict[str, Any], as_json: bool) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    summary = run_training(job_from_args(args))
+    made = None
+    if args.out is None and args.resume is None:  # never nowhere (--resume auto needs --out)
+        made = args.out = str(default_out())
+    try:
+        summary = run_training(job_from_args(args), announce=None if made is None else (
+            f"tandem: writing this run's outputs to {made} (--out DIR chooses)"))
+    except BaseException:
+        if made is not None:
+            remove_if_unused(Path(made))
+        raise
     if summary is not None:
         print_summary(summary, args.json)
     return 0

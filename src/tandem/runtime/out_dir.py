@@ -68,6 +68,14 @@ def default_out() -> Path:
     raise AssertionError("unreachable")
 
 
+def remove_if_unused(out: Path) -> None:
+    """Remove ``out`` (a :func:`default_out` of a run that was refused or failed) if it holds
+    nothing but the lock file: no run's output is lost, and no empty run is left behind."""
+    with contextlib.suppress(OSError):
+        if {path.name for path in out.iterdir()} <= {LOCK_NAME}:
+            shutil.rmtree(out)
+
+
 @contextlib.contextmanager
 def claim_out(run: RunConfig) -> Iterator[None]:
     """Hold ``run.out`` for the duration of the body (see the module's docstring); on other

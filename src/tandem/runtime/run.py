@@ -8,6 +8,7 @@ imported inside the functions that use them (each import marked)."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 import tempfile
 from pathlib import Path
 from collections.abc import Mapping
@@ -146,14 +147,17 @@ def _check_writable(out: Path) -> None:
         ) from None
 
 
-def run_training(job: Job) -> dict[str, Any] | None:
+def run_training(job: Job, *, announce: str | None = None) -> dict[str, Any] | None:
     """Check, claim ``--out`` (:func:`~tandem.runtime.out_dir.claim_out`), launch and return
-    rank 0's summary (None on the other ranks of a torchrun job)."""
+    rank 0's summary (None on the other ranks of a torchrun job); ``announce`` is a line for
+    stderr once the job is checked (where its outputs go, when the user named no ``--out``)."""
     from tandem.runtime.launch import launch  # delays torch
     from tandem.runtime.out_dir import claim_out  # delays torch
     from tandem.runtime.worker import train_worker  # delays torch
 
     check_job(job)
+    if announce is not None:
+        print(announce, file=sys.stderr)
     if job.prepared is not None:  # the workers build their own
         job = dataclasses.replace(job, prepared=None)
     with claim_out(job.run):

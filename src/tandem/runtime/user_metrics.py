@@ -110,7 +110,7 @@ def _joined(chunks: list[Any]) -> Any:
     length), 0-dimensional ones stacked, other values from the first chunk."""
     flat = [pytree.tree_flatten(chunk) for chunk in chunks]
     leaves, spec = flat[0]
-    joined = []
+    joined: list[Any] = []
     for index, leaf in enumerate(leaves):
         column = [chunk_leaves[index] for chunk_leaves, _ in flat]
         if isinstance(leaf, torch.Tensor) and not leaf.dim():
