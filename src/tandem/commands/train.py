@@ -153,9 +153,11 @@ def add_train_arguments(parser: argparse.ArgumentParser, defaults: RunConfig) ->
         help="momentum of sgd and lars (default 0.9)")
     add("--weight-decay", type=float, default=defaults.weight_decay,
         help="weight decay of every optimizer that takes one (default 0)")
-    add("--lr-scaling", default=defaults.lr_scaling, metavar="linear|sqrt",
+    add("--lr-scaling", default=defaults.lr_scaling, metavar="linear|sqrt|auto",
         help="--lr is for a global batch of --base-batch B0; use it times B/B0 (linear, Goyal "
-        "et al. 2017; pair it with --warmup-steps) or sqrt(B/B0) at --batch-size B")
+        "et al. 2017; pair it with --warmup-steps) or sqrt(B/B0) at --batch-size B, or (auto, "
+        "--strategy dp on 2+ workers) times the gain per step the measured gradient noise "
+        "scale predicts, (1 + B_noise/B0) / (1 + B_noise/B)")
     add("--base-batch", type=int, default=defaults.base_batch, metavar="B0",
         help=f"the batch --lr is for under --lr-scaling (default {DEFAULT_BASE_BATCH})")
     add("--warmup-steps", type=int, default=defaults.warmup_steps)

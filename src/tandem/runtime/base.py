@@ -158,9 +158,10 @@ class BaseTrainer(Worker):
 
     def lr_multiplier(self, step: int) -> float:
         """The scheduler's factor of the optimizer's learning rate at ``step``: warm-up and
-        schedule, times the batch's (``--lr-scaling`` with a ``--batch-schedule``)."""
+        schedule, times the batch's (``--lr-scaling`` with a ``--batch-schedule``; ``auto``: at
+        the noise scale measured so far)."""
         return lr_factor(self.config, step) * batch_lr_factor(
-            self.config, self.feed.sampler.batch_size_at(step))
+            self.config, self.feed.sampler.batch_size_at(step), noise_scale=self.noise.estimate())
 
     # -- what a subclass supplies ----------------------------------------------------------------
 
@@ -309,7 +310,7 @@ def run_summary(trainer: BaseTrainer, last_step: int, evaluation: dict[str, floa
         "batch_schedule": config.batch_schedule,
         **({"batch_schedule_grown": format_schedule(sampler.schedule)}
            if config.batch_schedule == AUTO else {}),
-        "lr": scaled_lr(config),
+        "lr": scaled_lr(config, noise_scale=trainer.noise.estimate()),
         "final_loss": trainer.loss_log.loss, **evaluation, **trainer.task.summary_fields(),
         "samples_per_s": sum(sampler.batch_size_at(step) for step in range(
             trainer.first_step, trainer.first_step + len(trainer.step_times)))

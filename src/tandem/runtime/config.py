@@ -21,9 +21,9 @@ from tandem.spec.options import MAX_SEED
 OPTIMIZERS = BUILTIN_OPTIMIZERS
 """``--optimizer`` names tandem has always taken; any ``torch.optim`` class by name, or
 ``package.module:Class``, is taken too (:mod:`tandem.spec.optimizer`)."""
-LR_SCALINGS = ("linear", "sqrt")
-"""``--lr-scaling`` choices: ``--lr`` times B/B0 or sqrt(B/B0) (see
-:func:`tandem.runtime.learning_rate.scaled_lr`)."""
+LR_SCALINGS = ("linear", "sqrt", "auto")
+"""``--lr-scaling`` choices: ``--lr`` times B/B0, sqrt(B/B0), or the gain per step the measured
+gradient noise scale predicts (see :func:`tandem.runtime.learning_rate.scaled_lr`)."""
 DEFAULT_BASE_BATCH = 64
 """``--base-batch`` when ``--lr-scaling`` is given without it."""
 SCHEDULES = ("constant", "cosine", "step:FACTOR@STEP,...")
@@ -97,8 +97,10 @@ class RunConfig:
     """Momentum of SGD and LARS (other optimizers take theirs in ``optimizer_options``)."""
     weight_decay: float = 0.0
     lr_scaling: str | None = None
-    """``linear`` or ``sqrt``: ``lr`` is for a global batch of ``base_batch`` and the run uses it
-    times B/B0 or sqrt(B/B0) (:func:`tandem.runtime.learning_rate.scaled_lr`); None: ``lr`` as given."""
+    """``linear``, ``sqrt`` or ``auto``: ``lr`` is for a global batch of ``base_batch`` and the
+    run uses it times B/B0, sqrt(B/B0), or (auto, data parallelism) the gain per step that the
+    measured gradient noise scale predicts (:func:`tandem.runtime.learning_rate.scaled_lr`);
+    None: ``lr`` as given."""
     base_batch: int | None = None
     """The batch B0 that ``lr`` is for under ``lr_scaling`` (None: ``DEFAULT_BASE_BATCH``)."""
     warmup_steps: int = 0
@@ -281,8 +283,8 @@ class RunConfig:
             return
         if self.lr_scaling is None:
             raise UsageError(f"--base-batch {self.base_batch} is the batch --lr is for, which "
-                             f"only --lr-scaling uses; add --lr-scaling linear (or sqrt), or "
-                             f"drop --base-batch")
+                             f"only --lr-scaling uses; add --lr-scaling linear (or sqrt, or "
+                             f"auto), or drop --base-batch")
         if self.base_batch < 1:
             raise UsageError(f"--base-batch must be at least 1 (got {self.base_batch}); e.g. "
                              f"--base-batch {DEFAULT_BASE_BATCH}")

@@ -67,7 +67,7 @@ class Job:
                              f"training, which --servers {servers} hold in parts that are at "
                              f"different updates; use --servers 1, or drop --eval-every (the "
                              f"model is evaluated at the end)")
-        self._check_auto_batch()
+        check_noise_users(self.plan, self.run)
         self._check_nesterov()
         check_optimizer_plan(self.plan, self.run, self.objects)
         check_callbacks_plan(self.plan, getattr(self.objects, "callbacks", None))
@@ -117,6 +117,9 @@ class Job:
                                  "it follows the gradient noise scale, which tensor-parallel "
                                  "workers do not measure (they share every batch); give the "
                                  "schedule, e.g. --batch-schedule 64@0,128@200"),
+            "--lr-scaling": (run.lr_scaling if run.lr_scaling == "auto" else None,
+                             "it follows the gradient noise scale, which tensor-parallel workers "
+                             "do not measure (they share every batch): use linear or sqrt"),
             "--find-unused-parameters": (True if run.find_unused_parameters else None,
                                          "it is DDP's, and tensor-parallel workers sum their "
                                          "gradients without DDP (a parameter the forward does "
@@ -166,17 +169,6 @@ class Job:
                              f"be checkpointed (each worker's codec state would not match the "
                              f"servers' checkpoint, which they take among its pushes); drop "
                              f"--resume/--stop-after/--checkpoint-every, or use --mode sync")
-
-    def _check_auto_batch(self) -> None:
-        """``--batch-schedule auto`` reads the gradient noise scale that data parallelism's
-        allreduce measures; other strategies have no such estimate."""
-        if self.run.batch_schedule != AUTO:
-            return
-        if self.plan.pipelined or not isinstance(self.plan.sync, AllReduceSync):
-            raise UsageError(f"--batch-schedule auto grows the batch toward the gradient noise "
-                             f"scale that --strategy dp measures, and this run is "
-                             f"{strategy_of(self.plan)}; use --strategy dp, or give the schedule "
-                             f"(e.g. --batch-schedule 64@0,128@200)")
 
     def _check_nesterov(self) -> None:
         """EAMSGD's Nesterov momentum is SGD's, and needs some (``--momentum`` is its delta)."""
@@ -306,6 +298,9 @@ def check_shard(plan: Plan, run: RunConfig) -> None:
             "--batch-schedule": (run.batch_schedule if run.batch_schedule == AUTO else None,
                                  f"it follows the noise scale, which is not measured as "
                                  f"{level} (give the schedule, or --shard-level 1)"),
+            "--lr-scaling": (run.lr_scaling if run.lr_scaling == "auto" else None,
+                             f"it follows the noise scale, which is not measured as {level} "
+                             f"(give --lr-scaling linear or sqrt, or --shard-level 1)"),
             "--find-unused-parameters": (True if run.find_unused_parameters else None,
                                          f"{level}, for the parameters used only "
                                          f"(--shard-level 1 takes it)"),
@@ -322,6 +317,32 @@ def check_shard(plan: Plan, run: RunConfig) -> None:
             shown = "" if value is True else f" {value}"
             raise UsageError(f"{flag}{shown} is not supported with {shard} yet: {why}; "
                              f"drop {flag} or {shard}")
+
+
+def check_noise_users(plan: Plan, run: RunConfig) -> None:
+    """``--batch-schedule auto`` and ``--lr-scaling auto`` read the gradient noise scale, which
+    data parallelism's allreduce measures (``--strategy dp``; tensor parallelism and
+    ``--shard-level`` 2-3 are refused in their own checks); ``--lr-scaling auto`` also needs two
+    or more workers (each one's gradient against their mean), where the batch schedule grows
+    from an estimate that never comes (and stays as given)."""
+    strategy = strategy_of(plan)
+    other = plan.pipelined or not isinstance(plan.sync, AllReduceSync)
+    if run.batch_schedule == AUTO and other:
+        raise UsageError(f"--batch-schedule auto grows the batch toward the gradient noise "
+                         f"scale that --strategy dp measures, and this run is {strategy}; use "
+                         f"--strategy dp, or give the schedule (e.g. --batch-schedule "
+                         f"64@0,128@200)")
+    if run.lr_scaling != "auto":
+        return
+    if other:
+        raise UsageError(f"--lr-scaling auto scales --lr by the gradient noise scale that "
+                         f"--strategy dp measures, and this run is {strategy}; use --strategy "
+                         f"dp, or --lr-scaling linear or sqrt")
+    if plan.stages[0].replicas < 2:
+        raise UsageError(f"--lr-scaling auto scales --lr by the gradient noise scale, which is "
+                         f"measured from two or more data-parallel workers (each one's gradient "
+                         f"against their mean), and this run has {plan.stages[0].replicas}; use "
+                         f"--nproc 2 or more, or --lr-scaling linear or sqrt")
 
 
 def check_optimizer_plan(plan: Plan, run: RunConfig, objects: Any = None) -> None:

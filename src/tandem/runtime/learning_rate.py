@@ -61,15 +61,38 @@ def build_optimizer(config: RunConfig,
     return cls(groups.assign(named), **kwargs)
 
 
-def scaled_lr(config: RunConfig, batch_size: int | None = None) -> float:
+def scaled_lr(config: RunConfig, batch_size: int | None = None, *,
+              noise_scale: float | None = None) -> float:
     """The learning rate at global batch ``batch_size`` (default ``config.batch_size``): ``--lr``
     itself, or with ``--lr-scaling`` the ``--lr`` given for ``--base-batch`` B0 times ``B/B0``
-    (linear) or ``sqrt(B/B0)`` (sqrt); warm-up and schedule multiply it (:func:`lr_factor`)."""
+    (linear), ``sqrt(B/B0)`` (sqrt) or :func:`auto_lr_factor` at the measured ``noise_scale``
+    (auto); warm-up and schedule multiply it (:func:`lr_factor`)."""
     batch = config.batch_size if batch_size is None else batch_size
     if config.lr_scaling is None:
         return config.lr
-    ratio = batch / (config.base_batch or DEFAULT_BASE_BATCH)
+    base = config.base_batch or DEFAULT_BASE_BATCH
+    if config.lr_scaling == "auto":
+        return config.lr * auto_lr_factor(batch, base, noise_scale)
+    ratio = batch / base
     return config.lr * (ratio if config.lr_scaling == "linear" else math.sqrt(ratio))
+
+
+def auto_lr_factor(batch: float, base_batch: float, noise_scale: float | None) -> float:
+    """``--lr-scaling auto``: what multiplies the learning rate tuned at ``base_batch`` B0 at
+    ``batch`` B, by McCandlish et al.'s model (2018, eqs. 2.6-2.7). A step at batch B makes as
+    much progress as ``1 / (1 + B_noise/B)`` steps of a noiseless gradient (the steps to a loss
+    are ``S_min (1 + B_noise/B)``), and the best SGD learning rate follows the same gain,
+    ``eps_max / (1 + B_noise/B)``; so::
+
+        factor = (1 + B_noise/B0) / (1 + B_noise/B)
+
+    Linear (B/B0) while B is far below the noise scale, flat (1) far above it: always between
+    1 and B/B0. While ``noise_scale`` is unknown (None: not measured yet), 1, the learning rate
+    as tuned (a larger one before the noise scale says it pays is what makes large batches
+    diverge)."""
+    if noise_scale is None or not noise_scale > 0:
+        return 1.0
+    return (1.0 + noise_scale / base_batch) / (1.0 + noise_scale / batch)
 
 
 def lr_factor(config: RunConfig, step: int) -> float:
@@ -86,15 +109,18 @@ def lr_factor(config: RunConfig, step: int) -> float:
     return 1.0
 
 
-def batch_lr_factor(config: RunConfig, batch_size: int) -> float:
+def batch_lr_factor(config: RunConfig, batch_size: int, *,
+                    noise_scale: float | None = None) -> float:
     """Learning-rate multiplier for a step of global batch ``batch_size`` against the run's
-    first batch (``config.batch_size``, which :func:`build_optimizer` scaled for): 1 without
-    ``--lr-scaling`` (the learning rate does not follow a ``--batch-schedule``), else the ratio
-    of :func:`scaled_lr` at the two batches. Every trainer's learning rate goes through here
+    first batch (``config.batch_size``) before any noise scale is measured, which
+    :func:`build_optimizer` scaled for: 1 without ``--lr-scaling`` (the learning rate does not
+    follow a ``--batch-schedule``), else the ratio of :func:`scaled_lr` at the two (``auto``:
+    at the measured ``noise_scale``, so the rate follows the estimate as it settles). Every
+    trainer's learning rate goes through here
     (:meth:`~tandem.runtime.base.BaseTrainer.setup_optimizer`, the parameter server's step)."""
     if config.lr_scaling is None:
         return 1.0
-    return scaled_lr(config, batch_size) / scaled_lr(config)
+    return scaled_lr(config, batch_size, noise_scale=noise_scale) / scaled_lr(config)
 
 
 def constant_lr(config: RunConfig) -> bool:
