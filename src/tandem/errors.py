@@ -70,6 +70,11 @@ class MachineWarning(TandemWarning):
     """This machine runs the job as asked, only slower (more workers than cores)."""
 
 
+class LearningWarning(TandemWarning):
+    """A run's loss diverged or stalled without stopping it, or its learning rate is scaled with
+    a batch beyond the critical batch (:mod:`tandem.runtime.learning`)."""
+
+
 class PlanWarning(TandemWarning):
     """A run does not follow its plan exactly (its devices, its tensor layers), so its time or
     layout may differ from what was planned."""

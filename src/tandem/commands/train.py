@@ -264,9 +264,10 @@ def print_summary(summary: dict[str, Any], as_json: bool) -> None:
         print(strict_json.dumps(summary), flush=True)
         return
     for key in ("strategy", "mode", "shard", "schedule", "pipeline", "model", "world_size", "steps",
-                "final_loss", "test_accuracy", "samples_per_s", "updates_per_s", "step_time_s",
-                "sent_bytes_per_step", "compression_ratio", "activation_compression_ratio",
-                "dropped_pushes", "wall_s", "out"):
+                "final_loss", "learning", "test_accuracy", "samples_per_s", "updates_per_s",
+                "step_time_s", "sent_bytes_per_step", "compression_ratio",
+                "activation_compression_ratio", "dropped_pushes", "critical_batch", "wall_s",
+                "out"):
         if summary.get(key) is None:
             continue
         value = summary[key]

@@ -33,6 +33,7 @@ from tandem.runtime.divergence import DivergenceCheck, LossWatch
 from tandem.runtime.export import ShardedFinal, write_final
 from tandem.runtime.faults import maybe_fail
 from tandem.runtime.job import Job
+from tandem.runtime.learning import Learning
 from tandem.runtime.learning_rate import batch_lr_factor, lr_factor, scaled_lr
 from tandem.runtime.loss_log import LogHooks, LossLog
 from tandem.runtime.memory import PeakMemory
@@ -214,6 +215,7 @@ class BaseTrainer(Worker):
                             self.module.parameters(), step)),
             told if told.active else None,
             self.noise, self.compensation, self.precision,
+            Learning(self.reporter, self.plan, config),
         )
 
     def start_components(self) -> Components:

@@ -27,7 +27,8 @@ class Reporter(Component):
     """Progress bar (stderr) and logs of rank 0 (``log_to``, in ``out``; none without it);
     other ranks get a silent one. The logs are open inside its ``with`` block, and closed
     (flushed) when it ends, however it ends. As a component, it advances the bar after every
-    step, and gives the summary the logs it writes (``logs``)."""
+    step, and gives the summary the logs it writes (``logs``); :meth:`watch` shows every line it
+    records to another (the judge of the loss, :class:`~tandem.runtime.learning.Learning`)."""
 
     def __init__(self, *, enabled: bool, show_progress: bool, out: Path | None,
                  log_to: str = "jsonl", total_steps: int, first_step: int,
@@ -49,6 +50,11 @@ class Reporter(Component):
             "train", total=total_steps, completed=first_step, loss="-", rate="-", evaluation=""
         )
         self._start = time.perf_counter()
+        self._watchers: list[Callable[[dict[str, Any]], None]] = []
+
+    def watch(self, watcher: Callable[[dict[str, Any]], None]) -> None:
+        """Call ``watcher`` with the fields of every line recorded from now on (rank 0's)."""
+        self._watchers.append(watcher)
 
     def __enter__(self) -> Reporter:
         if self._logs is not None:
@@ -101,6 +107,8 @@ class Reporter(Component):
         fields["time_s"] = round(time.perf_counter() - self._start, 4)
         for sink in self.sinks:
             sink.write(fields, section)
+        for watcher in self._watchers:
+            watcher(fields)
 
     def message(self, text: str) -> None:
         """A line for the user, above the bar: one line, never wrapped at the console's width

@@ -20,6 +20,7 @@ from tandem.runtime.job import Job, sketch_job, stale_updates
 from tandem.plan import Plan
 from tandem.runtime.faults import check_fault
 from tandem.runtime.launcher_env import under_launcher, world_size
+from tandem.runtime.learning import warn_learning
 from tandem.spec.codec import check_codec
 from tandem.spec.data import check_data_spec
 from tandem.spec.kinds import CompensationMode
@@ -149,8 +150,10 @@ def _check_writable(out: Path) -> None:
 
 def run_training(job: Job, *, announce: str | None = None) -> dict[str, Any] | None:
     """Check, claim ``--out`` (:func:`~tandem.runtime.out_dir.claim_out`), launch and return
-    rank 0's summary (None on the other ranks of a torchrun job); ``announce`` is a line for
-    stderr once the job is checked (where its outputs go, when the user named no ``--out``)."""
+    rank 0's summary (None on the other ranks of a torchrun job), after warning once if its loss
+    diverged or stalled (:func:`~tandem.runtime.learning.warn_learning`); ``announce`` is a line
+    for stderr once the job is checked (where its outputs go, when the user named no ``--out``).
+    """
     from tandem.runtime.launch import launch  # delays torch
     from tandem.runtime.out_dir import claim_out  # delays torch
     from tandem.runtime.worker import train_worker  # delays torch
@@ -161,8 +164,11 @@ def run_training(job: Job, *, announce: str | None = None) -> dict[str, Any] | N
     if job.prepared is not None:  # the workers build their own
         job = dataclasses.replace(job, prepared=None)
     with claim_out(job.run):
-        return launch(train_worker, job, nproc=job.run.nproc, threads=job.run.threads,
-                      max_restarts=job.run.max_restarts)
+        summary = launch(train_worker, job, nproc=job.run.nproc, threads=job.run.threads,
+                         max_restarts=job.run.max_restarts)
+    if summary is not None:
+        warn_learning(summary, job.run)
+    return summary
 
 
 def make_job(strategy: str = "dp", flags: Mapping[str, Any] | None = None, *,

@@ -40,6 +40,7 @@ from tandem.runtime.ps.shard import ServerShard
 from tandem.runtime.ps.stats import ServerLog, ServerStats
 from tandem.runtime.ps.summary import NO_NOISE_SCALE, finish
 from tandem.runtime.ps.update import ServerPeers, UpdateRule, check_push
+from tandem.runtime.learning import Learning
 from tandem.runtime.noise_scale import NoiseScale
 from tandem.runtime.reporting import PeriodicEvaluation, Reporter
 from tandem.runtime.task import Task
@@ -361,4 +362,5 @@ def server_components(server: ParameterServer) -> Components:
         server.codecs if server.codecs.spec is not None else None,
         server.checkpoint if config.checkpoint_every else None,
         server.rule.compensation, NoiseScale.unavailable(NO_NOISE_SCALE),
+        Learning(reporter, server.job.plan, config),
     )
