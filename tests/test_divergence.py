@@ -57,7 +57,7 @@ def test_the_rules_step_by_step() -> None:
         None, None, None, None, "loss exploded to 5000 (over 1000 x max(its first value 2.3, 1))"]
 
 
-def _train_curve(lr: float, optimizer: str, steps: int, seed: int = 0) -> list[float]:
+def train_curve(lr: float, optimizer: str, steps: int, seed: int = 0) -> list[float]:
     """Per-step losses of a real single-process run: the MLP on digits, one worker's share (32
     of a 64-sample global batch), as a worker of a 2-worker data-parallel job judges them."""
     data = build_dataset("digits")
@@ -86,7 +86,7 @@ def test_healthy_runs_are_never_flagged(lr: float, optimizer: str) -> None:
     """Real loss curves (the defaults; a lr 4x larger, whose loss spikes to twice its start
     and recovers; Adam), and synthetic ones with the spikes of healthy training: a
     classifier's, a language model's and a regression's."""
-    curve = _train_curve(lr, optimizer, steps=300)
+    curve = train_curve(lr, optimizer, steps=300)
     assert curve[-1] < 0.5 * curve[0]  # it trained
     assert verdicts(curve) == [None] * len(curve)
     decay = [0.05 + 2.25 * math.exp(-step / 40) for step in range(500)]
@@ -100,7 +100,7 @@ def test_healthy_runs_are_never_flagged(lr: float, optimizer: str) -> None:
 
 @pytest.mark.pure
 def test_a_real_divergence_is_flagged_at_its_first_bad_step() -> None:
-    curve = _train_curve(3.0, "sgd", steps=40)
+    curve = train_curve(3.0, "sgd", steps=40)
     flagged = [step for step, verdict in enumerate(verdicts(curve)) if verdict]
     assert flagged and all(loss < 1e3 for loss in curve[:flagged[0]])
     assert not math.isfinite(curve[flagged[0]]) or curve[flagged[0]] > exploding_limit(curve[0])

@@ -6,6 +6,7 @@ per step it predicts."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from tandem.runtime.learning_rate import auto_lr_factor, batch_lr_factor, scaled
 from tandem.runtime.reporting import Reporter
 from tandem.runtime.job import sketch_job
 from tests.conftest import run_cli, run_here, run_json
+from tests.test_divergence import train_curve
 
 GOOD = [2.302, 2.289, 2.257, 2.196, 2.007, 1.489, 0.813, 0.59, 0.443, 0.28, 0.218, 0.19, 0.225,
         0.153, 0.162, 0.148, 0.11, 0.083, 0.121, 0.122, 0.113, 0.091, 0.111, 0.089, 0.075,
@@ -51,6 +53,29 @@ GOOD = [2.302, 2.289, 2.257, 2.196, 2.007, 1.489, 0.813, 0.59, 0.443, 0.28, 0.21
 ])
 def test_the_rule_over_logged_losses(losses: list[float], verdict: str | None) -> None:
     assert judge(losses) == verdict
+
+
+def _lines(losses: list[float], every: int = 10) -> list[float]:
+    """The mean losses of metrics lines every ``every`` steps."""
+    return [sum(losses[i:i + every]) / len(losses[i:i + every])
+            for i in range(0, len(losses), every)]
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize(("lr", "optimizer", "verdict"), [
+    (0.2, "sgd", "ok"),  # 4x the default: its loss spikes to twice its start and recovers
+    (0.01, "adam", "ok"),
+    (1.0, "sgd", "stalled"),  # at chance (2.32) from step 20 on
+])
+def test_real_curves(lr: float, optimizer: str, verdict: str) -> None:
+    """The per-step curves test_divergence.py checks (300 steps on digits), as metrics lines
+    of ten steps; and its synthetic healthy ones, spikes included."""
+    assert judge(_lines(train_curve(lr, optimizer, steps=300))) == verdict
+    decay = [0.05 + 2.25 * math.exp(-step / 40) for step in range(500)]
+    spiky = [loss * (30 if step % 97 == 50 else 1) for step, loss in enumerate(decay)]
+    language = [3.0 + 7.8 * math.exp(-step / 100) * (3 if step == 250 else 1)
+                for step in range(500)]
+    assert [judge(_lines(losses)) for losses in (decay, spiky, language)] == ["ok"] * 3
 
 
 @pytest.mark.pure
