@@ -58,8 +58,6 @@ STALL = 0.01
 MAX_LINES = 4096
 """Lines :class:`Learning` keeps; beyond, neighbouring lines are averaged in pairs (its state
 goes into every checkpoint)."""
-VERDICTS = ("ok", "stalled", "diverged")
-"""``learning`` in the summary (or null: too few lines to judge)."""
 
 
 def judge(losses: Sequence[float]) -> str | None:
@@ -93,8 +91,8 @@ def _marks(losses: Sequence[float]) -> tuple[float, float, float, float] | None:
 def critical_batch(noise_scales: Sequence[float]) -> int | None:
     """The critical batch, B_crit ~ B_noise ~ B_simple (McCandlish et al. 2018, section 2.2):
     the median of the noise scale as the run's metrics lines measured it (each a moving average
-    over about 100 steps; the median ignores the first, unsettled ones and those of a loss that
-    blew up), rounded; None where none was measured."""
+    over about 100 steps; the median is not moved by the first, unsettled ones, nor by those of a
+    loss that blew up), rounded; None where none was measured."""
     measured = [value for value in noise_scales if value is not None and math.isfinite(value)]
     return max(1, round(statistics.median(measured))) if measured else None
 
@@ -131,7 +129,7 @@ class Learning(Component):
         self.batch = fields.get("batch_size", self.batch)
         self.lr = fields.get("lr", self.lr)
         if len(self.losses) > MAX_LINES:
-            self.steps, self.losses = self.steps[::2], _pairs(self.losses)
+            self.steps, self.losses = self.steps[::2], _pairs(self.losses)  # a pair's last step
             self.noise_scales = _pairs(self.noise_scales)
 
     def summary(self) -> dict[str, Any]:
