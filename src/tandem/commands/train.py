@@ -279,8 +279,10 @@ def run(args: argparse.Namespace) -> int:
     made = None
     if args.out is None and args.resume is None:  # never nowhere (--resume auto needs --out)
         made = args.out = str(default_out())
+    # said at the start at a terminal; the summary names it (``out``) wherever it goes
+    told = made is not None and sys.stderr.isatty()
     try:
-        summary = run_training(job_from_args(args), announce=None if made is None else (
+        summary = run_training(job_from_args(args), announce=None if not told else (
             f"tandem: writing this run's outputs to {made} (--out DIR chooses)"))
     except BaseException:
         if made is not None:
