@@ -24,7 +24,7 @@ from tandem.strategy import plan_from_flags
 pytestmark = pytest.mark.pure
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "tandem"
-VGG = str(Path(__file__).resolve().parents[2] / "shared" / "profiles" / "vgg16.graph.txt")
+VGG = str(Path(__file__).resolve().parent / "data" / "profiles" / "vgg16.graph.txt")
 
 
 def test_schedule_kinds_answer_by_property() -> None:

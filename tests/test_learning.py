@@ -107,7 +107,7 @@ def test_auto_factor_is_the_gain_per_step() -> None:
 
 def _learning(lines: list[dict[str, float]], **settings: object) -> Learning:
     job = sketch_job("dp", {}, RunConfig(nproc=2, steps=100, **settings))  # type: ignore[arg-type]
-    reporter = Reporter(enabled=True, show_progress=False, metrics_path=None, total_steps=100,
+    reporter = Reporter(enabled=True, show_progress=False, out=None, total_steps=100,
                         first_step=0)
     learning = Learning(reporter, job.plan, job.run)
     for line in lines:
@@ -146,7 +146,7 @@ def test_causes_in_order() -> None:
     assert note.startswith("learning stalled: the loss stopped falling: 2.3 by step 30, 2.3 by "
                            "step 60; likely cause: the learning rate (0.05 at the end)")
     staleness = sketch_job("ps", {"--mode": "async"}, RunConfig(nproc=3, steps=100))
-    learning = Learning(Reporter(enabled=True, show_progress=False, metrics_path=None,
+    learning = Learning(Reporter(enabled=True, show_progress=False, out=None,
                                  total_steps=100, first_step=0), staleness.plan, staleness.run)
     for line in flat[:3] + [{**line, "loss": 9.0} for line in flat[3:]]:
         learning.observe(line)
