@@ -169,7 +169,9 @@ def test_a_sharded_checkpoint_resumes_on_another_world_and_as_dp(shared_run: Sha
         assert summary["steps"] == 8 and summary["finished"]
         assert max_abs_diff(whole / "final.pt", again / "final.pt") <= 1e-6, name
     assert sorted(p.name for p in (tmp_path / "shard2").glob("checkpoint-*.dcp")) == [
-        "checkpoint-8.dcp"]  # the older folder is removed once checkpoint.pt names the new
+        "checkpoint-4.dcp", "checkpoint-8.dcp"]  # the latest and the previous checkpoint's
+    assert torch.load(tmp_path / "shard2" / "previous" / "checkpoint.pt",
+                      weights_only=False)["sharded"] == "checkpoint-4.dcp"
     # and back: a whole checkpoint of dp on 2 resumed as --shard 2, each rank cutting its shards
     dp = tmp_path / "dp-first"
     run_json("train", *MLP, "--nproc", "2", "--stop-after", "4", "--out", str(dp))

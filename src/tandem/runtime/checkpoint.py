@@ -1,5 +1,6 @@
-"""Checkpoints written atomically (write, fsync, rename) and read back with clear errors, and
-the component that saves them at ``--checkpoint-every`` steps and the last."""
+"""Checkpoints written atomically (write, fsync, rename) with a checksum, read back with clear
+errors (a corrupt one named as such), and the component that saves them at
+``--checkpoint-every`` steps and the last."""
 
 from __future__ import annotations
 
@@ -7,15 +8,22 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any, cast
+from typing import IO, TYPE_CHECKING, Any, cast
 
 import torch
 
 from tandem.errors import UsageError
-from tandem.output_files import atomic, write_all
+from tandem.output_files import atomic
+from tandem.runtime.checksum import HashingWrites, WholeWrites, verify_file
+from tandem.runtime.component import Component, StepEnd
+from tandem.runtime.run_checkpoints import (
+    check_held, check_servers, corrupt, keep_previous, peek, resume_where,
+)
+
+if TYPE_CHECKING:
+    from tandem.runtime.job import Job
 
 logger = logging.getLogger(__name__)
-from tandem.runtime.component import Component, StepEnd
 
 CHECKPOINT_VERSION = 4
 """2: every worker's own state (random stream, codec residuals; models of decentralized
@@ -23,63 +31,77 @@ strategies) under ``ranks``. 3: the components' states (precision, noise scale, 
 batch schedule, a server's codecs), each under its name, in ``components``
 (:meth:`~tandem.runtime.component.Components.state_dict`). 4: a tensor-parallel layer's
 fused query/key/value rows in the model's order (no ``row_orders``)."""
+CHECKSUM = "sha256"
+"""What a checkpoint's ``checksum`` entry says: its file ends with the SHA-256 of its bytes
+(:mod:`tandem.runtime.checksum`); a file without the entry is of a tandem before checksums."""
 
 
-def save_atomic(obj: Any, path: str | Path) -> None:
-    """Save ``obj`` to ``path`` so that a crash leaves either the old file or the new one.
+def save_atomic(obj: Any, path: str | Path, *, checksum: bool = False) -> None:
+    """Save ``obj`` to ``path`` so that a crash leaves either the old file or the new one; with
+    ``checksum``, the file ends with the SHA-256 of its bytes (:mod:`tandem.runtime.checksum`).
 
     A failed write (disk full, permissions) is one line naming ``path`` and the cause
     (:func:`~tandem.output_files.write_failure`), and leaves no temporary file.
     """
     with atomic(path) as tmp:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        writer = _WholeWrites(fd)
+        writer = HashingWrites(fd) if checksum else WholeWrites(fd)
         try:
             torch.save(obj, cast(IO[bytes], writer))  # it writes, flushes, and needs no more
+            writer.finish()
         except RuntimeError:
             if writer.error is None:
                 raise
             raise writer.error from None  # torch's own error on the way out hides it
         finally:
+            writer.close()
             os.close(fd)
 
 
-class _WholeWrites:
-    """A file for ``torch.save`` whose writes are never short and whose failure is kept: torch
-    reports a short or failed write as ``RuntimeError: [enforce fail at inline_container.cc]``,
-    with neither the path nor the cause; this keeps the ``OSError`` (``ENOSPC``) it is."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self.error: OSError | None = None
-
-    def write(self, data: bytes) -> int:
-        try:
-            write_all(self.fd, data)
-        except OSError as exc:
-            self.error = self.error or exc
-            raise
-        return memoryview(data).nbytes
-
-    def flush(self) -> None:
-        """Nothing is buffered here."""
+def save_checkpoint(state: dict[str, Any], path: Path, *, resume: str | None) -> None:
+    """Save a checkpoint's ``state`` to ``path`` (atomically, with a checksum), keeping the
+    checkpoint it replaces as ``previous/NAME`` beside it (:func:`keep_previous`; not when this
+    run resumed from that one, ``resume``)."""
+    keep_previous(path, resume)
+    save_atomic({**state, "checksum": CHECKSUM}, path, checksum=True)
 
 
-def resume_path(resume: str | None, out: str | Path | None,
-                name: str = "checkpoint.pt") -> Path | None:
+def resume_path(job: Job, out: str | Path | None, name: str = "checkpoint.pt") -> Path | None:
     """The checkpoint a run resumes from: None without ``--resume``; with ``--resume auto``
     (or a bare ``--resume``), ``OUT/name`` if it exists and None (start afresh) if not, so the
     same command line serves every attempt of a restarted job; with ``--resume PATH``, that
-    file's folder's ``name`` (which must exist)."""
+    file's folder's ``name`` (a folder's own ``name``), which must exist. Where ``name`` is
+    missing but the folder holds a checkpoint this run cannot continue (another strategy's,
+    other servers'), one line refuses it (:func:`~tandem.runtime.run_checkpoints.check_held`)."""
+    resume = job.run.resume
     if resume is None:
         return None
     if resume == "auto":
         if out is None:
             raise UsageError("--resume auto needs --out DIR (it resumes DIR/checkpoint.pt)")
-        path = Path(out) / name
-        return path if path.is_file() else None
-    given = Path(resume)
-    return given if name == "checkpoint.pt" else given.with_name(name)
+        folder = Path(out)
+        path = folder / name
+    else:
+        given = Path(resume)
+        folder = given if given.is_dir() else given.parent
+        path = given if name == "checkpoint.pt" and not given.is_dir() else folder / name
+    if not path.is_file() and folder.is_dir():
+        check_held(folder, name, job, resume_where(resume, folder))
+    return path if path.is_file() or resume != "auto" else None
+
+
+def check_resume(job: Job) -> None:
+    """Before any worker starts (the launcher's check): refuse a ``--resume`` whose run
+    directory holds a checkpoint this run cannot continue, as the workers would on loading it
+    (another strategy's; servers' of another number or, compressed, of other workers); the
+    checksums are left to the workers, which read the files anyway."""
+    servers = job.plan.num_servers
+    path = resume_path(job, job.run.out, "server-0.pt" if servers else "checkpoint.pt")
+    if not servers or path is None or job.run.resume is None:
+        return
+    header = peek(path)
+    if header is not None:
+        check_servers(header, path, job, resume_where(job.run.resume, job.run.out))
 
 
 BY_NAME = {"dp", "pipeline"}
@@ -96,10 +118,15 @@ def load_checkpoint(path: str | Path, fingerprint: dict[str, Any], *, steps: int
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"no checkpoint at {path}; run without --resume first, or pass its path")
+    verified = verify_file(path)
+    if verified is False:
+        raise corrupt(path, "its bytes do not match the SHA-256 checksum saved with it")
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's to fix
         raise UsageError(f"cannot read checkpoint {path}: {exc}") from None
+    if isinstance(state, dict) and state.get("checksum") and verified is None:
+        raise corrupt(path, "the checksum saved at its end is damaged")
     if not isinstance(state, dict) or "version" not in state:
         raise UsageError(f"{path} is not a tandem checkpoint")
     if state["version"] != CHECKPOINT_VERSION:
@@ -117,6 +144,10 @@ def load_checkpoint(path: str | Path, fingerprint: dict[str, Any], *, steps: int
                    "parameters)" if saved == "dp" else "")
             raise UsageError(f"checkpoint {path} holds {how}, which --strategy {value} does not "
                              f"read; resume it with --strategy {saved}{fix}")
+        if key == "strategy" and saved != value:
+            raise UsageError(f"checkpoint {path} is of --strategy {saved}, and this run is "
+                             f"--strategy {value}, which cannot continue it: resume with "
+                             f"--strategy {saved}, or start afresh without --resume")
         if saved != value:
             raise UsageError(
                 f"checkpoint {path} was made with {key}={state['fingerprint'].get(key)!r}, "

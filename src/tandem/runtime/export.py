@@ -125,7 +125,7 @@ def save_final_shards(out: Path, state: dict[str, Any], *,
     from tandem.runtime.sharded_checkpoint import write_shards
 
     folder = out / FINAL_SHARDS
-    write_shards({"model": state}, folder)
+    write_shards({"model": state}, folder, checksums=False)
     if dist.get_rank() == 0:  # DCP's metadata keeps its own order; final.pt keeps the model's
         write_text(folder / NAMES, json.dumps({"names": list(state) if names is None else names}))
     _check_shared(folder)

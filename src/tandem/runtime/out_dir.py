@@ -36,7 +36,7 @@ from tandem.runtime.launcher_env import under_launcher
 
 LOCK_NAME = ".tandem.lock"
 RUN_FILES = ("checkpoint.pt", "final.pt", "metrics.jsonl", "metrics.csv", "tensorboard",
-             "trace.json", "gantt.png", "config.json", "final.dcp")
+             "trace.json", "gantt.png", "config.json", "final.dcp", "previous")
 """Files that show a run wrote to a directory (with :data:`RUN_PATTERNS`)."""
 RUN_PATTERNS = ("server-*.pt", "worker-*.pt", "trace-rank*.json", "checkpoint-*.dcp")
 

@@ -127,6 +127,10 @@ def check_job(job: Job) -> None:
         note = preflight.check_machine(run, model, shares)
     if run.out is not None:
         _check_writable(Path(run.out))
+    if run.resume is not None:
+        from tandem.runtime.checkpoint import check_resume  # delays torch
+
+        check_resume(job)
     if note is not None:
         preflight.warn(note)
     placed = [device for stage in plan.stages for device in (stage.devices or [])]

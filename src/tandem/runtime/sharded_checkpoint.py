@@ -5,16 +5,19 @@ world size or layout (DCP reshards on load).
 A sharded run's checkpoint is two parts in ``OUT``: the folder ``checkpoint-STEP.dcp`` (the
 model's and the optimizer's state, one file per rank, written collectively) and
 ``checkpoint.pt``, which rank 0 writes last, atomically, with everything else (step, schedule,
-data position, each rank's random stream and components) and the folder's name under
-``"sharded"``. ``checkpoint.pt`` therefore always names a complete folder; the folders of older
-steps are removed after it is written. Any synchronous data-parallel run resumes it (a sharded
+data position, each rank's random stream and components), the folder's name under
+``"sharded"`` and its files' checksums under ``"sums"`` (checked before any rank loads it).
+``checkpoint.pt`` therefore always names a complete folder; the folders of older steps are
+removed after it is written, but for the previous checkpoint's
+(:mod:`tandem.runtime.run_checkpoints`). Any synchronous data-parallel run resumes it (a sharded
 run on another shard degree, or a plain ``dp`` run, whose ranks then read whole tensors).
 
 Usage::
 
-    name = save_sharded(out, step, model, optimizer)       # collective
-    ...rank 0: save_atomic({..., "sharded": name}, out / "checkpoint.pt"); remove_older(out, name)
-    load_sharded(out / checkpoint["sharded"], model, optimizer)   # collective, after wrapping
+    name, sums = save_sharded(out, step, model, optimizer)       # collective
+    ...rank 0: save_checkpoint({..., "sharded": name, "sums": sums}, out / "checkpoint.pt", ...)
+    remove_older(out, name)
+    load_sharded(checked_folder(checkpoint, path), model, optimizer)   # collective
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import torch
 from torch import nn
 
 from tandem.errors import UsageError
+from tandem.runtime.checksum import folder_sums, verify_folder
+from tandem.runtime.run_checkpoints import corrupt, previous_sharded, sharded_folder
 
 if TYPE_CHECKING:
     from tandem.sync import SyncStrategy
@@ -52,9 +57,13 @@ def one_file_per_tensor(state: dict[str, Any]) -> bool:
                for leaf in tree_leaves(state))
 
 
-def write_shards(state: dict[str, Any], folder: Path) -> None:
+def write_shards(state: dict[str, Any], folder: Path, *,
+                 checksums: bool = True) -> dict[str, str]:
     """DCP's ``save`` of ``state`` into ``folder`` (collective), each rank its own tensors, with
-    host memory bounded on an accelerator (:func:`one_file_per_tensor`)."""
+    host memory bounded on an accelerator (:func:`one_file_per_tensor`); with ``checksums``,
+    the SHA-256 of each file of the folder, by name, every rank hashing a share of them
+    (:func:`~tandem.runtime.checksum.folder_sums`), for ``checkpoint.pt`` to keep."""
+    import torch.distributed as dist
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import save
 
@@ -63,11 +72,18 @@ def write_shards(state: dict[str, Any], folder: Path) -> None:
     whole_files = not one_file_per_tensor(state)
     save(state, storage_writer=FileSystemWriter(str(folder), single_file_per_rank=whole_files),
          planner=save_planner())
+    if not checksums:
+        return {}
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shares: list[Any] = [None] * world
+    dist.all_gather_object(shares, folder_sums(folder, rank, world))  # DCP wrote every file
+    return {name: digest for share in shares for name, digest in share.items()}
 
 
-def save_sharded(out: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
+def save_sharded(out: Path, step: int, model: nn.Module,
+                 optimizer: torch.optim.Optimizer) -> tuple[str, dict[str, str]]:
     """Write ``model``'s and ``optimizer``'s state, each rank its own shards, into ``OUT``'s
-    folder for ``step`` (collective); returns the folder's name."""
+    folder for ``step`` (collective); returns the folder's name and its files' checksums."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     if _is_zero(optimizer):
@@ -75,8 +91,8 @@ def save_sharded(out: Path, step: int, model: nn.Module, optimizer: torch.optim.
     else:
         model_state, optimizer_state = get_state_dict(model, optimizer)
     name = folder_name(step)
-    write_shards({"model": model_state, "optimizer": optimizer_state}, out / name)
-    return name
+    sums = write_shards({"model": model_state, "optimizer": optimizer_state}, out / name)
+    return name, sums
 
 
 def _is_zero(optimizer: torch.optim.Optimizer) -> bool:
@@ -178,8 +194,8 @@ def held_state(strategy: SyncStrategy, out: Path, step: int, model: nn.Module,
     the name of the folder into which each rank has written its own shards (collective), else
     the whole state dicts (rank 0's are saved)."""
     if strategy.sharded_checkpoint:
-        return {"sharded": save_sharded(out, step, model, optimizer),
-                "param_groups": group_settings(optimizer)}
+        name, sums = save_sharded(out, step, model, optimizer)
+        return {"sharded": name, "sums": sums, "param_groups": group_settings(optimizer)}
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
             "parameter_names": optimizer_names(model, optimizer)}
 
@@ -235,16 +251,31 @@ def shard_whole_optimizer(saved: dict[str, Any], model: nn.Module,
 def check_sharded_resume(checkpoint: dict[str, Any] | None,
                          path: Path | None) -> dict[str, Any] | None:
     """``checkpoint`` (loaded from ``path``) with its ``"sharded"`` entry pointing at its folder
-    beside ``path``. Any layout reads any sharded checkpoint: DCP reshards, and tensor-parallel
-    runs save their fused layers in the model's order (:mod:`tandem.runtime.natural_rows`)."""
+    (:func:`checked_folder`). Any layout reads any sharded checkpoint: DCP reshards, and
+    tensor-parallel runs save their fused layers in the model's order
+    (:mod:`tandem.runtime.natural_rows`)."""
     if checkpoint is not None and path is not None and "sharded" in checkpoint:
-        checkpoint["sharded"] = path.parent / checkpoint["sharded"]
+        checkpoint["sharded"] = checked_folder(checkpoint, path)
     return checkpoint
 
 
+def checked_folder(checkpoint: dict[str, Any], path: Path) -> Path:
+    """The folder of sharded state that ``checkpoint`` (read from ``path``) names, there and
+    whole: each of its files matches the checksum ``checkpoint.pt`` keeps (one line naming
+    the corrupt one otherwise, :func:`~tandem.runtime.run_checkpoints.corrupt`)."""
+    folder = existing_folder(sharded_folder(path, checkpoint["sharded"]))
+    bad = verify_folder(folder, checkpoint.get("sums"))
+    if bad is not None:
+        raise corrupt(path, f"{folder.name}/{bad} does not match the SHA-256 checksum saved "
+                            f"in it")
+    return folder
+
+
 def remove_older(out: Path, keep: str | None) -> None:
-    """Remove ``OUT``'s sharded checkpoint folders other than ``keep`` (rank 0, after
-    ``checkpoint.pt`` names ``keep``; all of them after a whole checkpoint)."""
+    """Remove ``OUT``'s sharded checkpoint folders other than ``keep`` and the previous
+    checkpoint's (rank 0, after ``checkpoint.pt`` names ``keep``; None after a whole
+    checkpoint)."""
+    kept = {keep, previous_sharded(out)}
     for folder in out.glob(PATTERN):
-        if folder.name != keep:
+        if folder.name not in kept:
             shutil.rmtree(folder, ignore_errors=True)

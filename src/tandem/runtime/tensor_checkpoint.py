@@ -26,13 +26,13 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from tandem.models.tensor import TensorPlan, output_dim
 from tandem.runtime.checkpoint import (
-    CHECKPOINT_VERSION, load_checkpoint, load_schedule, resume_path, save_atomic,
+    CHECKPOINT_VERSION, load_checkpoint, load_schedule, resume_path, save_checkpoint,
 )
 from tandem.runtime.export import ShardedFinal, shards_written
 from tandem.runtime.faults import announce_resume
 from tandem.runtime.natural_rows import PLACEHOLDER, NaturalRows
 from tandem.runtime.sharded_checkpoint import (
-    apply_group_settings, existing_folder, folder_name, group_settings, holds_groups,
+    apply_group_settings, checked_folder, folder_name, group_settings, holds_groups,
     remove_older, write_shards,
 )
 from tandem.runtime.tensor_parallel import split_parameters
@@ -69,19 +69,19 @@ class TensorCheckpoints:
             return
         state, _, _ = self._state()
         name = folder_name(step)
-        write_shards(state, trainer.out / name)
+        sums = write_shards(state, trainer.out / name)
         own = {"rng": torch.get_rng_state(), "components": trainer.components.state_dict()}
         ranks: list[dict[str, Any] | None] = [None] * trainer.env.world_size
         dist.all_gather_object(ranks, own)
         if trainer.env.rank != 0:
             return
-        save_atomic({
+        save_checkpoint({
             "version": CHECKPOINT_VERSION, "step": step, "fingerprint": trainer.job.fingerprint(),
-            "sharded": name, "tensor_degree": trainer.plan.tensor_degree,
+            "sharded": name, "sums": sums, "tensor_degree": trainer.plan.tensor_degree,
             "param_groups": group_settings(trainer.optimizer),
             "scheduler": trainer.scheduler.state_dict(), "ranks": ranks,
             "data": trainer.feed.position(step),
-        }, trainer.out / "checkpoint.pt")
+        }, trainer.out / "checkpoint.pt", resume=trainer.config.resume)
         remove_older(trainer.out, name)
 
     def restore(self) -> None:
@@ -94,14 +94,14 @@ class TensorCheckpoints:
 
         trainer = self.trainer
         config, env = trainer.config, trainer.env
-        path = resume_path(config.resume, trainer.out)
+        path = resume_path(trainer.job, trainer.out)
         checkpoint = None if path is None else load_checkpoint(
             path, trainer.job.fingerprint(), steps=config.steps, stop_after=config.stop_after)
         announce_resume(env.rank, path, checkpoint["step"] if checkpoint else None)
         if checkpoint is None or path is None:
             return
         trainer.feed.check_position(checkpoint.get("data"), str(config.resume))
-        folder = existing_folder(path.parent / checkpoint["sharded"])
+        folder = checked_folder(checkpoint, path)
         state, model_state, optimizer_state = self._state()
         if not holds_groups(folder):  # a pipeline's: the groups' settings are in checkpoint.pt
             state = {"model": state["model"], "optimizer": {"state": state["optimizer"]["state"]}}

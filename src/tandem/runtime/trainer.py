@@ -20,7 +20,7 @@ from tandem.runtime.base import BaseTrainer
 from tandem.runtime.outputs import save_worker_trace
 from tandem.runtime.component import Components, StepEnd
 from tandem.runtime.checkpoint import (
-    CHECKPOINT_VERSION, load_checkpoint, load_schedule, resume_path, save_atomic,
+    CHECKPOINT_VERSION, load_checkpoint, load_schedule, resume_path, save_checkpoint,
 )
 from tandem.runtime.config import RunConfig, slowdown
 from tandem.runtime.job import Job
@@ -180,7 +180,7 @@ class Trainer(BaseTrainer):
         return self.env.rank - servers, self.env.world_size - servers
 
     def _load_checkpoint(self) -> dict[str, Any] | None:
-        path = resume_path(self.config.resume, self.out)
+        path = resume_path(self.job, self.out)
         checkpoint = None if path is None else load_checkpoint(
             path, self.job.fingerprint(), steps=self.config.steps,
             stop_after=self.config.stop_after)
@@ -293,11 +293,11 @@ class Trainer(BaseTrainer):
         dist.all_gather_object(ranks, own)
         if self.env.rank != 0:
             return
-        save_atomic({
+        save_checkpoint({
             "version": CHECKPOINT_VERSION, "step": step, "fingerprint": self.job.fingerprint(),
             **held, "scheduler": self.scheduler.state_dict(), "ranks": ranks,
             "data": self.feed.position(step),
-        }, self.out / "checkpoint.pt")
+        }, self.out / "checkpoint.pt", resume=self.config.resume)
         remove_older(self.out, held.get("sharded"))
 
     def sent_bytes(self) -> float:
@@ -384,7 +384,7 @@ class ParameterServerWorker(Trainer):
         if not isinstance(client, ParameterServerClient) or not self.plan.compress:
             return None
         client.on_pushed = self._save_codec_state
-        path = resume_path(self.config.resume, self.out, f"worker-{self.env.rank}.pt")
+        path = resume_path(self.job, self.out, f"worker-{self.env.rank}.pt")
         if path is not None and (path.is_file() or self.config.resume != "auto"):
             client.resume_state = load_checkpoint(path, self.job.fingerprint(),
                                                   steps=self.config.steps)["codecs"]
@@ -402,9 +402,10 @@ class ParameterServerWorker(Trainer):
             return
         client = self.strategy
         if isinstance(client, ParameterServerClient):
-            save_atomic({"version": CHECKPOINT_VERSION, "step": done,
-                         "fingerprint": self.job.fingerprint(), "codecs": client.codec_state()},
-                        self.out / f"worker-{self.env.rank}.pt")
+            save_checkpoint({"version": CHECKPOINT_VERSION, "step": done,
+                             "fingerprint": self.job.fingerprint(),
+                             "codecs": client.codec_state()},
+                            self.out / f"worker-{self.env.rank}.pt", resume=config.resume)
 
     def build_components(self) -> Components:
         """A worker's one component: the loss watch, read after every update (the push read

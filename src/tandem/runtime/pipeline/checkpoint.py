@@ -38,7 +38,7 @@ from torch import nn
 
 from tandem.errors import UsageError
 from tandem.runtime.asynchrony import restore_momentum
-from tandem.runtime.checkpoint import CHECKPOINT_VERSION, load_schedule, save_atomic
+from tandem.runtime.checkpoint import CHECKPOINT_VERSION, load_schedule, save_checkpoint
 from tandem.runtime.pipeline.dcp import load_stage_from_whole, load_stage_shards, save_stage_shards
 from tandem.runtime.pipeline.layout import PipelineLayout
 from tandem.runtime.sharded_checkpoint import folder_name, group_settings, remove_older
@@ -198,17 +198,17 @@ def save_stage_checkpoint(trainer: PipelineTrainer, step: int) -> None:
         _save_gathered(trainer, step)
         return
     name = folder_name(step)
-    save_stage_shards(trainer, trainer.out / name)
+    sums = save_stage_shards(trainer, trainer.out / name)
     own = _own_state(trainer)
     gathered: list[Any] = [None] * trainer.env.world_size if trainer.env.rank == 0 else []
     dist.gather_object(own, gathered if trainer.env.rank == 0 else None, dst=0)
     if trainer.env.rank != 0:
         return
-    save_atomic({
-        **_record(trainer, step, gathered), "sharded": name,
+    save_checkpoint({
+        **_record(trainer, step, gathered), "sharded": name, "sums": sums,
         "param_groups": copy.deepcopy(group_settings(trainer.optimizer)),
         "tensor_degree": trainer.place.tensor_degree,
-    }, trainer.out / "checkpoint.pt")
+    }, trainer.out / "checkpoint.pt", resume=trainer.config.resume)
     remove_older(trainer.out, name)
 
 
@@ -238,8 +238,9 @@ def _save_gathered(trainer: PipelineTrainer, step: int) -> None:
     if rank != 0:
         return
     merged = merge_stages([part["stage"] for part in gathered if "stage" in part])
-    save_atomic({**_record(trainer, step, gathered), **merged, "scheduler": own["scheduler"]},
-                out / "checkpoint.pt")
+    save_checkpoint({**_record(trainer, step, gathered), **merged,
+                     "scheduler": own["scheduler"]}, out / "checkpoint.pt",
+                    resume=trainer.config.resume)
     remove_older(out, None)
 
 

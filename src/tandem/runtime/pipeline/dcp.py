@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from tandem.errors import UsageError
 from tandem.runtime.natural_rows import NaturalRows, copy_from_whole, load_planner
-from tandem.runtime.sharded_checkpoint import apply_group_settings, existing_folder, write_shards
+from tandem.runtime.sharded_checkpoint import apply_group_settings, checked_folder, write_shards
 from tandem.runtime.tensor_checkpoint import dcp_state, row_orders
 
 if TYPE_CHECKING:
@@ -65,11 +65,11 @@ def channel_rows(trainer: PipelineTrainer) -> list[str]:
             if name.rpartition(".")[0] in channels]
 
 
-def save_stage_shards(trainer: PipelineTrainer, folder: Path) -> None:
+def save_stage_shards(trainer: PipelineTrainer, folder: Path) -> dict[str, str]:
     """Write this stage's part of the model and optimizer state into ``folder`` (collective:
-    every rank calls it, each with its own tensors)."""
+    every rank calls it, each with its own tensors); the checksums of the folder's files."""
     state, _, _ = _stage_io(trainer)
-    write_shards(state if trainer.place.replica == 0 else _shares(state), folder)
+    return write_shards(state if trainer.place.replica == 0 else _shares(state), folder)
 
 
 def _shares(state: dict[str, Any]) -> dict[str, Any]:
@@ -87,7 +87,7 @@ def load_stage_shards(trainer: PipelineTrainer, checkpoint: dict[str, Any], path
     from torch.distributed.checkpoint.state_dict import set_state_dict
     from torch.distributed.checkpoint.state_dict_loader import load
 
-    folder = existing_folder(path.parent / checkpoint["sharded"])
+    folder = checked_folder(checkpoint, path)
     state, model_state, optimizer_state = _stage_io(trainer)
     load(state, checkpoint_id=str(folder), planner=load_planner())  # into the stage's tensors
     set_state_dict(trainer.module, trainer.optimizer, model_state_dict=model_state,

@@ -89,7 +89,7 @@ class PipelineTrainer(BaseTrainer):
         what = f"model {config.model!r}"
         blocks = (tensor_blocks(job, model, example, what=what) if isinstance(model, nn.Sequential)
                   else traced_blocks(job, model, self.feed.train, init, env.device, what=what))
-        path = resume_path(config.resume, self.out)
+        path = resume_path(job, self.out)
         checkpoint = self._load_checkpoint(path) if path is not None else None
         announce_resume(env.rank, path, checkpoint["step"] if checkpoint is not None else None)
         self.first_step = int(checkpoint["step"]) if checkpoint is not None else 0

@@ -1,6 +1,7 @@
 """A parameter server's checkpoints: its shard, buffers and optimizer, and its components'
-states (the codecs') in ``server-K.pt``, written atomically unless the shard diverged, and read
-back on resume."""
+states (the codecs') in ``server-K.pt``, with the numbers of servers and workers it was saved
+with, written atomically unless the shard diverged, and read back on resume (on as many
+servers; compressed, on as many workers)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.runtime.checkpoint import (
-    CHECKPOINT_VERSION, load_checkpoint, resume_path, save_atomic,
+    CHECKPOINT_VERSION, load_checkpoint, resume_path, save_checkpoint,
 )
 from tandem.runtime.component import Component, StepEnd
 from tandem.runtime.divergence import diverged, first_non_finite
@@ -17,6 +18,7 @@ from tandem.runtime.faults import announce_resume
 from tandem.runtime.job import Job
 from tandem.runtime.ps.shard import ServerShard
 from tandem.runtime.ps.update import UpdateRule
+from tandem.runtime.run_checkpoints import check_servers, resume_where
 
 
 class ServerCheckpoint(Component):
@@ -50,21 +52,26 @@ class ServerCheckpoint(Component):
                            where=f"server {self.rank} (rank {self.rank})")
         if self.path is None:
             return
-        save_atomic({"version": CHECKPOINT_VERSION, "step": step,
-                     "fingerprint": self.job.fingerprint(), **self.shard.state_dict(),
-                     **self.rule.state_dict(), "components": self.components()}, self.path)
+        plan = self.job.plan
+        save_checkpoint({"version": CHECKPOINT_VERSION, "step": step,
+                         "fingerprint": self.job.fingerprint(), "servers": plan.num_servers,
+                         "workers": plan.num_workers - plan.num_servers,
+                         **self.shard.state_dict(), **self.rule.state_dict(),
+                         "components": self.components()}, self.path, resume=self.job.run.resume)
 
     def resume(self) -> tuple[int, dict[str, Any]]:
         """Restore the shard and optimizer of the checkpoint ``--resume`` names (with
         ``auto``, this run's own, if any); the steps it was taken after and the components'
         states, for the server's components once it builds them (0 and none without one)."""
         config = self.job.run
-        path = resume_path(config.resume, self.out, f"server-{self.rank}.pt")
+        path = resume_path(self.job, self.out, f"server-{self.rank}.pt")
         state = None if path is None else load_checkpoint(path, self.job.fingerprint(),
                                                           steps=config.steps)
         announce_resume(self.rank, path, state["step"] if state else None)
-        if state is None:
+        if state is None or path is None:
             return 0, {}
+        assert config.resume is not None
+        check_servers(state, path, self.job, resume_where(config.resume, self.out))
         self.shard.load_state_dict(state)
         self.rule.load_state_dict(state)
         return int(state["step"]), state["components"]
