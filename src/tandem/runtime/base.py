@@ -31,7 +31,7 @@ from tandem.runtime.config import RunConfig
 from tandem.runtime.dist import WorkerEnv
 from tandem.runtime.divergence import DivergenceCheck, LossWatch
 from tandem.runtime.export import ShardedFinal, write_final
-from tandem.runtime.faults import maybe_fail
+from tandem.runtime.faults import check_fault_ahead, maybe_fail
 from tandem.runtime.job import Job
 from tandem.runtime.learning import Learning
 from tandem.runtime.learning_rate import batch_lr_factor, lr_factor, scaled_lr
@@ -228,6 +228,7 @@ class BaseTrainer(Worker):
         """Train from the first step to the last (or ``--stop-after``); rank 0 returns a summary."""
         config = self.config
         last_step = config.stop_after if config.stop_after is not None else config.steps
+        check_fault_ahead(self.env.rank, self.first_step)
         self.loss_log.logged = self.first_step
         self.reporter = Reporter(
             enabled=self.env.rank == 0, show_progress=config.progress, total_steps=config.steps,

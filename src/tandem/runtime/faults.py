@@ -3,11 +3,15 @@ failure by step, and the fault injection of tests and demos (``TANDEM_FAULT=RANK
 
 ``TANDEM_FAULT=2:35`` kills rank 2 with SIGKILL when it reaches step 35 (before running it) in
 the first attempt of a job only, so a restarted job runs through: the attempt is tandem's own
-launcher's (``TANDEM_ATTEMPT``) or torchrun's (``TORCHELASTIC_RESTART_COUNT``).
+launcher's (``TANDEM_ATTEMPT``) or torchrun's (``TORCHELASTIC_RESTART_COUNT``). Every role
+fires it (workers, pipeline stages, parameter servers as they complete a step); one that names
+no rank or step the job will run is refused in one line (before the workers start, or as a
+resumed worker starts past it).
 
 Usage::
 
     fault = parse_fault(os.environ.get(FAULT))      # checked before the workers start
+    check_fault_ahead(rank, first_step)             # as a worker starts (or resumes)
     maybe_fail(rank, step)                          # in the training loop
 """
 
@@ -20,6 +24,7 @@ import signal
 from pathlib import Path
 
 from tandem.errors import UsageError
+from tandem.runtime.component import Component, StepEnd
 
 logger = logging.getLogger(__name__)
 
@@ -42,16 +47,19 @@ def parse_fault(text: str | None) -> tuple[int, int] | None:
     return int(match.group(1)), int(match.group(2))
 
 
-def check_fault(world_size: int, steps: int) -> None:
-    """Refuse a ``TANDEM_FAULT`` that names no rank or step of this job (it would never fire)."""
+def check_fault(world_size: int, steps: int, stop_after: int | None = None) -> None:
+    """Refuse a ``TANDEM_FAULT`` that names no rank or step of this job (it would never fire):
+    its steps end at ``stop_after`` if given, else at ``steps``."""
     fault = parse_fault(os.environ.get(FAULT))
     if fault is None:
         return
     rank, step = fault
-    if rank >= world_size or step >= steps:
+    last = steps if stop_after is None else stop_after
+    if rank >= world_size or step >= last:
+        steps_text = f"steps 0-{last - 1}" + (" (--stop-after)" if stop_after is not None else "")
         raise UsageError(f"TANDEM_FAULT={rank}:{step} names rank {rank} and step {step}, but the "
-                         f"job has ranks 0-{world_size - 1} and steps 0-{steps - 1}; pick ones "
-                         f"it has, or unset TANDEM_FAULT")
+                         f"job has ranks 0-{world_size - 1} and {steps_text}; pick ones it has, "
+                         f"or unset TANDEM_FAULT")
 
 
 def attempt() -> int:
@@ -93,15 +101,49 @@ def last_progress(folder: str | Path, rank: int) -> int | None:
         return None
 
 
-def maybe_fail(rank: int, step: int) -> None:
+def maybe_fail(rank: int, step: int, *, since: int | None = None) -> None:
     """Kill this process with SIGKILL if ``TANDEM_FAULT`` names this rank and step and this is
-    the job's first attempt (and record the step for the launcher, as every step)."""
+    the job's first attempt (and record the step for the launcher, as every step). A rank whose
+    steps may jump (an asynchronous ps worker's are the servers' updates) gives the step it
+    reached before as ``since``: the fault fires at the first step past it that reaches its
+    own."""
     record_progress(rank, step)
     fault = parse_fault(os.environ.get(FAULT)) if FAULT in os.environ else None
-    if fault is None or fault != (rank, step) or attempt() != 0:
+    if fault is None or fault[0] != rank or attempt() != 0:
         return
-    logger.warning(f"TANDEM_FAULT={rank}:{step}: killing rank {rank} at step {step}")
+    if not (fault[1] == step if since is None else since < fault[1] <= step):
+        return
+    logger.warning(f"TANDEM_FAULT={rank}:{fault[1]}: killing rank {rank} at step {step}")
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+class StepFaults(Component):
+    """``TANDEM_FAULT`` for a rank whose loop is not a training loop (a parameter server's):
+    made as the rank starts at ``first_step`` (checked, :func:`check_fault_ahead`, and fired
+    if it names that step), then fired after each step the rank completes, as the next step
+    it reaches (after the components before it: a checkpoint of that step is saved first)."""
+
+    __slots__ = ("rank",)
+
+    def __init__(self, rank: int, first_step: int) -> None:
+        self.rank = rank
+        check_fault_ahead(rank, first_step)
+        maybe_fail(rank, first_step)
+
+    def after_step(self, end: StepEnd) -> None:
+        maybe_fail(self.rank, end.done)
+
+
+def check_fault_ahead(rank: int, first_step: int) -> None:
+    """Before rank ``rank`` runs its first step, ``first_step`` (a resumed run's is its
+    checkpoint's): one line refuses a ``TANDEM_FAULT`` for it at a step already passed, which
+    would never fire."""
+    fault = parse_fault(os.environ.get(FAULT)) if FAULT in os.environ else None
+    if fault is None or fault[0] != rank or attempt() != 0 or fault[1] >= first_step:
+        return
+    raise UsageError(f"TANDEM_FAULT={rank}:{fault[1]} names step {fault[1]}, but rank {rank} "
+                     f"starts at step {first_step} (the checkpoint it resumes from), so it would "
+                     f"never fire; pick a step from {first_step} on, or unset TANDEM_FAULT")
 
 
 def announce_resume(rank: int, path: Path | None, step: int | None) -> None:

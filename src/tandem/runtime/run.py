@@ -49,7 +49,7 @@ def check_flags(job: Job, *, batches: bool = True) -> None:
         raise UsageError(f"--max-restarts {run.max_restarts} restarts tandem's own workers; under "
                          f"torchrun give it to torchrun (torchrun --max-restarts "
                          f"{run.max_restarts} ... -m tandem train ... --resume auto)")
-    check_fault(world_size() if under_launcher() else run.nproc, run.steps)
+    check_fault(world_size() if under_launcher() else run.nproc, run.steps, run.stop_after)
     if run.split_points is not None and not plan.pipelined:
         raise UsageError(f"--split-points cuts a model into pipeline blocks; it needs --strategy "
                          f"pipeline (this run is {strategy_of(plan)})")

@@ -28,7 +28,7 @@ from tandem.runtime.data_step import DataParallelStep, apply_update, noise_measu
 from tandem.runtime.dist import WorkerEnv
 from tandem.runtime.divergence import DivergenceCheck
 from tandem.runtime.executor import Executor, Handler, Program, compile_program
-from tandem.runtime.faults import announce_resume, maybe_fail
+from tandem.runtime.faults import announce_resume, check_fault_ahead, maybe_fail
 from tandem.runtime.memory import PeakMemory
 from tandem.runtime.learning_rate import schedule_for, sharded_optimizer
 from tandem.runtime.optimizer_setup import scheduler_maker
@@ -421,9 +421,12 @@ class ParameterServerWorker(Trainer):
         per_step, steps = self.updates_per_step, self.config.steps
         components = self.components = self.start_components()
         self.start_loading(step // per_step, steps)
+        reached = None
+        check_fault_ahead(self.env.rank, step // per_step)
         try:
             while not self.stopped:
-                maybe_fail(self.env.rank, step // per_step)
+                maybe_fail(self.env.rank, step // per_step, since=reached)
+                reached = step // per_step
                 self.train_step(step)
                 components.after_step(StepEnd(done=step // per_step + 1, last=steps))
                 step = client.next_step

@@ -26,6 +26,7 @@ import torch
 from tandem.errors import WorkerFailure
 from tandem.runtime.base import Worker
 from tandem.runtime.component import Components, StepEnd
+from tandem.runtime.faults import StepFaults
 from tandem.runtime.config import RunConfig
 from tandem.runtime.job import Job
 from tandem.runtime.dist import WorkerEnv
@@ -353,7 +354,7 @@ def server_components(server: ParameterServer) -> Components:
     evaluations, the codecs' snapshot (with ``--compress``), checkpoints (with
     ``--checkpoint-every``; the last step's is saved after the gather, by
     :meth:`ParameterServer.run`); then those that only give the summary its fields
-    (compensation, noise scale)."""
+    (compensation, noise scale); last ``TANDEM_FAULT`` (:class:`StepFaults`)."""
     config, reporter = server.config, server.reporter
     return Components(
         reporter, ServerLog(server.stats, reporter, server.pace.batch_at, server.rule.lr),
@@ -363,4 +364,5 @@ def server_components(server: ParameterServer) -> Components:
         server.checkpoint if config.checkpoint_every else None,
         server.rule.compensation, NoiseScale.unavailable(NO_NOISE_SCALE),
         Learning(reporter, server.job.plan, config),
+        StepFaults(server.env.rank, server.version // server.pace.per_step),
     )
