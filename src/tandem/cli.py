@@ -159,10 +159,12 @@ def _find_user_modules() -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from tandem.commands.config_file import SOURCES_DEST, located
+
     try:
         return int(args.run(args))
     except UsageError as exc:
-        return _usage_error(args.command, exc)
+        return _usage_error(args.command, located(exc, getattr(args, SOURCES_DEST, None)))
     except WorkerFailure as exc:
         print(f"tandem {args.command}: {exc}", file=sys.stderr)
         return 1

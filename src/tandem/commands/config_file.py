@@ -1,9 +1,12 @@
 """A command's options read from a YAML file (``--config run.yaml``) and turned into argv tokens.
 
     tandem train --config run.yaml --steps 10
+    tandem train --config - < run.yaml             # the file from standard input
 
 Each ``key: value`` of the file becomes ``--key=value`` in front of the command line, so argparse
-converts and checks it as it does a typed flag, and a flag given on the command line wins. A
+converts and checks it as it does a typed flag, and a flag given on the command line wins (the
+file's value is checked all the same). An error found once the options are parsed (a range:
+``--steps must be at least 1``) names the file and line of the option it names. A
 value is read as its command-line spelling (``steps: 010`` is 10, as ``--steps 010`` is); a
 switch (``--json``) takes ``true`` or ``false``; an option of ``KEY=VALUE`` words
 (``--optimizer-options``) takes a mapping too (``optimizer-options: {betas: [0.9, 0.95]}``).
@@ -18,6 +21,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import re
+import sys
 from typing import Any, Sequence
 
 import yaml
@@ -26,6 +31,11 @@ from tandem.errors import UsageError
 
 CONFIG_DEST = "config"
 """Where ``--config`` lands in the parsed arguments."""
+SOURCES_DEST = "config_sources"
+"""Where the parsed arguments keep the file and line of each option the file gave (flag ->
+``run.yaml:3``), for the errors found later (:func:`located`)."""
+STDIN = "<stdin>"
+"""How locations name standard input (``--config -``)."""
 KEY_VALUE = "KEY=VALUE"
 """The metavar of an option of ``KEY=VALUE`` words (``--optimizer-options``), which a file
 may give as a mapping (``optimizer-options: {betas: [0.9, 0.95], eps: 1.0e-8}``), a list of
@@ -71,14 +81,30 @@ def expand_config(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[
     given = [action for _, action in _flags(parser, argv)]
     chosen: dict[str, Entry] = {}
     tokens: list[str] = []
+    sources: dict[str, str] = {}
     for entry in read_config(path):
-        where = f"{path}:{entry.line}"
+        where = f"{_label(path)}:{entry.line}"
         option, action = _lookup(options, entry, where, parser.prog, path)
         _check_unique(parser, action, entry, chosen, where)
         chosen[action.dest] = entry
-        if not any(_same_choice(parser, action, other) for other in given):
-            tokens += _tokens(parser, option, action, entry, where)
+        overridden = any(_same_choice(parser, action, other) for other in given)
+        words = _tokens(parser, option, action, entry, where, checking=overridden)
+        if not overridden:  # checked all the same: a bad value is a mistake in the file
+            tokens += words
+            sources.update(dict.fromkeys(action.option_strings, where))
+    parser.set_defaults(**{SOURCES_DEST: sources})
     return tokens + argv
+
+
+def located(exc: UsageError, sources: dict[str, str] | None) -> UsageError:
+    """``exc``, raised once the arguments were parsed (a range check: ``--steps must be at
+    least 1``), with the file and line of the first option it names that a config file gave
+    (``sources``: :data:`SOURCES_DEST`)."""
+    message = str(exc)
+    for flag in re.findall(r"--[a-z][a-z0-9-]*", message):
+        if sources and flag in sources:
+            return UsageError(f"{sources[flag]}: {message}")
+    return exc
 
 
 def read_config(path: str) -> list[Entry]:
@@ -104,7 +130,22 @@ def read_config(path: str) -> list[Entry]:
         loader.dispose()
 
 
+def _label(path: str) -> str:
+    """How locations name the file: ``<stdin>`` for ``--config -``."""
+    return STDIN if path == "-" else path
+
+
 def _read_text(path: str) -> str:
+    if path == "-":
+        if sys.stdin is None or sys.stdin.isatty():
+            raise UsageError("--config - reads the options from standard input, which is a "
+                             "terminal here; pipe them in (tandem train --config - < run.yaml) "
+                             "or give the file's path")
+        try:
+            return sys.stdin.read()
+        except UnicodeDecodeError:
+            raise UsageError("--config - read standard input, which is not UTF-8 text; give "
+                             "YAML") from None
     try:
         with open(path, encoding="utf-8") as file:
             return file.read()
@@ -184,7 +225,9 @@ def _config_path(parser: argparse.ArgumentParser, argv: list[str]) -> str | None
     if "=" in token:
         return token.split("=", 1)[1]
     following = argv[indices[0] + 1:indices[0] + 2]
-    return following[0] if following and not following[0].startswith("-") else None
+    if following and (following[0] == "-" or not following[0].startswith("-")):
+        return following[0]  # "-": standard input
+    return None
 
 
 def _lookup(options: dict[str, tuple[str, argparse.Action]], entry: Entry, where: str,
@@ -228,10 +271,11 @@ def _same_choice(parser: argparse.ArgumentParser, action: argparse.Action,
 
 
 def _tokens(parser: argparse.ArgumentParser, option: str, action: argparse.Action, entry: Entry,
-            where: str) -> list[str]:
-    """The argv tokens of one entry, checked by argparse's own conversion."""
+            where: str, *, checking: bool = False) -> list[str]:
+    """The argv tokens of one entry, checked by argparse's own conversion (only ``checking``:
+    the command line overrides it, so a switch's ``false`` changes no default)."""
     if action.nargs == 0:
-        return _switch(parser, option, action, entry, where)
+        return _switch(parser, option, action, entry, where, checking=checking)
     value, key = entry.value, entry.key
     many = action.nargs not in (None, "?")
     if value is None:
@@ -268,7 +312,7 @@ def _word(value: Any) -> str:
 
 
 def _switch(parser: argparse.ArgumentParser, option: str, action: argparse.Action, entry: Entry,
-            where: str) -> list[str]:
+            where: str, *, checking: bool = False) -> list[str]:
     """A flag without a value: the flag for ``true``; for ``false`` nothing, its opposite
     (``--no-x``), or its default turned off when the default is the flag's value."""
     if not isinstance(entry.value, bool):
@@ -281,6 +325,8 @@ def _switch(parser: argparse.ArgumentParser, option: str, action: argparse.Actio
         return [option if entry.value else opposite]
     if entry.value:
         return [option]
+    if checking:
+        return []
     if isinstance(action.const, bool) and action.default == action.const:
         parser.set_defaults(**{action.dest: not action.const})
     return []
@@ -297,4 +343,5 @@ def _example(action: argparse.Action) -> str:
     return "one value"
 
 
-__all__ = ["CONFIG_DEST", "Entry", "add_config_argument", "expand_config", "read_config"]
+__all__ = ["CONFIG_DEST", "SOURCES_DEST", "Entry", "add_config_argument", "expand_config",
+           "located", "read_config"]
