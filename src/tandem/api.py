@@ -141,8 +141,12 @@ def fit(model: nn.Module | Callable[..., nn.Module] | str,
     from tandem.runtime.run import make_job, run_training
     from tandem.runtime.task import UserObjects
     from tandem.runtime.user_metrics import check_metrics
+    from tandem.spec.arguments import checked_type
     from tandem.strategy import PLAN_FLAGS, plan_with_flags
 
+    for name, value, kind in (("strategy", strategy, "str"), ("data", data, "str"),
+                              ("out", out, "path")):
+        checked_type(name, value, kind, flag=f"--{name}", optional=True)
     if train is None and data is None:
         raise UsageError("fit() needs the training data: give train=<Dataset> or data=<spec>, "
                          "e.g. data='digits'")
@@ -193,11 +197,11 @@ def fit(model: nn.Module | Callable[..., nn.Module] | str,
             source = str(plan) if not isinstance(plan, Plan) else "the plan given to fit()"
             loaded = Plan.load(str(plan)) if not isinstance(plan, Plan) else plan
             loaded = plan_with_flags(loaded, strategy, flags, source)
-            job = Job(run=RunConfig(**settings, nproc=processes or loaded.num_workers),
-                      plan=loaded, objects=objects)
+            job = Job(run=RunConfig(**settings, nproc=loaded.num_workers if processes is None
+                                    else processes), plan=loaded, objects=objects)
         else:
-            job = make_job(strategy or "dp", flags, objects=objects, nproc=processes or 1,
-                           **settings)
+            job = make_job(strategy or "dp", flags, objects=objects,
+                           nproc=1 if processes is None else processes, **settings)
         summary = run_training(job)
         trained = _load_final(model, objects, job, Path(settings["out"]) / "final.pt")
     finally:
@@ -222,7 +226,7 @@ def _split_options(options: dict[str, Any], plan_flags: tuple[str, ...],
             settings[key] = value
         elif key in flag_names:
             if value is not None and value is not False:
-                flags[flag_names[key]] = value
+                flags[flag_names[key]] = _checked_flag(key, value, flag_names[key])
         else:
             known = sorted(fields | set(flag_names))
             close = difflib.get_close_matches(key, known, n=1)
@@ -242,6 +246,16 @@ def _loader_settings(loader_options: dict[str, Any] | None,
         raise UsageError(f"fit() got loader_workers={loader_workers} and loader option "
                          f"num_workers={workers}; give one of them")
     return {"loader_options": rest, "loader_workers": workers}
+
+
+def _checked_flag(name: str, value: Any, flag: str) -> Any:
+    """A plan option of ``fit`` (``servers=2``) of the type its flag parses to (a switch:
+    ``True``), as the command line checks its words; one line if not."""
+    from tandem.spec.arguments import checked_type
+    from tandem.strategy import PLAN_FLAG_KINDS
+
+    kind = PLAN_FLAG_KINDS.get(flag)
+    return value if kind is None else checked_type(name, value, kind, flag=flag)
 
 
 def _label(thing: Any, what: str = "model") -> str:

@@ -104,6 +104,19 @@ PLAN_FLAGS = (*PIPELINE_FLAGS, *DATA_PARALLEL_FLAGS, "--compress", TENSOR_FLAG,
               *(flag for kind in STRATEGIES.values() for flag in kind.sync.FLAGS))
 """Every flag a plan file fixes (so it cannot be given with ``--plan``)."""
 
+PLAN_FLAG_KINDS: dict[str, str] = {
+    **dict.fromkeys(("--microbatches", "--stages", "--accumulate", SHARD_FLAG, SHARD_LEVEL_FLAG,
+                     TENSOR_FLAG, "--servers", "--staleness", "--backup", "--period"), "int"),
+    **dict.fromkeys(("--gossip-step", "--rho"), "float"),
+    **dict.fromkeys(("--vertical-sync", "--recompute", "--sync-batchnorm", "--staleness-lr",
+                     "--async-gossip", "--nesterov"), "bool"),
+    **dict.fromkeys(("--schedule", "--replicas", "--compress", "--mode", "--topology",
+                     "--weights"), "str"),
+}
+"""What each plan flag's value is once parsed (a kind of :data:`tandem.spec.arguments.KINDS`),
+as a Python caller gives it (``tandem.fit(servers=2)``); ``--tensor-layers`` and
+``--shard-units`` take more forms there (a dict, a list) and are left out."""
+
 
 def owners(flag: str) -> tuple[str, ...]:
     """The strategies ``flag`` applies to (empty: it applies to every strategy)."""

@@ -8,6 +8,7 @@ import importlib.util
 import math
 from typing import Any
 
+from tandem.spec.arguments import annotation_kind, checked_type
 from tandem.spec.batch_schedule import AUTO, BatchSchedule, parse_batch_schedule
 from tandem.cluster import parse_size
 from tandem.errors import UsageError
@@ -175,6 +176,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         """Checks of each setting alone and against ``steps``; those that need the data, the
         model, the plan or the machine run in ``Job`` and in ``tandem train``'s ``check_job``."""
+        check_types(self)
         self._check_counts()
         check_optimizer_settings(self)
         self._check_lr_scaling()
@@ -415,6 +417,29 @@ def step_decay(text: str, *, steps: int) -> tuple[float, tuple[int, ...]]:
         raise UsageError(f"--lr-schedule {text!r} decays at step {milestones[-1]}, but the run "
                          f"has --steps {steps}; use steps below {steps} or more --steps")
     return factor, milestones
+
+
+PATH_FIELDS = ("out", "resume", "cache_dir")
+"""Settings that take a path (``str`` or ``os.PathLike``; kept as ``str``)."""
+FLAGS = {"progress": "--no-progress"}
+"""Settings whose flag is not ``--`` and their name."""
+
+
+def check_types(config: RunConfig) -> None:
+    """Each of ``config``'s settings of the type its flag gives (what a Python caller passes,
+    ``tandem.fit(steps=...)``, is not parsed from words), one line naming one that is not;
+    numbers and paths made plain ``int``, ``float`` and ``str``."""
+    for field in dataclasses.fields(config):
+        found = annotation_kind(str(field.type))
+        if found is None or field.name == "optimizer_options":  # words or a dict: parse_options
+            continue
+        kind, optional = found
+        name = "timeout" if field.name == "timeout_s" else field.name
+        value = checked_type(name, getattr(config, field.name),
+                             "path" if field.name in PATH_FIELDS else kind,
+                             flag=FLAGS.get(name, "--" + name.replace("_", "-")),
+                             optional=optional)
+        setattr(config, field.name, value)
 
 
 def _at_least(flag: str, value: int, minimum: int) -> None:
