@@ -113,6 +113,29 @@ def test_a_run_resumed_from_the_previous_checkpoint_keeps_it(tmp_path: Path) -> 
 
 
 @pytest.mark.pure
+def test_a_run_directory_with_only_the_previous_checkpoint_is_not_started_afresh(
+        tmp_path: Path) -> None:
+    """A removed (say, corrupt) latest checkpoint: resuming afresh would train from step 0 and
+    leave the previous one of the old run beside the new run's."""
+    from tandem.runtime.checkpoint import resume_path
+    from tandem.runtime.run import make_job
+
+    path = tmp_path / "checkpoint.pt"
+    save_checkpoint(_state(5), path, resume=None)
+    save_checkpoint(_state(10), path, resume=None)
+    path.unlink()
+    job = make_job("dp", resume="auto", out=str(tmp_path))
+    previous = tmp_path / PREVIOUS / "checkpoint.pt"
+    with pytest.raises(UsageError) as error:
+        resume_path(job, tmp_path)
+    assert str(error.value) == (
+        f"--out {tmp_path} holds no checkpoint.pt but the previous checkpoint {previous}; resume "
+        f"from it with --resume {previous}, or drop --resume and add --overwrite to start over")
+    resumed = make_job("dp", resume=str(previous), out=str(tmp_path))
+    assert resume_path(resumed, tmp_path) == previous
+
+
+@pytest.mark.pure
 def test_a_sharded_folder_is_checked_file_by_file(tmp_path: Path) -> None:
     folder = tmp_path / "checkpoint-4.dcp"
     folder.mkdir()

@@ -151,10 +151,15 @@ def resume_where(resume: str, out: str | Path | None) -> str:
 def check_held(folder: Path, name: str, job: Job, where: str) -> None:
     """Where this role's own checkpoint ``name`` is missing from ``folder``: refuse the run if
     the folder holds a checkpoint it cannot continue (another kind's, or servers' of another
-    number) instead of letting it start afresh (``where``: ``--out DIR`` or ``--resume
-    PATH``)."""
+    number), or only the previous one, instead of letting it start afresh (``where``: ``--out
+    DIR`` or ``--resume PATH``)."""
     if name.startswith("worker-"):
         return  # a compressed ps worker: the servers judge their checkpoint
+    kept = folder / PREVIOUS / name
+    if kept.is_file() and folder.name != PREVIOUS:
+        raise UsageError(f"{where} holds no {name} but the previous checkpoint {kept}; resume "
+                         f"from it with --resume {kept}, or drop --resume and add --overwrite "
+                         f"to start over")
     servers = sorted(folder.glob(SERVERS))
     if name.startswith("server-"):
         if servers:
