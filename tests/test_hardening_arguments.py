@@ -26,10 +26,11 @@ class Terminal(io.StringIO):
 
 
 @pytest.mark.multiprocess
-def test_config_dash_reads_standard_input(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_config_dash_reads_standard_input(monkeypatch: pytest.MonkeyPatch,
+                                          tmp_path: Path) -> None:
     """Was: ``-`` was taken for no file at all, and a default run of 100 steps trained."""
     monkeypatch.setattr("sys.stdin", io.StringIO("steps: 3\nbatch-size: 32\nlr: 0.1\n"))
-    summary = run_json("train", "--config", "-")
+    summary = run_json("train", "--config", "-", "--out", str(tmp_path))
     assert summary["steps"] == 3 and summary["global_batch_size"] == 32 and summary["lr"] == 0.1
 
 

@@ -21,9 +21,9 @@ PS = ("train", "--strategy", "ps", "--nproc", "3", "--steps", "12", "--batch-siz
 
 
 @pytest.mark.cli
-def test_a_fault_aimed_at_a_parameter_server_fires() -> None:
+def test_a_fault_aimed_at_a_parameter_server_fires(tmp_path: Path) -> None:
     """Was: the server never looked, and the run ended with status 0."""
-    process, mark = start(*PS, env={**SOURCE, "TANDEM_FAULT": "0:5"})
+    process, mark = start(*PS, "--out", str(tmp_path), env={**SOURCE, "TANDEM_FAULT": "0:5"})
     code, _, err = finish(process, mark, timeout_s=120)
     lines = err.strip().splitlines()
     assert code == 1 and len(lines) <= 3, err
@@ -42,8 +42,8 @@ def test_a_killed_server_restarts_from_the_servers_checkpoint(tmp_path: Path) ->
     assert summary["restarts"] == 1 and summary["finished"]
     assert max_abs_diff(tmp_path / "whole" / "final.pt", tmp_path / "cut" / "final.pt") == 0.0
     easgd = run_here("train", "--strategy", "easgd", "--mode", "async", "--nproc", "3",
-                     "--steps", "12", "--batch-size", "60", "--no-progress",
-                     env={"TANDEM_FAULT": "0:5"})
+                     "--steps", "12", "--batch-size", "60", "--no-progress", "--out",
+                     str(tmp_path / "easgd"), env={"TANDEM_FAULT": "0:5"})
     assert easgd.returncode == 1
     assert easgd.stderr.strip().splitlines()[-1] == (
         "tandem train: worker rank 0 died: killed by SIGKILL")
@@ -74,8 +74,9 @@ def test_a_rank_whose_steps_jump_fires_at_the_first_step_past_its_fault(
 
 
 @pytest.mark.pure
-def test_a_fault_past_stop_after_is_refused_before_start() -> None:
-    result = run_here(*PS, "--stop-after", "4", env={"TANDEM_FAULT": "1:6"})
+def test_a_fault_past_stop_after_is_refused_before_start(tmp_path: Path) -> None:
+    result = run_here(*PS, "--stop-after", "4", "--out", str(tmp_path),
+                      env={"TANDEM_FAULT": "1:6"})
     assert result.returncode == 2 and result.stderr.strip().splitlines()[-1] == (
         "tandem train: error: TANDEM_FAULT=1:6 names rank 1 and step 6, but the job has ranks "
         "0-2 and steps 0-3 (--stop-after); pick ones it has, or unset TANDEM_FAULT")

@@ -421,6 +421,9 @@ def step_decay(text: str, *, steps: int) -> tuple[float, tuple[int, ...]]:
 
 PATH_FIELDS = ("out", "resume", "cache_dir")
 """Settings that take a path (``str`` or ``os.PathLike``; kept as ``str``)."""
+MORE_FORMS = ("optimizer_options", "log_to")
+"""Settings that take more forms than their annotation says, which their own checks read
+(words or a dict: :func:`~tandem.spec.optimizer.parse_options`; a list: :func:`log_sinks`)."""
 FLAGS = {"progress": "--no-progress"}
 """Settings whose flag is not ``--`` and their name."""
 
@@ -431,7 +434,7 @@ def check_types(config: RunConfig) -> None:
     numbers and paths made plain ``int``, ``float`` and ``str``."""
     for field in dataclasses.fields(config):
         found = annotation_kind(str(field.type))
-        if found is None or field.name == "optimizer_options":  # words or a dict: parse_options
+        if found is None or field.name in MORE_FORMS:
             continue
         kind, optional = found
         name = "timeout" if field.name == "timeout_s" else field.name
