@@ -81,7 +81,8 @@ def test_a_stopped_run_resumes_on_fewer_replicas(shared_run: SharedRun, tmp_path
 def test_a_killed_worker_is_restarted_and_ends_as_if_uninterrupted(shared_run: SharedRun,
                                                                    tmp_path: Path) -> None:
     whole, _ = shared_run(*GPT, "--nproc", "2", "--tensor-parallel", "2")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TANDEM_FAULT": "1:7"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TANDEM_FAULT": "1:7",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}  # this checkout's
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(key, None)
     result = subprocess.run(
@@ -96,5 +97,5 @@ def test_a_killed_worker_is_restarted_and_ends_as_if_uninterrupted(shared_run: S
     assert summary["restarts"] == 1 and summary["finished"]
     assert max_abs_diff(whole / "final.pt", tmp_path / "final.pt") <= 1e-6
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*.dcp")) == [
-        "checkpoint-4.dcp", "checkpoint-8.dcp"]  # the latest and the previous checkpoint's
+        "checkpoint-12.dcp", "checkpoint-8.dcp"]  # the latest and the previous checkpoint's
     shutil.rmtree(tmp_path, ignore_errors=True)
