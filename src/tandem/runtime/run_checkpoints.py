@@ -10,8 +10,8 @@ kind's would silently start afresh: :func:`check_held` refuses it, naming both r
 its part of the model) or, compressed, of workers (each server holds each worker's codec
 state).
 
-The checkpoint a save replaces is kept as ``previous/NAME`` (a hard link: no copy), and a
-sharded one's folder with it, so that a checkpoint found corrupt on load
+The checkpoint a save replaces is kept as ``previous/NAME`` (a hard link: no copy; a sharded
+one's folder stays in ``OUT``, beside the latest's), so that a checkpoint found corrupt on load
 (:mod:`tandem.runtime.checksum`) comes with the previous one to resume from instead
 (:func:`corrupt`). A run resumed from ``previous/`` keeps it there: the newer file it
 replaces is the corrupt one.
@@ -77,7 +77,7 @@ def previous_sharded(out: Path) -> str | None:
 
 def sharded_folder(path: Path, name: str) -> Path:
     """The folder ``name`` that the checkpoint ``path`` names: beside it, or, for a previous
-    checkpoint whose folder has not moved yet, in the run directory above."""
+    checkpoint (``OUT/previous/checkpoint.pt``), in the run directory above, where it stays."""
     folder = path.parent / name
     if not folder.is_dir() and path.parent.name == PREVIOUS:
         return path.parent.parent / name
