@@ -179,7 +179,7 @@ class RunConfig:
         check_types(self)
         self._check_counts()
         check_optimizer_settings(self)
-        self._check_lr_scaling()
+        _check_lr_scaling(self)
         _choice("--backend", self.backend, BACKENDS)
         if not 0 < self.timeout_s <= MAX_TIMEOUT_S:
             raise UsageError(f"--timeout must be a number of seconds above 0 and at most "
@@ -278,19 +278,6 @@ class RunConfig:
         schedule = self.parsed_batch_schedule()
         return tuple(batch for _, batch in schedule) if schedule else (self.batch_size,)
 
-    def _check_lr_scaling(self) -> None:
-        if self.lr_scaling is not None:
-            _choice("--lr-scaling", self.lr_scaling, LR_SCALINGS)
-        if self.base_batch is None:
-            return
-        if self.lr_scaling is None:
-            raise UsageError(f"--base-batch {self.base_batch} is the batch --lr is for, which "
-                             f"only --lr-scaling uses; add --lr-scaling linear (or sqrt, or "
-                             f"auto), or drop --base-batch")
-        if self.base_batch < 1:
-            raise UsageError(f"--base-batch must be at least 1 (got {self.base_batch}); e.g. "
-                             f"--base-batch {DEFAULT_BASE_BATCH}")
-
     def straggler_factor(self) -> tuple[int, float] | None:
         """``(rank, factor)`` of ``--straggler``, or None."""
         if self.straggler is None:
@@ -305,6 +292,21 @@ class RunConfig:
                              f"between 1 and {MAX_STRAGGLER:g}, e.g. 1:4")
         return rank, factor
 
+
+
+def _check_lr_scaling(config: RunConfig) -> None:
+    """``--lr-scaling`` is one of its choices, and ``--base-batch`` goes with it."""
+    if config.lr_scaling is not None:
+        _choice("--lr-scaling", config.lr_scaling, LR_SCALINGS)
+    if config.base_batch is None:
+        return
+    if config.lr_scaling is None:
+        raise UsageError(f"--base-batch {config.base_batch} is the batch --lr is for, which "
+                         f"only --lr-scaling uses; add --lr-scaling linear (or sqrt, or "
+                         f"auto), or drop --base-batch")
+    if config.base_batch < 1:
+        raise UsageError(f"--base-batch must be at least 1 (got {config.base_batch}); e.g. "
+                         f"--base-batch {DEFAULT_BASE_BATCH}")
 
 
 def check_optimizer_settings(config: RunConfig) -> None:
