@@ -293,7 +293,6 @@ class RunConfig:
         return rank, factor
 
 
-
 def _check_lr_scaling(config: RunConfig) -> None:
     """``--lr-scaling`` is one of its choices, and ``--base-batch`` goes with it."""
     if config.lr_scaling is not None:
