@@ -276,9 +276,9 @@ def print_summary(summary: dict[str, Any], as_json: bool) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    made = None
-    if args.out is None and args.resume is None:  # never nowhere (--resume auto needs --out)
-        made = args.out = str(default_out())
+    made, launched = None, under_launcher()
+    if args.out is None and args.resume is None and not launched:  # never nowhere
+        made = args.out = str(default_out())  # (--resume auto needs its --out)
     # said at the start at a terminal; the summary names it (``out``) wherever it goes
     told = made is not None and sys.stderr.isatty()
     try:
@@ -290,6 +290,10 @@ def run(args: argparse.Namespace) -> int:
         raise
     if summary is not None:
         print_summary(summary, args.json)
+        if launched and args.out is None:  # the workers could not agree on a runs/ name
+            print("tandem: warning: this torchrun job had no --out, so nothing was written "
+                  "(final.pt, metrics.jsonl); give --out DIR, the same on every node",
+                  file=sys.stderr)
     return 0
 
 

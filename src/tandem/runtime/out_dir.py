@@ -49,7 +49,8 @@ def default_out() -> Path:
     """A new directory for a run without ``--out``: ``runs/<date>_<time>`` (``-2``, ``-3``, ...
     after it when two runs start in the same second), made now so that no other run takes it;
     under ``$TANDEM_RUNS_DIR`` instead of ``runs`` where that is set. Under ``torchrun`` the
-    workers could not agree on a name: one line asks for ``--out``."""
+    workers could not agree on a name: one line asks for ``--out`` (``tandem train`` does not
+    ask for one there; it runs, and says at the end that nothing was written)."""
     if under_launcher():
         raise UsageError("under torchrun, give --out DIR (every worker must name the same "
                          "directory; on several machines, a shared one or one per machine)")
