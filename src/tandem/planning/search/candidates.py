@@ -17,26 +17,34 @@ plan that fits:
 - link speeds: every level's bandwidth times :data:`BANDWIDTH_RUNGS`, nearest first (twice
   the bandwidth is the partitioner's plan for devices half as fast: its cost model depends on
   bandwidth over speed only), each way until :data:`STABLE_RUNGS` rungs give no new free plan;
-- memory, on every link rung alike: the free plan, the limit times :data:`FLUSH_BUDGET_SCALES`
-  (flush schedules, whose budget counts a replica's whole share of the minibatch in flight
-  where 1F1B holds less), the limit itself, then the points of a fixed grid below it
-  (:func:`grid_budgets`: 1 GB times powers of 2 ** (1 / :data:`GRID_POINTS_PER_DOUBLING`),
-  :data:`GRID_RUNGS` of them below the free plan's need), and from each budget's plan up to
-  :data:`STEPS_PER_BUDGET` plans down the memory axis (the budget the last plan's need less
-  :data:`BUDGET_STEP`: the partitioner's best plan among those that hold less) until one
-  holds less than the next grid point; the limit's steps first.
+- memory, on every link rung alike: the free plan; under a limit it exceeds, the limit times
+  :data:`FLUSH_BUDGET_SCALES` (flush schedules, whose budget counts a replica's whole share of
+  the minibatch in flight where 1F1B holds less) and the limit itself; then :data:`WALK_STEPS`
+  plans down the memory axis, each the partitioner's plan under the greatest point of a fixed
+  grid below the last plan's need (:func:`grid_below`: 1 GB times powers of 2 ** (1 /
+  :data:`GRID_POINTS_PER_DOUBLING`), 4.4% apart). Flush schedules walk down from their last
+  plan even when the limit itself has none (the simulator's 1F1B holds less than the
+  partitioner's model of it).
 
-The link ladder is the cluster's own figures scaled by powers of 2, and the memory grid does
-not depend on the limit or on the path down it, so the candidates of a looser limit, twice the
-bandwidth or devices twice as fast include those of the tighter or slower cluster (all but the
-far ends of its ladders, the limit's own plan and the steps below it, and what the work bounds
-cut), which makes the planner monotone along them in practice; the property test
-(``tests/test_planner_properties.py``) checks it on a sample and on issue 28's series. Identical
-layouts are simulated once (by stages, layer order, schedule and micro-batches). Work is
-bounded: solves beyond the first :data:`ESSENTIAL_SOLVES` on the cluster's own links stop at
-:data:`MAX_SOLVE_WORK` (:func:`solve_work`), at most :data:`MAX_LAYOUTS` layouts are
-simulated, and solves that fill tables of gigabytes (:data:`ESSENTIAL_WORK`) take only the free
-plan and the limit's.
+Why a grid: the partitioner's plan changes with its budget in steps (a plan answers every
+budget from its need up to the next plan's), so a walk that steps to the grid point below
+each plan's need meets the plan of every grid point it passes, and the walks of two limits
+merge at the first grid point they share: a looser limit's walk holds a tighter limit's grid
+plans that lie within its depth. It does not hold the tighter limit's own plan when no grid
+point lies between that limit and the plan's need, nor the tighter limit's plans below its own
+last step; only a walk of every plan down to the smallest memory would (ResNet-50 on
+4x16GB/s,4x10Gb/s: 93 solves, 55 s; on 16 flat devices at 25 Gb/s under PipeDream's schedule,
+32 grid plans per link rung from the free plan's 39.6 GB to 6.2 GB, where a rung now takes 7).
+Of the link ladder, twice the bandwidth or devices twice as fast hold the slower cluster's
+rungs but for the far end of its ladder. Work is charged a whole rung at a time, before its
+walk (:func:`walk_solves` solves of :func:`solve_work` each), so that every limit of a model on
+a cluster walks the same rungs. The planner is thus monotone along the ladders in practice, not
+by construction: ``tests/test_planner_properties.py`` checks it on a sample, on issue 28's
+series and on series of limits, and says where it is not. Identical layouts are simulated once
+(by stages, layer order, schedule and micro-batches). Work is bounded: rungs beyond the
+:data:`ESSENTIAL_SOLVES` of the cluster's own links are walked within :data:`MAX_SOLVE_WORK`
+and :data:`MAX_LAYOUTS`, and solves that fill tables of gigabytes (:data:`ESSENTIAL_WORK`) take
+only the free plan and the limit's.
 
 Micro-batch counts divide the minibatch (what ``tandem train`` requires): the smallest divisor
 at least each multiple :data:`MICROBATCH_FACTORS` of the default; with the minibatch unknown
@@ -71,34 +79,35 @@ FLUSH_BUDGET_SCALES = (8.0, 4.0, 2.0)
 """Flush schedules: budgets above the limit, as multiples of it (the partitioner budgets a
 replica's whole share in flight; 1F1B's simulated peak is often lower)."""
 GRID_BASE_BYTES = 1e9
-"""Memory budgets lie on a grid: this times powers of 2 (1 GB, 1.19 GB, 1.41 GB, ...)."""
-GRID_POINTS_PER_DOUBLING = 4
-"""Grid points per doubling of the budget."""
-GRID_RUNGS = 5
-"""Grid points below the free plan's need tried per link rung (a factor of 2.4 below it)."""
-STEPS_PER_BUDGET = 2
-"""Plans down the memory axis from each grid budget's, at most, until one holds less than the
-next grid point (the plans between two grid points that the partitioner rates best)."""
+"""Memory budgets below the limit lie on a grid: this times powers of 2 ** (1 /
+:data:`GRID_POINTS_PER_DOUBLING`) (1 GB, 1.04 GB, 1.09 GB, ...)."""
+GRID_POINTS_PER_DOUBLING = 16
+"""Grid points per doubling of the budget: 4.4% apart."""
+WALK_STEPS = 5
+"""Plans down the memory axis per link rung, below the limit's (or the free plan): each the
+partitioner's plan under the grid point below the last one's need."""
 ESSENTIAL_SOLVES = 6
 """Solves on the cluster's own links taken whatever the :data:`MAX_SOLVE_WORK` (and not counted
-in it): the free plan, the limit's, two below it and the next two grid points (the plans
-nearest the limit, which the simulator often rates far apart: ResNet-50 on 4x16GB/s,4x10Gb/s
-at 16 GB, 4-12 at 334 ms, then 4-4-4-4 at 65 ms)."""
+in it): the free plan, the limit's (flush schedules: with those above it) and the first steps
+down the memory axis (the plans nearest the limit, which the simulator often rates far apart:
+ResNet-50 on 4x16GB/s,4x10Gb/s under PipeDream's schedule at 16 GB, 4-12 at 334 ms, then
+4-4-4-4 at 65 ms)."""
 ESSENTIAL_WORK = 2e8
-"""Solves up to this size (:func:`solve_work`; ResNet-50 on servers of 4 is 9e7) climb the
-memory grid; larger ones (a 1,000-layer chain on 1,024 devices, 1e9) take only the free plan
+"""Solves up to this size (:func:`solve_work`; ResNet-50 on servers of 4 is 9e7) walk down the
+memory axis; larger ones (a 1,000-layer chain on 1,024 devices, 1e9) take only the free plan
 and the limit's, on the cluster's own links."""
-BUDGET_STEP = 1e-6
-"""Down the memory axis, the next budget is the last plan's need less this fraction of it:
-the partitioner's best plan among those that hold less."""
 MEMORY_RETRIES = 3
 """Times a plan at the limit whose simulated devices exceed it is solved again, the limit
 shrunk by the overflow."""
 MAX_LAYOUTS = 48
-"""Distinct pipeline layouts simulated per planning, at most (the first rungs first)."""
-MAX_SOLVE_WORK = 1e7
-"""Partitioner work (:func:`solve_work`) per planning beyond the :data:`ESSENTIAL_SOLVES`:
-small models climb every rung, large ones and hierarchies fewer."""
+"""Distinct pipeline layouts simulated per planning after which no further link rung is walked
+(the first rungs first)."""
+MAX_SOLVE_WORK = 2e7
+"""Partitioner work (:func:`solve_work`) per planning beyond the :data:`ESSENTIAL_SOLVES`, a
+whole link rung at a time: ResNet-50 on 16 flat devices walks up to 4 rungs under 1F1B and 6 under
+PipeDream's schedule (2 and 3 at 1e7, where issue 28's bandwidth series were not monotone: the
+plan for twice the bandwidth lacks the slower cluster's lowest rung); a hierarchy of servers
+of 4 walks its own links' essential solves only."""
 
 Solve = Callable[[Cluster, PartitionOptions], Plan]
 """The partitioner: a plan for a cluster under options (:class:`NoPlanFits` when none fits)."""
@@ -210,8 +219,8 @@ class CandidatePool:
         """The partitioner's plans (``solve(cluster, options)``) for each view of the cluster
         (its name and the cluster the partitioner sees) on the rungs of the link and memory
         ladders (module docstring), simulated on the real cluster, nearest rungs first: on
-        each link rung the free plan and the memory grid below it; each distinct layout once,
-        within :data:`MAX_SOLVE_WORK` and :data:`MAX_LAYOUTS`."""
+        each link rung the free plan and the walk down the memory grid (:meth:`_walk`); each
+        distinct layout once, within :data:`MAX_SOLVE_WORK` and :data:`MAX_LAYOUTS`."""
         found: list[Candidate] = []
         idle = {direction: 0 for direction in (1.0, -1.0)}
         free: set[tuple[Any, ...]] = set()
@@ -223,27 +232,35 @@ class CandidatePool:
             for name, view in views:
                 rung = _Rung(name, dataclasses.replace(scale_links(view, factor),
                                                        memory_bytes=None), factor)
-                if solve_work(self.profile.num_layers, rung.cluster) > ESSENTIAL_WORK:
+                work = solve_work(self.profile.num_layers, rung.cluster)
+                if work > ESSENTIAL_WORK:
                     found += self._free_and_limit(rung, options, solve)
                 else:
-                    found += self._grid(rung, options, solve)
+                    rung.allowed = self._allowance(rung, work, options)
+                    found += self._walk(rung, options, solve)
                 free |= {rung.free} if rung.free is not None else set()
             idle[direction] = idle[direction] + 1 if len(free) == before else 0
         return found
 
+    def _allowance(self, rung: _Rung, work: float, options: PartitionOptions) -> int:
+        """Solves ``rung`` may take (each of ``work``): its whole walk (:func:`walk_solves`)
+        when that fits what is left of :data:`MAX_SOLVE_WORK` and :data:`MAX_LAYOUTS` (charged
+        whole, however many it takes, so that a looser limit or another cluster walks the same
+        rungs), else the :data:`ESSENTIAL_SOLVES` on the cluster's own links, else none."""
+        solves = walk_solves(options)
+        essential = ESSENTIAL_SOLVES if rung.factor == 1.0 else 0
+        charge = work * max(0, solves - essential)
+        if self._spent + charge > MAX_SOLVE_WORK or len(self._layouts) >= MAX_LAYOUTS:
+            return essential
+        self._spent += charge
+        return solves
+
     def _solve(self, rung: _Rung, options: PartitionOptions, solve: Solve,
-               budget: float | None, *, essential: bool) -> Plan | None:  # fmt: skip
-        """The partitioner's plan on ``rung`` under ``budget`` (None when none fits it, or
-        when the work runs out; ``essential`` ones always run)."""
-        work = solve_work(self.profile.num_layers, rung.cluster)
-        if not essential:
-            if self._spent + work > MAX_SOLVE_WORK or len(self._layouts) >= MAX_LAYOUTS:
-                return None
-            self._spent += work
+               budget: float | None) -> Plan | None:
+        """The partitioner's plan on ``rung`` under ``budget`` (None when none fits it)."""
         try:
             plan = solve(rung.cluster, dataclasses.replace(options, memory_bytes=budget))
         except NoPlanFits:
-            rung.exhausted = True
             return None
         rung.need = plan_need(plan)
         return plan
@@ -254,7 +271,7 @@ class CandidatePool:
         cluster's own links only, the free plan and, when it needs more, the limit's."""
         if rung.factor != 1.0:
             return []
-        plan = self._solve(rung, options, solve, None, essential=True)
+        plan = self._solve(rung, options, solve, None)
         if plan is None:
             return []
         rung.free = layout_key(plan)
@@ -262,24 +279,24 @@ class CandidatePool:
         limit = options.memory_bytes
         if limit is None or rung.need <= limit:
             return found
-        plan = self._solve(rung, options, solve, limit, essential=True)
+        plan = self._solve(rung, options, solve, limit)
         taken = [] if plan is None else self._take(rung, plan, limit)
         if taken and not taken[0].fits:
             taken += self._shrunk(rung, options, solve, taken[0])
         return found + taken
 
-    def _grid(self, rung: _Rung, options: PartitionOptions, solve: Solve) -> list[Candidate]:
-        """The free plan, each budget of :func:`grid_budgets` once, then down the memory axis
-        from each budget's plan: up to :data:`STEPS_PER_BUDGET` plans, each under the last
-        one's need less :data:`BUDGET_STEP`, until one holds less than the next grid point.
-        The first :data:`ESSENTIAL_SOLVES` solves on the cluster's own links always run."""
-        solves = 0
+    def _walk(self, rung: _Rung, options: PartitionOptions, solve: Solve) -> list[Candidate]:
+        """The free plan; under a limit that it exceeds, the limit's plan (flush schedules
+        first the limit times :data:`FLUSH_BUDGET_SCALES`; a plan the simulator finds over the
+        limit solved again, :meth:`_shrunk`); then :data:`WALK_STEPS` plans down the memory
+        axis, each the partitioner's plan under the grid point (:func:`grid_below`) below the
+        last one's need; as many solves as ``rung.allowed`` (:meth:`_allowance`)."""
 
         def attempt(budget: float | None) -> Plan | None:
-            nonlocal solves
-            solves += 1
-            return self._solve(rung, options, solve, budget, essential=rung.factor == 1.0
-                               and solves <= ESSENTIAL_SOLVES)
+            if rung.allowed <= 0:
+                return None
+            rung.allowed -= 1
+            return self._solve(rung, options, solve, budget)
 
         plan = attempt(None)
         if plan is None:
@@ -287,47 +304,40 @@ class CandidatePool:
         rung.free = layout_key(plan)
         found = self._take(rung, plan, None)
         limit = options.memory_bytes
-        shrink = rung.factor == 1.0 and limit is not None
-        reached: list[tuple[float, float]] = []  # the next grid point, the plan's need
-        nearest = True
-        for budget, below in grid_budgets(rung.need, limit, options.schedule):
-            if rung.exhausted:
-                break
-            if rung.need > budget:  # else the last plan is this budget's plan
-                plan = attempt(budget)
-                if plan is None:
-                    continue
-                taken = self._take(rung, plan, budget)
-                found += taken
-                if shrink and limit is not None and rung.need <= limit and taken:
-                    shrink = False  # the first plan the partitioner deems within the limit
-                    if not taken[0].fits:
-                        found += self._shrunk(rung, options, solve, taken[0])
-            if nearest and (limit is None or budget <= limit):
-                nearest = False  # the steps below the limit's plan first
-                found += self._steps(rung, (below, rung.need), attempt)
-            else:
-                reached.append((below, rung.need))
-        for last in reached:
-            rung.exhausted = False
-            found += self._steps(rung, last, attempt)
-        return found
-
-    def _steps(self, rung: _Rung, last: tuple[float, float],
-               attempt: Callable[[float], Plan | None]) -> list[Candidate]:  # fmt: skip
-        """Down the memory axis from a plan that needs ``last[1]``: up to
-        :data:`STEPS_PER_BUDGET` plans, each the partitioner's best among those that hold less
-        than the last, until one holds at most the next grid point ``last[0]``."""
-        below, need = last
-        found: list[Candidate] = []
-        for _ in range(STEPS_PER_BUDGET):
-            if need <= below:
-                break
-            plan = attempt(need * (1 - BUDGET_STEP))
+        if limit is not None:
+            at_limit = self._at_limit(rung, options, solve, attempt, limit)
+            if at_limit is None:
+                return found  # nothing holds that little, by the simulator too
+            found += at_limit
+        for _ in range(WALK_STEPS):
+            budget = grid_below(rung.need)
+            plan = attempt(budget)
             if plan is None:
                 break
-            found += self._take(rung, plan, need * (1 - BUDGET_STEP))
-            need = rung.need
+            found += self._take(rung, plan, budget)
+        return found
+
+    def _at_limit(self, rung: _Rung, options: PartitionOptions, solve: Solve,
+                  attempt: Callable[[float], Plan | None], limit: float) -> list[Candidate] | None:
+        """The plans under ``limit`` (flush schedules: first under it times
+        :data:`FLUSH_BUDGET_SCALES`) that the last plan does not answer, the first within the
+        limit solved again when the simulator finds it over (:meth:`_shrunk`); None when no
+        plan holds ``limit`` under PipeDream's schedule (whose memory the partitioner's model
+        gives exactly). Under a flush schedule the walk goes on from the last plan: plans that
+        hold more by that model may fit."""
+        flushes = options.schedule.flushes
+        found: list[Candidate] = []
+        scales = (*FLUSH_BUDGET_SCALES, 1.0) if flushes else (1.0,)
+        for budget in [limit * scale for scale in scales]:
+            if rung.need <= budget:
+                continue  # the last plan is this budget's plan
+            plan = attempt(budget)
+            if plan is None:
+                return found if flushes else None
+            taken = self._take(rung, plan, budget)
+            found += taken
+            if rung.need <= limit and rung.factor == 1.0 and taken and not taken[0].fits:
+                found += self._shrunk(rung, options, solve, taken[0])
         return found
 
     def _shrunk(self, rung: _Rung, options: PartitionOptions, solve: Solve,
@@ -341,7 +351,7 @@ class CandidatePool:
         budget = limit
         for _ in range(MEMORY_RETRIES):
             budget *= limit / over.result.peak_memory_bytes * 0.999
-            plan = self._solve(rung, options, solve, budget, essential=True)
+            plan = self._solve(rung, options, solve, budget)
             if plan is None:
                 break
             taken = self._take(rung, plan, budget)
@@ -365,7 +375,7 @@ class CandidatePool:
 
 @dataclasses.dataclass(slots=True)
 class _Rung:
-    """One view of the cluster at one link speed, and how far down the memory axis it is."""
+    """One view of the cluster at one link speed, and the need of its last plan."""
 
     name: str
     """The candidates' name (``partition`` or ``flat``)."""
@@ -375,10 +385,18 @@ class _Rung:
     """The scale of its links."""
     need: float = float("inf")
     """The last plan's need by the partitioner's memory model."""
-    exhausted: bool = False
-    """No plan holds less than the last one."""
     free: tuple[Any, ...] | None = None
     """The layout of its free plan (:func:`layout_key`), once solved."""
+    allowed: int = 0
+    """Solves it may still take (:meth:`CandidatePool._allowance`)."""
+
+
+def walk_solves(options: PartitionOptions) -> int:
+    """Solves of a link rung's whole walk down the memory axis: the free plan, under a limit the
+    limit's (and for flush schedules those above it), and :data:`WALK_STEPS`."""
+    limits = 0 if options.memory_bytes is None else 1 + (
+        len(FLUSH_BUDGET_SCALES) if options.schedule.flushes else 0)
+    return 1 + limits + WALK_STEPS
 
 
 def solve_work(num_layers: int, cluster: Cluster) -> float:
@@ -394,24 +412,9 @@ def plan_need(plan: Plan) -> float:
     return max(stage.memory_bytes for stage in plan.stages)
 
 
-def grid_budgets(need: float, limit: float | None,
-                 schedule: ScheduleKind) -> list[tuple[float, float]]:
-    """The memory budgets of a link rung whose free plan needs ``need``, loosest first, each
-    with the next grid point (:func:`grid_point`) below it. Under a limit, the limit times
-    :data:`FLUSH_BUDGET_SCALES` (flush schedules) and the limit itself; then the grid points
-    below the limit (below the free plan's need without a limit) down to :data:`GRID_RUNGS`
-    points below the free plan's (a tighter limit: three points below it). The grid is fixed,
-    so a looser limit's budgets include a tighter one's grid points. Budgets at or above
-    ``need`` are left out (they give the free plan)."""
-    free = grid_index(need) - 1  # the first grid point below the need
-    top = free if limit is None else min(free, grid_index(limit) - 1)
-    bottom = min(free - GRID_RUNGS + 1, top - 2)
-    budgets: list[float] = []
-    if limit is not None:
-        scales = FLUSH_BUDGET_SCALES if schedule.flushes else ()
-        budgets = [budget for budget in (*(limit * s for s in scales), limit) if budget < need]
-    budgets += [grid_point(index) for index in range(top, bottom - 1, -1)]
-    return [(budget, grid_point(grid_index(budget) - 1)) for budget in budgets]
+def grid_below(nbytes: float) -> float:
+    """The greatest grid point below ``nbytes`` (:func:`grid_point`)."""
+    return grid_point(grid_index(nbytes) - 1)
 
 
 def grid_index(nbytes: float) -> int:

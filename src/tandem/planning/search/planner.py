@@ -16,8 +16,9 @@ parallelism does not fit the memory limit, its sharded forms (FSDP2 / ZeRO,
 :mod:`tandem.planning.simulate.sharded`); it returns the fastest
 that fits the devices' memory, its time the simulator's (``bottleneck_s``) beside the
 partitioner's estimate (``estimate_s``). It is never slower than a candidate it built, and
-monotone along the ladders: more bandwidth, faster devices or a looser limit a rung apart never
-give a slower plan. Every candidate, with both figures and its memory, is listed in
+monotone along the ladders in practice (more bandwidth, faster devices or a looser limit give
+no slower plan on issue 28's series; :mod:`.candidates` says why not by construction). Every
+candidate, with both figures and its memory, is listed in
 ``plan.candidates``. A memory limit that no candidate meets is an error naming the smallest
 memory at which one would.
 """
