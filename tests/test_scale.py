@@ -261,6 +261,52 @@ def test_memory_limit_is_honoured_by_every_curve() -> None:
         assert outcome.fits_memory, point
 
 
+def test_every_curve_starts_at_1x(vgg_on_servers) -> None:  # type: ignore[no-untyped-def]
+    """On one device every curve's plan is the baseline's, so its point is 1x: the pipeline's
+    too (one stage, the whole minibatch at once: it was 4 micro-batches, 0.9994x)."""
+    result = vgg_on_servers
+    assert result.single_fits and result.memory_limit_bytes is None
+    ones = {p.strategy: p for p in result.simulated if p.num_devices == 1}
+    assert ones.keys() == set(result.strategies()) - {"ps"}  # a server leaves no worker
+    assert all(point.speedup == pytest.approx(1.0, rel=1e-12) for point in ones.values()), ones
+    assert result.plans["pipeline", 1].num_microbatches == 1
+
+
+def test_a_baseline_over_the_limit_is_said_and_no_point_is_drawn_that_does_not_fit() -> None:
+    """VGG-16 on 512 samples needs 60.4 GB on one device: under 40 GB no curve is drawn there but
+    the pipeline of one stage accumulating micro-batches, and the result says the baseline does
+    not fit; under 8 GB nothing is drawn on one device."""
+    profile = measured(VGG)
+    options = ScaleOptions(max_devices=2, families=(), compressions=(), max_tensor_degree=1,
+                           batch_samples=512)
+    for limit, drawn in ((40e9, {"pipeline"}), (8e9, set())):
+        cluster = dataclasses.replace(parse_cluster(SERVERS), memory_bytes=limit)
+        result = scale(profile, cluster, options, SimOptions(batch_scale=4))
+        assert not result.single_fits and result.single_memory_bytes > 60e9
+        assert result.memory_limit_bytes == limit
+        ones = {p.strategy: p for p in result.simulated if p.num_devices == 1}
+        assert ones.keys() == drawn
+        for point in ones.values():
+            plan = result.plans[point.strategy, 1]
+            outcome = simulate(plan, profile, resized(cluster, 1), SimOptions(batch_scale=4))
+            assert outcome.fits_memory and plan.num_microbatches and plan.num_microbatches > 1
+            assert point.speedup < 1.0
+        assert "dp on 1: 1 needs 60.4 GB per device, over the limit of " in " ".join(result.skipped)
+
+
+def test_cli_says_when_one_device_does_not_fit(capsys) -> None:
+    code, out, err = run(capsys, "scale", "--profile", VGG, "--cluster", SERVERS,
+                         "--max-devices", "2", "--profile-batch", "128", "--batch-size", "512",
+                         "--families", "none", "--compress", "2", "--max-tensor-degree", "1",
+                         "--memory", "40GB", "--plot", "none", "--json")
+    assert code == 0, err
+    first = err.splitlines()[0]
+    assert "needs 60.4 GB per device, over the limit of 40 GB" in first, first
+    assert "against a device with enough memory; on 1 device only pipeline fits" in first
+    data = json.loads(out)
+    assert data["single_fits"] is False and data["single_memory_bytes"] > 60e9
+
+
 def test_weak_scaling_needs_the_profile_batch_and_no_global_batch() -> None:
     with pytest.raises(UsageError, match="--profile-batch"):
         scale(load_profile(VGG), parse_cluster(TWO_LEVEL),

@@ -155,7 +155,7 @@ def format_scale(result: ScaleResult, describe: str, batch: str) -> str:
     baseline = ("whole global minibatch" if result.scaling == "strong"
                 else f"{result.per_device_batch} samples")
     lines = [f"cluster: {describe}; {batch}; one device ({baseline}): "
-             f"{result.single_step_s * 1e3:.1f} ms per step",
+             f"{result.single_step_s * 1e3:.1f} ms per step{_unfit(result)}",
              "speedup vs one device (throughput; * = the best plan up to that count uses fewer "
              "devices; dp compute and comm: on exactly that count):",
              header + f" {'dp compute ms':>14} {'dp comm ms':>11}"]
@@ -178,6 +178,18 @@ def format_scale(result: ScaleResult, describe: str, batch: str) -> str:
     return "\n".join(lines)
 
 
+def _unfit(result: ScaleResult) -> str:
+    """What to say when the one-device baseline does not fit the memory limit ("" when it
+    does)."""
+    if result.single_fits or result.memory_limit_bytes is None:
+        return ""
+    drawn = [p.strategy for p in result.simulated if p.num_devices == 1]
+    return (f", but it needs {result.single_memory_bytes / 1e9:.3g} GB per device, over the "
+            f"limit of {result.memory_limit_bytes / 1e9:g} GB: speedups are against a device "
+            f"with enough memory" + (f"; on 1 device only {', '.join(drawn)} fits (fewer "
+                                     f"samples at once)" if drawn else ""))
+
+
 def plot_scale(result: ScaleResult, path: str, title: str) -> None:
     """Left: speedup per strategy (log-log, with the ideal); right: DP's compute and
     communication per step, the crossover marked."""
@@ -191,7 +203,10 @@ def plot_scale(result: ScaleResult, path: str, title: str) -> None:
         series = result.series(name)
         left.plot([p.num_devices for p in series], [p.speedup for p in series], marker="o",
                   markersize=3, label=name)
-    left.set(xscale="log", yscale="log", xlabel="devices", ylabel="speedup vs one device",
+    ylabel = "speedup vs one device" + ("" if result.single_fits else
+                                        f" ({result.single_memory_bytes / 1e9:.3g} GB: over "
+                                        f"the limit)")
+    left.set(xscale="log", yscale="log", xlabel="devices", ylabel=ylabel,
              title="speedup, best plan up to each count (" + (
                  "fixed global minibatch)" if result.scaling == "strong"
                  else f"{result.per_device_batch} samples per device)"))
@@ -223,7 +238,8 @@ def result_dict(result: ScaleResult, batch_scale: float | None,
     device count), ``simulated`` each strategy on exactly each count; ``batch_scale`` and
     ``batch_samples`` are the fixed global batch (null under weak scaling)."""
     return {"scaling": result.scaling, "per_device_batch": result.per_device_batch,
-            "single_step_s": result.single_step_s, "batch_scale": batch_scale,
+            "single_step_s": result.single_step_s, "single_fits": result.single_fits,
+            "single_memory_bytes": result.single_memory_bytes, "batch_scale": batch_scale,
             "batch_samples": samples, "device_counts": result.device_counts,
             "crossover": result.crossover, "skipped": result.skipped,
             "points": [dataclasses.asdict(point) for point in result.points],

@@ -49,14 +49,18 @@ more steps than a synchronous method (see :mod:`tandem.planning.simulate.decentr
 
 Pipelines run 1F1B (synchronous, like data parallelism) with ``microbatches_per_stage``
 micro-batches per stage, or per replica of the widest stage if that is more, cut from the step's
-global batch (capped at its samples and at ``MAX_MICROBATCHES``). Under weak scaling a straight
-pipeline of ``S`` stages thus takes ``S * B`` samples per step in ``K * S`` micro-batches of
-``B / K`` samples (``K = microbatches_per_stage``).
+global batch (capped at its samples and at ``MAX_MICROBATCHES``: :mod:`.scale_counts`). Under
+weak scaling a straight pipeline of ``S`` stages thus takes ``S * B`` samples per step in
+``K * S`` micro-batches of ``B / K`` samples (``K = microbatches_per_stage``). On one device
+the pipeline is the whole model on it: the whole minibatch at once (the baseline itself, 1x)
+when that fits, else the fewest micro-batches that do (gradient accumulation).
 
 Only plans that ``tandem train --plan`` runs as written are counted (:mod:`tandem.spec.trainable`:
 layouts it accepts, micro-batches that divide a known global batch), and a plan that needs more
 memory per device than the cluster's (``--memory``) is no point: both are listed in
-``ScaleResult.skipped`` with the reason.
+``ScaleResult.skipped`` with the reason. The one-device baseline is simulated under the same
+limit: when it does not fit (``ScaleResult.single_fits``), the speedups are against a device
+with enough memory, no curve is drawn at 1x on one device, and ``tandem scale`` says so.
 
 **Every curve is the best plan up to that device count**: the point of a strategy at ``N`` is
 the fastest (highest speedup) of its simulations on ``1, 2, 4, ... N`` devices, leaving the
@@ -78,6 +82,7 @@ from tandem.cluster import Cluster, Level
 from tandem.errors import UsageError
 from tandem.plan import Plan
 from tandem.planning.search.balance import balanced_plan
+from tandem.planning.search.scale_counts import accumulated, micro_plan
 from tandem.planning.partition.pipedream import PartitionOptions
 from tandem.planning.search.planner import make_plan
 from tandem.planning.simulate.simulator import SimOptions, SimResult, data_parallel_plan, simulate
@@ -101,8 +106,6 @@ FAMILY_SPECS = (ParameterServerSync, GossipSync, LocalSGDSync)
 FAMILIES = tuple(cls.method for cls in FAMILY_SPECS)
 """Their methods' names, as ``--families`` takes them."""
 
-MAX_MICROBATCHES = 2048
-"""Most micro-batches per step a pipeline is simulated with."""
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
@@ -213,6 +216,14 @@ class ScaleResult:
     single_step_s: float
     """Step time of the baseline: one device, the whole global batch (strong) or the per-device
     batch (weak)."""
+    single_memory_bytes: float = 0.0
+    """Peak memory of the baseline's device."""
+    single_fits: bool = True
+    """Whether the baseline fits the cluster's memory (:attr:`memory_limit_bytes`); when not,
+    every speedup is against a device with enough memory, and a curve has a point on one
+    device only where another layout fits there (a pipeline of one stage, accumulating)."""
+    memory_limit_bytes: float | None = None
+    """The cluster's memory per device (None: no limit)."""
     device_counts: list[int]
     skipped: list[str]
     """Points that could not run, with the reason."""
@@ -272,11 +283,15 @@ def scale(profile: ModelProfile, cluster: Cluster, options: ScaleOptions | None 
     sim = dataclasses.replace(sim or SimOptions(), record=False)
     batch = _batch_scales(profile, options, sim)
     counts = device_counts(options.max_devices)
-    single = simulate(data_parallel_plan(profile, 1), profile, resized(cluster, 1),
-                      dataclasses.replace(sim, batch_scale=batch(1))).step_time_s
+    baseline = simulate(data_parallel_plan(profile, 1), profile, resized(cluster, 1),
+                        dataclasses.replace(sim, batch_scale=batch(1)))
+    single = baseline.step_time_s
     result = ScaleResult(points=[], simulated=[], single_step_s=single, device_counts=counts,
                          skipped=[], scaling=options.scaling,
-                         per_device_batch=options.per_device_batch)
+                         per_device_batch=options.per_device_batch,
+                         single_memory_bytes=baseline.peak_memory_bytes,
+                         single_fits=baseline.fits_memory,
+                         memory_limit_bytes=baseline.memory_limit_bytes)
     for n in counts:
         sized = resized(cluster, n)
         for name, plan, options_n in _strategies(profile, sized, n, options, sim, batch):
@@ -357,13 +372,14 @@ def _strategies(profile: ModelProfile, cluster: Cluster, n: int, options: ScaleO
             continue
         strategies.append((f"dp+{ratio:g}x", dp, dataclasses.replace(
             sim, gradient_compression=sim.gradient_compression * ratio)))
+    choose = _Chooser(profile, cluster, sim, batch_scale_of)
     stages = min(n, profile.num_layers)
-    strategies.append(("pipeline", _micro(balanced_plan(
-        profile, [1] * stages, schedule=ScheduleKind.ONE_F_ONE_B, num_microbatches=None),
-        options), sim))
+    straight = balanced_plan(profile, [1] * stages, schedule=ScheduleKind.ONE_F_ONE_B,
+                             num_microbatches=None)
+    strategies.append(("pipeline", _micro(straight, options) if stages > 1 else accumulated(
+        straight, options.samples(1), options.microbatches_per_stage, choose.fastest), sim))
     planning = dataclasses.replace(sim, batch_scale=batch_scale_of(n))  # the planner's batch
     hybrid, reasons = _hybrid_candidates(profile, cluster, options, planning, dp)
-    choose = _Chooser(profile, cluster, sim, batch_scale_of)
     strategies.append(("hybrid", choose.fastest(hybrid) if hybrid else reasons[0], sim))
     if options.max_tensor_degree > 1:
         three_d, more = _three_d_candidates(profile, cluster, options, planning)
@@ -476,19 +492,6 @@ def _family_sync(cls: type[SyncSpec], options: ScaleOptions) -> SyncSpec:
 
 
 def _micro(plan: Plan, options: ScaleOptions) -> Plan | str:
-    """``plan`` on 1F1B with ``microbatches_per_stage`` micro-batches per stage and per replica
-    of its widest stage, or the nearest count below that divides the step's samples (a
-    one-stage plan's: a multiple of its replicas), at most ``MAX_MICROBATCHES``; or why no
-    count does."""
-    widest = max(stage.replicas for stage in plan.stages)
-    needed = max(len(plan.stages), widest)
-    samples = options.samples(plan.num_workers - plan.num_servers)
-    step = widest if len(plan.stages) == 1 else 1
-    counts = [m for m in range(needed, min(MAX_MICROBATCHES, samples or MAX_MICROBATCHES) + 1)
-              if m % step == 0 and (samples is None or samples % m == 0)]
-    if not counts:
-        return (f"{plan.config}: no micro-batch count from {needed} up divides the batch of "
-                f"{samples} samples{f' into a multiple of {step}' if step > 1 else ''}")
-    target = options.microbatches_per_stage * needed
-    count = max((m for m in counts if m <= target), default=counts[0])
-    return dataclasses.replace(plan, schedule=ScheduleKind.ONE_F_ONE_B, num_microbatches=count)
+    """``plan`` on 1F1B with the options' micro-batches per stage (:func:`micro_plan`)."""
+    return micro_plan(plan, options.samples(plan.num_workers - plan.num_servers),
+                      options.microbatches_per_stage)
