@@ -271,8 +271,8 @@ def test_the_issues_series_are_monotone(where: int | str, schedule: str, limit_g
 
 LIMITS: list = [  # devices or cluster, link speed in Gb/s, schedule, limits in GB
     (8, 100.0, "1f1b", (1.0, 1.5, 2.0, 3.0, 4.0)),
-    (16, 50.0, "1f1b", (0.5, 0.75, 1.0, 1.5, 2.0)),
-    (16, 25.0, "pipedream", (8.0, 12.0, 16.0)),
+    (16, 50.0, "1f1b", (0.5, 1.0, 2.0)),
+    (16, 25.0, "pipedream", (12.0, 16.0)),
     ("4x16GB/s,4x10Gb/s", 0.0, "pipedream", (12.0, 14.0)),
 ]
 

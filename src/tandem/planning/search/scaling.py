@@ -60,7 +60,8 @@ layouts it accepts, micro-batches that divide a known global batch), and a plan 
 memory per device than the cluster's (``--memory``) is no point: both are listed in
 ``ScaleResult.skipped`` with the reason. The one-device baseline is simulated under the same
 limit: when it does not fit (``ScaleResult.single_fits``), the speedups are against a device
-with enough memory, no curve is drawn at 1x on one device, and ``tandem scale`` says so.
+with enough memory, a curve has a point on one device only where its own plan fits there,
+and ``tandem scale`` says so.
 
 **Every curve is the best plan up to that device count**: the point of a strategy at ``N`` is
 the fastest (highest speedup) of its simulations on ``1, 2, 4, ... N`` devices, leaving the
@@ -105,7 +106,6 @@ FAMILY_SPECS = (ParameterServerSync, GossipSync, LocalSGDSync)
 
 FAMILIES = tuple(cls.method for cls in FAMILY_SPECS)
 """Their methods' names, as ``--families`` takes them."""
-
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
