@@ -160,9 +160,11 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dic
 def test_lossless_codecs_give_the_uncompressed_parameter_server_run(
         one_server: tuple[Path, list[dict[str, Any]]], name: str) -> None:
     """Pushes of a lossless codec are bit for bit the gradient; pulls track the parameters
-    through ``x̂ + fl(x - x̂)``, which is ``x`` only to rounding (1 ulp), hence the tolerance."""
+    through ``x̂ + fl(x - x̂)``, which is ``x`` only to rounding (1 ulp), hence the tolerance.
+    fp16 rounds the pushes too: 3.6e-3 apart at most (2e-3 was the bound before the mlp's He
+    initialization, whose larger signal makes larger gradients and roundings)."""
     root, _ = one_server
-    tolerance = 2e-3 if name == "fp16" else 1e-6
+    tolerance = 5e-3 if name == "fp16" else 1e-6
     assert max_abs_diff(root / "none" / "final.pt", root / name / "final.pt") <= tolerance
 
 

@@ -268,17 +268,17 @@ def _finite(value: Any) -> bool:
 
 @pytest.mark.multiprocess
 def test_the_last_good_checkpoint_stays_and_resumes_with_a_sane_lr(tmp_path: Path) -> None:
-    """``--lr 3`` trains ten steps, then explodes (at step 11; ``--lr 1``, which did with the
-    initialization drawn in sequence, stalls instead with the one by module name):
-    ``checkpoint.pt`` holds the step before (finite), and ``--resume --lr 0.05`` from it trains
-    on to the end."""
+    """``--lr 1`` trains eleven steps, then explodes (at step 12; with ``nn.Linear``'s
+    initialization of the mlp it stalled, and ``--lr 3`` exploded at step 11 from a state that
+    ``--lr 0.05`` could resume, which with He's it no longer is): ``checkpoint.pt`` holds the
+    step before (finite), and ``--resume --lr 0.05`` from it trains on to the end."""
     common = ("train", "--nproc", "2", "--steps", "30", "--checkpoint-every", "1",
               "--out", str(tmp_path), "--no-progress")
-    result = run_here(*common, "--lr", "3")
+    result = run_here(*common, "--lr", "1")
     assert result.returncode == 1, result.stderr
     line = _one_line(result.stderr)
     match = re.fullmatch(r"tandem train: loss exploded to \S+ \(.*\) at step (\d+) on worker "
-                         r"[01] \(rank [01]\): the learning rate 3 is likely too large for this "
+                         r"[01] \(rank [01]\): the learning rate 1 is likely too large for this "
                          r"model; lower --lr \(e\.g\. 0\.05\), add --warmup-steps or "
                          r"--clip-grad-norm", line)
     assert match, line
