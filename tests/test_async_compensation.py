@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 
 import pytest
 import torch
 
 from tandem.runtime.asynchrony import apply_compensation, compensation, restore_momentum
+from tandem.runtime.ps.rounds import first_update, next_updates
 from tandem.runtime.trainer import async_batch_share
 from tests.conftest import SharedRun, run_here
 
@@ -71,14 +73,28 @@ def test_a_resumed_optimizer_takes_this_runs_momentum_not_the_checkpoints() -> N
 @pytest.mark.pure
 @pytest.mark.parametrize("first", [0, 40])
 def test_asynchronous_workers_read_every_share_of_every_batch_once(first: int) -> None:
-    workers = 4
-    # every worker computes its first update on the version all pull; each later reply
-    # carries a version no other worker gets, in whatever order the servers apply pushes
-    reads = [async_batch_share(first, rank=r, workers=workers, first=first)
-             for r in range(workers)]
-    reads += [async_batch_share(v, rank=v % 3, workers=workers, first=first)
-              for v in range(first + 1, first + 41)]
-    assert sorted(reads) == [(first // workers + u // workers, u % workers) for u in range(44)]
+    """The servers number the updates they send workers on to: a first pull's reply, however
+    late, and each reply to a push, however many replies one push lets go (bounded staleness
+    answers held workers together, on one version: numbered by it, they read one share, as a
+    third of the replies did)."""
+    workers, version, waiting = 4, first, 0
+    pushes: Counter[int] = Counter()
+    updates = [first_update(version, pushes, range(workers), worker) for worker in range(3)]
+
+    def push(going: int) -> None:  # a push applied, then ``going`` waiting workers answered
+        nonlocal version, waiting
+        version, waiting = version + 1, waiting + 1
+        pushes[version % 3] += 1
+        updates.extend(next_updates(version, workers, waiting=waiting, going=going))
+        waiting -= going
+
+    push(1)  # before worker 3's first pull
+    updates.append(first_update(version, pushes, range(workers), 3))
+    for going in (0, 2, 1, 0, 0, 3, 1, 0, 2, 1):
+        push(going)
+    reads = [async_batch_share(update, workers=workers) for update in updates]
+    assert sorted(reads) == [(first // workers + u // workers, u % workers)
+                             for u in range(len(reads))]
 
 
 DEFAULTS = ("--data", "digits", "--steps", "300", "--batch-size", "64")

@@ -85,8 +85,6 @@ class Trainer(BaseTrainer):
                                  if isinstance(sync, ParameterServerSync) else 1)
         """Updates of the model per optimizer step: a worker's ``step`` counts updates, and it
         reads the share :meth:`batch_share` gives (asynchronous ps)."""
-        self.first_update = 0
-        """The servers' version this worker's first update computes on (a resumed run's)."""
         self.loss_log.collective = self.strategy.synchronous
         checkpoint = self._load_checkpoint()
         if checkpoint is not None:
@@ -208,14 +206,14 @@ class Trainer(BaseTrainer):
     def batch_share(self, step: int) -> tuple[int, int]:
         """The global batch and the share of it (among ``data_world``) that this worker's
         ``step`` reads: its own share of batch ``step``; for an asynchronous ps worker, whose
-        ``step`` is the servers' update count it computes on, update ``u`` of the run reads share
-        ``u % W`` of batch ``u // W`` — each reply carries a version no other worker gets, so
-        the ``W`` workers' first updates are ``0..W-1`` (their ranks) and the one after a reply
-        of version ``v`` is ``v + W - 1`` (the other workers each hold one in flight)."""
+        ``step`` is the servers' update count it computes on, the share of the update the
+        servers' last reply numbered (:func:`async_batch_share`)."""
         if self.updates_per_step == 1:
             return step, self.data_rank
-        return async_batch_share(step, rank=self.data_rank, workers=self.updates_per_step,
-                                 first=self.first_update)
+        client = self.strategy
+        assert isinstance(client, ParameterServerClient) and client.next_update is not None, \
+            "asynchronous servers number every update they send a worker on to"
+        return async_batch_share(client.next_update, workers=self.updates_per_step)
 
     def train_step(self, step: int) -> torch.Tensor:
         """One optimizer step on this worker's share of global batch ``step`` (see
@@ -359,14 +357,12 @@ def summed_over_workers(stats: dict[str, float], device: torch.device) -> dict[s
     return {key: totals[i].item() for i, key in enumerate(sorted(stats))}
 
 
-def async_batch_share(version: int, *, rank: int, workers: int, first: int = 0) -> tuple[int, int]:
-    """The global batch and share of it that an asynchronous ps worker of index ``rank`` (of
-    ``workers``) reads for the update it computes on the servers' ``version``: the run's update
-    ``u`` reads share ``u % workers`` of batch ``u // workers``, where the workers' first
-    updates (on version ``first``, which they all pull) are ``first + rank`` and the update
-    after a reply of version ``v`` is ``v + workers - 1`` (every reply carries a version no
-    other worker gets, and the other workers each hold one update in flight)."""
-    update = first + rank if version == first else version + workers - 1
+def async_batch_share(update: int, *, workers: int) -> tuple[int, int]:
+    """The global batch and share of it that an asynchronous ps worker reads for the run's
+    ``update`` (of ``workers`` per step): share ``update % workers`` of batch ``update //
+    workers``. The servers number the updates (:class:`~tandem.runtime.ps.rounds.UpdateNumbers`)
+    so that every share of every batch is read once, in whatever order and however many at a
+    time they answer the workers."""
     return update // workers, update % workers
 
 
@@ -417,7 +413,7 @@ class ParameterServerWorker(Trainer):
         client = self.strategy
         if not isinstance(client, ParameterServerClient):
             raise TypeError(f"a parameter-server worker needs a ps client, not {client!r}")
-        step = self.first_update = client.next_step
+        step = client.next_step
         per_step, steps = self.updates_per_step, self.config.steps
         components = self.components = self.start_components()
         self.start_loading(step // per_step, steps)

@@ -56,8 +56,12 @@ class ParameterServerClient(SyncStrategy):
         self.versions: list[int] = [0] * num_servers
         """Parameter version (updates applied) of each server's shard in the worker's model."""
         self.next_step = 0
-        """The servers' version (updates applied): the update this worker computes next (its
-        global batch and share: :meth:`tandem.runtime.trainer.Trainer.batch_share`)."""
+        """The servers' version (updates applied) the update this worker computes next is
+        computed on."""
+        self.next_update: int | None = None
+        """In ``async`` and ``ssp`` modes, the update of the run this worker computes next, as
+        server 0's last reply numbered it (its global batch and share:
+        :meth:`tandem.runtime.trainer.Trainer.batch_share`); None where it numbered none."""
         self.loss = (0.0, 0)
         self.traffic = protocol.Traffic()
         """Bytes of this worker's messages with all servers, both ways."""
@@ -190,6 +194,8 @@ class ParameterServerClient(SyncStrategy):
                 self.buffers.load(data[size:])
             header = protocol.Header.decode(reply)
             self.versions[server] = header.version
+            if server == 0:
+                self.next_update = header.step if header.step >= 0 else None
             stop = stop or header.stop
         return stop
 

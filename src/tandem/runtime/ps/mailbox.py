@@ -119,11 +119,12 @@ class ServerWire:
         return sender, header, self.codecs.decode(sender, data[:self.push_bytes])
 
     def reply(self, worker: int, values: Callable[[], torch.Tensor], *, version: int,
-              stop: bool) -> None:
-        """Send ``worker`` the flat shard ``values()`` with the buffers, as of ``version``
-        (without waiting: the previous reply to it has arrived, since it has sent again, so at
-        most one send per worker is in flight); raises ``RuntimeError`` if it died."""
+              stop: bool, update: int = -1) -> None:
+        """Send ``worker`` the flat shard ``values()`` with the buffers, as of ``version``, and
+        the ``update`` it computes next (without waiting: the previous reply to it has arrived,
+        since it has sent again, so at most one send per worker is in flight); raises
+        ``RuntimeError`` if it died."""
         self.replies.settle(worker)
         data = self.codecs.encode(worker, values())
-        header = protocol.Header(kind=protocol.PARAMS, version=version, stop=stop)
+        header = protocol.Header(kind=protocol.PARAMS, step=update, version=version, stop=stop)
         self.replies.send(worker, protocol.message(header, data, self.shard.buffers.encode()))

@@ -87,7 +87,8 @@ class Header:
     kind: int
     step: int = 0
     """PUSH: the servers' version the gradient was computed on (the global batch in ``sync``
-    mode; ``version // workers`` otherwise)."""
+    mode; ``version // workers`` otherwise). PARAMS in ``async`` and ``ssp`` modes: the update
+    of the run the worker computes next (-1 for none: other modes, or a stop)."""
     version: int = 0
     """PUSH: the shard's version the gradient was computed at; PARAMS: the server's version."""
     loss: float = 0.0

@@ -36,7 +36,7 @@ from tandem.runtime.ps.checkpoint import ServerCheckpoint
 from tandem.runtime.ps.codecs import WireCodecs
 from tandem.runtime.ps.liveness import LIVENESS_EVERY_S, Liveness
 from tandem.runtime.ps.mailbox import ServerWire
-from tandem.runtime.ps.rounds import PushRound, released
+from tandem.runtime.ps.rounds import PushRound, first_update, next_updates, released
 from tandem.runtime.ps.shard import ServerShard
 from tandem.runtime.ps.stats import ServerLog, ServerStats
 from tandem.runtime.ps.summary import NO_NOISE_SCALE, finish
@@ -203,12 +203,12 @@ class ParameterServer(Worker):
         self.stats.traffic[sender] = header.traffic
         return sender, header, gradient
 
-    def _reply(self, worker: int, stop: bool = False) -> None:
-        """Send ``worker`` the current parameters (:meth:`ServerWire.reply`); a worker that
-        died is left behind in asynchronous modes."""
+    def _reply(self, worker: int, update: int = -1, stop: bool = False) -> None:
+        """Send ``worker`` the current parameters and the ``update`` it goes on to (-1: none;
+        :meth:`ServerWire.reply`); a worker that died is left behind in asynchronous modes."""
         try:
             self.wire.reply(worker, lambda: self._reply_values(worker), version=self.version,
-                            stop=stop)
+                            stop=stop, update=update)
         except RuntimeError:
             if not self.sync.mode.asynchronous:
                 raise
@@ -263,7 +263,7 @@ class ParameterServer(Worker):
             check_push(self.config, header, gradient, sender=sender, peers=self.peers,
                        per_step=self.pace.per_step)
         if kind == protocol.PULL:
-            self._reply(sender)
+            self._reply(sender, first_update(self.version, self.stats.pushes, self.workers, sender))
         elif kind == protocol.BYE:
             self.liveness.finished.add(sender)
         elif not self.sync.mode.asynchronous:
@@ -296,13 +296,13 @@ class ParameterServer(Worker):
         """Reply to waiting workers that bounded staleness lets go on (all of them in async)."""
         if not self.sync.mode.asynchronous:
             return
-        stop = self.version >= self.pace.last_update
-        sync = self.ps
+        stop, sync, waiting = self.version >= self.pace.last_update, self.ps, len(self.waiting)
         answer, self.waiting = released(
             self.waiting, self.stats.pushes, self.liveness.live(), stop=stop,
             bound=sync.staleness if sync.mode.bounded else None)
-        for worker in answer:
-            self._reply(worker, stop=stop)
+        updates = next_updates(self.version, len(self.workers), waiting=waiting, going=len(answer))
+        for worker, update in zip(answer, updates):
+            self._reply(worker, stop=stop, update=-1 if stop else update)
 
     def _stop_all(self) -> None:
         """After the last update: answer every remaining message with 'stop' until all are done."""
