@@ -163,8 +163,8 @@ def add_train_arguments(parser: argparse.ArgumentParser, defaults: RunConfig) ->
     add("--warmup-steps", type=int, default=defaults.warmup_steps)
     add("--async-compensation", default=defaults.async_compensation, choices=None,
         metavar="auto|off", help="asynchronous strategies (ps --mode async/ssp, pipedream): "
-        "take the momentum asynchrony adds off the optimizer's and scale the learning rate for "
-        "the updates' staleness (default auto; see docs/large_batch.md)")
+        "scale the learning rate (and set pipedream's momentum) for the updates' staleness "
+        "(default auto; see docs/large_batch.md)")
     add("--precision", default=defaults.precision,
         help="fp32, or bf16/fp16 mixed precision (autocast; fp16 scales the loss and skips "
         "steps whose gradients overflow, counting them in the summary's skipped_steps)")

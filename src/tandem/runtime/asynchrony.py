@@ -1,21 +1,31 @@
 """Compensation of asynchronous training's stale updates: the optimizer settings a worker or
 stage uses when its gradients are computed on weights ``delay`` updates old.
 
-Asynchrony acts as extra momentum: Mitliagkas, Zhang, Hadjis and Ré ("Asynchrony begets
-momentum, with an application to deep learning", 2016) show that ``M`` asynchronous workers
-(updates ``M - 1`` versions stale) behave like SGD with an implicit momentum of ``1 - 1/M``
-added to the optimizer's own, so the explicit momentum that trains well synchronously is too
-much asynchronously: with the defaults (momentum 0.9) and four workers, the sum passes 1 and
-training stalls or diverges. The compensation (``--async-compensation auto``, the default)
-takes the implicit momentum ``delay / (delay + 1)`` off the explicit one (never below 0), and
-multiplies the learning rate by ``lr_scale``, so that the long-run step size ``lr / (1 -
-momentum)`` of the synchronous run is divided by the staleness-aware factor of Zhang, Gupta,
-Lian and Liu ("Staleness-aware async-SGD for distributed deep learning", 2016) — see
-:func:`compensation` for the rule and docs/large_batch.md for the measurements that chose it.
+A stale update is a step of delayed gradient descent, which is stable only for a long-run
+step ``lr / (1 - momentum)`` about ``delay + 1`` times smaller than a synchronous one (on a
+quadratic, up to ``2 sin(pi / (2 (2d + 1)))`` against 2, nearly whatever the momentum): with
+the defaults tuned for synchronous training (lr 0.05, momentum 0.9) four asynchronous workers
+stall or diverge. The compensation (``--async-compensation auto``, the default) scales the
+learning rate and sets the momentum of every worker or stage whose updates are stale (see
+:func:`compensation` for the rules and docs/large_batch.md for the measurements that chose
+them): the long-run step per sample is the synchronous run's divided by ``sqrt(delay + 1)``
+(by ``delay + 1``, the staleness-aware rate of Zhang, Gupta, Lian and Liu, "Staleness-aware
+async-SGD for distributed deep learning", 2016, under PipeDream's vertical sync).
 
-Optimizers without momentum keep their learning rate; Adam-family optimizers (adam, adamw,
-lamb and any other with ``betas``) compensate their first-moment coefficient ``beta1`` the
-same way; other ``torch.optim`` classes with a ``momentum`` option compensate it as SGD's.
+Momentum: Mitliagkas, Zhang, Hadjis and Ré ("Asynchrony begets momentum, with an application
+to deep learning", 2016) show that with exponentially distributed delays asynchrony acts as an
+implicit momentum ``1 - 1/M`` for ``M`` workers. The delays here are constant instead
+(parameter servers' pushes arrive round-robin, nearly all ``W - 1`` updates stale; a
+PipeDream stage is always a fixed number of updates behind), which add no momentum along flat
+directions; measured, the parameter servers train best keeping the optimizer's momentum (its
+average of the quarter-batch gradients smooths what sets the delayed updates oscillating:
+taking the implicit momentum off instead gave twice the transient drops in accuracy), and
+PipeDream's whole-batch updates without any.
+
+Adam-family optimizers (adam, adamw, lamb and any other with ``betas``) compensate their
+first-moment coefficient ``beta1`` as :func:`compensation` says; other ``torch.optim`` classes
+with a ``momentum`` option compensate it as SGD's, and those with neither as SGD without
+momentum.
 """
 
 from __future__ import annotations
@@ -62,29 +72,27 @@ def compensation(mode: str, momentum: float, delay: int, *, share: float = 1.0,
     ``share`` of the global batch, under ``mode`` (``off``: none).
 
     Rules (``auto``), chosen by measurement (docs/large_batch.md, "Asynchronous training"):
+    the synchronous run's long-run step ``lr / (1 - m)`` per sample, divided by ``sqrt(d + 1)``
+    (by ``d + 1`` with vertical sync, the staleness-aware rate of Zhang et al.):
 
     - updates of a part of the batch (parameter servers, ``share = 1/W``, ``delay = W - 1``):
-      momentum ``m' = max(0, m - d/(d+1))`` (Mitliagkas et al.), and the learning rate scaled
-      so the long-run step ``lr / (1 - m)`` per sample is the synchronous run's (the linear
-      scaling rule of Goyal et al. applied to one update's ``share``):
-      ``lr_scale = share (1 - m') / (1 - m)``;
-    - updates of whole batches (PipeDream, ``delay = S - 1``): no explicit momentum (the
-      asynchrony supplies it) and the long-run step divided by ``sqrt(d + 1)``:
+      the optimizer's momentum, and the learning rate scaled by the update's ``share`` (the
+      linear scaling rule of Goyal et al.): ``lr_scale = share / sqrt(d + 1)``;
+    - updates of whole batches (PipeDream, ``delay = S - 1``): no explicit momentum and
       ``lr_scale = 1 / ((1 - m) sqrt(d + 1))``; with vertical sync (``every_stage``: the last
-      stages, which PipeDream alone keeps fresh, are ``d`` versions stale too) by ``d + 1``,
-      the staleness-aware rate of Zhang et al.
+      stages, which PipeDream alone keeps fresh, are ``d`` versions stale too) ``d + 1``
+      instead of ``sqrt(d + 1)``.
 
     Adam's first moment is an average, not a sum (its step does not grow by ``1 / (1 -
-    beta1)``), so without ``heavy_ball`` the factors ``(1 - m') / (1 - m)`` are left out, and
-    PipeDream keeps ``beta1' = max(0, beta1 - d/(d+1))`` as the parameter servers do (with no
-    first moment at all, Adam trained a compressed PipeDream worse: docs/large_batch.md).
+    beta1)``), so without ``heavy_ball`` PipeDream's ``1 / (1 - m)`` is left out and PipeDream
+    keeps ``beta1' = max(0, beta1 - d/(d+1))`` (with no first moment at all, Adam trained a
+    compressed PipeDream worse: docs/large_batch.md).
     """
     if not CompensationMode(mode).compensates or delay <= 0:
         return Compensation(delay=0, momentum=momentum, lr_scale=1.0)  # nothing compensated
     if share < 1.0:
-        kept = max(0.0, momentum - delay / (delay + 1))
-        growth = (1 - kept) / (1 - momentum) if heavy_ball else 1.0
-        return Compensation(delay=delay, momentum=kept, lr_scale=share * growth)
+        return Compensation(delay=delay, momentum=momentum,
+                            lr_scale=share / math.sqrt(delay + 1))
     divisor = delay + 1 if every_stage else math.sqrt(delay + 1)
     if not heavy_ball:
         kept = max(0.0, momentum - delay / (delay + 1))
