@@ -124,7 +124,10 @@ def test_pipedream_learns_with_the_defaults_on_every_seed(shared_run: SharedRun,
 def test_parameter_servers_learn_with_the_defaults_on_every_seed(shared_run: SharedRun,
                                                                  mode: str, seed: int) -> None:
     """1 server and 4 workers pushing quarters of each batch 3 updates stale, asynchronously
-    or with bounded staleness (2, the default): MEASURED"""
+    or with bounded staleness (2, the default): 0.96-0.98 over seeds 0-4 in both modes, and
+    0.955-0.981 over seeds 0-9. The push order depends on the machine's load: evaluated every
+    2 steps after step 150, 0.8% (async) and 0.9% (SSP) of the evaluations were below 0.9 for a
+    few steps (with the rule before issue 31, 4.3% and 10%; docs/large_batch.md)."""
     _, summary = shared_run("--strategy", "ps", "--mode", mode, "--nproc", "5",
                             "--seed", str(seed), *DEFAULTS)
     assert summary["test_accuracy"] >= 0.9, summary
