@@ -1,14 +1,24 @@
 """Heartbeats through the job's store, so that a worker which times out can name the one it
-waited for (stuck or dead) instead of only reporting its own timeout."""
+waited for (stuck or dead) instead of only reporting its own timeout.
+
+A worker also watches the other workers of its machine: when one's process ends without having
+finished, it records a death notice in the store (``tandem/dead/RANK``), at its next beat or
+as its own node's agent stops it (the agent stops a node's workers when one dies). A worker on
+another machine, whose collective then fails, names the dead rank from that notice: the
+survivors' view of a peer that died a moment ago (its last beat, still fresh) cannot tell it
+from the peers its agent stopped after it.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing.util
 import os
 import socket
 import subprocess
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -51,6 +61,11 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="tandem-heartbeat", daemon=True)
         self._since = time.time()
+        self._neighbours: dict[int, int] | None = None
+        """The other workers on this machine, rank -> process id (once every worker said where
+        it runs)."""
+        self._noticed: set[int] = set()
+        """The neighbours whose death this worker has recorded."""
 
     @property
     def step(self) -> int:
@@ -73,6 +88,7 @@ class Heartbeat:
     def __enter__(self) -> Heartbeat:
         with self._lock:
             self.store.set(f"tandem/where/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
+            self.store.add("tandem/where_count", 1)
         self._publish()
         self._thread.start()
         return self
@@ -81,6 +97,11 @@ class Heartbeat:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5 * PERIOD_S)  # never tear the store down under a write
+        if isinstance(exc_type, type) and issubclass(exc_type, KeyboardInterrupt):
+            # stopped by a signal: under torchrun, the agent stopping this node's workers
+            # because one of them died; say which, for the other nodes' workers
+            with contextlib.suppress(Exception):
+                self.notice_deaths()
         if exc_type is None:  # a finished worker is not a silent one
             self.phase = "done"
             try:
@@ -103,6 +124,7 @@ class Heartbeat:
                 self._publish()
                 if self.fenceable:
                     self._obey_fence()
+                self.notice_deaths()
                 failures = 0
             except Exception:  # noqa: BLE001 - a busy store; give up only if it is gone
                 failures += 1
@@ -120,6 +142,40 @@ class Heartbeat:
             fenced = self.store.check([f"tandem/fenced/{self.rank}"])
         if fenced:
             os._exit(FENCED_EXIT)  # the main thread may be stuck; nothing is left to save
+
+    def notice_deaths(self) -> dict[int, str]:
+        """Record a death notice for each worker of this machine whose process has ended
+        without finishing; return every notice in the store, rank -> where it ran."""
+        for rank, pid in self._neighbours_here().items():
+            if rank in self._noticed or _alive(pid):
+                continue
+            self._noticed.add(rank)
+            beats = self.read_beats([rank])
+            if rank in beats and beats[rank][1] == "done":
+                continue
+            with self._lock:
+                self.store.set(f"tandem/dead/{rank}", f"{socket.gethostname()} {pid}")
+        keys = {rank: f"tandem/dead/{rank}" for rank in range(self.world_size)}
+        notices = {}
+        with self._lock:
+            for rank, key in keys.items():
+                if self.store.check([key]):
+                    notices[rank] = self.store.get(key).decode()
+        return notices
+
+    def _neighbours_here(self) -> dict[int, int]:
+        """The other workers on this machine (empty until every worker has said where it
+        runs; read from the store once)."""
+        if self._neighbours is not None:
+            return self._neighbours
+        with self._lock:
+            if int(self.store.add("tandem/where_count", 0)) < self.world_size:
+                return {}
+            where = {rank: self.store.get(f"tandem/where/{rank}").decode().split()
+                     for rank in range(self.world_size) if rank != self.rank}
+        host = socket.gethostname()
+        self._neighbours = {rank: int(pid) for rank, (at, pid) in where.items() if at == host}
+        return self._neighbours
 
     def silent(self, ranks: list[int]) -> set[int]:
         """The ranks among ``ranks`` whose heartbeat stopped (dead or hung)."""
@@ -139,11 +195,20 @@ class Heartbeat:
         """Explain a failed collective by naming the workers that fell silent or behind (after
         ``DIAGNOSIS_GRACE_S``)."""
         time.sleep(DIAGNOSIS_GRACE_S)
+        here = f"rank {self.rank} gave up waiting at step {self.step} ({self.phase})"
+        try:
+            dead = self.notice_deaths()
+        except Exception:  # noqa: BLE001 - no store: judge by the beats read below, if any
+            dead = {}
+        dead.pop(self.rank, None)
+        if dead:
+            where = "; ".join(f"rank {rank} on {notice.split()[0]}"
+                              for rank, notice in sorted(dead.items()))
+            return WorkerFailure(f"worker {where} died (its process ended); {here}")
         beats = self.read_beats()
         now = time.time()
         silent = [r for r in range(self.world_size) if r != self.rank
                   and (r not in beats or (beats[r][1] != "done" and now - beats[r][2] > SILENT_AFTER_S))]
-        here = f"rank {self.rank} gave up waiting at step {self.step} ({self.phase})"
         if silent:
             ranks = ", ".join(map(str, silent))
             for rank in silent:
@@ -175,11 +240,12 @@ class Heartbeat:
             # the forkserver, which ends without running ``atexit``'s handlers
             multiprocessing.util.Finalize(None, _continue_later, (int(pid),), exitpriority=0)
 
-    def read_beats(self) -> dict[int, tuple[int, str, float, float]]:
+    def read_beats(self, ranks: list[int] | None = None,
+                   ) -> dict[int, tuple[int, str, float, float]]:
         """Last published ``(step, phase, wall time, wall time since that step and phase)`` of
-        every worker that has one."""
+        every worker (of ``ranks``) that has one."""
         beats: dict[int, tuple[int, str, float, float]] = {}
-        for rank in range(self.world_size):
+        for rank in range(self.world_size) if ranks is None else ranks:
             key = f"tandem/heartbeat/{rank}"
             try:
                 with self._lock:
@@ -213,6 +279,23 @@ def _continue_later(pid: int) -> None:
     subprocess.Popen(["/bin/sh", "-c", f"sleep 1; kill -CONT {pid} 2>/dev/null"],
                      start_new_session=True, stdin=subprocess.DEVNULL,
                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` of this machine is running (not ended, not a zombie)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    return state not in ("Z", "X")
 
 
 def _progress(step: int, phase: str) -> tuple[int, int]:
