@@ -24,6 +24,8 @@ from typing import Any
 import torch.distributed as dist
 
 from tandem.errors import WorkerFailure
+from tandem.runtime.launch import LAUNCHED
+from tandem.runtime.launcher_env import under_launcher
 
 PERIOD_S = 0.5
 SILENT_AFTER_S = 10.0
@@ -61,6 +63,10 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="tandem-heartbeat", daemon=True)
         self._since = time.time()
+        self.notices = under_launcher() and LAUNCHED not in os.environ
+        """Whether this worker watches its machine's other workers and reads death notices:
+        under torchrun, whose agent on another machine is the only one that saw a death
+        (tandem's own launcher names a dead worker itself)."""
         self._neighbours: dict[int, int] | None = None
         """The other workers on this machine, rank -> process id (once every worker said where
         it runs)."""
@@ -97,11 +103,16 @@ class Heartbeat:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5 * PERIOD_S)  # never tear the store down under a write
-        if isinstance(exc_type, type) and issubclass(exc_type, KeyboardInterrupt):
+        if not self.notices:
+            pass
+        elif isinstance(exc_type, type) and issubclass(exc_type, KeyboardInterrupt):
             # stopped by a signal: under torchrun, the agent stopping this node's workers
             # because one of them died; say which, for the other nodes' workers
             with contextlib.suppress(Exception):
                 self.notice_deaths()
+        if self.notices and exc_type is not None:  # its own failure or a stop: not dead
+            with contextlib.suppress(Exception), self._lock:
+                self.store.set(f"tandem/ended/{self.rank}", getattr(exc_type, "__name__", ""))
         if exc_type is None:  # a finished worker is not a silent one
             self.phase = "done"
             try:
@@ -124,7 +135,8 @@ class Heartbeat:
                 self._publish()
                 if self.fenceable:
                     self._obey_fence()
-                self.notice_deaths()
+                if self.notices:
+                    self.notice_deaths()
                 failures = 0
             except Exception:  # noqa: BLE001 - a busy store; give up only if it is gone
                 failures += 1
@@ -143,24 +155,28 @@ class Heartbeat:
         if fenced:
             os._exit(FENCED_EXIT)  # the main thread may be stuck; nothing is left to save
 
-    def notice_deaths(self) -> dict[int, str]:
+    def notice_deaths(self) -> None:
         """Record a death notice for each worker of this machine whose process has ended
-        without finishing; return every notice in the store, rank -> where it ran."""
+        without finishing (no store traffic while every neighbour lives)."""
         for rank, pid in self._neighbours_here().items():
             if rank in self._noticed or _alive(pid):
                 continue
             self._noticed.add(rank)
             beats = self.read_beats([rank])
-            if rank in beats and beats[rank][1] == "done":
+            with self._lock:
+                ended = self.store.check([f"tandem/ended/{rank}"])
+            if ended or (rank in beats and beats[rank][1] == "done"):
                 continue
             with self._lock:
                 self.store.set(f"tandem/dead/{rank}", f"{socket.gethostname()} {pid}")
-        keys = {rank: f"tandem/dead/{rank}" for rank in range(self.world_size)}
+
+    def deaths(self) -> dict[int, str]:
+        """Every death notice in the store, rank -> the machine it ran on."""
         notices = {}
         with self._lock:
-            for rank, key in keys.items():
-                if self.store.check([key]):
-                    notices[rank] = self.store.get(key).decode()
+            for rank in range(self.world_size):
+                if self.store.check([f"tandem/dead/{rank}"]):
+                    notices[rank] = self.store.get(f"tandem/dead/{rank}").decode().split()[0]
         return notices
 
     def _neighbours_here(self) -> dict[int, int]:
@@ -196,14 +212,14 @@ class Heartbeat:
         ``DIAGNOSIS_GRACE_S``)."""
         time.sleep(DIAGNOSIS_GRACE_S)
         here = f"rank {self.rank} gave up waiting at step {self.step} ({self.phase})"
-        try:
-            dead = self.notice_deaths()
-        except Exception:  # noqa: BLE001 - no store: judge by the beats read below, if any
-            dead = {}
+        dead = {}
+        with contextlib.suppress(Exception):  # no store: judge by the beats below, if any
+            if self.notices:
+                self.notice_deaths()
+                dead = self.deaths()
         dead.pop(self.rank, None)
         if dead:
-            where = "; ".join(f"rank {rank} on {notice.split()[0]}"
-                              for rank, notice in sorted(dead.items()))
+            where = "; ".join(f"rank {rank} on {host}" for rank, host in sorted(dead.items()))
             return WorkerFailure(f"worker {where} died (its process ended); {here}")
         beats = self.read_beats()
         now = time.time()
