@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -111,7 +112,7 @@ def test_a_rank_killed_on_node_1_is_named_by_every_survivor(tmp_path: Path) -> N
     assert not any(session_left(node) for node in nodes)
     named = [line for line in nodes[0].stderr.splitlines() if line.startswith("tandem train:")]
     assert len(named) == 2, nodes[0].stderr[-3000:]
-    for rank, line in enumerate(named):
+    for line in named:
         assert line.startswith("tandem train: worker rank 3 on ") and " died " in line, line
         assert "rank 2" not in line, line
     assert {f"rank {rank} gave up waiting" in "".join(named) for rank in (0, 1)} == {True}
@@ -140,3 +141,58 @@ def test_each_node_locks_its_out_and_a_shared_one_holds_the_job(
     import os
 
     os.close(held)
+
+
+@pytest.mark.cli
+def test_a_plan_for_two_servers_runs_each_stage_on_the_node_it_names(tmp_path: Path) -> None:
+    """A 2-2 pipeline planned for 2 servers of 2 devices, its first stage on server 1's
+    devices (2, 3) and its second on server 0's: torchrun's ranks 2 and 3 (node 1) run stage
+    0, the job says so, and it ends where the same plan on 4 local workers does."""
+    train = ["--strategy", "pipeline", "--schedule", "1f1b", "--stages", "2", "--replicas",
+             "2,2", "--steps", "6", "--batch-size", "32"]
+    local = run_json("train", *train, "--nproc", "4", "--out", str(tmp_path / "local"))
+    plan = json.loads((tmp_path / "local" / "plan.json").read_text())
+    plan["devices_per_server"] = 2
+    plan["stages"][0]["devices"], plan["stages"][1]["devices"] = [2, 3], [0, 1]
+    (tmp_path / "servers.json").write_text(json.dumps(plan))
+    nodes = run_nodes(["--plan", str(tmp_path / "servers.json"), "--steps", "6",
+                       "--batch-size", "32", "--out", str(tmp_path / "shared"), "--json"])
+    summary = _summary(nodes)
+    assert summary["placement"] == [{"stage": 0, "ranks": [2, 3], "nodes": [1]},
+                                    {"stage": 1, "ranks": [0, 1], "nodes": [0]}]
+    told = "tandem train: stage 0 on node 1 (torchrun ranks 2, 3); stage 1 on node 0 " \
+           "(torchrun ranks 0, 1)"
+    assert [node.stderr.count(told) for node in nodes] == [0, 1]  # tandem's rank 0: node 1
+    assert summary["steps"] == local["steps"]
+    assert max_abs_diff(tmp_path / "local" / "final.pt", tmp_path / "shared" / "final.pt") <= 1e-5
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize(("per_node", "expected"), [
+    (4, "the plan is for 2 servers of 2 devices, but this job runs 1 node(s) of 4 processes; "
+        "start it with torchrun --nnodes 2 --nproc-per-node 2"),
+    (2, None),
+])
+def test_a_plan_for_other_servers_is_refused_in_one_line(
+        monkeypatch: pytest.MonkeyPatch, per_node: int, expected: str | None) -> None:
+    from tandem.errors import UsageError
+    from tandem.plan import Plan, Stage
+    from tandem.runtime.placement import TORCHRUN_RANK, place_ranks
+
+    plan = Plan(stages=[Stage(start=0, end=2, replicas=2, devices=[2, 3]),
+                        Stage(start=2, end=4, replicas=2, devices=[0, 1])],
+                num_layers=4, num_devices=4, devices_per_server=2)
+    for key, value in {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "MASTER_ADDR": "h",
+                       "MASTER_PORT": "29500", "LOCAL_WORLD_SIZE": str(per_node)}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv(TORCHRUN_RANK, "")  # recorded, so that the test's own is undone
+    monkeypatch.delenv(TORCHRUN_RANK)
+    if expected is not None:
+        with pytest.raises(UsageError, match=re.escape(expected)):
+            place_ranks(plan)
+        return
+    placement = place_ranks(plan)
+    assert placement is not None and placement.stages == ((2, 3), (0, 1))
+    import os
+
+    assert (os.environ["RANK"], os.environ[TORCHRUN_RANK]) == ("0", "2")  # stage 0, replica 0

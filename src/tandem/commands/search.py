@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from tandem import strict_json
-from tandem.cluster import Cluster
+from tandem.cluster import Cluster, server_size
 from tandem.commands.args import add_cluster_args, add_source_args
 from tandem.commands.simulate import add_codec_args, add_sim_args, planning_inputs, sim_options
 from tandem.commands.output_paths import check_output_files
@@ -236,6 +236,7 @@ def run(args: argparse.Namespace) -> int:
     best.bottleneck_s = chosen.result.step_time_s
     best.predicted_schedule = best.schedule  # the simulator ran the schedule the plan runs
     best.options = {"found_by": "tandem search", "seed": args.seed, "pick": args.pick}
+    best.devices_per_server = server_size(cluster)
     human = sys.stderr if args.json else sys.stdout
     print(format_search(found, profile, cluster, error, args.output), file=human)
     if families:
