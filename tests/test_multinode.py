@@ -51,26 +51,6 @@ def test_data_parallel_on_two_nodes_equals_four_local_workers(tmp_path: Path) ->
 
 
 @pytest.mark.cli
-def test_1f1b_pipeline_on_two_nodes_equals_four_local_workers(tmp_path: Path) -> None:
-    """Each node writes its stages' final shards into its own ``--out``: rank 0 says that it
-    cannot assemble ``final.pt`` and how; done as it says, ``final.pt`` is the local run's."""
-    train = ["--strategy", "pipeline", "--schedule", "1f1b", "--stages", "2", "--replicas",
-             "2,2", "--steps", "6", "--batch-size", "32"]
-    local = run_json("train", *train, "--nproc", "4", "--out", str(tmp_path / "local"))
-    nodes = run_nodes([*train, "--out", str(tmp_path / "node{node}"), "--json"])
-    summary = _summary(nodes)
-    assert summary["world_size"] == 4 and summary["steps"] == local["steps"]
-    warned = [line for line in nodes[0].stderr.splitlines() if "final.pt not written" in line]
-    assert len(warned) == 1 and "tandem export" in warned[0], nodes[0].stderr[-2000:]
-    assert not (tmp_path / "node0" / "final.pt").exists()
-    for shard in (tmp_path / "node1" / "final.dcp").glob("*.distcp"):
-        shutil.copy(shard, tmp_path / "node0" / "final.dcp")
-    exported = run_here("export", str(tmp_path / "node0"))
-    assert exported.returncode == 0, exported.stderr
-    assert max_abs_diff(tmp_path / "local" / "final.pt", tmp_path / "node0" / "final.pt") <= 1e-5
-
-
-@pytest.mark.cli
 def test_synchronous_ps_with_the_c10d_rendezvous_equals_four_local_workers(
         tmp_path: Path) -> None:
     """``--nnodes 1:3``: the agents meet at the c10d rendezvous (the node ranks go by
@@ -144,10 +124,12 @@ def test_each_node_locks_its_out_and_a_shared_one_holds_the_job(
 
 
 @pytest.mark.cli
-def test_a_plan_for_two_servers_runs_each_stage_on_the_node_it_names(tmp_path: Path) -> None:
-    """A 2-2 pipeline planned for 2 servers of 2 devices, its first stage on server 1's
+def test_a_1f1b_plan_for_two_servers_runs_each_stage_on_the_node_it_names(tmp_path: Path) -> None:
+    """A 2-2 1F1B pipeline planned for 2 servers of 2 devices, its first stage on server 1's
     devices (2, 3) and its second on server 0's: torchrun's ranks 2 and 3 (node 1) run stage
-    0, the job says so, and it ends where the same plan on 4 local workers does."""
+    0, and the job says so. Each node writes its stages' final shards into its own ``--out``:
+    rank 0 (on node 1) says that it cannot assemble ``final.pt`` and how; done as it says,
+    ``final.pt`` is that of the same plan on 4 local workers."""
     train = ["--strategy", "pipeline", "--schedule", "1f1b", "--stages", "2", "--replicas",
              "2,2", "--steps", "6", "--batch-size", "32"]
     local = run_json("train", *train, "--nproc", "4", "--out", str(tmp_path / "local"))
@@ -156,15 +138,22 @@ def test_a_plan_for_two_servers_runs_each_stage_on_the_node_it_names(tmp_path: P
     plan["stages"][0]["devices"], plan["stages"][1]["devices"] = [2, 3], [0, 1]
     (tmp_path / "servers.json").write_text(json.dumps(plan))
     nodes = run_nodes(["--plan", str(tmp_path / "servers.json"), "--steps", "6",
-                       "--batch-size", "32", "--out", str(tmp_path / "shared"), "--json"])
+                       "--batch-size", "32", "--out", str(tmp_path / "node{node}"), "--json"])
     summary = _summary(nodes)
+    assert summary["world_size"] == 4 and summary["steps"] == local["steps"]
     assert summary["placement"] == [{"stage": 0, "ranks": [2, 3], "nodes": [1]},
                                     {"stage": 1, "ranks": [0, 1], "nodes": [0]}]
     told = "tandem train: stage 0 on node 1 (torchrun ranks 2, 3); stage 1 on node 0 " \
            "(torchrun ranks 0, 1)"
     assert [node.stderr.count(told) for node in nodes] == [0, 1]  # tandem's rank 0: node 1
-    assert summary["steps"] == local["steps"]
-    assert max_abs_diff(tmp_path / "local" / "final.pt", tmp_path / "shared" / "final.pt") <= 1e-5
+    warned = [line for line in nodes[1].stderr.splitlines() if "final.pt not written" in line]
+    assert len(warned) == 1 and "tandem export" in warned[0], nodes[1].stderr[-2000:]
+    assert not (tmp_path / "node1" / "final.pt").exists()
+    for shard in (tmp_path / "node0" / "final.dcp").glob("*.distcp"):
+        shutil.copy(shard, tmp_path / "node1" / "final.dcp")
+    exported = run_here("export", str(tmp_path / "node1"))
+    assert exported.returncode == 0, exported.stderr
+    assert max_abs_diff(tmp_path / "local" / "final.pt", tmp_path / "node1" / "final.pt") <= 1e-5
 
 
 @pytest.mark.pure
