@@ -11,7 +11,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.conftest import ROOT, SOURCE_PATH
+
 
 
 @dataclass
@@ -49,8 +50,7 @@ def agent_command(node_rank: int | None, *, nnodes: str, per_node: int, port: in
 
 def start(command: list[str], env: dict[str, str] | None = None) -> Node:
     """Start one agent in a session of its own (so that a test can end it and its workers)."""
-    environ = {**os.environ, "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]), **(env or {})}
+    environ = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": SOURCE_PATH, **(env or {})}
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         environ.pop(key, None)
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
