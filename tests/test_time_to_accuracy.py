@@ -16,7 +16,9 @@ from tandem.commands.measure_steps import MeasureOptions, crossing, steps_model
 from tandem.errors import UsageError
 from tandem.plan import Stage
 from tandem.planning.search.flexflow import Candidate, SearchOptions, search
-from tandem.planning.search.time_to_accuracy import StepsModel, fastest, loss_crossing, time_to_target
+from tandem.planning.search.time_to_accuracy import (
+    StepsModel, fastest, loss_crossing, stale_kind, time_to_target,
+)
 from tandem.planning.simulate.simulator import data_parallel_plan, simulate
 from tandem.profile import load_profile
 from tandem.spec.sync import ParameterServerSync
@@ -25,16 +27,19 @@ from tests.conftest import PROFILES, run_cli
 
 GNMT = load_profile(str(PROFILES / "gnmt.graph.txt"))
 MODEL = StepsModel(target_loss=0.3, reference_batch=32, reference_steps=120.0, noise_scale=32.0,
-                   lr=0.05, staleness_cost=0.1, source="a measuring run")
+                   lr=0.05, staleness_costs={"ps": 0.1, "pipedream": 0.5},
+                   source="a measuring run")
 
 
 @pytest.mark.pure
 def test_steps_follow_the_noise_scale_model() -> None:
-    # S_min = 120 / (1 + 32/32) = 60; S(B) = 60 (1 + 32/B); each unit of staleness +10%.
+    # S_min = 120 / (1 + 32/32) = 60; S(B) = 60 (1 + 32/B); each unit of staleness +10% on
+    # parameter servers, +50% in a PipeDream pipeline.
     assert MODEL.min_steps == pytest.approx(60.0)
     assert [MODEL.steps(b) for b in (32, 64, 128, 1024)] == pytest.approx(
         [120.0, 90.0, 75.0, 61.875])
-    assert MODEL.steps(64, staleness=3) == pytest.approx(90.0 * 1.3)
+    assert MODEL.steps(64, staleness=3, kind="ps") == pytest.approx(90.0 * 1.3)
+    assert MODEL.steps(64, staleness=3, kind="pipedream") == pytest.approx(90.0 * 2.5)
     assert MODEL.steps(2**40) == pytest.approx(MODEL.min_steps)
 
 
@@ -62,6 +67,9 @@ def test_model_json_round_trip_and_errors() -> None:
         StepsModel.from_dict({**MODEL.to_dict(), "noise_scale": -1.0}, "f.json")
     with pytest.raises(UsageError, match="reference_batch"):
         StepsModel.from_dict({**MODEL.to_dict(), "reference_batch": 0.5}, "f.json")
+    with pytest.raises(UsageError, match="staleness_costs must give a number >= 0 for each of "
+                                         "ps, pipedream"):
+        StepsModel.from_dict({**MODEL.to_dict(), "staleness_costs": {"ps": 0.1}}, "f.json")
 
 
 @pytest.mark.pure
@@ -77,6 +85,8 @@ def test_staleness_of_plans() -> None:
     assert staleness(pipe.rescheduled("pipedream")) == 3
     assert staleness(pipe.rescheduled("1f1b")) == 0
     assert staleness(pipe.rescheduled("gpipe")) == 0
+    assert [stale_kind(p) for p in (ps_async, pipe.rescheduled("pipedream"))] == [
+        "ps", "pipedream"]
 
 
 @pytest.mark.pure
@@ -164,8 +174,9 @@ def test_search_prints_both_factors_and_picks_the_least_time(capsys, tmp_path: P
     rows = tta["candidates"]
     assert {row["batch_size"] for row in rows} == {32, 128, 512}
     for row in rows:
+        kind = "pipedream" if row["sync"] == "allreduce" else "ps"
         assert row["predicted_steps"] == pytest.approx(
-            MODEL.steps(row["batch_size"], row["staleness"]))
+            MODEL.steps(row["batch_size"], row["staleness"], kind))
         assert row["time_to_target_s"] == pytest.approx(row["step_time_s"]
                                                         * row["predicted_steps"])
     best = min(rows, key=lambda row: row["time_to_target_s"])

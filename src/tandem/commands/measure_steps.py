@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.errors import UsageError
-from tandem.planning.search.time_to_accuracy import STALENESS_COST, StepsModel, loss_crossing
+from tandem.planning.search.time_to_accuracy import StepsModel, loss_crossing
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
@@ -50,7 +50,6 @@ class MeasureOptions:
     noise_step: int | None = None
     """Take the noise scale at this step (a multiple of ``log_every``); None: where the loss
     reaches the target."""
-    staleness_cost: float = STALENESS_COST
 
     def __post_init__(self) -> None:
         for name in ("batch", "steps", "workers", "log_every"):
@@ -117,5 +116,4 @@ def steps_model(lines: list[dict[str, Any]], options: MeasureOptions) -> StepsMo
                          f"(--measure-steps) or give --learning FILE with noise_scale")
     return StepsModel(target_loss=options.target_loss, reference_batch=options.batch,
                       reference_steps=steps, noise_scale=float(noise), lr=options.lr,
-                      staleness_cost=options.staleness_cost,
                       source=f"{where}: {steps:.1f} steps, noise scale {noise:.1f} {at}")

@@ -289,7 +289,7 @@ def run_time_to_accuracy(args: argparse.Namespace, profile: ModelProfile, cluste
     model = steps_model(args)
     sizes = batch_sizes(args)
     options = dataclasses.replace(options, budget_s=options.budget_s / len(sizes),
-                                  staleness_cost=model.staleness_cost)
+                                  staleness_cost=model.staleness_costs["pipedream"])
     timed: list[Timed] = []
     searches: dict[int, SearchResult] = {}
     for batch in sizes:
@@ -304,7 +304,7 @@ def run_time_to_accuracy(args: argparse.Namespace, profile: ModelProfile, cluste
         searches[batch] = found
         timed.append(time_to_target(found.best, batch, model))
         families = best_of_families(profile, cluster, sim, methods, batch,
-                                    staleness_cost=model.staleness_cost)
+                                    staleness_cost=model.staleness_costs["ps"])
         timed += [time_to_target(c, batch, model, label=m) for m, c in families.items()]
     best = fastest(timed)
     plan = best.candidate.plan

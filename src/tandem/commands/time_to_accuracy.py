@@ -16,6 +16,7 @@ plan found gets its simulated time per step and its predicted steps to ``--targe
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from collections.abc import Callable
@@ -23,9 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from tandem.commands.measure_steps import MeasureOptions, measure_steps
+from tandem.commands.profile import default_data
 from tandem.errors import UsageError
 from tandem.planning.search.flexflow import Candidate
-from tandem.planning.search.time_to_accuracy import STALENESS_COST, StepsModel, Timed
+from tandem.planning.search.time_to_accuracy import STALENESS_COSTS, StepsModel, Timed
 
 OBJECTIVES = ("step-time", "time-to-accuracy")
 DEFAULT_BATCHES = (32, 64, 128, 256, 512, 1024)
@@ -64,8 +66,10 @@ def add_objective_args(p: argparse.ArgumentParser) -> None:
                        help="learning rate of the measuring run at --measure-batch (default "
                        "0.05, tandem train's); each batch's rate is scaled from it")
     group.add_argument("--staleness-cost", type=float, metavar="K",
-                       help=f"more steps per unit of staleness, as a fraction (default "
-                       f"{STALENESS_COST:g}, measured: docs/benchmarks.md)")
+                       help="more steps per unit of staleness, as a fraction, for every stale "
+                       "plan (default: measured for each kind, " + ", ".join(
+                           f"{kind} {cost:g}" for kind, cost in STALENESS_COSTS.items())
+                       + "; docs/benchmarks.md)")
 
 
 def check_objective(args: argparse.Namespace) -> None:
@@ -132,21 +136,22 @@ def batch_sizes(args: argparse.Namespace) -> list[int]:
 
 def steps_model(args: argparse.Namespace) -> StepsModel:
     """The steps model of ``--learning FILE``, or of a measuring run of ``--model``."""
-    cost = STALENESS_COST if args.staleness_cost is None else args.staleness_cost
     if args.learning is not None:
         model = StepsModel.from_dict(_read_json(args.learning), f"--learning {args.learning}")
         if model.target_loss != args.target_loss:
             raise UsageError(f"--learning {args.learning} holds steps to loss "
                              f"{model.target_loss:g}, not --target-loss {args.target_loss:g}; "
                              f"measure again for this target")
-        return model if args.staleness_cost is None else StepsModel.from_dict(
-            {**model.to_dict(), "staleness_cost": cost}, f"--learning {args.learning}")
-    options = MeasureOptions(model=args.model, data=args.data or "digits",
-                             target_loss=args.target_loss, batch=args.measure_batch or 32,
-                             lr=0.05 if args.lr is None else args.lr,
-                             steps=args.measure_steps or 500, seed=args.seed,
-                             staleness_cost=cost)
-    return measure_steps(options)
+    else:
+        model = measure_steps(MeasureOptions(
+            model=args.model, data=args.data or default_data(args.model),
+            target_loss=args.target_loss, batch=args.measure_batch or 32,
+            lr=0.05 if args.lr is None else args.lr, steps=args.measure_steps or 500,
+            seed=args.seed))
+    if args.staleness_cost is None:
+        return model
+    return dataclasses.replace(model, staleness_costs=dict.fromkeys(STALENESS_COSTS,
+                                                                     args.staleness_cost))
 
 
 def _read_json(path: str) -> Any:
@@ -163,8 +168,8 @@ def format_timed(timed: list[Timed], best: Timed, model: StepsModel,
     """The steps model, one row per candidate (its time per step, its predicted steps and their
     product), and the winner with the ``tandem train`` flags it assumes."""
     lines = [f"steps to loss {model.target_loss:g}: {model.source}; predicted S(B) = "
-             f"{model.min_steps:.1f} (1 + {model.noise_scale:.1f}/B) (1 + "
-             f"{model.staleness_cost:g} x staleness)",
+             f"{model.min_steps:.1f} (1 + {model.noise_scale:.1f}/B) (1 + c x staleness), c "
+             + ", ".join(f"{cost:g} for {kind}" for kind, cost in model.staleness_costs.items()),
              f"{'batch':>6} {'ms/step':>9} {'steps':>8} {'time to target':>15} {'stale':>5}  plan"]
     for row in timed:
         mark = "  <- best" if row is best else ""

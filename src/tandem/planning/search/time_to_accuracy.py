@@ -6,7 +6,7 @@ Usage::
     model = StepsModel(target_loss=0.3, reference_batch=32, reference_steps=118.0,
                        noise_scale=25.0, lr=0.05)
     model.steps(256)                    # S_min (1 + B_noise/256)
-    model.steps(256, staleness=3)       # times (1 + staleness_cost * 3)
+    model.steps(256, staleness=3, kind="ps")   # times (1 + 0.18 * 3)
     timed = time_to_target(candidate, 256, model)
     timed.step_time_s, timed.predicted_steps, timed.time_to_target_s
 
@@ -20,8 +20,8 @@ measuring run took to the target at its batch ``B0``, ``S_min = S0 / (1 + B_nois
 Staleness: an asynchronous plan computes each update on weights some updates old (``d``:
 ``W - 1`` for ``W`` asynchronous parameter-server workers, ``S - 1`` for PipeDream's ``S``
 stages, the delays that :mod:`tandem.runtime.asynchrony` compensates); each unit of it costs a
-measured fraction ``staleness_cost`` more steps, ``S(B) (1 + staleness_cost d)``
-(:data:`STALENESS_COST`, measured by ``benchmarks/time_to_accuracy.py``).
+measured fraction ``c`` more steps, ``S(B) (1 + c d)``, with ``c`` measured for each kind of
+stale plan (:data:`STALENESS_COSTS`, by ``benchmarks/time_to_accuracy.py``).
 
 What it does not model: the learning rate's own limits (a rate scaled past where training is
 stable takes more steps, not fewer), a noise scale that changes between the measurement and the
@@ -37,12 +37,22 @@ from collections.abc import Sequence
 from typing import Any
 
 from tandem.errors import UsageError
+from tandem.plan import Plan
 from tandem.planning.search.flexflow import Candidate
 from tandem.spec.trainable import staleness
 
-STALENESS_COST = 0.1
-"""More steps per unit of staleness, as a fraction: asynchronous parameter servers with the
-default compensation on digits (``benchmarks/time_to_accuracy.py``, docs/benchmarks.md)."""
+STALENESS_COSTS = {"ps": 0.18, "pipedream": 0.47}
+"""More steps per unit of staleness, as a fraction, for each kind of stale plan
+(:func:`stale_kind`), measured on digits with the default compensation
+(``benchmarks/time_to_accuracy.py``, docs/benchmarks.md: steps to loss 0.3 at batch 64, 3 seeds,
+against dp): 4 asynchronous parameter-server workers took 1.55x dp's steps (staleness 3: 0.18 a
+unit), a 4-stage PipeDream pipeline 2.40x (0.47 a unit)."""
+
+
+def stale_kind(plan: Plan) -> str:
+    """Which :data:`STALENESS_COSTS` applies to ``plan``: ``pipedream`` for a pipeline,
+    ``ps`` otherwise (only asynchronous servers are stale there)."""
+    return "pipedream" if plan.pipelined else "ps"
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
@@ -59,8 +69,9 @@ class StepsModel:
     """The gradient noise scale ``B_noise`` (tandem measures ``B_simple``)."""
     lr: float | None = None
     """The learning rate of the measuring run at ``B0`` (None: not known)."""
-    staleness_cost: float = STALENESS_COST
-    """More steps per unit of staleness, as a fraction."""
+    staleness_costs: dict[str, float] = dataclasses.field(
+        default_factory=lambda: dict(STALENESS_COSTS))
+    """More steps per unit of staleness, as a fraction, by kind (:data:`STALENESS_COSTS`)."""
     source: str = ""
     """Where the numbers come from (a measuring run, a file), in words."""
 
@@ -74,9 +85,12 @@ class StepsModel:
                 or self.reference_batch < 1:
             raise UsageError(f"reference_batch must be a whole number of at least 1 (got "
                              f"{self.reference_batch!r})")
-        if not (isinstance(self.staleness_cost, (int, float)) and self.staleness_cost >= 0):
-            raise UsageError(f"the staleness cost must be a number >= 0 (got "
-                             f"{self.staleness_cost!r}); 0 charges staleness nothing")
+        costs = self.staleness_costs
+        if not isinstance(costs, dict) or set(costs) != set(STALENESS_COSTS) or not all(
+                isinstance(c, (int, float)) and not isinstance(c, bool) and c >= 0
+                for c in costs.values()):
+            raise UsageError(f"staleness_costs must give a number >= 0 for each of "
+                             f"{', '.join(STALENESS_COSTS)} (got {costs!r})")
 
     @property
     def min_steps(self) -> float:
@@ -87,13 +101,14 @@ class StepsModel:
         """``1 + B_noise / B``: how many times ``S_min`` the steps are at ``batch``."""
         return 1.0 + self.noise_scale / batch
 
-    def staleness_factor(self, staleness: int) -> float:
-        """``1 + staleness_cost * staleness``."""
-        return 1.0 + self.staleness_cost * staleness
+    def staleness_factor(self, staleness: int, kind: str = "ps") -> float:
+        """``1 + c staleness``, ``c`` the cost of ``kind`` (:data:`STALENESS_COSTS`)."""
+        return 1.0 + self.staleness_costs[kind] * staleness
 
-    def steps(self, batch: int, staleness: int = 0) -> float:
-        """Predicted optimizer steps to the target at global ``batch`` with ``staleness``."""
-        return self.min_steps * self.batch_factor(batch) * self.staleness_factor(staleness)
+    def steps(self, batch: int, staleness: int = 0, kind: str = "ps") -> float:
+        """Predicted optimizer steps to the target at global ``batch``, ``staleness`` updates
+        stale in a plan of ``kind``."""
+        return self.min_steps * self.batch_factor(batch) * self.staleness_factor(staleness, kind)
 
     def lr_at(self, batch: int) -> float | None:
         """The learning rate the prediction assumes at ``batch``: :attr:`lr` times
@@ -169,7 +184,7 @@ def time_to_target(candidate: Candidate, batch: int, model: StepsModel,
     """``candidate`` at global ``batch``, timed to ``model``'s target."""
     stale = staleness(candidate.plan)
     return Timed(batch_size=batch, candidate=candidate, label=label, staleness=stale,
-                 predicted_steps=model.steps(batch, stale))
+                 predicted_steps=model.steps(batch, stale, stale_kind(candidate.plan)))
 
 
 def fastest(timed: Sequence[Timed]) -> Timed:
