@@ -14,7 +14,7 @@ import pytest
 from tandem.cluster import flat_cluster
 from tandem.commands.measure_steps import MeasureOptions, crossing, steps_model
 from tandem.errors import UsageError
-from tandem.plan import Stage
+from tandem.plan import Plan, Stage
 from tandem.planning.search.flexflow import Candidate, SearchOptions, search
 from tandem.planning.search.time_to_accuracy import (
     StepsModel, fastest, loss_crossing, stale_kind, time_to_target,
@@ -183,7 +183,7 @@ def test_search_prints_both_factors_and_picks_the_least_time(capsys, tmp_path: P
     assert tta["best"]["time_to_target_s"] == best["time_to_target_s"]
     assert data["batch_size"] == tta["best"]["batch_size"]
     assert tta["steps_model"] == MODEL.to_dict()
-    assert json.loads(target.read_text())["options"]["batch_size"] == data["batch_size"]
+    assert Plan.load(str(target)).options["batch_size"] == data["batch_size"]
     assert "ms/step" in err and "steps" in err and "time to target" in err
     assert f"--batch-size {data['batch_size']}" in err
 
@@ -204,12 +204,16 @@ REFUSALS = [
       "--learning", "{learning}"], "--batch-sizes '32,x'"),
     (["--objective", "time-to-accuracy", "--target-loss", "0.3", "--learning", "{learning}",
       "--lr", "0.1"], "--lr sets the measuring run, which --learning"),
-    (["--objective", "time-to-accuracy", "--target-loss", "0.5", "--learning", "{learning}"],
+    (["--profile-batch", "64", "--objective", "time-to-accuracy", "--target-loss", "0.5",
+      "--learning", "{learning}"],
      "holds steps to loss 0.3, not --target-loss 0.5"),
-    (["--objective", "time-to-accuracy", "--target-loss", "0.3", "--learning", "{missing}"],
+    (["--profile-batch", "64", "--objective", "time-to-accuracy", "--target-loss", "0.3",
+      "--learning", "{missing}"],
      "cannot read --learning"),
     (["--objective", "time-to-accuracy", "--target-loss", "0.3", "--staleness-cost", "-1",
       "--learning", "{learning}"], "--staleness-cost -1.0 must be >= 0"),
+    (["--objective", "time-to-accuracy", "--target-loss", "0.3", "--learning", "{learning}"],
+     "add --profile-batch N"),
 ]
 
 

@@ -286,6 +286,10 @@ def run_time_to_accuracy(args: argparse.Namespace, profile: ModelProfile, cluste
     """``--objective time-to-accuracy``: search at every batch of ``--batch-sizes`` (the budget
     shared among them), time each batch's best plan and each family's to the target, print
     both factors of every one and keep the least product (:mod:`tandem.commands.time_to_accuracy`)."""
+    if not (args.profile_batch or profile.batch_size):
+        raise UsageError("--objective time-to-accuracy simulates the profile at each of "
+                         "--batch-sizes, and it does not record the minibatch it was measured "
+                         "at: add --profile-batch N (e.g. 128 for PipeDream's VGG-16 profile)")
     model = steps_model(args)
     sizes = batch_sizes(args)
     options = dataclasses.replace(options, budget_s=options.budget_s / len(sizes),
