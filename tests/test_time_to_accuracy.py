@@ -200,6 +200,10 @@ REFUSALS = [
     (["--objective", "time-to-accuracy", "--target-loss", "0.3", "--pick", "ps"],
      "--pick ps chooses by time per step"),
     (["--objective", "time-to-accuracy", "--target-loss", "0.3"], "a --profile cannot train"),
+    (["--objective", "time-to-accuracy", "--target-loss", "0.3", "--model", "mlp",
+      "--measure-batch", "33"], "the measuring batch 33 does not split among its 2 workers"),
+    (["--objective", "time-to-accuracy", "--target-loss", "0.3", "--model", "mlp",
+      "--lr", "0"], "--lr 0.0 of the measuring run must be positive"),
     (["--objective", "time-to-accuracy", "--target-loss", "0.3", "--batch-sizes", "32,x",
       "--learning", "{learning}"], "--batch-sizes '32,x'"),
     (["--objective", "time-to-accuracy", "--target-loss", "0.3", "--learning", "{learning}",
@@ -222,8 +226,9 @@ REFUSALS = [
 def test_refusals_are_one_line(capsys, tmp_path: Path, argv: list[str], words: str) -> None:
     learning, missing = _learning(tmp_path), str(tmp_path / "nowhere.json")
     argv = [a.format(learning=learning, missing=missing) for a in argv]
-    code, out, err = run_cli(capsys, "search", "--profile", str(PROFILES / "gnmt.graph.txt"),
-                             "--devices", "4", "--bandwidth", "10Gb/s", *argv)
+    source = [] if "--model" in argv else ["--profile", str(PROFILES / "gnmt.graph.txt")]
+    code, out, err = run_cli(capsys, "search", *source, "--devices", "4", "--bandwidth",
+                             "10Gb/s", *argv)
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
     assert words in err
 

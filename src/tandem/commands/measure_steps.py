@@ -55,7 +55,9 @@ class MeasureOptions:
         for name in ("batch", "steps", "workers", "log_every"):
             if getattr(self, name) < 1:
                 raise UsageError(f"the measuring run's {name} must be at least 1 (got "
-                                 f"{getattr(self, name)})")
+                                 f"{getattr(self, name)}): see --measure-batch, --measure-steps")
+        if not self.lr > 0:
+            raise UsageError(f"--lr {self.lr} of the measuring run must be positive")
         if self.batch % self.workers:
             raise UsageError(f"the measuring batch {self.batch} does not split among its "
                              f"{self.workers} workers; give an even --measure-batch")

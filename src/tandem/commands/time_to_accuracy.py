@@ -109,6 +109,8 @@ def check_objective(args: argparse.Namespace) -> None:
         raise UsageError(f"--staleness-cost {args.staleness_cost} must be >= 0 (0 charges "
                          f"staleness nothing)")
     batch_sizes(args)
+    if args.learning is None:
+        _measure_options(args)  # its own checks
 
 
 def _methods(text: str) -> list[str]:
@@ -143,15 +145,19 @@ def steps_model(args: argparse.Namespace) -> StepsModel:
                              f"{model.target_loss:g}, not --target-loss {args.target_loss:g}; "
                              f"measure again for this target")
     else:
-        model = measure_steps(MeasureOptions(
-            model=args.model, data=args.data or default_data(args.model),
-            target_loss=args.target_loss, batch=args.measure_batch or 32,
-            lr=0.05 if args.lr is None else args.lr, steps=args.measure_steps or 500,
-            seed=args.seed))
+        model = measure_steps(_measure_options(args))
     if args.staleness_cost is None:
         return model
     return dataclasses.replace(model, staleness_costs=dict.fromkeys(STALENESS_COSTS,
                                                                      args.staleness_cost))
+
+
+def _measure_options(args: argparse.Namespace) -> MeasureOptions:
+    """The measuring run of ``--model`` the arguments ask for."""
+    return MeasureOptions(model=args.model, data=args.data or default_data(args.model),
+                          target_loss=args.target_loss, batch=args.measure_batch or 32,
+                          lr=0.05 if args.lr is None else args.lr,
+                          steps=args.measure_steps or 500, seed=args.seed)
 
 
 def _read_json(path: str) -> Any:
