@@ -317,6 +317,7 @@ def run_time_to_accuracy(args: argparse.Namespace, profile: ModelProfile, cluste
     plan.predicted_schedule = plan.schedule
     plan.options = {"found_by": "tandem search --objective time-to-accuracy", "seed": args.seed,
                     "batch_size": best.batch_size, "target_loss": model.target_loss}
+    plan.devices_per_server = server_size(cluster)
     human = sys.stderr if args.json else sys.stdout
     print(f"cluster: {cluster.describe()}", file=human)
     print(format_timed(timed, best, model, _label), file=human)
