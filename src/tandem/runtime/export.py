@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tandem.errors import OutputWarning, UsageError
-from tandem.output_files import write_text
+from tandem.output_files import write_failure, write_text
 from tandem.runtime.checkpoint import save_atomic
 
 if TYPE_CHECKING:
@@ -179,10 +179,12 @@ def export_final(folder: Path, target: Path, *, batch_bytes: int = BATCH_BYTES) 
     try:
         largest, total = _write_skeleton_then_tensors(folder, partial, shapes,
                                                       batch_bytes)
-    except BaseException:
+        os.replace(partial, target)
+    except BaseException as exc:
         partial.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and Path(exc.filename or partial).parent != folder:
+            raise write_failure(target, exc) from None  # not a read of the shards
         raise
-    os.replace(partial, target)
     return Exported(num_tensors=len(shapes), num_bytes=total, largest_tensor_bytes=largest,
                     skipped=skipped)
 
