@@ -25,6 +25,8 @@ class Liveness:
         self.dead: set[int] = set()
         self.finished: set[int] = set()
         self.checked_at = time.monotonic()
+        self.lost_at = float("-inf")
+        """When the last worker was lost (:meth:`lost`), on the monotonic clock."""
 
     def live(self) -> list[int]:
         """The workers neither done nor given up on."""
@@ -35,8 +37,12 @@ class Liveness:
         return set(self.workers) - self.finished - self.dead
 
     def all_gone(self) -> bool:
-        """Whether no worker is left: each is done or given up on."""
-        return set(self.workers) <= self.dead | self.finished
+        """Whether no worker is left: each is done or given up on, the last lost one (its
+        process ended) ``SILENT_AFTER_S`` ago or more: its supervisor may be stopping the job
+        for a reason of its own (the user's mistake, divergence, a server that failed it),
+        which the launcher names rather than this server's "every worker died"."""
+        return (set(self.workers) <= self.dead | self.finished
+                and time.monotonic() - self.lost_at > SILENT_AFTER_S)
 
     def due(self) -> bool:
         """Whether the last check is older than :data:`LIVENESS_EVERY_S`."""
@@ -82,6 +88,7 @@ class Liveness:
         if self.beat.silent([worker]):
             self.give_up(worker, f"stopped responding (no heartbeat for {SILENT_AFTER_S:g}+ s)")
         self.dead.add(worker)
+        self.lost_at = time.monotonic()
 
     def give_up(self, worker: int, why: str) -> None:
         """Go on without ``worker``: fence it, and say why."""
