@@ -145,6 +145,7 @@ class Watched:
         self.process, self.mark = process, mark
         self.lines: list[tuple[float, str]] = []
         self.out: list[str] = []
+        self.ended_at = float("inf")
         assert process.stderr is not None and process.stdout is not None
         stderr, stdout = process.stderr, process.stdout
         self.readers = [
@@ -165,10 +166,10 @@ class Watched:
         return int(pid), int(ppid)
 
     def finish(self, timeout_s: float) -> tuple[int, str, str]:
-        """:func:`finish` for a watched command."""
+        """:func:`finish` for a watched command (``ended_at``: when it ended)."""
         try:
             self.process.wait(timeout=timeout_s)
-            hung = False
+            self.ended_at, hung = time.monotonic(), False
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
@@ -239,14 +240,13 @@ def test_a_stopped_async_server_ends_the_job_naming_it(strategy: str, tmp_path: 
     os.kill(server, signal.SIGSTOP)
     stopped_at = time.monotonic()
     code, _, err = job.finish(timeout_s=240)
-    ended_at = time.monotonic()
     assert code == 1, err
     assert len(err.strip().splitlines()) <= 3, err
     lines = said(job.lines)
     assert len(lines) == 1 and re.fullmatch(
         r"tandem train: server rank 0 stopped responding \(no heartbeat for 10\+ s\); rank [12] "
         r"gave up waiting at step \d+ \(pull\)", lines[0][1]), err
-    assert ended_at - stopped_at < STOP_TIMEOUT_S + 20, err
+    assert job.ended_at - stopped_at < STOP_TIMEOUT_S + 20, err
 
 
 def test_ctrl_c_stops_every_worker_with_one_line_and_130(tmp_path: Path) -> None:
