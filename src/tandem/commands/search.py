@@ -34,6 +34,7 @@ from tandem.planning.simulate.tensor import DEFAULT_MAX_TENSOR_DEGREE, layout_te
 from tandem.profile import ModelProfile
 from tandem.schedule import SCHEDULE_KINDS
 from tandem.strategy import strategy_of
+from tandem.spec.kinds import ScheduleKind
 from tandem.spec.sync import AllReduceSync, ParameterServerSync
 
 _DURATION = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|min|h)?\s*")
@@ -294,7 +295,7 @@ def run_time_to_accuracy(args: argparse.Namespace, profile: ModelProfile, cluste
     model = steps_model(args)
     sizes = batch_sizes(args)
     options = dataclasses.replace(options, budget_s=options.budget_s / len(sizes),
-                                  staleness_cost=model.staleness_costs["pipedream"])
+                                  staleness_cost=model.staleness_costs[ScheduleKind.PIPEDREAM])
     timed: list[Timed] = []
     searches: dict[int, SearchResult] = {}
     for batch in sizes:

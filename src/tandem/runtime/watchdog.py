@@ -1,12 +1,8 @@
 """Heartbeats through the job's store, so that a worker which times out can name the one it
 waited for (stuck or dead) instead of only reporting its own timeout.
 
-A worker also watches the other workers of its machine: when one's process ends without having
-finished, it records a death notice in the store (``tandem/dead/RANK``), at its next beat or
-as its own node's agent stops it (the agent stops a node's workers when one dies). A worker on
-another machine, whose collective then fails, names the dead rank from that notice: the
-survivors' view of a peer that died a moment ago (its last beat, still fresh) cannot tell it
-from the peers its agent stopped after it.
+A worker also records which workers of its machine died, for the workers of other machines
+(:mod:`tandem.runtime.death_notice`).
 """
 
 from __future__ import annotations
@@ -19,14 +15,12 @@ import socket
 import subprocess
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 from tandem.errors import WorkerFailure
-from tandem.runtime.launch import LAUNCHED
-from tandem.runtime.launcher_env import under_launcher
+from tandem.runtime.death_notice import DeathNotices
 
 PERIOD_S = 0.5
 SILENT_AFTER_S = 10.0
@@ -84,15 +78,8 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="tandem-heartbeat", daemon=True)
         self._since = time.time()
-        self.notices = under_launcher() and LAUNCHED not in os.environ
-        """Whether this worker watches its machine's other workers and reads death notices:
-        under torchrun, whose agent on another machine is the only one that saw a death
-        (tandem's own launcher names a dead worker itself)."""
-        self._neighbours: dict[int, int] | None = None
-        """The other workers on this machine, rank -> process id (once every worker said where
-        it runs)."""
-        self._noticed: set[int] = set()
-        """The neighbours whose death this worker has recorded."""
+        self.deaths = DeathNotices(store, rank, world_size, self._lock)
+        """Which workers of this machine died, for the other machines' (under torchrun)."""
 
     @property
     def step(self) -> int:
@@ -115,7 +102,7 @@ class Heartbeat:
     def __enter__(self) -> Heartbeat:
         with self._lock:
             self.store.set(f"tandem/where/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
-            self.store.add("tandem/where_count", 1)
+            self.deaths.joined()
         self._publish()
         self._thread.start()
         return self
@@ -124,16 +111,11 @@ class Heartbeat:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5 * PERIOD_S)  # never tear the store down under a write
-        if not self.notices:
-            pass
-        elif isinstance(exc_type, type) and issubclass(exc_type, KeyboardInterrupt):
-            # stopped by a signal: under torchrun, the agent stopping this node's workers
-            # because one of them died; say which, for the other nodes' workers
+        if self.deaths.active and exc_type is not None:
             with contextlib.suppress(Exception):
-                self.notice_deaths()
-        if self.notices and exc_type is not None:  # its own failure or a stop: not dead
-            with contextlib.suppress(Exception), self._lock:
-                self.store.set(f"tandem/ended/{self.rank}", getattr(exc_type, "__name__", ""))
+                if isinstance(exc_type, type) and issubclass(exc_type, KeyboardInterrupt):
+                    self.deaths.record()  # the agent stops this node's workers: one died
+                self.deaths.ended(getattr(exc_type, "__name__", ""))  # this one is not dead
         if exc_type is None:  # a finished worker is not a silent one
             self.phase = "done"
             try:
@@ -161,8 +143,8 @@ class Heartbeat:
                 self._publish()
                 if self.fenceable:
                     self._obey_fence()
-                if self.notices:
-                    self.notice_deaths()
+                if self.deaths.active:
+                    self.deaths.record()
                 failures = 0
             except Exception:  # noqa: BLE001 - a busy store; give up only if it is gone
                 failures += 1
@@ -181,44 +163,6 @@ class Heartbeat:
         if fenced:
             continue_if_stopped(os.getppid())  # a stopped supervisor could not end with it
             os._exit(FENCED_EXIT)  # the main thread may be stuck; nothing is left to save
-
-    def notice_deaths(self) -> None:
-        """Record a death notice for each worker of this machine whose process has ended
-        without finishing (no store traffic while every neighbour lives)."""
-        for rank, pid in self._neighbours_here().items():
-            if rank in self._noticed or _alive(pid):
-                continue
-            self._noticed.add(rank)
-            beats = self.read_beats([rank])
-            with self._lock:
-                ended = self.store.check([f"tandem/ended/{rank}"])
-            if ended or (rank in beats and beats[rank][1] == "done"):
-                continue
-            with self._lock:
-                self.store.set(f"tandem/dead/{rank}", f"{socket.gethostname()} {pid}")
-
-    def deaths(self) -> dict[int, str]:
-        """Every death notice in the store, rank -> the machine it ran on."""
-        notices = {}
-        with self._lock:
-            for rank in range(self.world_size):
-                if self.store.check([f"tandem/dead/{rank}"]):
-                    notices[rank] = self.store.get(f"tandem/dead/{rank}").decode().split()[0]
-        return notices
-
-    def _neighbours_here(self) -> dict[int, int]:
-        """The other workers on this machine (empty until every worker has said where it
-        runs; read from the store once)."""
-        if self._neighbours is not None:
-            return self._neighbours
-        with self._lock:
-            if int(self.store.add("tandem/where_count", 0)) < self.world_size:
-                return {}
-            where = {rank: self.store.get(f"tandem/where/{rank}").decode().split()
-                     for rank in range(self.world_size) if rank != self.rank}
-        host = socket.gethostname()
-        self._neighbours = {rank: int(pid) for rank, (at, pid) in where.items() if at == host}
-        return self._neighbours
 
     def _watch_parent(self) -> None:
         """Note since when the supervising process has been stopped (SIGSTOP, a debugger):
@@ -260,10 +204,9 @@ class Heartbeat:
         here = f"rank {self.rank} gave up waiting at step {self.step} ({self.phase})"
         dead = {}
         with contextlib.suppress(Exception):  # no store: judge by the beats below, if any
-            if self.notices:
-                self.notice_deaths()
-                dead = self.deaths()
-        dead.pop(self.rank, None)
+            if self.deaths.active:
+                self.deaths.record()
+                dead = self.deaths.read()
         if dead:
             where = "; ".join(f"rank {rank} on {host}" for rank, host in sorted(dead.items()))
             return WorkerFailure(f"worker {where} died (its process ended); {here}")
@@ -376,23 +319,6 @@ def _continue_later(pid: int) -> None:
     subprocess.Popen(["/bin/sh", "-c", f"sleep 1; kill -CONT {pid} 2>/dev/null"],
                      start_new_session=True, stdin=subprocess.DEVNULL,
                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` of this machine is running (not ended, not a zombie)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    except (OSError, IndexError):  # no /proc: ask the kernel
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    return state not in ("Z", "X")
 
 
 def _progress(step: int, phase: str) -> tuple[int, int]:

@@ -39,9 +39,10 @@ from typing import Any
 from tandem.errors import UsageError
 from tandem.plan import Plan
 from tandem.planning.search.flexflow import Candidate
+from tandem.spec.kinds import ScheduleKind
 from tandem.spec.trainable import staleness
 
-STALENESS_COSTS = {"ps": 0.17, "pipedream": 0.47}
+STALENESS_COSTS = {"ps": 0.17, str(ScheduleKind.PIPEDREAM): 0.47}
 """More steps per unit of staleness, as a fraction, for each kind of stale plan
 (:func:`stale_kind`), measured on digits with the default compensation
 (``benchmarks/time_to_accuracy.py``, docs/benchmarks.md: steps to loss 0.3 at batch 64, 3 seeds,
@@ -53,7 +54,7 @@ PipeDream pipeline 2.40x (0.47 a unit)."""
 def stale_kind(plan: Plan) -> str:
     """Which :data:`STALENESS_COSTS` applies to ``plan``: ``pipedream`` for a pipeline,
     ``ps`` otherwise (only asynchronous servers are stale there)."""
-    return "pipedream" if plan.pipelined else "ps"
+    return str(ScheduleKind.PIPEDREAM) if plan.pipelined else "ps"
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
