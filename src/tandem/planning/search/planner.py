@@ -15,12 +15,12 @@ as it will run (the schedule, micro-batches that divide the minibatch), and, whe
 parallelism does not fit the memory limit, its sharded forms (FSDP2 / ZeRO,
 :mod:`tandem.planning.simulate.sharded`); it returns the fastest
 that fits the devices' memory, its time the simulator's (``bottleneck_s``) beside the
-partitioner's estimate (``estimate_s``). It is never slower than a candidate it built, and
-monotone along the ladders in practice (more bandwidth, faster devices or a looser limit give
-no slower plan on issue 28's series; :mod:`.candidates` says why not by construction). Every
-candidate, with both figures and its memory, is listed in
-``plan.candidates``. A memory limit that no candidate meets is an error naming the smallest
-memory at which one would.
+partitioner's estimate (``estimate_s``). It is never slower than a candidate it built; a looser
+memory limit never gives a slower plan, by construction where every view's solve is cheap (a
+tighter limit's candidates are all among a looser one's: :mod:`.candidates` says why, and where
+it holds in practice only, as more bandwidth and faster devices do). Every candidate, with
+both figures and its memory, is listed in ``plan.candidates``. A memory limit that no
+candidate meets is an error naming the smallest memory at which one would.
 """
 
 from __future__ import annotations
