@@ -243,7 +243,7 @@ class CandidatePool:
                 rung = _Rung(name, cluster, factor,
                              points=FINE_POINTS if factor == 1.0 else COARSE_POINTS)
                 if work > FINE_WORK:
-                    solves = ESSENTIAL_SOLVES - 1 if work <= ESSENTIAL_WORK else 1
+                    solves = ESSENTIAL_SOLVES - 1 if work <= ESSENTIAL_WORK else 0
                     found += self._near_limit(rung, options, solve, solves) if factor == 1.0 else []
                 elif not self._admitted(rung, work):
                     pass
@@ -282,13 +282,13 @@ class CandidatePool:
     def _near_limit(self, rung: _Rung, options: PartitionOptions, solve: Solve,
                     solves: int) -> list[Candidate]:  # fmt: skip
         """Candidates anchored at the limit, for clusters with a costly view (module
-        docstring), ``solves`` after the free plan: under a limit the free plan exceeds, the
-        limit's plan (on the cluster's own links, one the simulator finds over the limit solved
-        again, :meth:`_shrunk`), flush schedules first the limit times
-        :data:`FLUSH_BUDGET_SCALES` (:func:`limit_scales`, unless ``solves`` is 1); then plans
-        down the fine grid, each under the point below the last one's need. A limit no plan
-        holds under PipeDream's schedule ends them (the partitioner's memory is the
-        simulator's there)."""
+        docstring): the free plan; under a limit it exceeds, the limit's plan (on the cluster's
+        own links, one the simulator finds over the limit solved again, :meth:`_shrunk`); with
+        ``solves`` more than 1, flush schedules first the limit times
+        :data:`FLUSH_BUDGET_SCALES` (:func:`limit_scales`), and plans down the fine grid, each
+        under the point below the last one's need, until ``solves`` after the free plan. A
+        limit no plan holds under PipeDream's schedule ends them (the partitioner's memory is
+        the simulator's there)."""
         plan = self._solve(rung, options, solve, None)
         if plan is None:
             return []
@@ -303,7 +303,7 @@ class CandidatePool:
             plan = self._solve(rung, options, solve, budget)
             solves -= 1
             if plan is None:
-                if not (solves and flushes):
+                if not (solves > 0 and flushes):
                     return found
                 break  # plans that hold more by the partitioner's model may fit
             taken = self._take(rung, plan, budget)
