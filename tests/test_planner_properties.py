@@ -17,6 +17,7 @@ from tandem.cluster import Cluster, flat_cluster, parse_cluster
 from tandem.errors import UsageError
 from tandem.plan import Plan
 from tandem.planning import PartitionOptions, make_plan, partition_plan
+from tandem.planning.partition.pipedream import NoPlanFits
 from tandem.planning.search import candidates
 from tandem.planning.simulate.sharded import sharded_plans
 from tandem.planning.simulate.simulator import SimOptions, data_parallel_plan, simulate
@@ -349,6 +350,27 @@ def test_a_budgets_plan_is_the_plan_of_every_grid_point_down_to_its_need(
         alone = solved(candidates.grid_point(point))
         assert alone is not None and candidates.layout_key(alone) == candidates.layout_key(plan)
     assert solved(candidates.grid_point(index)) is None
+
+
+@pytest.mark.parametrize("schedule", ["pipedream", "1f1b"])
+def test_the_memory_named_when_nothing_fits_is_the_planners_own_least(schedule: str) -> None:
+    """Where the walks are nested, the smallest memory a refusal names is the least limit under
+    which the planner's own candidates give a plan (each one from the limit at which its walk
+    passes its need): enough, and 2% less is not (the message rounds up to 10 MB)."""
+    profile = MODELS["resnet50"]
+
+    def planned(limit_gb: float) -> Plan:
+        cluster = dataclasses.replace(flat_cluster(num_devices=8, bandwidth="25Gb/s"),
+                                      memory_bytes=limit_gb * 1e9)
+        return make_plan(profile, cluster, PartitionOptions(), schedule=schedule, sim=SIM,
+                         pipeline_only=True)
+
+    with pytest.raises(NoPlanFits) as caught:
+        planned(0.1)
+    need = float(str(caught.value).split("the smallest needs ")[1].split(" GB")[0])
+    assert max(stage.memory_bytes for stage in planned(need).stages) <= need * 1e9
+    with pytest.raises(NoPlanFits):
+        planned(0.98 * need)
 
 
 def test_sharded_data_parallelism_is_never_faster_than_plain() -> None:

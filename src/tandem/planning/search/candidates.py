@@ -53,9 +53,8 @@ gigabytes (:data:`ESSENTIAL_WORK`: a 1,000-layer chain on 1,024 devices) the fre
 limit's alone. Identical layouts are simulated once (by stages, layer order, schedule
 and micro-batches).
 
-Micro-batch counts divide the minibatch (what ``tandem train`` requires): the smallest divisor
-at least each multiple :data:`MICROBATCH_FACTORS` of the default; with the minibatch unknown
-(a PipeDream ``graph.txt`` without ``--profile-batch``) the next power of two.
+Pipelines run micro-batch counts that divide the minibatch
+(:mod:`tandem.planning.search.microbatches`).
 """
 
 from __future__ import annotations
@@ -67,14 +66,13 @@ from typing import Any
 
 from tandem.cluster import Cluster, Level
 from tandem.errors import UsageError
-from tandem.plan import Plan, default_microbatches
+from tandem.plan import Plan
 from tandem.planning.partition.pipedream import NoPlanFits, PartitionOptions
+from tandem.planning.search.microbatches import microbatch_counts, minibatch
 from tandem.planning.simulate.simulator import SimOptions, SimResult, simulate
 from tandem.profile import ModelProfile
 from tandem.spec.kinds import ScheduleKind
 
-MICROBATCH_FACTORS = (1, 2, 4)
-"""Flush schedules without a given count: micro-batches tried, as multiples of the default."""
 BANDWIDTH_RUNGS = (1.0, 0.5, 2.0, 0.25, 4.0, 0.125, 8.0, 1 / 16, 16.0, 1 / 32, 32.0, 1 / 64, 64.0)
 """Every level's bandwidth times these when partitioning, nearest first (1: the cluster as it
 is; above 1: the plans for devices that many times slower; below 1: for slower links); each
@@ -186,6 +184,7 @@ class CandidatePool:
         self.batch = minibatch(profile, sim)
         self._results: dict[tuple[Any, ...], SimResult] = {}
         self._layouts: set[tuple[Any, ...]] = set()
+        self._entry: dict[tuple[Any, ...], float] = {}
         self._spent = 0.0
 
     def evaluate(self, name: str, plan: Plan, estimate_s: float | None, note: str = "", *,
@@ -231,7 +230,7 @@ class CandidatePool:
         found: list[Candidate] = []
         idle = {direction: 0 for direction in (1.0, -1.0)}
         free: set[tuple[Any, ...]] = set()
-        nested = all(solve_work(self.profile.num_layers, view) <= FINE_WORK for _, view in views)
+        nested = self.nested(views)
         for factor in BANDWIDTH_RUNGS:
             direction = 1.0 if factor >= 1.0 else -1.0
             if idle[direction] >= STABLE_RUNGS:
@@ -328,15 +327,38 @@ class CandidatePool:
         if plan is None:
             return []
         rung.free = layout_key(plan)
+        self._entry[rung.free] = 0.0
         found = self._take(rung, plan, None)
         budget = grid_below(rung.need, rung.points)
         top = walk_top(options)
         if top is not None:
             budget = min(budget, grid_point(grid_index(top, rung.points), rung.points))
         while (plan := self._solve(rung, options, solve, budget)) is not None:
+            key, entry = layout_key(plan), grid_below(rung.need, rung.points) / walk_scale(options)
+            self._entry[key] = min(self._entry.get(key, entry), entry)
             found += self._take(rung, plan, budget)
             budget = grid_below(min(rung.need, budget), rung.points)
         return found
+
+    def nested(self, views: list[tuple[str, Cluster]]) -> bool:
+        """Whether every view's solve is cheap (:data:`FINE_WORK`): then each rung walks to the
+        least memory and a tighter limit's candidates are all among a looser one's."""
+        return all(solve_work(self.profile.num_layers, view) <= FINE_WORK for _, view in views)
+
+    def least_limit(self, views: list[tuple[str, Cluster]], options: PartitionOptions,
+                    solve: Solve, names: set[str]) -> float | None:
+        """On a fresh pool, where the walks are nested (:meth:`nested`; else None): the least
+        memory limit under which the ladders give a candidate named in ``names`` that fits.
+        The walks without a limit give every candidate of every limit; each is one from the
+        limit above which its walk passes its need (the free plans from any), and fits from
+        its least simulated peak (of the micro-batch counts tried)."""
+        if not self.nested(views):
+            return None
+        found = self.ladders(views, dataclasses.replace(options, memory_bytes=None), solve)
+        limits = [max(self._entry[layout_key(c.plan)] * (1 + 1e-9),
+                      min(self._simulated(v).peak_memory_bytes for v in self._variants(c.plan)))
+                  for c in found if c.name in names and c.plan is not None]
+        return min(limits, default=None)
 
     def _shrunk(self, rung: _Rung, options: PartitionOptions, solve: Solve,
                 over: Candidate) -> list[Candidate]:  # fmt: skip
@@ -391,11 +413,15 @@ class _Rung:
 
 def walk_top(options: PartitionOptions) -> float | None:
     """The budget a walk down the memory grid starts from (the least grid point at or above
-    it): the limit, times ``max(FLUSH_BUDGET_SCALES)`` under a flush schedule; None without a
-    limit (the walk starts below the free plan)."""
-    if options.memory_bytes is None:
-        return None
-    return options.memory_bytes * (max(FLUSH_BUDGET_SCALES) if options.schedule.flushes else 1.0)
+    it): the limit times :func:`walk_scale`; None without a limit (the walk starts below the
+    free plan)."""
+    return None if options.memory_bytes is None else options.memory_bytes * walk_scale(options)
+
+
+def walk_scale(options: PartitionOptions) -> float:
+    """The top of a walk as a multiple of the limit: ``max(FLUSH_BUDGET_SCALES)`` under a flush
+    schedule, 1 under PipeDream's (whose memory the partitioner's model gives exactly)."""
+    return max(FLUSH_BUDGET_SCALES) if options.schedule.flushes else 1.0
 
 
 def limit_scales(options: PartitionOptions) -> tuple[float, ...]:
@@ -451,48 +477,3 @@ def layout_key(plan: Plan) -> tuple[Any, ...]:
     stages = tuple((s.start, s.end, s.replicas, tuple(s.devices or ())) for s in plan.stages)
     sharding = (plan.shard_degree, plan.shard_level) if plan.sharded else None
     return (stages, tuple(plan.layer_order or ()), plan.tensor_degree, sharding)
-
-
-def minibatch(profile: ModelProfile, sim: SimOptions) -> int | None:
-    """Samples in the minibatch the plan runs, when known and whole."""
-    if not profile.batch_size:
-        return None
-    samples = profile.batch_size * sim.batch_scale
-    return int(samples) if float(samples).is_integer() and samples >= 1 else None
-
-
-def microbatch_counts(plan: Plan, schedule: ScheduleKind, given: int | None,
-                      batch: int | None) -> list[int | None]:
-    """Micro-batch counts to try for ``plan`` under ``schedule``: ``given`` (checked), or the
-    smallest divisor of ``batch`` at least each multiple of the default (a multiple of the
-    replicas for data parallelism); :class:`UsageError` when none can run."""
-    if not schedule.flushes:
-        return [None]
-    step = plan.stages[0].replicas if len(plan.stages) == 1 and schedule.accumulates else 1
-    if given is not None:
-        if given % step:
-            raise UsageError(f"--microbatches {given} is not a multiple of its {step} replicas")
-        if batch is not None and batch % given:
-            raise UsageError(f"--microbatches {given} does not divide the minibatch of {batch}")
-        return [given]
-    if batch is not None and batch % step:
-        raise UsageError(f"its {step} replicas do not divide the minibatch of {batch}")
-    base = default_microbatches(plan.replicas, schedule)
-    counts: list[int | None] = []
-    for factor in MICROBATCH_FACTORS:
-        count = _count_at_least(base * factor, step, batch)
-        if count is not None and count not in counts:
-            counts.append(count)
-    return counts or [batch]
-
-
-def _count_at_least(wanted: int, step: int, batch: int | None) -> int | None:
-    """The smallest multiple of ``step`` at least ``wanted`` that divides ``batch`` (None when
-    there is none); without a batch, the smallest such power-of-two multiple of ``step``."""
-    if batch is None:
-        count = step
-        while count < wanted:
-            count *= 2
-        return count
-    return next((count for count in range(step, batch + 1, step)
-                 if count >= wanted and batch % count == 0), None)
