@@ -25,14 +25,15 @@ therefore asks it along two ladders and keeps the fastest simulated plan that fi
   for flush schedules times ``max(FLUSH_BUDGET_SCALES)`` as the partitioner budgets a
   replica's whole share in flight where 1F1B holds less; none without a limit) down to the
   point below which no plan fits: :data:`FINE_POINTS` points per doubling (4.4% apart) on the
-  cluster's own links, :data:`COARSE_POINTS` (19%, every fourth) on the other rungs.
+  cluster's own links; on the other rungs as many for :data:`WINDOW_POINTS` points below the
+  free plan's need, then :data:`COARSE_POINTS` (19%, every fourth).
 
 Why this is monotone in the limit, by construction: nothing above depends on the limit but
 where the walks start, so every candidate of a tighter limit is a candidate of a looser one:
-the grid is fixed and a walk from a higher point passes every point below it; the rungs walked
-and their order do not depend on the limit (the charges are fixed, the stop rule reads free
-plans); nor do the free plans, data parallelism or one device, nor a plan's simulated time (the
-limit only says whether it fits). Such a candidate fits the looser limit too, and the looser
+each rung's grid is fixed (by its free plan) and a walk from a higher point passes every point
+below it; the rungs walked and their order do not depend on the limit (the charges are fixed,
+the stop rule reads free plans); nor do the free plans, data parallelism or one device, nor a
+plan's simulated time (the limit only says whether it fits). Such a candidate fits the looser limit too, and the looser
 limit's choice, the fastest that fits, is no slower. A walk solves only one budget per
 distinct plan: a budget's plan is the partitioner's best among the plans that fit it (the
 first in its own order among equals), so every grid point between a plan's need and the budget
@@ -50,8 +51,8 @@ minutes: there every view takes candidates anchored at the limit (``_near_limit`
 limit's plan and :data:`WALK_STEPS` steps down the fine grid per rung, the costly views
 :data:`ESSENTIAL_SOLVES` solves on their own links only, and solves that fill tables of
 gigabytes (:data:`ESSENTIAL_WORK`: a 1,000-layer chain on 1,024 devices) the free plan and the
-limit's alone. Identical layouts are simulated once (by stages, layer order, schedule
-and micro-batches).
+limit's alone. Identical layouts are simulated once (by stages, layer order, schedule and
+micro-batches).
 
 Pipelines run micro-batch counts that divide the minibatch
 (:mod:`tandem.planning.search.microbatches`).
@@ -88,7 +89,10 @@ GRID_BASE_BYTES = 1e9
 FINE_POINTS = 16
 """Grid points per doubling of the budget on the cluster's own links: 4.4% apart."""
 COARSE_POINTS = 4
-"""Grid points per doubling on the other link rungs: 19% apart, every fourth fine point."""
+"""Grid points per doubling on other link rungs below their window: 19% apart, every fourth."""
+WINDOW_POINTS = 8
+"""Other link rungs: fine grid points below the free plan's need (to 71% of it) before the
+coarse grid."""
 FINE_WORK = 1e7
 """Clusters whose every view solves within this size (:func:`solve_work`; ResNet-50 on 16 flat
 devices 5e5, VGG-16 on 2 servers of 4 1e6, ResNet-50 on servers of 4 9e7) walk to the least
@@ -105,9 +109,8 @@ ESSENTIAL_SOLVES = 6
 (flush schedules: those above it first) and steps down the fine grid, this many solves in
 all."""
 MEMORY_RETRIES = 3
-"""Candidates anchored at the limit: times a plan at the limit whose simulated devices exceed it
-is solved again, the limit shrunk by the overflow."""
-RUNG_SOLVES = 8
+"""Anchored at the limit: times a plan over it by the simulator is solved again, shrunk."""
+RUNG_SOLVES = 7
 """Solves a link rung beyond the cluster's own is charged, before its walk, whatever it takes
 (so that every limit walks the same rungs)."""
 MAX_SOLVE_WORK = 2e7
@@ -239,8 +242,7 @@ class CandidatePool:
             for name, view in views:
                 cluster = dataclasses.replace(scale_links(view, factor), memory_bytes=None)
                 work = solve_work(self.profile.num_layers, cluster)
-                rung = _Rung(name, cluster, factor,
-                             points=FINE_POINTS if factor == 1.0 else COARSE_POINTS)
+                rung = _Rung(name, cluster, factor)
                 if work > FINE_WORK:
                     solves = ESSENTIAL_SOLVES - 1 if work <= ESSENTIAL_WORK else 0
                     found += self._near_limit(rung, options, solve, solves) if factor == 1.0 else []
@@ -288,11 +290,9 @@ class CandidatePool:
         under the point below the last one's need, until ``solves`` after the free plan. A
         limit no plan holds under PipeDream's schedule ends them (the partitioner's memory is
         the simulator's there)."""
-        plan = self._solve(rung, options, solve, None)
-        if plan is None:
+        found = self._free(rung, options, solve)
+        if found is None:
             return []
-        rung.free = layout_key(plan)
-        found = self._take(rung, plan, None)
         limit, flushes = options.memory_bytes, options.schedule.flushes
         scales = limit_scales(options) if solves > 1 else (1.0,)
         budgets = [] if limit is None else [limit * scale for scale in scales]
@@ -318,26 +318,35 @@ class CandidatePool:
             found += self._take(rung, plan, budget)
         return found
 
+    def _free(self, rung: _Rung, options: PartitionOptions,
+              solve: Solve) -> list[Candidate] | None:  # fmt: skip
+        """The free plan on ``rung`` (a candidate under every limit), None when there is none."""
+        plan = self._solve(rung, options, solve, None)
+        if plan is None:
+            return None
+        rung.free = layout_key(plan)
+        self._entry[rung.free] = 0.0
+        return self._take(rung, plan, None)
+
     def _walk(self, rung: _Rung, options: PartitionOptions, solve: Solve) -> list[Candidate]:
         """The free plan, then the plan under every point of ``rung``'s grid below the free
         plan's need, from the least point at or above the top (:func:`walk_top`) down to the
         point below which no plan fits; from each plan the walk goes on at the greatest point
         below its need (the points between have the same plan: module docstring)."""
-        plan = self._solve(rung, options, solve, None)
-        if plan is None:
+        found = self._free(rung, options, solve)
+        if found is None:
             return []
-        rung.free = layout_key(plan)
-        self._entry[rung.free] = 0.0
-        found = self._take(rung, plan, None)
-        budget = grid_below(rung.need, rung.points)
+        if rung.factor != 1.0:  # fine from the free plan's need down WINDOW_POINTS, then coarse
+            rung.fine_from = grid_point(grid_index(rung.need) - WINDOW_POINTS)
+        budget = rung.below(rung.need)
         top = walk_top(options)
         if top is not None:
-            budget = min(budget, grid_point(grid_index(top, rung.points), rung.points))
+            budget = min(budget, rung.at_or_above(top))
         while (plan := self._solve(rung, options, solve, budget)) is not None:
-            key, entry = layout_key(plan), grid_below(rung.need, rung.points) / walk_scale(options)
+            key, entry = layout_key(plan), rung.below(rung.need) / walk_scale(options)
             self._entry[key] = min(self._entry.get(key, entry), entry)
             found += self._take(rung, plan, budget)
-            budget = grid_below(min(rung.need, budget), rung.points)
+            budget = rung.below(min(rung.need, budget))
         return found
 
     def nested(self, views: list[tuple[str, Cluster]]) -> bool:
@@ -405,10 +414,22 @@ class _Rung:
     """The scale of its links."""
     need: float = float("inf")
     """The last plan's need by the partitioner's memory model."""
-    points: int = FINE_POINTS
-    """Its memory grid's points per doubling (:func:`grid_points`)."""
+    fine_from: float = 0.0
+    """Its memory grid: the fine grid's points from this budget up, the coarse grid's below."""
     free: tuple[Any, ...] | None = None
     """The layout of its free plan (:func:`layout_key`), once solved."""
+
+    def below(self, nbytes: float) -> float:
+        """The greatest point of the rung's memory grid below ``nbytes``."""
+        fine = grid_below(nbytes)
+        return fine if fine >= self.fine_from else grid_below(min(nbytes, self.fine_from),
+                                                              COARSE_POINTS)
+
+    def at_or_above(self, nbytes: float) -> float:
+        """The least point of the rung's memory grid at or above ``nbytes``."""
+        coarse = grid_point(grid_index(nbytes, COARSE_POINTS), COARSE_POINTS)
+        return coarse if coarse < self.fine_from else max(grid_point(grid_index(nbytes)),
+                                                          self.fine_from)
 
 
 def walk_top(options: PartitionOptions) -> float | None:
