@@ -1,7 +1,8 @@
 """The PipeDream paper's configurations and speedups beside tandem's, from the shipped profiles.
 
 Run: ``python benchmarks/pipedream_table.py`` (a table and the differences explained, then one
-JSON object on the last stdout line). About a minute or two.
+JSON object on the last stdout line; ``--markdown``: the table and notes as docs/planning.md
+has them). About a minute or two.
 
 Source: Narayanan et al., "PipeDream: Generalized Pipeline Parallelism for DNN Training", SOSP
 2019, Table 1 (configuration and speedup over data parallelism in epoch time), on its
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -213,9 +215,37 @@ def _cell(figures: dict[str, Any], key: str = "config") -> str:
     return f"{figures[key]} {figures['speedup']:.2f}x"
 
 
+MARKDOWN_HEADER = (
+    "| model | GPUs | cluster | paper: config, speedup over dp | PipeDream's optimizer (tandem): "
+    "config, cost-model speedup | paper's config simulated: ms per minibatch, x sim. dp, x "
+    "PipeDream's dp, GB per device | planner, no limit | planner, 16 GB |\n"
+    "|---|---|---|---|---|---|---|---|")
+"""The table of docs/planning.md ("The PipeDream paper's table"), as ``--markdown`` prints it."""
+
+
+def _planned(figures: dict[str, Any]) -> str:
+    if figures.get("config") is None:
+        return "none fits"
+    return (f"{figures['config']} {figures['speedup']:.2f}x ({figures['candidate']} "
+            f"{figures['step_ms']:.1f} ms)")
+
+
+def markdown_row(row: PaperRow, entry: dict[str, Any]) -> str:
+    """One row of :data:`MARKDOWN_HEADER`'s table."""
+    own, partitioner = entry["paper_config"], entry["partitioner"]
+    paper = f"{row.config}, " + (f"{row.speedup:.2f}x" if row.speedup else "none published")
+    return (f"| {row.model} | {entry['devices']} | {row.cluster_name} (`{row.cluster}`) | {paper} "
+            f"| {partitioner['config']} {partitioner['speedup']:.2f}x | {own['step_ms']:.1f} ms, "
+            f"{own['speedup']:.2f}x, {_times(own['speedup_vs_pd_dp'])}, {own['peak_gb']:.1f} GB "
+            f"| {_planned(entry['planner'])} | {_planned(entry['planner_16gb'])} |")
+
+
 def main() -> None:
+    """The table (``--markdown``: docs/planning.md's), the differences, then the JSON line."""
+    as_markdown = "--markdown" in sys.argv[1:]
     entries = []
-    print(f"{'model':<9} {'GPUs':>4} {'cluster':<14} {'paper':>11} {'PipeDream opt.':>16} "
+    print(MARKDOWN_HEADER if as_markdown else
+          f"{'model':<9} {'GPUs':>4} {'cluster':<14} {'paper':>11} {'PipeDream opt.':>16} "
           f"{'paper cfg: ms':>13} {'x dp':>6} {'x PD dp':>7} {'GB':>5} {'planner':>14} "
           f"{'planner 16GB':>14}")
     for row in ROWS:
@@ -223,17 +253,20 @@ def main() -> None:
         entries.append(entry)
         paper = f"{row.config} " + (f"{row.speedup:.2f}x" if row.speedup else "-")
         own = entry["paper_config"]
-        print(f"{row.model:<9} {entry['devices']:>4} {row.cluster_name:<14} {paper:>11} "
+        print(markdown_row(row, entry) if as_markdown else
+              f"{row.model:<9} {entry['devices']:>4} {row.cluster_name:<14} {paper:>11} "
               f"{_cell(entry['partitioner']):>16} {own['step_ms']:>13.1f} "
               f"{own['speedup']:>5.2f}x {_times(own['speedup_vs_pd_dp']):>7} "
               f"{own['peak_gb']:>5.1f} "
               f"{_cell(entry['planner']):>14} {_cell(entry['planner_16gb']):>14}")
     model, config, verdict = NOT_REPRODUCIBLE
-    print(f"{model:<9} paper: {config}; {verdict}")
+    print(f"| {model} | | | {config} | {verdict} | | | |" if as_markdown else
+          f"{model:<9} paper: {config}; {verdict}")
     print()
     for entry in entries:
         for note in entry["differences"]:
-            print(f"- {entry['model']} on {entry['cluster_name']}: {note}")
+            print(f"* {entry['model']}, {entry['cluster_name']}: {note}" if as_markdown else
+                  f"- {entry['model']} on {entry['cluster_name']}: {note}")
     print(json.dumps({"rows": entries,
                       "not_reproducible": [{"model": model, "paper": config, "why": verdict}]}))
 

@@ -22,6 +22,9 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+SOURCE_PATH = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
+"""``PYTHONPATH`` for a subprocess: this checkout's tandem (a git worktree's, not the one the
+editable install names) and its tests' modules."""
 
 TIERS = ("pure", "multiprocess", "cli")
 """What a test costs, one of these per test (``statistical`` may be added to any)."""
@@ -36,8 +39,7 @@ def run_tandem(*args: str, timeout_s: float = 180) -> subprocess.CompletedProces
     the command and again in its forkserver. Anything else runs in this process
     (:func:`run_here`, :func:`run_json`)."""
     # this checkout's src first (a git worktree's, not the one the editable install names)
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": SOURCE_PATH}
     for key in _LAUNCHER_KEYS:
         env.pop(key, None)
     return subprocess.run(

@@ -109,3 +109,40 @@ def inf_gradient(info: DataInfo, at: int = 3) -> nn.Module:
     """A linear classifier whose gradients are not finite on its ``at``-th training forward
     (every rank), with a finite loss: divergence only a gradient shows."""
     return nn.Sequential(nn.Flatten(), nn.Linear(64, info.num_classes), _InfiniteGradientAt(at))
+
+
+class _Recorded(nn.Module):
+    """A linear classifier whose training forward sleeps ``delay`` seconds (so that a job's
+    length hardly depends on the machine), and which records the process it runs in."""
+
+    def __init__(self, info: DataInfo, delay: float) -> None:
+        super().__init__()
+        self.linear = nn.Linear(64, info.num_classes)
+        self.delay, self.trained = delay, False
+        self._record("")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            if not self.trained:
+                self.trained = True
+                self._record(".trains")
+            time.sleep(self.delay)
+        return self.linear(x.flatten(1))
+
+    @staticmethod
+    def _record(suffix: str) -> None:
+        rank, folder = os.environ.get("RANK"), os.environ.get("TANDEM_TEST_PIDS")
+        if rank is None or not folder:  # the launcher's checks, or no test asked
+            return
+        path = os.path.join(folder, rank + suffix)
+        with open(path + ".tmp", "w") as handle:
+            handle.write(f"{os.getpid()} {os.getppid()}")
+        os.replace(path + ".tmp", path)
+
+
+def recorded(info: DataInfo, delay: float = 0.0) -> nn.Module:
+    """A linear classifier that writes ``PID PPID`` of each process that builds it to
+    ``$TANDEM_TEST_PIDS/RANK`` (a parameter server's process; an asynchronous worker's
+    training child, whose parent is its supervisor), and again to ``RANK.trains`` at its first
+    training forward, for a test to signal; each training forward sleeps ``delay`` seconds."""
+    return _Recorded(info, delay)

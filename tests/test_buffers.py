@@ -21,7 +21,7 @@ from tandem.sync.gossip import GossipMixer
 from tandem.topology import build_topology, mixing_matrix
 
 from tests.bn_models import resnet, unused
-from tests.conftest import ROOT, max_abs_diff, run_here, run_json
+from tests.conftest import ROOT, SOURCE_PATH, max_abs_diff, run_here, run_json
 from tests.distributed import run_distributed
 
 BN = ("--model", "tests.bn_models:resnet", "--data", "digits", "--steps", "12",
@@ -65,7 +65,7 @@ def test_ps_runs_under_torchrun_and_matches_dp(dp_run: Path, tmp_path: Path) -> 
          "-m", "tandem", "train", *BN, "--strategy", "ps", "--servers", "1", "--out",
          str(tmp_path), "--json", "--no-progress"],
         capture_output=True, text=True, timeout=180, cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": SOURCE_PATH})
     assert result.returncode == 0, result.stderr
     summaries = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert len(summaries) == 1

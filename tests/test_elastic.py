@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import ROOT, max_abs_diff, run_here, run_json, run_tandem
+from tests.conftest import ROOT, SOURCE_PATH, max_abs_diff, run_here, run_json, run_tandem
 
 RUN = ("train", "--steps", "60", "--batch-size", "60", "--checkpoint-every", "10", "--seed", "3",
        "--no-progress")
@@ -23,7 +23,7 @@ RUN = ("train", "--steps", "60", "--batch-size", "60", "--checkpoint-every", "10
 def _with_fault(fault: str, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
     """``python -m tandem ARGS`` with ``TANDEM_FAULT`` set, in a subprocess: for what the
     workers print (their restart lines), which a run in this process does not capture."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TANDEM_FAULT": fault}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": SOURCE_PATH, "TANDEM_FAULT": fault}
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(key, None)
     return subprocess.run([sys.executable, "-m", "tandem", *args], capture_output=True,
@@ -92,7 +92,7 @@ def test_torchrun_restarts_the_workers_and_they_resume_by_themselves(
                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", "last_call_timeout=1",
                "--nproc-per-node", "2", "--max-restarts", "1", "-m", "tandem", *RUN,
                "--out", str(tmp_path), "--resume", "auto", "--json"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TANDEM_FAULT": "1:35"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": SOURCE_PATH, "TANDEM_FAULT": "1:35"}
     result = subprocess.run([sys.executable, *command], capture_output=True, text=True, env=env,
                             timeout=400, cwd=ROOT)
     # the workers' own lines come first; torchrun's report of the failure closes the output

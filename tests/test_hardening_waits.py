@@ -7,11 +7,13 @@ resource trackers) is left once the command has ended.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -29,7 +31,9 @@ FAST = ("--steps", "100000", "--batch-size", "32", "--no-progress", "--log-every
 def start(*args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], str]:
     """Start ``tandem ARGS`` in a session of its own; returns it and the job's mark."""
     mark = uuid.uuid4().hex
-    environ = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), MARK: mark}
+    # this checkout's src first (a git worktree's, not the one the editable install names)
+    environ = {**os.environ, "OMP_NUM_THREADS": "1", MARK: mark,
+               "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         environ.pop(key, None)
     environ.update(env or {})
@@ -47,13 +51,18 @@ def finish(process: subprocess.Popen[str], mark: str, timeout_s: float) -> tuple
         os.killpg(process.pid, signal.SIGKILL)
         out, err = process.communicate()
         pytest.fail(f"the command did not end within {timeout_s} s:\n{err[-3000:]}")
+    nothing_left(mark, err)
+    return process.returncode, out, err
+
+
+def nothing_left(mark: str, err: str) -> None:
+    """Check that no process of the job marked ``mark`` is left (killing any that is)."""
     deadline = time.monotonic() + 5
     while (left := job_processes(mark)) and time.monotonic() < deadline:
         time.sleep(0.2)
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert not left, f"processes left behind: {left}\n{err[-3000:]}"
-    return process.returncode, out, err
 
 
 def job_processes(mark: str) -> list[int]:
@@ -119,6 +128,125 @@ def test_stuck_async_ps_worker_is_left_behind_and_ended(tmp_path: Path) -> None:
     assert re.fullmatch(r"worker rank 2 is stuck at step \d+ \(forward\), no progress for 9 s; "
                         r"asynchronous training goes on without it", " ".join(said.split())), err
     assert '"dead_workers": [2]' in out
+
+
+ASYNC = {"ps": ("--strategy", "ps", "--mode", "async"),
+         "easgd": ("--strategy", "easgd", "--mode", "async")}
+STOP_TIMEOUT_S = 5
+"""``--timeout`` of the stopped-process runs: each must end, or name the stopped rank, within
+this + 20 s of the stop."""
+
+
+class Watched:
+    """A started command whose stderr is read line by line as it comes, each line with the
+    time it came (``lines``), and whose stdout is read whole (``out``)."""
+
+    def __init__(self, process: subprocess.Popen[str], mark: str) -> None:
+        self.process, self.mark = process, mark
+        self.lines: list[tuple[float, str]] = []
+        self.out: list[str] = []
+        self.ended_at = float("inf")
+        assert process.stderr is not None and process.stdout is not None
+        stderr, stdout = process.stderr, process.stdout
+        self.readers = [
+            threading.Thread(target=lambda: self.lines.extend(
+                (time.monotonic(), line.rstrip("\n")) for line in stderr), daemon=True),
+            threading.Thread(target=lambda: self.out.append(stdout.read()), daemon=True)]
+        for reader in self.readers:
+            reader.start()
+
+    def recorded(self, folder: Path, name: str, timeout_s: float = 120) -> tuple[int, int]:
+        """``PID PPID`` that ``tests.faulty_models:recorded`` wrote to ``folder/name``."""
+        deadline = time.monotonic() + timeout_s
+        while not (folder / name).exists():
+            assert self.process.poll() is None, "\n".join(line for _, line in self.lines)
+            assert time.monotonic() < deadline, f"{folder / name} never appeared"
+            time.sleep(0.1)
+        pid, ppid = (folder / name).read_text().split()
+        return int(pid), int(ppid)
+
+    def finish(self, timeout_s: float) -> tuple[int, str, str]:
+        """:func:`finish` for a watched command (``ended_at``: when it ended)."""
+        try:
+            self.process.wait(timeout=timeout_s)
+            self.ended_at, hung = time.monotonic(), False
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+            hung = True
+        for reader in self.readers:
+            reader.join(timeout=10)
+        err = "\n".join(line for _, line in self.lines)
+        assert not hung, f"the command did not end within {timeout_s} s:\n{err[-3000:]}"
+        nothing_left(self.mark, err)
+        return self.process.returncode, "".join(self.out), err
+
+
+def start_stopped_run(strategy: str, nproc: int, steps: int, pids: Path,
+                      *extra: str) -> Watched:
+    """A job of asynchronous ``strategy`` on ``nproc`` processes whose model records their
+    pids in ``pids`` and paces each training step (0.1 s), with ``--timeout 5``."""
+    process, mark = start(
+        "train", *ASYNC[strategy], "--nproc", str(nproc), "--steps", str(steps),
+        "--batch-size", "60", "--model", "tests.faulty_models:recorded:delay=0.1",
+        "--timeout", str(STOP_TIMEOUT_S), "--no-progress", "--log-every", str(steps), *extra,
+        env={"TANDEM_TEST_PIDS": str(pids)})
+    return Watched(process, mark)
+
+
+def said(lines: list[tuple[float, str]]) -> list[tuple[float, str]]:
+    """The lines that are not the warning of more workers than cores (a small machine's)."""
+    return [(at, line) for at, line in lines if "workers will time-share the cores" not in line]
+
+
+@pytest.mark.parametrize("strategy", ["ps", "easgd"])
+def test_stopped_async_workers_are_named_once_and_left_behind(strategy: str,
+                                                              tmp_path: Path) -> None:
+    """SIGSTOP of a worker's top-level process (its supervisor: rank 1) and of another's
+    training child (rank 2), as training runs. Each is named once within --timeout + 20 s and
+    left behind; the server and the healthy worker (rank 3) are not named, and the job ends
+    with exit 0, the two in ``dead_workers``, and no process left (stopped ones included)."""
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    job = start_stopped_run(strategy, 4, 100, pids, "--json")
+    _, supervisor = job.recorded(pids, "1.trains")
+    child, _ = job.recorded(pids, "2.trains")
+    os.kill(supervisor, signal.SIGSTOP)
+    os.kill(child, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    code, out, err = job.finish(timeout_s=240)
+    assert code == 0, err
+    assert len(err.strip().splitlines()) <= 3, err
+    lines = said(job.lines)
+    assert sorted(line for _, line in lines) == [
+        "worker rank 1 stopped responding (its supervising process has been stopped for 10+ s); "
+        "asynchronous training goes on without it",
+        "worker rank 2 stopped responding (no heartbeat for 10+ s); asynchronous training goes "
+        "on without it"], err
+    assert all(at - stopped_at < STOP_TIMEOUT_S + 20 for at, _ in lines), (lines, stopped_at)
+    assert json.loads(out.strip().splitlines()[-1])["dead_workers"] == [1, 2]
+
+
+@pytest.mark.parametrize("strategy", ["ps", "easgd"])
+def test_a_stopped_async_server_ends_the_job_naming_it(strategy: str, tmp_path: Path) -> None:
+    """SIGSTOP of the server as training runs: the job ends within --timeout + 20 s with one
+    line naming it (the worker whose wait ended first says where), exit 1, and no process
+    left: the launcher kills the stopped server, which no SIGTERM can end."""
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    job = start_stopped_run(strategy, 3, 100000, pids)
+    server, _ = job.recorded(pids, "0")
+    job.recorded(pids, "1.trains")
+    os.kill(server, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    code, _, err = job.finish(timeout_s=240)
+    assert code == 1, err
+    assert len(err.strip().splitlines()) <= 3, err
+    lines = said(job.lines)
+    assert len(lines) == 1 and re.fullmatch(
+        r"tandem train: server rank 0 stopped responding \(no heartbeat for 10\+ s\); rank [12] "
+        r"gave up waiting at step \d+ \(pull\)", lines[0][1]), err
+    assert job.ended_at - stopped_at < STOP_TIMEOUT_S + 20, err
 
 
 def test_ctrl_c_stops_every_worker_with_one_line_and_130(tmp_path: Path) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from pathlib import Path
 
 import pytest
@@ -200,29 +199,45 @@ def test_fit_of_exact_points_and_its_clamps() -> None:
         fit_fixed_s([(8, 1e-3), (8, 2e-3)])
 
 
-class Sleepy(nn.Module):
-    """A forward that sleeps ``fixed_s`` per call plus ``per_sample_s`` per sample."""
+class Clock:
+    """The profiler's clock in a test: it moves only when a :class:`Sleepy` layer says so."""
 
-    def __init__(self, fixed_s: float, per_sample_s: float) -> None:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+class Sleepy(nn.Module):
+    """A forward that takes ``fixed_s`` per call plus ``per_sample_s`` per sample on ``clock``
+    (exactly: a real sleep overshoots by milliseconds on a loaded machine)."""
+
+    def __init__(self, fixed_s: float, per_sample_s: float, clock: Clock) -> None:
         super().__init__()
-        self.fixed_s, self.per_sample_s = fixed_s, per_sample_s
+        self.fixed_s, self.per_sample_s, self.clock = fixed_s, per_sample_s, clock
         self.linear = nn.Linear(4, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        time.sleep(self.fixed_s + self.per_sample_s * x.shape[0])
+        self.clock.now += self.fixed_s + self.per_sample_s * x.shape[0]
         return self.linear(x)
 
 
-def test_profiler_fit_recovers_a_known_fixed_cost() -> None:
+def test_profiler_fit_recovers_a_known_fixed_cost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The profiler times each layer at several batch sizes and fits a fixed cost per call:
+    on a clock that the layers move by a known cost, it finds that cost (a wrong fit: 0, or
+    the whole 5.9 ms / 4.8 ms call)."""
+    import tandem.runtime.profiler as profiler
+
+    clock = Clock()
+    monkeypatch.setattr(profiler, "time", clock)
     torch.manual_seed(0)
-    model = nn.Sequential(Sleepy(4e-3, 30e-6), Sleepy(1e-3, 60e-6))
+    model = nn.Sequential(Sleepy(4e-3, 30e-6, clock), Sleepy(1e-3, 60e-6, clock))
     profile = profile_model(model, torch.randn(64, 4), warmup=1, repeats=3)
     assert profile.fixed_costs == "measured" and profile.batch_size == 64
     first, second = profile.layers
-    # A sleep overshoots by ~0.1 ms (more under load): the bound allows for that, and a wrong
-    # fit (0, or the whole 5.9 ms / 4.8 ms call) is far outside it.
-    assert first.forward_fixed_s == pytest.approx(4e-3, abs=1e-3)
-    assert second.forward_fixed_s == pytest.approx(1e-3, abs=1e-3)
+    assert first.forward_fixed_s == pytest.approx(4e-3, rel=1e-6)
+    assert second.forward_fixed_s == pytest.approx(1e-3, rel=1e-6)
     for layer in profile.layers:
         assert 0 <= layer.backward_fixed_s <= layer.backward_s
 

@@ -159,6 +159,8 @@ USAGE_ERRORS: list[tuple[list[str], str]] = [
       "--pick", "ps"], "--pick 'ps' is not allreduce or one of --families none"),
     (["search", "--model", "mlp", "--devices", "2", "--bandwidth", "1Gb/s", "--budget", "0"],
      "--budget '0' must be positive"),
+    (["search", "--model", "mlp", "--devices", "2", "--bandwidth", "1Gb/s", "--objective",
+      "time-to-accuracy", "--target-loss", "0.3", "--families", "gossip"], "--families gossip"),
     (["scale", "--model", "mlp", "--cluster", "4x1GB/s", "--families", "ring"],
      "--families 'ring' is not one of"),
     (["scale", "--model", "mlp", "--cluster", "4x1GB/s", "--compress", "topk:ratio=2"],

@@ -62,10 +62,10 @@ def test_every_strategy_learns_digits_with_4_workers(name: str) -> None:
 
 @pytest.mark.cli
 def test_async_parameter_server_survives_a_dead_worker(tmp_path: Path) -> None:
-    """(``--timeout 15``: at the end the server waits up to that for the receive it had posted
-    for the dead worker; see docs/reliability.md. With 10 s the job's closing collectives,
-    which wait as long, timed out once in a full-suite run on this machine; 15 s passed three
-    runs at once beside the suite (load 10). Each second of it is waited out.)"""
+    """(``--timeout 15``: with 10 s the job's closing collectives, which wait as long, timed
+    out once in a full-suite run on this machine; 15 s passed three runs at once beside the
+    suite (load 10). The server no longer waits it out at the end: its receive from the dead
+    worker ends with that worker's connection; see docs/reliability.md.)"""
     result = run_tandem(
         "train", "--strategy", "ps", "--mode", "async", "--nproc", "4", "--servers", "1",
         "--model", "tests.faulty_models:kill:rank=2,after=5", "--momentum", "0", "--lr", "0.1",

@@ -4,10 +4,16 @@ structured output, and the failures the command line must report in one line."""
 
 from __future__ import annotations
 
+import errno
+import os
+import signal
+
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import Dataset, IterableDataset
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+from tandem.data import DataInfo
 
 
 def _digits() -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,6 +83,49 @@ def broken(n: int = 10) -> tuple[Dataset, Dataset]:
 def not_datasets() -> int:
     """Returns something that is not (train, test)."""
     return 42
+
+
+class MissingFiles(DigitPairs):
+    """Item ``i`` from ``at`` on cannot be read: its image file is missing."""
+
+    def __init__(self, part: str, at: int) -> None:
+        super().__init__(part)
+        self.at = at
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        if index >= self.at:
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory",
+                                    f"/data/digits/{index}.png")
+        return super().__getitem__(index)
+
+
+DIGITS_INFO = DataInfo(task="classify", input_shape=(1, 8, 8), num_classes=10)
+
+
+def missing_files(at: int = 0, info: bool = True) -> tuple[Dataset, ...]:
+    """``--data tests.user_data:missing_files:at=N``: training items from ``N`` on fail (with
+    the info given, the launching process reads only the first; with ``info=False`` it reads
+    every target to count the classes)."""
+    return (MissingFiles("train", at), DigitPairs("test"), *([DIGITS_INFO] if info else []))
+
+
+class KilledInLoader(DigitPairs):
+    """Reading item ``at`` kills the loader process that reads it (as the kernel's out-of-memory
+    killer would); read anywhere else, the digits."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__("train")
+        self.at = at
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        if index >= self.at and get_worker_info() is not None:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().__getitem__(index)
+
+
+def killed_in_loader(at: int = 1000) -> tuple[Dataset, Dataset, DataInfo]:
+    """``--data tests.user_data:killed_in_loader`` (with ``--loader-workers``)."""
+    return KilledInLoader(at), DigitPairs("test"), DIGITS_INFO
 
 
 class SkipNet(nn.Module):

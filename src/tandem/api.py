@@ -138,12 +138,15 @@ def fit(model: nn.Module | Callable[..., nn.Module] | str,
     from tandem.runtime.config import RunConfig, log_sinks
     from tandem.runtime.job import Job
     from tandem.runtime.launcher_env import under_launcher, world_size
+    from tandem.runtime.main_guard import check_main_guard
     from tandem.runtime.run import make_job, run_training
     from tandem.runtime.task import UserObjects
     from tandem.runtime.user_metrics import check_metrics
     from tandem.spec.arguments import checked_type
     from tandem.strategy import PLAN_FLAGS, plan_with_flags
 
+    if not under_launcher():
+        check_main_guard()  # before the data and model are built: each worker would run it again
     for name, value, kind in (("strategy", strategy, "str"), ("data", data, "str"),
                               ("out", out, "path")):
         checked_type(name, value, kind, flag=f"--{name}", optional=True)

@@ -168,6 +168,11 @@ def _run(args: argparse.Namespace) -> int:
     except WorkerFailure as exc:
         print(f"tandem {args.command}: {exc}", file=sys.stderr)
         return 1
+    except OSError as exc:  # a read or write that failed where no reader or writer named it
+        from tandem.output_files import os_error_line
+
+        print(f"tandem {args.command}: {os_error_line(exc)}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as exc:
         return _interrupted(args.command, exc)
 

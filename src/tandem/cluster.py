@@ -170,6 +170,12 @@ class Cluster:
         }
 
 
+def server_size(cluster: Cluster) -> int | None:
+    """Devices per server (the innermost level) of a hierarchical cluster; None for a flat
+    one (under torchrun, a server is a node)."""
+    return cluster.levels[0].num_units if len(cluster.levels) > 1 else None
+
+
 def format_bandwidth(value_Bps: float) -> str:
     """``1.25e9`` -> ``10 Gb/s``; ``3e11`` -> ``300 GB/s``."""
     if value_Bps * 8 < 1e11:

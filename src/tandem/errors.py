@@ -75,6 +75,11 @@ class LearningWarning(TandemWarning):
     a batch beyond the critical batch (:mod:`tandem.runtime.learning`)."""
 
 
+class OutputWarning(TandemWarning):
+    """A run trained as asked but could not write one of its outputs where the user expects
+    it (a ``final.pt`` whose shards other nodes wrote to their own ``--out``)."""
+
+
 class PlanWarning(TandemWarning):
     """A run does not follow its plan exactly (its devices, its tensor layers), so its time or
     layout may differ from what was planned."""

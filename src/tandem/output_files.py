@@ -10,7 +10,8 @@ Usage::
     log.write_line(line)
 
 A failure raises :class:`~tandem.errors.WorkerFailure` (exit status 1: the machine's state, not
-the user's input); whatever file was there before stays as it was.
+the user's input); whatever file was there before stays as it was. :func:`os_error_line` words
+any other failed read or write (an ``OSError`` that reaches the command line) the same way.
 """
 
 from __future__ import annotations
@@ -25,14 +26,40 @@ from pathlib import Path
 from tandem.errors import WorkerFailure
 
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+_DENIED = (errno.EACCES, errno.EPERM)
+
+
+def cause(exc: OSError) -> str:
+    """What went wrong, in the system's words (``No space left on device``)."""
+    return exc.strerror or str(exc) or type(exc).__name__
+
+
+def write_fix(exc: OSError) -> str:
+    """What to do about a failed write, by its cause."""
+    if exc.errno in _NO_SPACE:
+        return "free space on its file system, or write elsewhere"
+    if exc.errno == errno.EROFS:
+        return "its file system is mounted read-only: write elsewhere"
+    if exc.errno in _DENIED:
+        return "make it writable for this user, or write elsewhere"
+    return "check its directory and permissions, or write elsewhere"
 
 
 def write_failure(path: str | Path, exc: OSError) -> WorkerFailure:
     """The one-line error of a failed write of ``path``."""
-    cause = exc.strerror or str(exc) or type(exc).__name__
-    fix = ("free space on its file system" if exc.errno in _NO_SPACE
-           else "check its directory and permissions")
-    return WorkerFailure(f"cannot write {path}: {cause}; {fix}, or write elsewhere")
+    return WorkerFailure(f"cannot write {path}: {cause(exc)}; {write_fix(exc)}")
+
+
+def os_error_line(exc: OSError) -> str:
+    """One line for an ``OSError`` that no writer or reader named: the file it names (both of
+    a rename), the cause and, for the causes a user can act on, the fix."""
+    paths = [str(name) for name in (exc.filename, exc.filename2) if name is not None]
+    where = f"{' -> '.join(paths)}: " if paths else ""
+    if exc.errno in (*_NO_SPACE, errno.EROFS):
+        return f"{where}{cause(exc)}; {write_fix(exc)}"
+    if exc.errno in _DENIED:
+        return f"{where}{cause(exc)}; check its permissions"
+    return f"{where}{cause(exc)}"
 
 
 def temporary_path(path: Path) -> Path:

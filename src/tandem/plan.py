@@ -155,6 +155,10 @@ class Plan:
     """Seconds spent solving."""
     options: dict[str, Any] = field(default_factory=dict)
     """Planner options the plan was solved with, for the record."""
+    devices_per_server: int | None = None
+    """Devices per server (the innermost level) of the hierarchical cluster the plan was made
+    for; None for a flat cluster. Under torchrun a node is a server: the job must run this
+    many workers per node (:mod:`tandem.runtime.placement`)."""
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -384,6 +388,7 @@ class Plan:
             "samples_per_s": self.samples_per_s,
             "candidates": self.candidates,
             "options": self.options,
+            "devices_per_server": self.devices_per_server,
         }
 
     @classmethod
@@ -428,7 +433,7 @@ _PLAN_KEYS = ("num_layers", "num_devices", "bottleneck_s", "single_s", "data_par
               "vertical_sync", "tensor_degree", "tensor_layers", "sharded",
               "shard_degree", "shard_level", "shard_units", "recompute", "sync_batchnorm",
               "predicted_schedule", "estimate_s", "samples_per_s",
-              "candidates", "solve_s", "options")  # fmt: skip
+              "candidates", "solve_s", "options", "devices_per_server")  # fmt: skip
 
 
 SHARD_LEVELS = (1, 2, 3)

@@ -9,7 +9,7 @@ import warnings
 from typing import Any
 
 from tandem import strict_json
-from tandem.cluster import Cluster, format_bandwidth, parse_duration, parse_size
+from tandem.cluster import Cluster, format_bandwidth, parse_duration, parse_size, server_size
 from tandem.commands.args import add_cluster_args, add_source_args, build_cluster, load_source
 from tandem.commands.output_paths import check_output_files
 from tandem.errors import PlanNote, UsageError
@@ -180,6 +180,7 @@ def run(args: argparse.Namespace) -> int:
     plan = make_plan(profile, cluster, options, schedule=args.schedule or ScheduleKind.ONE_F_ONE_B,
                      num_microbatches=args.microbatches, sim=sim,
                      pipeline_only=bool(asked))
+    plan.devices_per_server = server_size(cluster)
     human = sys.stderr if args.json else sys.stdout
     if plan.options.get("branch_compression"):
         warnings.warn(plan.options["branch_compression"], PlanNote, stacklevel=1)

@@ -54,7 +54,7 @@ def measure(model_spec: str, batch_size: int, data_spec: str | None, *, warmup: 
     ``nn.Sequential`` as the blocks of its split, see :mod:`tandem.split`)."""
     if batch_size < 1:
         raise UsageError(f"--batch-size must be at least 1 (got {batch_size})")
-    check_data_spec(data_spec or _default_data(model_spec))
+    check_data_spec(data_spec or default_data(model_spec))
     check_model_spec(model_spec)
     import torch
     from torch import nn
@@ -64,7 +64,7 @@ def measure(model_spec: str, batch_size: int, data_spec: str | None, *, warmup: 
     from tandem.runtime.pipeline.setup import parse_split_points
     from tandem.runtime.profiler import profile_model
 
-    data = load_data(data_spec or _default_data(model_spec))
+    data = load_data(data_spec or default_data(model_spec))
     torch.manual_seed(0)
     model = build_model(model_spec, lambda: data.info)
     try:
@@ -111,7 +111,8 @@ def with_tensor_allreduces(profile: ModelProfile, model_spec: str, model: object
     return dataclasses.replace(profile, layers=layers)
 
 
-def _default_data(model_spec: str) -> str:
+def default_data(model_spec: str) -> str:
+    """The dataset a built-in model is profiled (and measured) on when ``--data`` is not given."""
     return "tokens" if model_spec.split(":", 1)[0] == "gpt" else "digits"
 
 

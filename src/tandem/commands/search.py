@@ -9,21 +9,33 @@ import sys
 from typing import Any
 
 from tandem import strict_json
-from tandem.cluster import Cluster
-from tandem.commands.args import add_cluster_args, add_source_args
+from tandem.cluster import Cluster, server_size
+from tandem.commands.args import add_cluster_args, add_source_args, batch_scale
 from tandem.commands.simulate import add_codec_args, add_sim_args, planning_inputs, sim_options
 from tandem.commands.output_paths import check_output_files
+from tandem.commands.time_to_accuracy import (
+    TIME_FAMILIES,
+    add_objective_args,
+    batch_sizes,
+    check_objective,
+    format_timed,
+    steps_model,
+    time_families,
+    timed_dict,
+)
 from tandem.errors import UsageError
 from tandem.plan import Plan
 from tandem.planning import PartitionOptions, make_plan
 from tandem.planning.search.family_search import FAMILIES, best_of_families, describe_sync
 from tandem.planning.search.flexflow import Candidate, SearchOptions, SearchResult, search
+from tandem.planning.search.time_to_accuracy import Timed, fastest, time_to_target
 from tandem.planning.simulate.simulator import SimOptions
 from tandem.planning.simulate.tensor import DEFAULT_MAX_TENSOR_DEGREE, layout_text, split_layer
 from tandem.profile import ModelProfile
 from tandem.schedule import SCHEDULE_KINDS
 from tandem.strategy import strategy_of
-from tandem.spec.sync import ParameterServerSync
+from tandem.spec.kinds import ScheduleKind
+from tandem.spec.sync import AllReduceSync, ParameterServerSync
 
 _DURATION = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|min|h)?\s*")
 _SECONDS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, None: 1.0}
@@ -58,15 +70,17 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
                    f"that divide a server (default {DEFAULT_MAX_TENSOR_DEGREE}; 1: none)")
     p.add_argument("--no-recompute", action="store_true",
                    help="do not consider activation recomputation")
-    p.add_argument("--families", default=",".join(FAMILIES),
+    p.add_argument("--families",
                    help=f"synchronization families whose best plan is reported beside the "
-                   f"search's (default {','.join(FAMILIES)}; 'none' for none); they are "
+                   f"search's (default {','.join(FAMILIES)}, with --objective "
+                   f"time-to-accuracy {','.join(TIME_FAMILIES)}; 'none' for none); they are "
                    f"compared on time per step, not convergence")
     p.add_argument("--pick", default="allreduce", metavar="METHOD",
                    help="whose best plan -o writes and the run line shows: allreduce (the "
                    "search's, default) or one of the families")
     p.add_argument("-o", "--output", help="write the best plan JSON here")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    add_objective_args(p)
     p.set_defaults(run=run)
 
 
@@ -210,6 +224,10 @@ def result_dict(found: SearchResult) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     """Search, print the comparison (stderr with --json) or JSON, and write the best plan."""
     check_output_files(("-o", args.output))
+    if args.families is None:
+        args.families = ",".join(TIME_FAMILIES if args.objective == "time-to-accuracy"
+                                 else FAMILIES)
+    check_objective(args)
     schedules = tuple(k.strip() for k in args.schedules.split(",") if k.strip())
     options = SearchOptions(budget_s=parse_duration(args.budget), max_iterations=args.iterations,
                             seed=args.seed, schedules=schedules,
@@ -224,6 +242,8 @@ def run(args: argparse.Namespace) -> int:
     profile, cluster = planning_inputs(args)  # --model: measured with torch, after the checks
     if profile.batch_size is None and args.profile_batch:  # the planner then knows the samples
         profile = dataclasses.replace(profile, batch_size=args.profile_batch)
+    if args.objective == "time-to-accuracy":
+        return run_time_to_accuracy(args, profile, cluster, options, time_families(args))
     options = dataclasses.replace(options, batch_samples=_batch_samples(args, profile))
     sim = sim_options(args, profile)
     partitioner, error = _partitioner(profile, cluster, sim)
@@ -236,6 +256,7 @@ def run(args: argparse.Namespace) -> int:
     best.bottleneck_s = chosen.result.step_time_s
     best.predicted_schedule = best.schedule  # the simulator ran the schedule the plan runs
     best.options = {"found_by": "tandem search", "seed": args.seed, "pick": args.pick}
+    best.devices_per_server = server_size(cluster)
     human = sys.stderr if args.json else sys.stdout
     print(format_search(found, profile, cluster, error, args.output), file=human)
     if families:
@@ -250,5 +271,72 @@ def run(args: argparse.Namespace) -> int:
         data["families"] = {m: _candidate_dict(c) for m, c in families.items()}
         data["families_step_time_s"] = {m: c.result.step_time_s for m, c in families.items()}
         data["pick"] = args.pick
+        print(strict_json.dumps(data))
+    return 0
+
+
+def _label(candidate: Candidate) -> str:
+    """The search's plan as :func:`describe` says it, a family's as its sync spec."""
+    plan = candidate.plan
+    if isinstance(plan.sync, AllReduceSync):
+        return describe(candidate)
+    return describe_sync(plan.sync, plan.stages[0].replicas)
+
+
+def run_time_to_accuracy(args: argparse.Namespace, profile: ModelProfile, cluster: Cluster,
+                         options: SearchOptions, methods: tuple[str, ...]) -> int:
+    """``--objective time-to-accuracy``: search at every batch of ``--batch-sizes`` (the budget
+    shared among them), time each batch's best plan and each family's to the target, print
+    both factors of every one and keep the least product (:mod:`tandem.commands.time_to_accuracy`)."""
+    if not (args.profile_batch or profile.batch_size):
+        raise UsageError("--objective time-to-accuracy simulates the profile at each of "
+                         "--batch-sizes, and it does not record the minibatch it was measured "
+                         "at: add --profile-batch N (e.g. 128 for PipeDream's VGG-16 profile)")
+    model = steps_model(args)
+    sizes = batch_sizes(args)
+    options = dataclasses.replace(options, budget_s=options.budget_s / len(sizes),
+                                  staleness_cost=model.staleness_costs[ScheduleKind.PIPEDREAM])
+    timed: list[Timed] = []
+    searches: dict[int, SearchResult] = {}
+    for batch in sizes:
+        sim = sim_options(args, profile,
+                          batch_scale=batch_scale(profile, batch, args.profile_batch))
+        partitioner, _ = _partitioner(profile, cluster, sim)
+        try:
+            found = search(profile, cluster, dataclasses.replace(options, batch_samples=batch),
+                           sim, partitioner)
+        except UsageError:  # no plan fits at this batch: the others may
+            continue
+        searches[batch] = found
+        timed.append(time_to_target(found.best, batch, model))
+        families = best_of_families(profile, cluster, sim, methods, batch,
+                                    staleness_cost=model.staleness_costs["ps"])
+        timed += [time_to_target(c, batch, model, label=m) for m, c in families.items()]
+    best = fastest(timed)
+    plan = best.candidate.plan
+    plan.bottleneck_s = best.step_time_s
+    plan.predicted_schedule = plan.schedule
+    plan.options = {"found_by": "tandem search --objective time-to-accuracy", "seed": args.seed,
+                    "batch_size": best.batch_size, "target_loss": model.target_loss}
+    plan.devices_per_server = server_size(cluster)
+    human = sys.stderr if args.json else sys.stdout
+    print(f"cluster: {cluster.describe()}", file=human)
+    print(format_timed(timed, best, model, _label), file=human)
+    lr = model.lr_at(best.batch_size)
+    flags = f"--batch-size {best.batch_size}" + ("" if lr is None else f" --lr {lr:.4g}")
+    target = args.output or "best.json"
+    command = (f"tandem train --plan {target} --model ..." if best.label == "allreduce"
+               else family_command(plan))
+    print(f"run it: {command} {flags}", file=human)
+    if args.output:
+        plan.save(args.output)
+        print(f"wrote {args.output} (batch {best.batch_size}, {best.label})", file=human)
+    if args.json:
+        data = result_dict(searches[best.batch_size])
+        data.update(objective=args.objective, pick=best.label, batch_size=best.batch_size,
+                    time_to_accuracy={
+                        "target_loss": model.target_loss, "steps_model": model.to_dict(),
+                        "best": timed_dict(best, model),
+                        "candidates": [timed_dict(row, model) for row in timed]})
         print(strict_json.dumps(data))
     return 0

@@ -13,6 +13,7 @@ Usage::
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -49,7 +50,17 @@ def folder_splits(spec: str) -> tuple[Path, FolderOptions, list[str],
                                       dict[str, list[tuple[Path, int]]]]:
     """The directory, options, class names and each split's ``(image file, label)`` pairs of
     ``folder:PATH``: its ``train/`` and ``test/`` folders, or a seeded held-out fraction (the
-    files are listed, not read; ``tandem pack`` packs the same splits)."""
+    files are listed, not read; ``tandem pack`` packs the same splits). A folder that cannot be
+    listed (no permission) is one line naming it."""
+    try:
+        return _folder_splits(spec)
+    except OSError as exc:
+        raise UsageError(f"--data {spec}: cannot list {exc.filename or 'its folders'} "
+                         f"({exc.strerror or exc}); make it readable") from None
+
+
+def _folder_splits(spec: str) -> tuple[Path, FolderOptions, list[str],
+                                       dict[str, list[tuple[Path, int]]]]:
     root, options = parse_folder_spec(spec)
     if not root.is_dir():
         raise UsageError(f"--data {spec}: {root} is not a directory; give a folder with one "
@@ -85,6 +96,9 @@ def _files(root: Path, classes: list[str], spec: str, *,
     files: list[tuple[Path, int]] = []
     for label, name in enumerate(classes):
         folder = root / name
+        if folder.is_dir():  # rglob skips a folder it cannot list: that says why
+            with os.scandir(folder):
+                pass
         found = sorted(path for path in folder.rglob("*") if path.suffix.lower() in EXTENSIONS
                        and path.is_file()) if folder.is_dir() else []
         if not found and not allow_empty_classes:

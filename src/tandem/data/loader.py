@@ -7,6 +7,12 @@ them in ``workers`` processes, ``prefetch`` batches ahead each, while the worker
 asked for out of turn is read directly (and the plan waits); planned batches skipped
 (a parameter server moving a worker on) are dropped.
 
+What goes wrong in a loader process comes back as what it is: a corrupt shard or a failing
+dataset as the one-line :class:`~tandem.errors.UsageError` that names it (not PyTorch's
+``Caught UsageError in DataLoader worker process 0`` and a traceback), any other error as one
+line naming the loader process, the batch and the error, and a loader process that died (killed,
+out of memory) as :class:`LoaderDied`.
+
 Usage::
 
     loader = PlannedLoader(samples, [sampler.local_indices(s, rank=r, world_size=w)
@@ -17,6 +23,7 @@ Usage::
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -38,8 +45,31 @@ SKIP_AHEAD = 16
 handed the next one read ahead."""
 
 
-class _PlannedBatches(Dataset[tuple[Any, Any, int]]):
-    """Item ``i``: the ``i``-th planned batch, as ``(inputs, targets, size)``."""
+class LoaderDied(RuntimeError):
+    """A loader process ended without handing over its batch (killed, out of memory)."""
+
+
+class _Failed:
+    """What a loader process hands over instead of a batch it could not read: the error,
+    re-raised in the worker (:meth:`raise_it`)."""
+
+    def __init__(self, error: BaseException, batch: int) -> None:
+        self.usage = isinstance(error, UsageError)
+        lines = str(error).strip().splitlines()
+        self.text = (lines[0] if lines else "") if self.usage else \
+            f"{type(error).__name__}: {lines[0] if lines else ''}"
+        self.batch = batch
+
+    def raise_it(self) -> None:
+        if self.usage:
+            raise UsageError(self.text)
+        raise RuntimeError(f"a loader process (--loader-workers) failed reading this worker's "
+                           f"planned batch {self.batch}: {self.text}")
+
+
+class _PlannedBatches(Dataset[Any]):
+    """Item ``i``: the ``i``-th planned batch, as ``(inputs, targets, size)``, or the error that
+    reading it raised (:class:`_Failed`)."""
 
     def __init__(self, samples: Samples, plan: Sequence[torch.Tensor]) -> None:
         self.samples, self.plan = samples, plan
@@ -47,7 +77,13 @@ class _PlannedBatches(Dataset[tuple[Any, Any, int]]):
     def __len__(self) -> int:
         return len(self.plan)
 
-    def __getitem__(self, i: int) -> tuple[Any, Any, int]:
+    def __getitem__(self, i: int) -> Any:
+        try:
+            return self._read(i)
+        except Exception as exc:  # handed over whole: PyTorch would wrap it in its traceback
+            return _Failed(exc, i)
+
+    def _read(self, i: int) -> tuple[Any, Any, int]:
         batch = self.samples.take(self.plan[i])
         inputs, targets = batch.inputs, batch.targets
         if sum(t.numel() * t.element_size() for t in structures.tensors((inputs, targets))) \
@@ -132,9 +168,9 @@ class PlannedLoader:
         if ahead is None:
             return None
         for _ in range(ahead):  # planned batches the worker skipped (a server moved it on)
-            next(self.batches)
+            self._next()
         self.position += ahead + 1
-        inputs, targets, size = pytree.tree_map(_from_numpy, next(self.batches))
+        inputs, targets, size = pytree.tree_map(_from_numpy, self._next())
         batch = Batch(inputs, targets, size)
         if self.position == len(self.plan):
             self.close()
@@ -145,6 +181,24 @@ class PlannedLoader:
                          structures.to_device(_pinned(targets), self.device, non_blocking=True),
                          size)
         return batch.to(self.device)
+
+    def _next(self) -> Any:
+        """The next item the loader processes hand over; their failure raised here."""
+        assert self.batches is not None
+        try:
+            item = next(self.batches)
+        except RuntimeError as exc:
+            if not str(exc).startswith("DataLoader worker"):
+                raise
+            self.close()
+            pids = re.search(r"pid\(?s?\)? ([\d, ]+)", str(exc))
+            which = f"pid {pids.group(1).strip()}, " if pids else ""
+            raise LoaderDied(f"its loader process ({which}--loader-workers) died before handing "
+                             f"over a batch: killed, or out of memory") from None
+        if isinstance(item, _Failed):
+            self.close()
+            item.raise_it()
+        return item
 
     def close(self) -> None:
         """Stop the loader processes."""

@@ -5,7 +5,9 @@ An image folder (``folder:PATH``, or a bare directory) is packed as its image fi
 decoded when read exactly as ``folder:PATH`` decodes them; any other ``--data`` form is packed
 sample by sample as tensors (``.npy``) or structures of tensors (``.pth``). A shard is closed
 once it holds ``shard_size`` bytes; the index is written last, so an interrupted pack leaves no
-index and no directory that ``shards:DIR`` would take for whole.
+index and no directory that ``shards:DIR`` would take for whole. A pack that fails (a full disk,
+a file it cannot read, an error in the source, a stop signal) removes what it wrote (the
+directory too, if it made it) and says so in one line naming the file and the cause.
 
 Usage::
 
@@ -15,6 +17,7 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
@@ -30,6 +33,7 @@ import torch
 from tandem.data.info import DataInfo
 from tandem.data.shards import INDEX_NAME, SPLITS, Shard, ShardIndex
 from tandem.errors import UsageError
+from tandem.output_files import cause, write_failure
 
 DEFAULT_SHARD_SIZE = 64 << 20
 ROWS_PER_READ = 256
@@ -83,22 +87,19 @@ def pack(source: str, out: Path, *, shard_size: int = DEFAULT_SHARD_SIZE,
             info = None
         samples = {"train": _tensor_samples(data.train), "test": _tensor_samples(data.test)}
         counts = {"train": len(data.train), "test": len(data.test)}
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"{INDEX_NAME}.partial").touch()
-    except OSError as exc:
-        raise UsageError(f"--out {out} is not a writable directory ({exc.strerror}); choose "
-                         f"one you can write") from None
+    made = _make_out(out)
     if progress is not None:
         progress.begin(sum(counts.values()))
     tick = progress.advance if progress is not None else (lambda count: None)
-    splits = {split: tuple(_write_split(out, split, samples[split], shard_size, tick))
-              for split in SPLITS}
-    index = ShardIndex(root=out, name=name, info=info, splits=splits, decode=decode,
-                       fingerprint="")
-    partial = out / f"{INDEX_NAME}.partial"
-    partial.write_text(json.dumps(index.to_json()) + "\n")
-    os.replace(partial, out / INDEX_NAME)
+    try:
+        splits = {split: tuple(_write_split(out, split, samples[split], shard_size, tick))
+                  for split in SPLITS}
+        index = ShardIndex(root=out, name=name, info=info, splits=splits, decode=decode,
+                           fingerprint="")
+        _write_index(out, json.dumps(index.to_json()) + "\n")
+    except BaseException:
+        _remove_written(out, made)
+        raise
     total = sum(shard.bytes for shards in splits.values() for shard in shards)
     return PackResult(out=out, source=spec, shards=sum(len(s) for s in splits.values()), samples=counts,
                       bytes=total)
@@ -110,6 +111,42 @@ def _check_out(out: Path) -> None:
     if out.is_dir() and ((out / INDEX_NAME).exists() or any(out.glob("*.tar"))):
         raise UsageError(f"--out {out} already holds shards; remove them or choose another "
                          f"directory")
+
+
+def _make_out(out: Path) -> bool:
+    """Make ``out`` (and mark it as being written); whether it was made here."""
+    made = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{INDEX_NAME}.partial").touch()
+    except OSError as exc:
+        raise UsageError(f"--out {out} is not a writable directory ({cause(exc)}); choose "
+                         f"one you can write") from None
+    return made
+
+
+def _write_index(out: Path, text: str) -> None:
+    """``index.json``, written last: it makes the directory whole."""
+    partial = out / f"{INDEX_NAME}.partial"
+    try:
+        partial.write_text(text)
+        os.replace(partial, out / INDEX_NAME)
+    except OSError as exc:
+        raise write_failure(out / INDEX_NAME, exc) from None
+
+
+def _remove_written(out: Path, made: bool) -> None:
+    """Remove the shards and partial files a failed pack wrote in ``out`` (which held none
+    before: ``_check_out``), and ``out`` itself if it was made for them and is empty now."""
+    written = [path for split in SPLITS for pattern in ("*.tar", "*.tar.partial")
+               for path in out.glob(f"{split}-{pattern}")]
+    for path in [*written, out / f"{INDEX_NAME}.partial"]:
+        path.unlink(missing_ok=True)
+    if made:
+        try:
+            out.rmdir()
+        except OSError:  # something else was put there meanwhile: it stays
+            pass
 
 
 def _write_split(out: Path, split: str, samples: Iterator[dict[str, bytes]], shard_size: int,
@@ -136,7 +173,10 @@ class _ShardWriter:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.partial = path.with_name(path.name + ".partial")
-        self.file = open(self.partial, "wb")
+        try:
+            self.file = open(self.partial, "wb")
+        except OSError as exc:
+            raise write_failure(path, exc) from None
         self.archive = tarfile.open(fileobj=self.file, mode="w", format=tarfile.USTAR_FORMAT)
         self.offsets = [0]
 
@@ -145,16 +185,32 @@ class _ShardWriter:
         return self.offsets[-1]
 
     def add(self, key: str, parts: dict[str, bytes]) -> None:
-        for part, content in parts.items():
-            member = tarfile.TarInfo(f"{key}.{part}")
-            member.size, member.mtime, member.mode = len(content), 0, 0o644
-            self.archive.addfile(member, io.BytesIO(content))
+        try:
+            for part, content in parts.items():
+                member = tarfile.TarInfo(f"{key}.{part}")
+                member.size, member.mtime, member.mode = len(content), 0, 0o644
+                self.archive.addfile(member, io.BytesIO(content))
+        except OSError as exc:
+            self.abandon()
+            raise write_failure(self.path, exc) from None
         self.offsets.append(self.file.tell())
 
+    def abandon(self) -> None:
+        """Close the file after a failed write (what is still buffered cannot be written either;
+        the partial file is removed by the caller)."""
+        with contextlib.suppress(OSError):
+            self.file.close()
+
     def close(self) -> Shard:
-        self.archive.close()
-        self.file.close()
-        os.replace(self.partial, self.path)
+        try:
+            self.archive.close()
+            self.file.flush()
+            os.fsync(self.file.fileno())  # a full disk shows here, not after the rename
+            self.file.close()
+            os.replace(self.partial, self.path)
+        except OSError as exc:
+            self.abandon()
+            raise write_failure(self.path, exc) from None
         return Shard(name=self.path.name, bytes=self.path.stat().st_size,
                      offsets=tuple(self.offsets))
 
@@ -225,4 +281,9 @@ def _image_folder(spec: str) -> tuple[dict[str, list[tuple[Path, int]]], DataInf
 def _image_samples(files: list[tuple[Path, int]]) -> Iterator[dict[str, bytes]]:
     for path, label in files:
         extension = path.suffix.lower().lstrip(".")
-        yield {extension: path.read_bytes(), "cls": str(label).encode()}
+        try:
+            content = path.read_bytes()
+        except OSError as exc:
+            raise UsageError(f"tandem pack: cannot read image {path} ({cause(exc)}); make it "
+                             f"readable, or remove it") from None
+        yield {extension: content, "cls": str(label).encode()}

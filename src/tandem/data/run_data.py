@@ -69,5 +69,5 @@ def _all_targets(samples: Samples) -> torch.Tensor:
         return samples.targets
     count = min(len(samples), MAX_SCANNED_TARGETS)
     if isinstance(samples, DatasetSamples) and samples.collate is None:
-        return torch.stack([torch.as_tensor(samples.dataset[i][1]) for i in range(count)])
+        return torch.stack([torch.as_tensor(samples.pair(i)[1]) for i in range(count)])
     return torch.as_tensor(samples.rows(0, count).targets)

@@ -10,6 +10,10 @@ tuple/dict of them, and samples are stacked with ``torch.utils.data.default_coll
 user's ``collate_fn`` the items may be anything it takes, and it makes the batches
 (:mod:`tandem.data.collate`). An ``IterableDataset`` is read once, in order, into memory when
 the run starts (it must be finite). A ``DataLoader`` is refused: tandem makes the batches.
+
+An error the user's dataset raises (``__len__``, ``__getitem__``, ``__iter__``), wherever it is
+read (the launching process's checks, a worker, a loader process), is one line naming the
+dataset, the item and the error (a :class:`~tandem.errors.UsageError`).
 """
 
 from __future__ import annotations
@@ -141,22 +145,34 @@ class DatasetSamples(Samples):
             raise UsageError(f"{what} ({type(dataset).__name__}) has no len(); give a map-style "
                              f"Dataset with __len__ and __getitem__, or an IterableDataset"
                              ) from None
+        except Exception as exc:  # the user's __len__ failed
+            raise dataset_failure(what, dataset, "len({})", exc) from None
 
     def __len__(self) -> int:
         return self.length
 
     def take(self, indices: torch.Tensor) -> Batch:
         if self.collate is not None:
-            items = [self.dataset[i] for i in indices.tolist()]
+            items = [self.get(i) for i in indices.tolist()]
             inputs, targets = collated(self.collate, items, what=self.what)
         else:
-            items = [self._item(int(i)) for i in indices.tolist()]
+            items = [self.pair(int(i)) for i in indices.tolist()]
             inputs, targets = default_collate(items)
         batch = Batch(inputs, targets, len(items))
         return batch.to(self.device) if self.device is not None else batch
 
-    def _item(self, index: int) -> tuple[Any, Any]:
-        item = self.dataset[index]
+    def get(self, index: int) -> Any:
+        """The dataset's item ``index``, as its ``__getitem__`` gives it."""
+        try:
+            return self.dataset[index]
+        except UsageError:
+            raise
+        except Exception as exc:  # the user's __getitem__ failed: one line, named
+            raise dataset_failure(self.what, self.dataset, f"{{}}[{index}]", exc) from None
+
+    def pair(self, index: int) -> tuple[Any, Any]:
+        """The dataset's item ``index`` as an ``(input, target)`` pair."""
+        item = self.get(index)
         if not isinstance(item, (tuple, list)) or len(item) != 2:
             raise UsageError(f"{self.what} item {index} is {structures.describe(item)}; each item "
                              f"must be an (input, target) pair")
@@ -167,6 +183,15 @@ class DatasetSamples(Samples):
         moved.dataset, moved.what, moved.length, moved.device, moved.collate = (
             self.dataset, self.what, self.length, device, self.collate)
         return moved
+
+
+def dataset_failure(what: str, dataset: Any, call: str, exc: Exception) -> UsageError:
+    """The one-line error of a user's dataset that raised ``exc`` in ``call`` (``{}[12]``,
+    ``len({})``, ``iter({})``, formatted with the dataset's class name)."""
+    lines = str(exc).strip().splitlines()
+    return UsageError(f"{what}: {call.format(type(dataset).__name__)} raised "
+                      f"{type(exc).__name__}: {lines[0] if lines else ''}; fix the dataset or "
+                      f"the files it reads")
 
 
 def samples_of(dataset: Any, *, what: str, collate: Collate | None = None) -> Samples:
@@ -210,7 +235,12 @@ def _items(dataset: Any, *, what: str, collate: Collate | None) -> Samples:
     """A map-style dataset by index, an iterable one read into memory first."""
     if isinstance(dataset, IterableDataset) or (
             not hasattr(dataset, "__getitem__") and hasattr(dataset, "__iter__")):
-        items = list(itertools.islice(iter(dataset), MAX_ITERABLE_SAMPLES + 1))
+        try:
+            items = list(itertools.islice(iter(dataset), MAX_ITERABLE_SAMPLES + 1))
+        except UsageError:
+            raise
+        except Exception as exc:  # the user's __iter__ failed
+            raise dataset_failure(what, dataset, "iter({})", exc) from None
         if len(items) > MAX_ITERABLE_SAMPLES:
             raise UsageError(f"{what} gave more than {MAX_ITERABLE_SAMPLES:,} samples; tandem "
                              f"reads an IterableDataset into memory, so it must be finite")

@@ -51,8 +51,9 @@ from tandem.data.sampler import GlobalBatchSampler
 from tandem.data.samples import Batch, Samples
 from tandem.data.shard_decode import decode_sample, tar_members
 from tandem.data.shard_sampler import ShardBatchSampler
-from tandem.data.storage import CachedStorage, EmulatedStorage, Storage
+from tandem.data.storage import CachedStorage, EmulatedStorage, Storage, check_cache_dir
 from tandem.errors import UsageError
+from tandem.output_files import cause
 from tandem.spec.options import path_spec
 
 INDEX_NAME = "index.json"
@@ -155,22 +156,27 @@ def read_index(root: Path, *, spec: str, storage: Storage | None = None) -> Shar
                  else "it holds no shards")
         raise UsageError(f"--data {spec}: {found}; write the shards with tandem pack SOURCE "
                          f"--out {root}")
-    with (storage or Storage()).open(index_path) as handle:
-        raw = handle.read()
+    try:
+        with (storage or Storage()).open(index_path) as handle:
+            raw = handle.read()
+    except OSError as exc:
+        raise UsageError(f"--data {spec}: cannot read {index_path} ({cause(exc)}); make it "
+                         f"readable") from None
     try:
         doc = json.loads(raw)
         if doc.get("format") != INDEX_FORMAT:
             raise ValueError(f"format {doc.get('format')!r}, not {INDEX_FORMAT!r}")
         info = None if doc["info"] is None else DataInfo(
             task=doc["info"]["task"], input_shape=tuple(doc["info"]["input_shape"]),
-            num_classes=int(doc["info"]["num_classes"]))
-        splits = {split: tuple(Shard(name=entry["name"], bytes=int(entry["bytes"]),
-                                     offsets=tuple(int(o) for o in entry["offsets"]))
-                               for entry in doc["splits"][split]) for split in SPLITS}
+            num_classes=doc["info"]["num_classes"])
+        splits = {split: tuple(_shard_entry(entry) for entry in doc["splits"][split])
+                  for split in SPLITS}
         decode = dict(doc["decode"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise UsageError(f"--data {spec}: {index_path} is not an index of tandem pack ({exc}); "
-                         f"write the shards again with tandem pack") from None
+        _check_entries(splits, decode)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise UsageError(f"--data {spec}: {index_path} is corrupt or not an index of tandem "
+                         f"pack ({_reason(exc)}); write the shards again with tandem pack"
+                         ) from None
     for split in SPLITS:
         if not any(shard.samples for shard in splits[split]):
             raise UsageError(f"--data {spec}: the index lists no {split} samples; pack a "
@@ -188,11 +194,57 @@ def read_index(root: Path, *, spec: str, storage: Storage | None = None) -> Shar
                       decode=decode, fingerprint=hashlib.sha1(raw).hexdigest()[:16])
 
 
+def _shard_entry(entry: dict[str, Any]) -> Shard:
+    """One shard of the index, its numbers checked to be whole numbers."""
+    shard = Shard(name=entry["name"], bytes=_whole(entry["bytes"], "bytes"),
+                  offsets=tuple(_whole(o, "offsets") for o in entry["offsets"]))
+    if "samples" in entry and _whole(entry["samples"], "samples") != shard.samples:
+        raise ValueError(f"shard {shard.name} lists {entry['samples']} samples, its offsets "
+                         f"{shard.samples}")
+    return shard
+
+
+def _whole(value: Any, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{field} {value!r} is not a whole number")
+    return value
+
+
+def _check_entries(splits: dict[str, tuple[Shard, ...]], decode: dict[str, Any]) -> None:
+    """The index agrees with itself: plain, distinct shard names; each shard's samples start
+    at 0 and follow one another within its size; a known way to decode."""
+    names = [shard.name for shards in splits.values() for shard in shards]
+    for shard in (shard for shards in splits.values() for shard in shards):
+        if not isinstance(shard.name, str) or shard.name in ("", ".", "..") or "/" in shard.name:
+            raise ValueError(f"shard name {shard.name!r} is not a file name")
+        offsets = shard.offsets
+        if not offsets or offsets[0] != 0 or offsets[-1] > shard.bytes or any(
+                later <= earlier for earlier, later in zip(offsets, offsets[1:])):
+            raise ValueError(f"shard {shard.name}'s sample offsets do not run up from 0 "
+                             f"within its {shard.bytes} bytes")
+    if len(set(names)) != len(names):
+        raise ValueError("a shard is listed twice")
+    kind = decode.get("kind")
+    if kind not in ("tensor", "image") or (kind == "image" and (
+            decode.get("mode") not in ("L", "RGB")
+            or not isinstance(decode.get("size"), int) or decode["size"] < 0)):
+        raise ValueError(f"decode {decode} is not one tandem pack writes")
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, KeyError):
+        return f"no {exc.args[0]!r} entry"
+    if isinstance(exc, json.JSONDecodeError):
+        return f"not JSON: {exc.msg} at line {exc.lineno}"
+    return str(exc)
+
+
 def load_shards(spec: str, *, cache_dir: str | None = None) -> Data:
     """The train and test samples of ``shards:DIR`` as a :class:`tandem.data.Data`."""
     root, options = parse_shards_spec(spec)
     storage = options.storage()
     if cache_dir:
+        check_cache_dir(Path(cache_dir).expanduser())
         storage = CachedStorage(storage, Path(cache_dir).expanduser())
     index = read_index(root, spec=spec, storage=options.storage())
     train = ShardSamples(index, "train", storage=storage, shuffle=options.shuffle)
@@ -294,8 +346,12 @@ class ShardSamples(Samples):
         data = handle.read(size)
         parts = tar_members(data, shard.name, expected=len(run)) if len(data) == size else None
         if parts is None:
+            copy = self.storage.copy_of(self.index.root / shard.name)
+            which = f"sample {first}" if first == last else f"samples {first}..{last}"
+            read, then = ((f", read from its copy {copy}", f", then remove {copy}")
+                          if copy is not None else ("", ""))
             raise UsageError(f"shard {shard.name} in {self.index.root} is truncated or corrupt "
-                             f"(samples {first}..{last} unreadable); copy it again or pack again")
+                             f"({which} unreadable{read}); copy it again or pack again{then}")
         return {number: self._decode(sample, shard.name) if decode else sample
                 for number, sample in zip(run, parts)}
 
@@ -307,7 +363,12 @@ class ShardSamples(Samples):
             return self._open[shard_number]
         if len(self._open) >= MAX_OPEN_SHARDS:
             self._open.popitem(last=False)[1].close()
-        handle = self.storage.open(self.index.root / self.shards[shard_number].name)
+        path = self.index.root / self.shards[shard_number].name
+        try:
+            handle = self.storage.open(path)
+        except OSError as exc:
+            raise UsageError(f"shard {path.name} in {self.index.root} cannot be read "
+                             f"({cause(exc)}); make it readable, or copy it again") from None
         self.opens += 1
         self._open[shard_number] = handle
         return handle

@@ -22,9 +22,13 @@ import dataclasses
 import io
 import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import BinaryIO, cast
+
+from tandem.errors import UsageError
+from tandem.output_files import cause, write_failure
 
 COPY_CHUNK = 1 << 20
 """Bytes per read when a file is copied into a cache."""
@@ -43,6 +47,10 @@ class Storage:
     def describe(self) -> str:
         """One phrase for messages and summaries."""
         return "local files"
+
+    def copy_of(self, path: Path) -> Path | None:
+        """The local copy ``path`` is read from, where it is not read itself."""
+        return None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -113,24 +121,46 @@ class _Throttled(io.RawIOBase):
 @dataclasses.dataclass(frozen=True, slots=True)
 class CachedStorage(Storage):
     """Files of ``source`` copied whole to ``cache_dir`` the first time they are opened, and read
-    from there after (a copy is checked by size; writers on one machine do not collide)."""
+    from there after (a copy is checked by size; writers on one machine do not collide). A copy
+    that fails (a full disk) leaves no partial file and stops the run in one line naming it."""
 
     source: Storage
     cache_dir: Path
 
     def open(self, path: Path) -> BinaryIO:
-        local = self.cache_dir / _cache_name(path)
+        local = self.copy_of(path)
         expected = path.stat().st_size
         if not (local.is_file() and local.stat().st_size == expected):
-            local.parent.mkdir(parents=True, exist_ok=True)
             partial = local.with_name(f"{local.name}.{os.getpid()}.partial")
-            with self.source.open(path) as src, open(partial, "wb") as dst:
-                shutil.copyfileobj(src, dst, COPY_CHUNK)
-            os.replace(partial, local)
+            try:
+                local.parent.mkdir(parents=True, exist_ok=True)
+                with self.source.open(path) as src, open(partial, "wb") as dst:
+                    shutil.copyfileobj(src, dst, COPY_CHUNK)
+                os.replace(partial, local)
+            except OSError as exc:
+                partial.unlink(missing_ok=True)
+                if exc.filename is not None and Path(exc.filename) == path:  # the source's
+                    raise
+                raise write_failure(local, exc) from None
         return open(local, "rb")
+
+    def copy_of(self, path: Path) -> Path:
+        return self.cache_dir / _cache_name(path)
 
     def describe(self) -> str:
         return f"{self.source.describe()}, cached in {self.cache_dir}"
+
+
+def check_cache_dir(cache_dir: Path) -> None:
+    """One line, before any shard is read, if ``--cache-dir`` cannot be made or written (a
+    read-only file system, no permission)."""
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=cache_dir, prefix=".tandem-check-"):
+            pass
+    except OSError as exc:
+        raise UsageError(f"--cache-dir {cache_dir} cannot be written ({cause(exc)}); give a "
+                         f"directory on a writable local disk, or drop --cache-dir") from None
 
 
 def _cache_name(path: Path) -> str:

@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tandem.errors import UsageError
-from tandem.output_files import write_text
+from tandem.errors import OutputWarning, UsageError
+from tandem.output_files import write_failure, write_text
 from tandem.runtime.checkpoint import save_atomic
 
 if TYPE_CHECKING:
@@ -97,6 +97,8 @@ def shards_written(out: Path | None, state: dict[str, Any], rank: int, *,
     if out is None:
         return None
     folder = save_final_shards(out, state, names=names)
+    if not _shared(folder):  # per-node --out: rank 0 said so; the run ends without final.pt
+        return None
     return ShardedFinal(folder) if rank == 0 else None
 
 
@@ -128,13 +130,13 @@ def save_final_shards(out: Path, state: dict[str, Any], *,
     write_shards({"model": state}, folder, checksums=False)
     if dist.get_rank() == 0:  # DCP's metadata keeps its own order; final.pt keeps the model's
         write_text(folder / NAMES, json.dumps({"names": list(state) if names is None else names}))
-    _check_shared(folder)
     return folder
 
 
-def _check_shared(folder: Path) -> None:
-    """One line on every rank (collective) if rank 0 cannot see a file another rank wrote into
-    ``folder``: an ``--out`` that is not one shared directory for every node."""
+def _shared(folder: Path) -> bool:
+    """Whether rank 0 sees every file the ranks wrote into ``folder`` (collective). Where it
+    does not (each node its own ``--out``), rank 0 warns once, naming a missing file and how to
+    assemble ``final.pt`` from the nodes' shards: the training itself is whole."""
     from torch.distributed.checkpoint.filesystem import FileSystemReader
 
     missing: list[Any] = [None]
@@ -143,11 +145,12 @@ def _check_shared(folder: Path) -> None:
         files = sorted({info.relative_path for info in storage.values()})
         missing[0] = [name for name in files if not (folder / name).is_file()]
     dist.broadcast_object_list(missing, src=0)
-    if missing[0]:
-        raise UsageError(f"rank 0 cannot read {', '.join(missing[0][:3])} in {folder}, which "
-                         f"other nodes wrote to their own --out: put --out on a file system "
-                         f"every node shares, or copy each node's {FINAL_SHARDS} files into "
-                         f"rank 0's and run tandem export {folder.parent}")
+    if missing[0] and dist.get_rank() == 0:
+        warnings.warn(f"final.pt not written: rank 0 cannot read {', '.join(missing[0][:3])} in "
+                      f"{folder}, which other nodes wrote to their own --out; copy each node's "
+                      f"{FINAL_SHARDS} files into it and run tandem export {folder.parent} (or "
+                      f"give every node one shared --out)", OutputWarning, stacklevel=2)
+    return not missing[0]
 
 
 def export_final(folder: Path, target: Path, *, batch_bytes: int = BATCH_BYTES) -> Exported:
@@ -176,10 +179,12 @@ def export_final(folder: Path, target: Path, *, batch_bytes: int = BATCH_BYTES) 
     try:
         largest, total = _write_skeleton_then_tensors(folder, partial, shapes,
                                                       batch_bytes)
-    except BaseException:
+        os.replace(partial, target)
+    except BaseException as exc:
         partial.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and Path(exc.filename or partial).parent != folder:
+            raise write_failure(target, exc) from None  # not a read of the shards
         raise
-    os.replace(partial, target)
     return Exported(num_tensors=len(shapes), num_bytes=total, largest_tensor_bytes=largest,
                     skipped=skipped)
 

@@ -34,6 +34,7 @@ from tandem.errors import Diverged, Interrupted, UsageError, WorkerFailure, show
 from tandem.runtime import divergence
 from tandem.runtime.faults import ATTEMPT, PROGRESS_DIR, last_progress
 from tandem.runtime.launcher_env import under_launcher
+from tandem.runtime.main_guard import check_main_guard
 from tandem.runtime.zygote import Carried, start, start_method
 
 R = TypeVar("R")
@@ -42,6 +43,10 @@ _NOISY_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
 _USAGE_ERROR = re.compile(r"(?:\w+\.)*UsageError: (.*)", re.DOTALL)
 _WORKER_FAILURE = re.compile(r"(?:\w+\.)*WorkerFailure: (.*)", re.DOTALL)
 _DIVERGED = re.compile(r"(?:\w+\.)*Diverged: (.*)", re.DOTALL)
+_SIGNALLED = re.compile(r"^Signal \d+ \((SIG\w+)\) received by PID \d+$")
+"""How the elastic agent records a worker that a signal ended."""
+_NO_REPORT = "To enable traceback see:"
+"""How it records a worker that ended without recording its error (a PyTorch URL)."""
 LAUNCHED = "TANDEM_LAUNCHED"
 """Set in the environment of the workers this module starts (to the job's run id)."""
 SHUTDOWN_S = 3
@@ -71,6 +76,7 @@ def launch(fn: Callable[[Any], R], arg: Any, *, nproc: int, threads: int = 1,
     """
     if under_launcher():
         return fn(arg)
+    check_main_guard()  # each worker runs the main script again as it starts
     progress = tempfile.mkdtemp(prefix="tandem-progress-") if max_restarts else None
     try:
         for restarts in range(max_restarts + 1):
@@ -272,4 +278,9 @@ def _failure(exc: ChildFailedError) -> BaseException:
     rank, failure = exc.get_first_failure()
     lines = messages[rank].splitlines()
     reason = lines[-1] if lines else f"exit code {failure.exitcode}"
+    if stopped := _SIGNALLED.search(reason):  # the first to end, by a signal not the launcher's
+        return WorkerFailure(f"worker rank {rank} died: killed by {stopped.group(1)}")
+    if reason.startswith(_NO_REPORT):
+        return WorkerFailure(f"worker rank {rank} failed with exit code {failure.exitcode} "
+                             f"before it could say why")
     return WorkerFailure(f"worker rank {rank} failed: {reason}")

@@ -9,12 +9,14 @@ Usage::
   unless ``--overwrite``, which removes them first (not ``plan.json``, which may be this run's
   input; it is rewritten at the end).
 - A lock, ``flock`` on ``OUT/.tandem.lock``, is held for the whole job by the process that
-  runs ``tandem train``: the launcher of the local workers, or rank 0 under ``torchrun`` (the
-  rank that writes the outputs; the other ranks take no lock). A second job on the same
-  directory fails at once, naming the process that holds it. The kernel releases the lock
-  however that process ends (even ``kill -9``), so a dead job leaves no stale lock; the file
-  itself stays. ``flock`` is exclusive across machines on NFSv4 and most cluster file systems
-  (Lustre needs its ``flock`` mount option).
+  runs ``tandem train``: the launcher of the local workers, or under ``torchrun`` each node's
+  local rank 0 (the other ranks take no lock). Each node locks its own ``--out``; where the
+  nodes share one directory, the first node's lock holds it and the job's other nodes, which
+  find the lock held by their own job (the lock file names it), join it without a lock of
+  their own. A second job on the same directory fails at once, naming the process that holds
+  it. The kernel releases the lock however that process ends (even ``kill -9``), so a dead job
+  leaves no stale lock; the file itself stays. ``flock`` is exclusive across machines on NFSv4
+  and most cluster file systems (Lustre needs its ``flock`` mount option).
 """
 
 from __future__ import annotations
@@ -81,13 +83,16 @@ def remove_if_unused(out: Path) -> None:
 def claim_out(run: RunConfig) -> Iterator[None]:
     """Hold ``run.out`` for the duration of the body (see the module's docstring); on other
     ranks of a ``torchrun`` job, or without ``--out``, do nothing."""
-    if run.out is None or (under_launcher() and os.environ.get("RANK") != "0"):
+    if run.out is None or (under_launcher() and os.environ.get("LOCAL_RANK", "0") != "0"):
         yield
         return
     if run.overwrite and run.resume is not None:
         raise UsageError("--overwrite starts a run over and --resume continues one; give one")
     out = Path(run.out)
     fd = _lock(out)
+    if fd is None:  # another node of this job holds the shared directory, and checked it
+        yield
+        return
     try:
         if run.resume is None:
             _make_room(out, overwrite=run.overwrite)
@@ -104,9 +109,11 @@ def run_outputs(out: Path) -> list[Path]:
     return sorted(found)
 
 
-def _lock(out: Path) -> int:
-    """Lock ``out``, write this process's id into the lock file, and return its descriptor."""
+def _lock(out: Path) -> int | None:
+    """Lock ``out``, write this process's id (and its ``torchrun`` job's) into the lock file,
+    and return its descriptor; None where another node of this job holds it."""
     path = out / LOCK_NAME
+    job = _job_id()
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as exc:
@@ -114,17 +121,41 @@ def _lock(out: Path) -> int:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = os.read(fd, 200).decode(errors="replace").strip() or "pid unknown"
+        holder = _holder(fd, job)
         os.close(fd)
+        if job is not None and holder.endswith(f"job {job}"):
+            return None
         raise UsageError(f"--out {out} is in use by another tandem job ({holder}); wait for it "
                          f"to end or choose another --out") from None
     try:
         os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+        named = "" if job is None else f", job {job}"
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}{named}\n".encode())
     except OSError as exc:
         os.close(fd)
         raise write_failure(path, exc) from None
     return fd
+
+
+def _job_id() -> str | None:
+    """What every node of this ``torchrun`` job shares, and no other job does: its master's
+    address and port, and the rendezvous id (None for local workers)."""
+    if not under_launcher():
+        return None
+    return (f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+            f"/{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}")
+
+
+def _holder(fd: int, job: str | None) -> str:
+    """Who holds the lock, as its lock file says: read again for up to 3 s while it does not
+    name ``job`` (a node of this job may have locked it and not yet written its name)."""
+    deadline = time.monotonic() + (3.0 if job is not None else 0.0)
+    while True:
+        os.lseek(fd, 0, os.SEEK_SET)
+        holder = os.read(fd, 300).decode(errors="replace").strip() or "pid unknown"
+        if job is None or holder.endswith(f"job {job}") or time.monotonic() > deadline:
+            return holder
+        time.sleep(0.1)
 
 
 def _make_room(out: Path, *, overwrite: bool) -> None:

@@ -8,19 +8,21 @@ imported inside the functions that use them (each import marked)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import tempfile
 from pathlib import Path
 from collections.abc import Mapping
 from typing import Any
 
-from tandem.errors import PlanWarning, UsageError
+from tandem.errors import UsageError
 from tandem.runtime.config import RunConfig, resolve_batch_size
 from tandem.runtime.job import Job, sketch_job, stale_updates
 from tandem.plan import Plan
 from tandem.runtime.faults import check_fault
 from tandem.runtime.launcher_env import under_launcher, world_size
 from tandem.runtime.learning import warn_learning
+from tandem.runtime.placement import place_ranks
 from tandem.spec.codec import check_codec
 from tandem.spec.data import check_data_spec
 from tandem.spec.kinds import CompensationMode
@@ -133,12 +135,6 @@ def check_job(job: Job) -> None:
         check_resume(job)
     if note is not None:
         preflight.warn(note)
-    placed = [device for stage in plan.stages for device in (stage.devices or [])]
-    if placed and under_launcher() and placed != list(range(len(placed))):
-        preflight.warn(f"the plan's time assumes its workers on devices {placed} (each "
-                       f"server's stages inside it), but tandem runs worker w as rank w: under "
-                       f"torchrun's consecutive ranks per node some activations cross servers, "
-                       f"and the run may be slower than planned", PlanWarning)
 
 
 def _check_writable(out: Path) -> None:
@@ -162,7 +158,10 @@ def run_training(job: Job, *, announce: str | None = None) -> dict[str, Any] | N
     from tandem.runtime.out_dir import claim_out  # delays torch
     from tandem.runtime.worker import train_worker  # delays torch
 
+    placement = place_ranks(job.plan)  # before anything reads RANK
     check_job(job)
+    if placement is not None and os.environ.get("RANK") == "0":
+        print(f"tandem train: {placement.text()}", file=sys.stderr)
     if announce is not None:
         print(announce, file=sys.stderr)
     if job.prepared is not None:  # the workers build their own
@@ -171,6 +170,8 @@ def run_training(job: Job, *, announce: str | None = None) -> dict[str, Any] | N
         summary = launch(train_worker, job, nproc=job.run.nproc, threads=job.run.threads,
                          max_restarts=job.run.max_restarts)
     if summary is not None:
+        if placement is not None:
+            summary["placement"] = placement.summary()
         warn_learning(summary, job.run)
     return summary
 

@@ -48,7 +48,7 @@ from tandem.sync.allreduce import AllReduce
 from tandem.sync.sync_batchnorm import sync_batchnorms
 from tandem.spec.batch_schedule import AUTO
 from tandem.spec.codec import CodecSpec
-from tandem.spec.sync import ParameterServerSync, SyncSpec
+from tandem.spec.sync import ElasticAveragingSync, ParameterServerSync, SyncSpec
 
 
 SYNC_NAMES = {kind.value: str(Action(0, kind))
@@ -375,8 +375,18 @@ class ParameterServerWorker(Trainer):
 
     def _load_checkpoint(self) -> dict[str, Any] | None:
         """None: the servers hold the model. A compressed worker restores its codec state from
-        ``worker-K.pt`` before its first pull, and saves it where the servers checkpoint."""
+        ``worker-K.pt`` before its first pull, and saves it where the servers checkpoint.
+
+        Before the first pull, too: the client's waits show in the heartbeat, and in
+        asynchronous modes a failed one is diagnosed among the servers only (the ranks such a
+        worker waits for; in ``sync`` mode it waits for every worker's push)."""
         client = self.strategy
+        if isinstance(client, ParameterServerClient):
+            client.beat = self.beat
+            sync = self.plan.sync
+            if isinstance(sync, (ParameterServerSync, ElasticAveragingSync)) and sync.asynchronous:
+                self.beat.peers = list(range(self.plan.num_servers))
+                self.beat.peer_kind = "server"
         if not isinstance(client, ParameterServerClient) or not self.plan.compress:
             return None
         client.on_pushed = self._save_codec_state

@@ -29,6 +29,7 @@ from tandem.runtime.watchdog import (
     PERIOD_S,
     SILENT_AFTER_S,
     Heartbeat,
+    continue_if_stopped,
     is_communication_error,
 )
 from tandem.runtime.zygote import child_context
@@ -102,8 +103,10 @@ def _supervise(job: Job) -> None:
     The child never outlives this process (it dies with it), and ends when the servers give
     up on it: a stuck one ends itself once fenced (exit ``FENCED_EXIT``), and a frozen one, whose
     heartbeat stops, is killed here after ``SILENT_AFTER_S`` (the servers report both). A
-    mistake of the user's that the child finds (``UsageError``) and its divergence
-    (``Diverged``) stop the job, as elsewhere.
+    mistake of the user's that the child finds (``UsageError``), its divergence (``Diverged``)
+    and its diagnosis of a server it waited for in vain (``WorkerFailure``) stop the job, as
+    elsewhere. Should this process be stopped (SIGSTOP), the child has its servers leave it
+    behind and continues this process as it ends (:mod:`tandem.runtime.watchdog`).
     """
     os.environ[SUPERVISED] = "1"
     context = child_context()  # forked before this process starts threads
@@ -117,14 +120,19 @@ def _supervise(job: Job) -> None:
             child.kill()
             child.join()
             return
-    if mistakes.poll():  # the user's mistake (every worker makes it), or divergence: stop the job
-        kind, message = mistakes.recv()
-        raise (Diverged if kind == "diverged" else UsageError)(message)
+    if mistakes.poll():  # the user's mistake (every worker makes it), divergence, or a server
+        kind, message = mistakes.recv()  # that stopped responding: stop the job
+        raise _ENDS_THE_JOB.get(kind, UsageError)(message)
     if child.exitcode not in (0, FENCED_EXIT):
         code = child.exitcode or 0
         how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
         logger.warning(f"worker rank {os.environ.get('RANK')} died ({how}); asynchronous "
                        f"training goes on without it")
+
+
+_ENDS_THE_JOB: dict[str, type[Exception]] = {
+    "usage": UsageError, "diverged": Diverged, "failure": WorkerFailure}
+"""What a supervised worker tells its supervisor, by kind, and the error it stops the job with."""
 
 
 def _supervised_worker(job: Job, mirror: Any, mistake: Any) -> None:
@@ -140,6 +148,11 @@ def _supervised_worker(job: Job, mirror: Any, mistake: Any) -> None:
     except Diverged as exc:
         mistake.send(("diverged", str(exc)))
         sys.exit(1)
+    except WorkerFailure as exc:  # a server it waited for stopped responding: no traceback
+        mistake.send(("failure", str(exc)))
+        sys.exit(1)
+    finally:
+        continue_if_stopped(os.getppid())  # a stopped supervisor could not end with it
 
 
 def make_worker(job: Job, env: WorkerEnv, beat: Heartbeat) -> Worker:

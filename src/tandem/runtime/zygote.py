@@ -25,6 +25,8 @@ import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import os
 import signal
+import threading
+from collections.abc import Iterator
 from typing import Any, Callable
 
 START_METHOD = "forkserver"
@@ -60,7 +62,24 @@ def start() -> None:
         return
     if not _running():
         multiprocessing.set_forkserver_preload(PRELOAD)
-    multiprocessing.forkserver.ensure_running()
+    with _interrupts_ignored_by_children():
+        multiprocessing.forkserver.ensure_running()
+
+
+@contextlib.contextmanager
+def _interrupts_ignored_by_children() -> Iterator[None]:
+    """Start the forkserver with SIGINT ignored, as its own ``main`` then keeps it: a Ctrl-C to
+    the terminal's process group while it imports would otherwise print a KeyboardInterrupt
+    traceback of its own (an ignored signal stays ignored across ``exec``). This process ignores
+    SIGINT only for the fork and exec (its own handler is back at once)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def _running() -> bool:

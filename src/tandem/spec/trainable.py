@@ -7,6 +7,7 @@ Usage::
     layout_refusal(plan)                     # None, or why train refuses the layout
     batch_refusal(plan, batch_samples=128)   # None, or why the batch does not split
     update_change(plan)                      # None, or how the plan's updates differ
+    staleness(plan)                          # updates by which its gradients are stale
 
 :func:`layout_refusal` and :func:`batch_refusal` state the rules that
 :class:`tandem.runtime.job.Job` applies to the plan alone (its tensor-parallel layouts, its
@@ -82,3 +83,14 @@ def update_change(plan: Plan) -> str | None:
                 f"{workers} workers' pushes on arrival, {workers} updates of 1/{workers} of the "
                 f"minibatch per step")
     return None
+
+
+def staleness(plan: Plan) -> int:
+    """Updates by which ``plan``'s gradients are stale: ``W - 1`` for ``W`` asynchronous (or
+    SSP) parameter-server workers, ``S - 1`` for a PipeDream pipeline of ``S`` stages, else 0."""
+    if plan.pipelined:
+        return len(plan.stages) - 1 if plan.schedule.asynchronous else 0
+    sync = plan.sync
+    if isinstance(sync, ParameterServerSync) and sync.asynchronous:
+        return plan.stages[0].replicas - 1
+    return 0

@@ -52,7 +52,9 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import re
 import resource
+import warnings
 from collections.abc import Iterator
 from typing import Any, ContextManager, cast
 
@@ -181,6 +183,10 @@ class UnitSharder:
         from torch.distributed.fsdp import fully_shard
 
         module = self.model.get_submodule(name) if name else self.model
+        if not name:  # tandem hands the model's output to the loss, writing nothing into it
+            warnings.filterwarnings("ignore", category=UserWarning, message=(
+                rf"FSDP2-wrapped module \(FSDP{re.escape(type(module).__name__)}\) returned a "
+                rf"view tensor"))
         fully_shard(module, mesh=self.mesh, reshard_after_forward=self.reshard,
                     mp_policy=self.policies[name] if name else self.root,
                     offload_policy=self.where)

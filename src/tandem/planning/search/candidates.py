@@ -1,5 +1,6 @@
-"""The planner's candidates: the partitioner's plans under ladders of memory budgets and link
-speeds, each simulated once, as it would run, on the real cluster.
+"""The planner's candidates: the partitioner's plans along a ladder of link speeds and, on each
+rung, down a fixed grid of memory budgets, each plan simulated once, as it would run, on the
+real cluster.
 
 Usage::
 
@@ -10,45 +11,51 @@ Usage::
 
 Why ladders: the partitioner's cost model (PipeDream's steady state) is not the simulator's,
 so the plan it rates best under the limit is not always the fastest simulated one, and a plan
-the planner can make for a tighter limit, for slower links or for slower devices can beat it.
-The planner therefore asks the partitioner along two ladders and keeps the fastest simulated
-plan that fits:
+it makes for a tighter budget, for slower links or for slower devices can beat it. The planner
+therefore asks it along two ladders and keeps the fastest simulated plan that fits:
 
-- link speeds: every level's bandwidth times :data:`BANDWIDTH_RUNGS`, nearest first (twice
-  the bandwidth is the partitioner's plan for devices half as fast: its cost model depends on
+- link speeds: every level's bandwidth times :data:`BANDWIDTH_RUNGS`, nearest first (twice the
+  bandwidth is the partitioner's plan for devices half as fast: its cost model depends on
   bandwidth over speed only), each way until :data:`STABLE_RUNGS` rungs give no new free plan;
-- memory, on every link rung alike: the free plan; under a limit it exceeds, the limit times
-  :data:`FLUSH_BUDGET_SCALES` (flush schedules, whose budget counts a replica's whole share of
-  the minibatch in flight where 1F1B holds less) and the limit itself; then :data:`WALK_STEPS`
-  plans down the memory axis, each the partitioner's plan under the greatest point of a fixed
-  grid below the last plan's need (:func:`grid_below`: 1 GB times powers of 2 ** (1 /
-  :data:`GRID_POINTS_PER_DOUBLING`), 4.4% apart). Flush schedules walk down from their last
-  plan even when the limit itself has none (the simulator's 1F1B holds less than the
-  partitioner's model of it).
+  beyond the cluster's own links a rung is walked while its fixed charge, :data:`RUNG_SOLVES`
+  solves of :func:`solve_work`, fits what is left of :data:`MAX_SOLVE_WORK`;
+- memory, on every rung walked (:meth:`CandidatePool._walk`): the free plan, then the plan under
+  every point of a fixed grid of budgets (:func:`grid_point`: 1 GB times powers of 2 ** (1 /
+  points per doubling)) from the least point at or above the top (:func:`walk_top`: the limit,
+  for flush schedules times ``max(FLUSH_BUDGET_SCALES)`` as the partitioner budgets a
+  replica's whole share in flight where 1F1B holds less; none without a limit) down to the
+  point below which no plan fits: :data:`FINE_POINTS` points per doubling (4.4% apart) on the
+  cluster's own links; on the other rungs as many for :data:`WINDOW_POINTS` points below the
+  free plan's need, then :data:`COARSE_POINTS` (19%, every fourth).
 
-Why a grid: the partitioner's plan changes with its budget in steps (a plan answers every
-budget from its need up to the next plan's), so a walk that steps to the grid point below
-each plan's need meets the plan of every grid point it passes, and the walks of two limits
-merge at the first grid point they share: a looser limit's walk holds a tighter limit's grid
-plans that lie within its depth. It does not hold the tighter limit's own plan when no grid
-point lies between that limit and the plan's need, nor the tighter limit's plans below its own
-last step; only a walk of every plan down to the smallest memory would (ResNet-50 on
-4x16GB/s,4x10Gb/s: 93 solves, 55 s; on 16 flat devices at 25 Gb/s under PipeDream's schedule,
-32 grid plans per link rung from the free plan's 39.6 GB to 6.2 GB, where a rung now takes 7).
-Of the link ladder, twice the bandwidth or devices twice as fast hold the slower cluster's
-rungs but for the far end of its ladder. Work is charged a whole rung at a time, before its
-walk (:func:`walk_solves` solves of :func:`solve_work` each), so that every limit of a model on
-a cluster walks the same rungs. The planner is thus monotone along the ladders in practice, not
-by construction: ``tests/test_planner_properties.py`` checks it on a sample, on issue 28's
-series and on series of limits, and says where it is not. Identical layouts are simulated once
-(by stages, layer order, schedule and micro-batches). Work is bounded: rungs beyond the
-:data:`ESSENTIAL_SOLVES` of the cluster's own links are walked within :data:`MAX_SOLVE_WORK`
-and :data:`MAX_LAYOUTS`, and solves that fill tables of gigabytes (:data:`ESSENTIAL_WORK`) take
-only the free plan and the limit's.
+Why this is monotone in the limit, by construction: nothing above depends on the limit but
+where the walks start, so every candidate of a tighter limit is a candidate of a looser one:
+each rung's grid is fixed (by its free plan) and a walk from a higher point passes every point
+below it; the rungs walked and their order do not depend on the limit (the charges are fixed,
+the stop rule reads free plans); nor do the free plans, data parallelism or one device, nor a
+plan's simulated time (the limit only says whether it fits). Such a candidate fits the looser limit too, and the looser
+limit's choice, the fastest that fits, is no slower. A walk solves only one budget per
+distinct plan: a budget's plan is the partitioner's best among the plans that fit it (the
+first in its own order among equals), so every grid point between a plan's need and the budget
+it was solved for has that same plan, and the walk goes on at the greatest point below the
+need (``tests/test_planner_properties.py`` checks this against a solve at every point). The
+limit's own plan is among the candidates unless a plan's need lies between the limit and the
+grid point below it while the point above has a plan that needs more than the limit: a budget
+off the grid would be a candidate of that one limit alone.
 
-Micro-batch counts divide the minibatch (what ``tandem train`` requires): the smallest divisor
-at least each multiple :data:`MICROBATCH_FACTORS` of the default; with the minibatch unknown
-(a PipeDream ``graph.txt`` without ``--profile-batch``) the next power of two.
+Not by construction: more bandwidth or faster devices (another cluster's ladder is around other
+links: ``tests/test_planner_properties.py`` checks twice the bandwidth and devices twice as fast
+on a sample, and issue 28's series); and clusters with a costly view (a solve beyond
+:data:`FINE_WORK`: ResNet-50 on servers of 4), whose walk to the least memory would take
+minutes: there every view takes candidates anchored at the limit (``_near_limit``): the
+limit's plan and :data:`WALK_STEPS` steps down the fine grid per rung, the costly views
+:data:`ESSENTIAL_SOLVES` solves on their own links only, and solves that fill tables of
+gigabytes (:data:`ESSENTIAL_WORK`: a 1,000-layer chain on 1,024 devices) the free plan and the
+limit's alone. Identical layouts are simulated once (by stages, layer order, schedule and
+micro-batches).
+
+Pipelines run micro-batch counts that divide the minibatch
+(:mod:`tandem.planning.search.microbatches`).
 """
 
 from __future__ import annotations
@@ -60,14 +67,13 @@ from typing import Any
 
 from tandem.cluster import Cluster, Level
 from tandem.errors import UsageError
-from tandem.plan import Plan, default_microbatches
+from tandem.plan import Plan
 from tandem.planning.partition.pipedream import NoPlanFits, PartitionOptions
+from tandem.planning.search.microbatches import microbatch_counts, minibatch
 from tandem.planning.simulate.simulator import SimOptions, SimResult, simulate
 from tandem.profile import ModelProfile
 from tandem.spec.kinds import ScheduleKind
 
-MICROBATCH_FACTORS = (1, 2, 4)
-"""Flush schedules without a given count: micro-batches tried, as multiples of the default."""
 BANDWIDTH_RUNGS = (1.0, 0.5, 2.0, 0.25, 4.0, 0.125, 8.0, 1 / 16, 16.0, 1 / 32, 32.0, 1 / 64, 64.0)
 """Every level's bandwidth times these when partitioning, nearest first (1: the cluster as it
 is; above 1: the plans for devices that many times slower; below 1: for slower links); each
@@ -76,38 +82,41 @@ STABLE_RUNGS = 2
 """Rungs in one direction whose free plans are all layouts seen before, after which the ladder
 stops that way (the partitioner's plan no longer changes with the links there)."""
 FLUSH_BUDGET_SCALES = (8.0, 4.0, 2.0)
-"""Flush schedules: budgets above the limit, as multiples of it (the partitioner budgets a
-replica's whole share in flight; 1F1B's simulated peak is often lower)."""
+"""Flush schedules: the partitioner's budgets reach the limit times the greatest of these (it
+budgets a replica's whole share in flight; 1F1B's simulated peak is often lower)."""
 GRID_BASE_BYTES = 1e9
-"""Memory budgets below the limit lie on a grid: this times powers of 2 ** (1 /
-:data:`GRID_POINTS_PER_DOUBLING`) (1 GB, 1.04 GB, 1.09 GB, ...)."""
-GRID_POINTS_PER_DOUBLING = 16
-"""Grid points per doubling of the budget: 4.4% apart."""
-WALK_STEPS = 5
-"""Plans down the memory axis per link rung, below the limit's (or the free plan): each the
-partitioner's plan under the grid point below the last one's need."""
-ESSENTIAL_SOLVES = 6
-"""Solves on the cluster's own links taken whatever the :data:`MAX_SOLVE_WORK` (and not counted
-in it): the free plan, the limit's (flush schedules: with those above it) and the first steps
-down the memory axis (the plans nearest the limit, which the simulator often rates far apart:
-ResNet-50 on 4x16GB/s,4x10Gb/s under PipeDream's schedule at 16 GB, 4-12 at 334 ms, then
-4-4-4-4 at 65 ms)."""
+"""Memory budgets lie on a grid: this times powers of 2 ** (1 / points per doubling)."""
+FINE_POINTS = 16
+"""Grid points per doubling of the budget on the cluster's own links: 4.4% apart."""
+COARSE_POINTS = 4
+"""Grid points per doubling on other link rungs below their window: 19% apart, every fourth."""
+WINDOW_POINTS = 8
+"""Other link rungs: fine grid points below the free plan's need (to 71% of it) before the
+coarse grid."""
+FINE_WORK = 1e7
+"""Clusters whose every view solves within this size (:func:`solve_work`; ResNet-50 on 16 flat
+devices 5e5, VGG-16 on 2 servers of 4 1e6, ResNet-50 on servers of 4 9e7) walk to the least
+memory; others take candidates anchored at the limit (module docstring)."""
 ESSENTIAL_WORK = 2e8
-"""Solves up to this size (:func:`solve_work`; ResNet-50 on servers of 4 is 9e7) walk down the
-memory axis; larger ones (a 1,000-layer chain on 1,024 devices, 1e9) take only the free plan
-and the limit's, on the cluster's own links."""
+"""Costly views solving within this size walk :data:`ESSENTIAL_SOLVES` solves down the memory
+axis; larger ones (a 1,000-layer chain on 1,024 devices, 1e9) take only the free plan and the
+limit's."""
+WALK_STEPS = 5
+"""Candidates anchored at the limit: plans down the fine grid per cheap view's rung walked,
+below the limit's (or the free plan)."""
+ESSENTIAL_SOLVES = 6
+"""Costly views (beyond :data:`FINE_WORK`), on their own links: the free plan, the limit's
+(flush schedules: those above it first) and steps down the fine grid, this many solves in
+all."""
 MEMORY_RETRIES = 3
-"""Times a plan at the limit whose simulated devices exceed it is solved again, the limit
-shrunk by the overflow."""
-MAX_LAYOUTS = 48
-"""Distinct pipeline layouts simulated per planning after which no further link rung is walked
-(the first rungs first)."""
+"""Anchored at the limit: times a plan over it by the simulator is solved again, shrunk."""
+RUNG_SOLVES = 7
+"""Solves a link rung beyond the cluster's own is charged, before its walk, whatever it takes
+(so that every limit walks the same rungs)."""
 MAX_SOLVE_WORK = 2e7
-"""Partitioner work (:func:`solve_work`) per planning beyond the :data:`ESSENTIAL_SOLVES`, a
-whole link rung at a time: ResNet-50 on 16 flat devices walks up to 4 rungs under 1F1B and 6 under
-PipeDream's schedule (2 and 3 at 1e7, where issue 28's bandwidth series were not monotone: the
-plan for twice the bandwidth lacks the slower cluster's lowest rung); a hierarchy of servers
-of 4 walks its own links' essential solves only."""
+"""Partitioner work (:func:`solve_work`) charged to link rungs beyond the cluster's own:
+ResNet-50 on 16 flat devices walks 5 of them, the flat view of ResNet-50 on servers of 4 as
+many; costly views walk none."""
 
 Solve = Callable[[Cluster, PartitionOptions], Plan]
 """The partitioner: a plan for a cluster under options (:class:`NoPlanFits` when none fits)."""
@@ -178,6 +187,7 @@ class CandidatePool:
         self.batch = minibatch(profile, sim)
         self._results: dict[tuple[Any, ...], SimResult] = {}
         self._layouts: set[tuple[Any, ...]] = set()
+        self._entry: dict[tuple[Any, ...], float] = {}
         self._spent = 0.0
 
     def evaluate(self, name: str, plan: Plan, estimate_s: float | None, note: str = "", *,
@@ -217,43 +227,48 @@ class CandidatePool:
     def ladders(self, views: list[tuple[str, Cluster]], options: PartitionOptions,
                 solve: Solve) -> list[Candidate]:
         """The partitioner's plans (``solve(cluster, options)``) for each view of the cluster
-        (its name and the cluster the partitioner sees) on the rungs of the link and memory
-        ladders (module docstring), simulated on the real cluster, nearest rungs first: on
-        each link rung the free plan and the walk down the memory grid (:meth:`_walk`); each
-        distinct layout once, within :data:`MAX_SOLVE_WORK` and :data:`MAX_LAYOUTS`."""
+        (its name and the cluster the partitioner sees) on the rungs of the link ladder and,
+        on each rung walked, down the memory grid (module docstring, :meth:`_walk`), simulated
+        on the real cluster, nearest rungs first; each distinct layout once."""
         found: list[Candidate] = []
         idle = {direction: 0 for direction in (1.0, -1.0)}
         free: set[tuple[Any, ...]] = set()
+        nested = self.nested(views)
         for factor in BANDWIDTH_RUNGS:
             direction = 1.0 if factor >= 1.0 else -1.0
             if idle[direction] >= STABLE_RUNGS:
                 continue  # the plans stopped changing this way
             before = len(free)
             for name, view in views:
-                rung = _Rung(name, dataclasses.replace(scale_links(view, factor),
-                                                       memory_bytes=None), factor)
-                work = solve_work(self.profile.num_layers, rung.cluster)
-                if work > ESSENTIAL_WORK:
-                    found += self._free_and_limit(rung, options, solve)
-                else:
-                    rung.allowed = self._allowance(rung, work, options)
+                cluster = dataclasses.replace(scale_links(view, factor), memory_bytes=None)
+                work = solve_work(self.profile.num_layers, cluster)
+                rung = _Rung(name, cluster, factor)
+                if work > FINE_WORK:
+                    solves = ESSENTIAL_SOLVES - 1 if work <= ESSENTIAL_WORK else 0
+                    found += self._near_limit(rung, options, solve, solves) if factor == 1.0 else []
+                elif not self._admitted(rung, work):
+                    pass
+                elif nested:
                     found += self._walk(rung, options, solve)
+                else:
+                    found += self._near_limit(rung, options, solve,
+                                              len(limit_scales(options)) + WALK_STEPS)
                 free |= {rung.free} if rung.free is not None else set()
             idle[direction] = idle[direction] + 1 if len(free) == before else 0
         return found
 
-    def _allowance(self, rung: _Rung, work: float, options: PartitionOptions) -> int:
-        """Solves ``rung`` may take (each of ``work``): its whole walk (:func:`walk_solves`)
-        when that fits what is left of :data:`MAX_SOLVE_WORK` and :data:`MAX_LAYOUTS` (charged
-        whole, however many it takes, so that a looser limit or another cluster walks the same
-        rungs), else the :data:`ESSENTIAL_SOLVES` on the cluster's own links, else none."""
-        solves = walk_solves(options)
-        essential = ESSENTIAL_SOLVES if rung.factor == 1.0 else 0
-        charge = work * max(0, solves - essential)
-        if self._spent + charge > MAX_SOLVE_WORK or len(self._layouts) >= MAX_LAYOUTS:
-            return essential
+    def _admitted(self, rung: _Rung, work: float) -> bool:
+        """Whether ``rung`` is walked: the cluster's own links always; another rung when its
+        charge, :data:`RUNG_SOLVES` solves of ``work`` whatever its walk takes, fits what is
+        left of :data:`MAX_SOLVE_WORK` (charged before the walk, so that every limit walks
+        the same rungs)."""
+        if rung.factor == 1.0:
+            return True
+        charge = work * RUNG_SOLVES
+        if self._spent + charge > MAX_SOLVE_WORK:
+            return False
         self._spent += charge
-        return solves
+        return True
 
     def _solve(self, rung: _Rung, options: PartitionOptions, solve: Solve,
                budget: float | None) -> Plan | None:
@@ -265,80 +280,94 @@ class CandidatePool:
         rung.need = plan_need(plan)
         return plan
 
-    def _free_and_limit(self, rung: _Rung, options: PartitionOptions,
-                        solve: Solve) -> list[Candidate]:  # fmt: skip
-        """Solves that fill tables of gigabytes (a 1,000-layer chain on 1,024 devices): on the
-        cluster's own links only, the free plan and, when it needs more, the limit's."""
-        if rung.factor != 1.0:
+    def _near_limit(self, rung: _Rung, options: PartitionOptions, solve: Solve,
+                    solves: int) -> list[Candidate]:  # fmt: skip
+        """Candidates anchored at the limit, for clusters with a costly view (module
+        docstring): the free plan; under a limit it exceeds, the limit's plan (on the cluster's
+        own links, one the simulator finds over the limit solved again, :meth:`_shrunk`); with
+        ``solves`` more than 1, flush schedules first the limit times
+        :data:`FLUSH_BUDGET_SCALES` (:func:`limit_scales`), and plans down the fine grid, each
+        under the point below the last one's need, until ``solves`` after the free plan. A
+        limit no plan holds under PipeDream's schedule ends them (the partitioner's memory is
+        the simulator's there)."""
+        found = self._free(rung, options, solve)
+        if found is None:
             return []
-        plan = self._solve(rung, options, solve, None)
-        if plan is None:
-            return []
-        rung.free = layout_key(plan)
-        found = self._take(rung, plan, None)
-        limit = options.memory_bytes
-        if limit is None or rung.need <= limit:
-            return found
-        plan = self._solve(rung, options, solve, limit)
-        taken = [] if plan is None else self._take(rung, plan, limit)
-        if taken and not taken[0].fits:
-            taken += self._shrunk(rung, options, solve, taken[0])
-        return found + taken
-
-    def _walk(self, rung: _Rung, options: PartitionOptions, solve: Solve) -> list[Candidate]:
-        """The free plan; under a limit that it exceeds, the limit's plan (flush schedules
-        first the limit times :data:`FLUSH_BUDGET_SCALES`; a plan the simulator finds over the
-        limit solved again, :meth:`_shrunk`); then :data:`WALK_STEPS` plans down the memory
-        axis, each the partitioner's plan under the grid point (:func:`grid_below`) below the
-        last one's need; as many solves as ``rung.allowed`` (:meth:`_allowance`)."""
-
-        def attempt(budget: float | None) -> Plan | None:
-            if rung.allowed <= 0:
-                return None
-            rung.allowed -= 1
-            return self._solve(rung, options, solve, budget)
-
-        plan = attempt(None)
-        if plan is None:
-            return []
-        rung.free = layout_key(plan)
-        found = self._take(rung, plan, None)
-        limit = options.memory_bytes
-        if limit is not None:
-            at_limit = self._at_limit(rung, options, solve, attempt, limit)
-            if at_limit is None:
-                return found  # nothing holds that little, by the simulator too
-            found += at_limit
-        for _ in range(WALK_STEPS):
+        limit, flushes = options.memory_bytes, options.schedule.flushes
+        scales = limit_scales(options) if solves > 1 else (1.0,)
+        budgets = [] if limit is None else [limit * scale for scale in scales]
+        for budget in budgets:
+            if rung.need <= budget:
+                continue  # the last plan is this budget's plan
+            plan = self._solve(rung, options, solve, budget)
+            solves -= 1
+            if plan is None:
+                if not (solves > 0 and flushes):
+                    return found
+                break  # plans that hold more by the partitioner's model may fit
+            taken = self._take(rung, plan, budget)
+            found += taken
+            if (limit is not None and rung.need <= limit and rung.factor == 1.0 and taken
+                    and not taken[0].fits):
+                found += self._shrunk(rung, options, solve, taken[0])
+        for _ in range(solves):
             budget = grid_below(rung.need)
-            plan = attempt(budget)
+            plan = self._solve(rung, options, solve, budget)
             if plan is None:
                 break
             found += self._take(rung, plan, budget)
         return found
 
-    def _at_limit(self, rung: _Rung, options: PartitionOptions, solve: Solve,
-                  attempt: Callable[[float], Plan | None], limit: float) -> list[Candidate] | None:
-        """The plans under ``limit`` (flush schedules: first under it times
-        :data:`FLUSH_BUDGET_SCALES`) that the last plan does not answer, the first within the
-        limit solved again when the simulator finds it over (:meth:`_shrunk`); None when no
-        plan holds ``limit`` under PipeDream's schedule (whose memory the partitioner's model
-        gives exactly). Under a flush schedule the walk goes on from the last plan: plans that
-        hold more by that model may fit."""
-        flushes = options.schedule.flushes
-        found: list[Candidate] = []
-        scales = (*FLUSH_BUDGET_SCALES, 1.0) if flushes else (1.0,)
-        for budget in [limit * scale for scale in scales]:
-            if rung.need <= budget:
-                continue  # the last plan is this budget's plan
-            plan = attempt(budget)
-            if plan is None:
-                return found if flushes else None
-            taken = self._take(rung, plan, budget)
-            found += taken
-            if rung.need <= limit and rung.factor == 1.0 and taken and not taken[0].fits:
-                found += self._shrunk(rung, options, solve, taken[0])
+    def _free(self, rung: _Rung, options: PartitionOptions,
+              solve: Solve) -> list[Candidate] | None:  # fmt: skip
+        """The free plan on ``rung`` (a candidate under every limit), None when there is none."""
+        plan = self._solve(rung, options, solve, None)
+        if plan is None:
+            return None
+        rung.free = layout_key(plan)
+        self._entry[rung.free] = 0.0
+        return self._take(rung, plan, None)
+
+    def _walk(self, rung: _Rung, options: PartitionOptions, solve: Solve) -> list[Candidate]:
+        """The free plan, then the plan under every point of ``rung``'s grid below the free
+        plan's need, from the least point at or above the top (:func:`walk_top`) down to the
+        point below which no plan fits; from each plan the walk goes on at the greatest point
+        below its need (the points between have the same plan: module docstring)."""
+        found = self._free(rung, options, solve)
+        if found is None:
+            return []
+        if rung.factor != 1.0:  # fine from the free plan's need down WINDOW_POINTS, then coarse
+            rung.fine_from = grid_point(grid_index(rung.need) - WINDOW_POINTS)
+        budget = rung.below(rung.need)
+        top = walk_top(options)
+        if top is not None:
+            budget = min(budget, rung.at_or_above(top))
+        while (plan := self._solve(rung, options, solve, budget)) is not None:
+            key, entry = layout_key(plan), rung.below(rung.need) / walk_scale(options)
+            self._entry[key] = min(self._entry.get(key, entry), entry)
+            found += self._take(rung, plan, budget)
+            budget = rung.below(min(rung.need, budget))
         return found
+
+    def nested(self, views: list[tuple[str, Cluster]]) -> bool:
+        """Whether every view's solve is cheap (:data:`FINE_WORK`): then each rung walks to the
+        least memory and a tighter limit's candidates are all among a looser one's."""
+        return all(solve_work(self.profile.num_layers, view) <= FINE_WORK for _, view in views)
+
+    def least_limit(self, views: list[tuple[str, Cluster]], options: PartitionOptions,
+                    solve: Solve, names: set[str]) -> float | None:
+        """On a fresh pool, where the walks are nested (:meth:`nested`; else None): the least
+        memory limit under which the ladders give a candidate named in ``names`` that fits.
+        The walks without a limit give every candidate of every limit; each is one from the
+        limit above which its walk passes its need (the free plans from any), and fits from
+        its least simulated peak (of the micro-batch counts tried)."""
+        if not self.nested(views):
+            return None
+        found = self.ladders(views, dataclasses.replace(options, memory_bytes=None), solve)
+        limits = [max(self._entry[layout_key(c.plan)] * (1 + 1e-9),
+                      min(self._simulated(v).peak_memory_bytes for v in self._variants(c.plan)))
+                  for c in found if c.name in names and c.plan is not None]
+        return min(limits, default=None)
 
     def _shrunk(self, rung: _Rung, options: PartitionOptions, solve: Solve,
                 over: Candidate) -> list[Candidate]:  # fmt: skip
@@ -385,18 +414,43 @@ class _Rung:
     """The scale of its links."""
     need: float = float("inf")
     """The last plan's need by the partitioner's memory model."""
+    fine_from: float = 0.0
+    """Its memory grid: the fine grid's points from this budget up, the coarse grid's below."""
     free: tuple[Any, ...] | None = None
     """The layout of its free plan (:func:`layout_key`), once solved."""
-    allowed: int = 0
-    """Solves it may still take (:meth:`CandidatePool._allowance`)."""
+
+    def below(self, nbytes: float) -> float:
+        """The greatest point of the rung's memory grid below ``nbytes``."""
+        fine = grid_below(nbytes)
+        return fine if fine >= self.fine_from else grid_below(min(nbytes, self.fine_from),
+                                                              COARSE_POINTS)
+
+    def at_or_above(self, nbytes: float) -> float:
+        """The least point of the rung's memory grid at or above ``nbytes``."""
+        coarse = grid_point(grid_index(nbytes, COARSE_POINTS), COARSE_POINTS)
+        return coarse if coarse < self.fine_from else max(grid_point(grid_index(nbytes)),
+                                                          self.fine_from)
 
 
-def walk_solves(options: PartitionOptions) -> int:
-    """Solves of a link rung's whole walk down the memory axis: the free plan, under a limit the
-    limit's (and for flush schedules those above it), and :data:`WALK_STEPS`."""
-    limits = 0 if options.memory_bytes is None else 1 + (
-        len(FLUSH_BUDGET_SCALES) if options.schedule.flushes else 0)
-    return 1 + limits + WALK_STEPS
+def walk_top(options: PartitionOptions) -> float | None:
+    """The budget a walk down the memory grid starts from (the least grid point at or above
+    it): the limit times :func:`walk_scale`; None without a limit (the walk starts below the
+    free plan)."""
+    return None if options.memory_bytes is None else options.memory_bytes * walk_scale(options)
+
+
+def walk_scale(options: PartitionOptions) -> float:
+    """The top of a walk as a multiple of the limit: ``max(FLUSH_BUDGET_SCALES)`` under a flush
+    schedule, 1 under PipeDream's (whose memory the partitioner's model gives exactly)."""
+    return max(FLUSH_BUDGET_SCALES) if options.schedule.flushes else 1.0
+
+
+def limit_scales(options: PartitionOptions) -> tuple[float, ...]:
+    """The multiples of the limit a walk anchored at it tries (:data:`FLUSH_BUDGET_SCALES` and
+    1 for flush schedules, 1 for PipeDream's); none without a limit."""
+    if options.memory_bytes is None:
+        return ()
+    return (*FLUSH_BUDGET_SCALES, 1.0) if options.schedule.flushes else (1.0,)
 
 
 def solve_work(num_layers: int, cluster: Cluster) -> float:
@@ -412,21 +466,21 @@ def plan_need(plan: Plan) -> float:
     return max(stage.memory_bytes for stage in plan.stages)
 
 
-def grid_below(nbytes: float) -> float:
+def grid_below(nbytes: float, points: int = FINE_POINTS) -> float:
     """The greatest grid point below ``nbytes`` (:func:`grid_point`)."""
-    return grid_point(grid_index(nbytes) - 1)
+    return grid_point(grid_index(nbytes, points) - 1, points)
 
 
-def grid_index(nbytes: float) -> int:
+def grid_index(nbytes: float, points: int = FINE_POINTS) -> int:
     """The index of the least grid point at least ``nbytes``."""
-    index = math.ceil(math.log2(nbytes / GRID_BASE_BYTES) * GRID_POINTS_PER_DOUBLING - 1e-9)
-    return index if grid_point(index) >= nbytes else index + 1
+    index = math.ceil(math.log2(nbytes / GRID_BASE_BYTES) * points - 1e-9)
+    return index if grid_point(index, points) >= nbytes else index + 1
 
 
-def grid_point(index: int) -> float:
-    """Grid point ``index``: :data:`GRID_BASE_BYTES` times 2 to the ``index /``
-    :data:`GRID_POINTS_PER_DOUBLING`."""
-    return float(GRID_BASE_BYTES * 2.0 ** (index / GRID_POINTS_PER_DOUBLING))
+def grid_point(index: int, points: int = FINE_POINTS) -> float:
+    """Grid point ``index`` of a grid of ``points`` per doubling: :data:`GRID_BASE_BYTES`
+    times 2 to the ``index / points`` (a grid of ``points / k`` is every ``k``-th point)."""
+    return float(GRID_BASE_BYTES * 2.0 ** (index / points))
 
 
 def scale_links(cluster: Cluster, factor: float) -> Cluster:
@@ -444,48 +498,3 @@ def layout_key(plan: Plan) -> tuple[Any, ...]:
     stages = tuple((s.start, s.end, s.replicas, tuple(s.devices or ())) for s in plan.stages)
     sharding = (plan.shard_degree, plan.shard_level) if plan.sharded else None
     return (stages, tuple(plan.layer_order or ()), plan.tensor_degree, sharding)
-
-
-def minibatch(profile: ModelProfile, sim: SimOptions) -> int | None:
-    """Samples in the minibatch the plan runs, when known and whole."""
-    if not profile.batch_size:
-        return None
-    samples = profile.batch_size * sim.batch_scale
-    return int(samples) if float(samples).is_integer() and samples >= 1 else None
-
-
-def microbatch_counts(plan: Plan, schedule: ScheduleKind, given: int | None,
-                      batch: int | None) -> list[int | None]:
-    """Micro-batch counts to try for ``plan`` under ``schedule``: ``given`` (checked), or the
-    smallest divisor of ``batch`` at least each multiple of the default (a multiple of the
-    replicas for data parallelism); :class:`UsageError` when none can run."""
-    if not schedule.flushes:
-        return [None]
-    step = plan.stages[0].replicas if len(plan.stages) == 1 and schedule.accumulates else 1
-    if given is not None:
-        if given % step:
-            raise UsageError(f"--microbatches {given} is not a multiple of its {step} replicas")
-        if batch is not None and batch % given:
-            raise UsageError(f"--microbatches {given} does not divide the minibatch of {batch}")
-        return [given]
-    if batch is not None and batch % step:
-        raise UsageError(f"its {step} replicas do not divide the minibatch of {batch}")
-    base = default_microbatches(plan.replicas, schedule)
-    counts: list[int | None] = []
-    for factor in MICROBATCH_FACTORS:
-        count = _count_at_least(base * factor, step, batch)
-        if count is not None and count not in counts:
-            counts.append(count)
-    return counts or [batch]
-
-
-def _count_at_least(wanted: int, step: int, batch: int | None) -> int | None:
-    """The smallest multiple of ``step`` at least ``wanted`` that divides ``batch`` (None when
-    there is none); without a batch, the smallest such power-of-two multiple of ``step``."""
-    if batch is None:
-        count = step
-        while count < wanted:
-            count *= 2
-        return count
-    return next((count for count in range(step, batch + 1, step)
-                 if count >= wanted and batch % count == 0), None)

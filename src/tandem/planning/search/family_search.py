@@ -33,6 +33,7 @@ from tandem.planning.search.flexflow import Candidate
 from tandem.planning.simulate.simulator import SimOptions, data_parallel_plan, simulate
 from tandem.profile import ModelProfile
 from tandem.spec.kinds import PsMode
+from tandem.spec.trainable import staleness
 from tandem.spec.sync import (
     SYNC_METHODS,
     ElasticAveragingSync,
@@ -91,11 +92,19 @@ def family_specs(method: str, num_devices: int) -> Options:
 
 def best_of_families(profile: ModelProfile, cluster: Cluster, sim: SimOptions | None = None,
                      methods: tuple[str, ...] = FAMILIES,
-                     batch_samples: int | None = None) -> dict[str, Candidate]:
+                     batch_samples: int | None = None, *,
+                     staleness_cost: float = 0.0) -> dict[str, Candidate]:
     """Per family of ``methods``, its fastest plan that fits in memory (families with none are
-    left out); ``batch_samples`` rules out plans with more workers than samples."""
+    left out); ``batch_samples`` rules out plans with more workers than samples.
+    ``staleness_cost``: compare step times times ``(1 + staleness_cost d)`` for a plan ``d``
+    updates stale (:func:`~tandem.spec.trainable.staleness`: asynchronous servers), as
+    ``--objective time-to-accuracy`` does."""
     sim = dataclasses.replace(sim or SimOptions(), record=False)
     best: dict[str, Candidate] = {}
+
+    def cost(candidate: Candidate) -> float:
+        return candidate.result.step_time_s * (1 + staleness_cost * staleness(candidate.plan))
+
     for method in methods:
         for sync, workers in family_specs(method, cluster.num_devices):
             if batch_samples is not None and workers > batch_samples:
@@ -105,8 +114,7 @@ def best_of_families(profile: ModelProfile, cluster: Cluster, sim: SimOptions | 
             candidate = _simulated(plan, profile, cluster, sim)
             if candidate is None or not candidate.result.fits_memory:
                 continue
-            if method not in best or (candidate.result.step_time_s
-                                      < best[method].result.step_time_s):
+            if method not in best or cost(candidate) < cost(best[method]):
                 best[method] = candidate
     return best
 

@@ -23,7 +23,9 @@ per update, a different training run, so the fastest such plan is reported apart
 tensor degrees are searched), share the budget in turns, and the best plan any chain
 has seen is the answer — so it is never slower than either starting point. When data
 parallelism does not fit the memory limit, its sharded forms
-(:func:`~tandem.planning.simulate.sharded.sharded_plans`) are weighed too.
+(:func:`~tandem.planning.simulate.sharded.sharded_plans`) are weighed too. With
+:attr:`SearchOptions.staleness_cost` (``--objective time-to-accuracy``) a plan whose gradients
+are stale (a PipeDream pipeline) costs its step time times the steps it is predicted to lose.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from tandem.planning.simulate.tensor import DEFAULT_MAX_TENSOR_DEGREE, tensor_de
 from tandem.profile import ModelProfile
 from tandem.schedule import SCHEDULE_KINDS
 from tandem.spec.kinds import ScheduleKind
-from tandem.spec.trainable import batch_refusal, layout_refusal, update_change
+from tandem.spec.trainable import batch_refusal, layout_refusal, staleness, update_change
 
 OVERFLOW_PENALTY = 10.0
 """A plan overflowing memory by a fraction ``x`` costs ``(1 + 10 x)`` times its step time."""
@@ -71,6 +73,10 @@ class SearchOptions:
     divide a server (:func:`tandem.planning.simulate.tensor.tensor_degrees`); 1: no tensor parallelism."""
     recompute: bool = True
     """Try activation recomputation as well (False: never)."""
+    staleness_cost: float = 0.0
+    """Weigh a plan whose gradients are ``d`` updates stale (:func:`staleness`: PipeDream) at
+    ``(1 + staleness_cost d)`` times its step time, the steps it is predicted to lose
+    (``--objective time-to-accuracy``); 0: step time alone."""
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tensor_degree, bool) or not isinstance(self.max_tensor_degree, int) \
@@ -188,7 +194,7 @@ class _Search:
         value, candidate = self.cache[strategy]
         if candidate is not None:
             self._offer(value, candidate)
-        return value if candidate is None else self._penalized(candidate.result)
+        return value if candidate is None else self._penalized(candidate)
 
     def _offer(self, value: float, candidate: Candidate) -> None:
         """Keep ``candidate`` as the best (or the fastest apart) if it fits and is faster."""
@@ -211,14 +217,20 @@ class _Search:
             result = simulate(plan, self.profile, self.cluster, self.sim)
         except UsageError:
             return math.inf, None
-        return result.step_time_s, Candidate(plan=plan, result=result,
-                                             note=update_change(plan) or "")
+        return result.step_time_s * self._weight(plan), Candidate(
+            plan=plan, result=result, note=update_change(plan) or "")
 
-    def _penalized(self, result: SimResult) -> float:
+    def _weight(self, plan: Plan) -> float:
+        """What multiplies ``plan``'s step time for its staleness (1 without a cost)."""
+        return 1.0 + self.options.staleness_cost * staleness(plan)
+
+    def _penalized(self, candidate: Candidate) -> float:
+        result = candidate.result
+        weighted = result.step_time_s * self._weight(candidate.plan)
         if result.fits_memory or result.memory_limit_bytes is None:
-            return result.step_time_s
+            return weighted
         overflow = result.peak_memory_bytes / result.memory_limit_bytes - 1
-        return result.step_time_s * (1 + OVERFLOW_PENALTY * overflow)
+        return weighted * (1 + OVERFLOW_PENALTY * overflow)
 
     # -- chains --------------------------------------------------------------------------------
 
@@ -303,7 +315,7 @@ class _Search:
         note = f"tandem train refuses it: {refusal}" if refusal else update_change(plan) or ""
         candidate = Candidate(plan=plan, result=result, note=note)
         if not refusal:
-            self._offer(result.step_time_s, candidate)
+            self._offer(result.step_time_s * self._weight(plan), candidate)
         return candidate
 
     # -- starting points -------------------------------------------------------------------------

@@ -15,12 +15,12 @@ as it will run (the schedule, micro-batches that divide the minibatch), and, whe
 parallelism does not fit the memory limit, its sharded forms (FSDP2 / ZeRO,
 :mod:`tandem.planning.simulate.sharded`); it returns the fastest
 that fits the devices' memory, its time the simulator's (``bottleneck_s``) beside the
-partitioner's estimate (``estimate_s``). It is never slower than a candidate it built, and
-monotone along the ladders in practice (more bandwidth, faster devices or a looser limit give
-no slower plan on issue 28's series; :mod:`.candidates` says why not by construction). Every
-candidate, with both figures and its memory, is listed in
-``plan.candidates``. A memory limit that no candidate meets is an error naming the smallest
-memory at which one would.
+partitioner's estimate (``estimate_s``). It is never slower than a candidate it built; a looser
+memory limit never gives a slower plan, by construction where every view's solve is cheap (a
+tighter limit's candidates are all among a looser one's: :mod:`.candidates` says why, and where
+it holds in practice only, as more bandwidth and faster devices do). Every candidate, with
+both figures and its memory, is listed in ``plan.candidates``. A memory limit that no
+candidate meets is an error naming the smallest memory at which one would.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import math
 import time
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from tandem.cluster import Cluster, Level
@@ -36,8 +37,8 @@ from tandem.errors import UsageError
 from tandem.plan import Plan, Stage
 from tandem.planning.partition.branches import compress_for_planning
 from tandem.planning.partition.memory import stage_memory_bytes
-from tandem.planning.search.candidates import (Candidate, CandidatePool, microbatch_counts,
-                                               minibatch)
+from tandem.planning.search.candidates import Candidate, CandidatePool
+from tandem.planning.search.microbatches import microbatch_counts, minibatch
 from tandem.planning.partition.pipedream import (NoPlanFits, Partition, PartitionOptions,
                                                  memory_bracket, partition, schedule_kind)
 from tandem.planning.simulate.sharded import sharded_plans
@@ -53,6 +54,9 @@ BUDGET_SCALES = (1.0, 2.0, 4.0, 8.0)
 :func:`smallest_memory_bytes` tries at each limit."""
 MEMORY_TOLERANCE = 1e-3
 """Relative precision of the smallest memory reported when nothing fits."""
+Least = Callable[[set[str]], "float | None"]
+"""The least memory limit under which the planner has a candidate of these names that fits
+(None where its walks are not nested: :meth:`CandidatePool.least_limit`)."""
 
 
 def partition_plan(
@@ -134,9 +138,16 @@ def make_plan(
     views = [("partition", cluster)]
     if len(cluster.levels) > 1:
         views.append(("flat", _flat_at_slowest_link(cluster)))
-    candidates = pool.ladders(views, options, functools.partial(partition_plan, profile))
+    solve = functools.partial(partition_plan, profile)
+    candidates = pool.ladders(views, options, solve)
+
+    def least(names: set[str]) -> float | None:
+        return CandidatePool(profile, cluster, kind, num_microbatches, sim,
+                             reschedule_all=pool.reschedule_all).least_limit(views, options,
+                                                                             solve, names)
+
     if asked and not _as_asked(kind, [c for c in candidates if c.fits]):
-        _refuse(profile, cluster, options, sim, candidates)  # the references would change nothing
+        _refuse(profile, cluster, options, sim, candidates, least)  # the references change nothing
     candidates += _references(profile, cluster, pool, candidates)
     eligible = candidates
     if asked:
@@ -147,7 +158,7 @@ def make_plan(
     fitting = _as_asked(kind, [c for c in eligible if c.fits]) if asked else [
         c for c in eligible if c.fits]
     if not fitting:
-        _refuse(profile, cluster, options, sim, eligible)
+        _refuse(profile, cluster, options, sim, eligible, least)
     best = min(fitting, key=lambda c: c.step_s)
     rows = sorted(candidates, key=lambda c: (c.name not in PIPELINE_CANDIDATES, not c.fits,
                                              c.step_s))
@@ -155,16 +166,16 @@ def make_plan(
 
 
 def _refuse(profile: ModelProfile, cluster: Cluster, options: PartitionOptions, sim: SimOptions,
-            eligible: list[Candidate]) -> NoReturn:  # fmt: skip
+            eligible: list[Candidate], least: Least) -> NoReturn:  # fmt: skip
     """No ``eligible`` candidate fits: :class:`UsageError` with the reasons when none could run
     at all (data parallelism and one device, always built, are candidates too), else
-    :class:`NoPlanFits` naming the smallest memory that would do."""
+    :class:`NoPlanFits` naming the smallest memory that would do (``least``: the planner's
+    own, where its walks are nested)."""
     if not any(c.plan is not None for c in eligible):
         reasons = "; ".join(dict.fromkeys(c.note for c in eligible if c.note))
         raise UsageError(f"no {options.schedule} plan on {cluster.num_devices} devices can run as "
                          f"asked: {reasons}")
-    raise NoPlanFits(_no_fit_message(profile, cluster, options, sim, options.memory_bytes,
-                                     eligible))
+    raise NoPlanFits(_no_fit_message(profile, cluster, options, sim, eligible, least))
 
 
 def _as_asked(kind: ScheduleKind, fitting: list[Candidate]) -> list[Candidate]:
@@ -281,10 +292,18 @@ def _stage_peak(result: SimResult, stage: int) -> float:
 
 
 def _no_fit_message(profile: ModelProfile, cluster: Cluster, options: PartitionOptions,
-                    sim: SimOptions, memory: float | None, eligible: list[Candidate]) -> str:
+                    sim: SimOptions, eligible: list[Candidate], least: Least) -> str:
+    """The smallest memory that would do: the least limit under which the planner's own
+    candidates give an eligible one that fits, where its walks are nested (every candidate
+    of a limit is one of every looser limit); else the bisection of
+    :func:`smallest_memory_bytes`, or an eligible candidate's peak if less."""
+    memory = options.memory_bytes
     assert memory is not None  # without a limit every plan fits
     peaks = [c.result.peak_memory_bytes for c in eligible if c.result is not None]
-    need = min([smallest_memory_bytes(profile, cluster, options, sim), *peaks])
+    planned = least({c.name for c in eligible})
+    smallest = planned if planned is not None else smallest_memory_bytes(profile, cluster,
+                                                                         options, sim)
+    need = min([smallest, *peaks])
     words = {"partition": "straight pipelines" if options.straight else "pipelines",
              "flat": "straight pipelines" if options.straight else "pipelines",
              "dp": "data parallelism", "sharded": "sharded data parallelism",

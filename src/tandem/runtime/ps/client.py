@@ -18,8 +18,9 @@ parameters through the CPU.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tandem.runtime.ps import protocol
+from tandem.runtime.watchdog import WAITING, Heartbeat
 from tandem.spec.codec import CodecSpec
 from tandem.sync.base import SyncStrategy
 from tandem.sync.flat import flatten, state_buffers
@@ -76,6 +78,9 @@ class ParameterServerClient(SyncStrategy):
         self.group: dist.ProcessGroup | None = None
         self.resume_state: dict[str, Any] | None = None
         """Codec state of a checkpoint (:meth:`codec_state`), restored before the first pull."""
+        self.beat: Heartbeat | None = None
+        """The worker's heartbeat: its phase is :data:`~tandem.runtime.watchdog.WAITING` while
+        it waits for the servers' replies (a server takes no waiting worker for stuck)."""
         self.on_pushed: Callable[[int], None] | None = None
         """Called after each push of step ``s`` is sent and before its reply is read: where a
         compressed worker's codec state matches the servers' checkpoint after ``s + 1``
@@ -167,13 +172,24 @@ class ParameterServerClient(SyncStrategy):
                                          group=self.group), outgoing))
         if kind == protocol.PUSH and self.on_pushed is not None:
             self.on_pushed(step)
-        with self.action("PL"):
+        with self.action("PL"), self._waiting():
             stop = self._pull()
         for work, _ in sends:
             if work is not None:
                 work.wait()
         self.next_step = self.versions[0]
         return stop
+
+    @contextlib.contextmanager
+    def _waiting(self) -> Iterator[None]:
+        """Within: the heartbeat's phase says this worker waits for its servers (and still
+        does after a wait that failed, for the diagnosis)."""
+        if self.beat is None:
+            yield
+            return
+        phase, self.beat.phase = self.beat.phase, WAITING
+        yield
+        self.beat.phase = phase
 
     def _pushed(self, params: list[torch.Tensor]) -> torch.Tensor:
         """What a push sends a server of its shard ``params``: their gradient, flat."""

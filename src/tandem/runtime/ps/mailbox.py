@@ -1,10 +1,12 @@
-"""A server's messages with its workers: received on a background thread and decoded, replies
-encoded and sent without waiting (at most one in flight per worker)."""
+"""A server's messages with its workers: received on background threads (one per worker) and
+decoded, replies encoded and sent without waiting (at most one in flight per worker)."""
 
 from __future__ import annotations
 
+import datetime
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -14,46 +16,75 @@ import torch.distributed as dist
 from tandem.runtime.ps import protocol
 from tandem.runtime.ps.codecs import WireCodecs
 from tandem.runtime.ps.shard import ServerShard
-from tandem.sync.side_group import source_rank
+from tandem.runtime.watchdog import SILENT_AFTER_S
+
+
+NEVER = datetime.timedelta(days=365)
+"""How long a receive from a worker may wait: for ever, in effect. A gloo wait that times out
+closes every connection of its process (the server's with the other workers too), so the server
+judges a worker that sends nothing by its heartbeat (:mod:`tandem.runtime.ps.liveness`), not by
+a receive's timeout."""
+
+
+class WorkerLost(RuntimeError):
+    """The connection to a worker failed (its process ended) before it said goodbye."""
+
+    def __init__(self, worker: int, error: BaseException) -> None:
+        super().__init__(f"worker rank {worker}: {error}")
+        self.worker, self.error = worker, error
 
 
 class Mailbox:
-    """Receives the workers' messages on a background thread, so that the server can wait for
-    the next one with a timeout (a timed-out gloo receive cannot be resumed). It stops once
-    every one of ``num_workers`` workers has said goodbye."""
+    """Receives the workers' messages, one background thread per worker, so that the server can
+    wait for the next one with a timeout (a timed-out gloo receive cannot be resumed).
 
-    def __init__(self, body_bytes: int, num_workers: int,
+    Not one receive from any worker: gloo gives such a receive to the first worker that
+    announced a message, and then waits for that worker's bytes, so a worker stopped (SIGSTOP)
+    between the two would hold every other worker's message back. A worker's thread ends with
+    its goodbye, or when its connection fails (:class:`WorkerLost` is queued: its process
+    ended)."""
+
+    def __init__(self, body_bytes: int, workers: list[int],
                  group: dist.ProcessGroup | None = None) -> None:
         self.body_bytes = body_bytes
-        self.num_workers = num_workers
         self.group = group
         self.queue: queue.Queue[Any] = queue.Queue()
-        self.thread = threading.Thread(target=self._run, name="tandem-ps-mailbox", daemon=True)
-        self.thread.start()
+        self.threads = {worker: threading.Thread(target=self._run, args=(worker,), daemon=True,
+                                                 name=f"tandem-ps-mailbox-{worker}")
+                        for worker in workers}
+        for thread in self.threads.values():
+            thread.start()
 
     def get(self, timeout: float | None) -> Any:
-        """The next message (or the exception that stopped the receiver)."""
+        """The next message (or the :class:`WorkerLost` of a worker whose connection failed)."""
         return self.queue.get(timeout=timeout)
 
-    def _run(self) -> None:
-        goodbyes: set[int] = set()
-        while len(goodbyes) < self.num_workers:
-            try:
-                sender, message = self._receive_one()
-            except BaseException as exc:  # noqa: BLE001 - handed to the main thread
-                self.queue.put(exc)
-                return
-            self.queue.put((sender, message))
-            if protocol.Header.decode(message).kind == protocol.BYE:
-                goodbyes.add(sender)
+    def join(self, workers: set[int], timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` in all for the threads of ``workers`` to end (each ends when
+        its worker's process does), so that none is still in a receive when this process
+        exits: an interpreter that exits under one aborts."""
+        deadline = time.monotonic() + timeout_s
+        for worker in sorted(workers):
+            self.threads[worker].join(timeout=max(0.0, deadline - time.monotonic()))
 
-    def _receive_one(self) -> tuple[int, torch.Tensor]:
+    def _run(self, worker: int) -> None:
+        while True:
+            try:
+                message = self._receive_one(worker)
+            except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+                self.queue.put(WorkerLost(worker, exc))
+                return
+            self.queue.put((worker, message))
+            if protocol.Header.decode(message).kind == protocol.BYE:
+                return
+
+    def _receive_one(self, worker: int) -> torch.Tensor:
         message = protocol.empty(self.body_bytes)
-        work = dist.irecv(message, src=None, tag=protocol.TO_SERVER, group=self.group)
+        work = dist.irecv(message, src=worker, tag=protocol.TO_SERVER, group=self.group)
         if work is None:  # only a rank outside the group gets none, and servers are in it
             raise RuntimeError("this server is not in the group its workers send on")
-        work.wait()
-        return source_rank(work, self.group), message
+        work.wait(NEVER)
+        return message
 
 
 class Replies:
@@ -76,10 +107,13 @@ class Replies:
         self.in_flight[worker] = (dist.isend(outgoing, dst=worker, tag=protocol.TO_WORKER,
                                              group=self.group), outgoing)
 
-    def finish(self) -> set[int]:
-        """Wait for every reply in flight; the workers whose reply failed."""
+    def finish(self, skip: set[int]) -> set[int]:
+        """Wait for every reply in flight but those to ``skip`` (workers left behind, which may
+        never take theirs); the workers whose reply failed."""
         failed = set()
         for worker, (work, _) in list(self.in_flight.items()):
+            if worker in skip:
+                continue
             try:
                 work.wait()
             except RuntimeError:
@@ -92,20 +126,29 @@ class ServerWire:
     """A server's side of the wire: pushes decoded as they arrive (their buffers kept by the
     shard until applied), replies encoded and sent, on the gloo ``group``."""
 
-    def __init__(self, shard: ServerShard, codecs: WireCodecs, num_workers: int,
+    def __init__(self, shard: ServerShard, codecs: WireCodecs, workers: list[int],
                  group: dist.ProcessGroup | None) -> None:
         self.shard, self.codecs = shard, codecs
         self.push_bytes = codecs.codec(feedback=True).body_bytes
         self.replies = Replies(group)
-        self.mailbox = Mailbox(self.push_bytes + shard.buffers.num_bytes, num_workers, group)
+        self.mailbox = Mailbox(self.push_bytes + shard.buffers.num_bytes, workers, group)
 
-    def receive(self, timeout: float | None) -> tuple[int, protocol.Header, torch.Tensor | None]:
+    def receive(self, timeout: float | None, *,
+                limit_s: float) -> tuple[int, protocol.Header, torch.Tensor | None]:
         """The next message from any worker: (sender, header, decoded gradient shard of a
-        push); raises ``queue.Empty`` after ``timeout`` seconds without one.
+        push); raises ``queue.Empty`` after ``timeout`` seconds without one (None: a
+        ``RuntimeError`` after ``limit_s``, for the diagnosis of the workers), and
+        :class:`WorkerLost` where a worker's connection failed.
 
         Every push is decoded, in the order each worker sent them (codecs whose decoding has
         state advance in step with the sender's)."""
-        item = self.mailbox.get(timeout=timeout)
+        try:
+            item = self.mailbox.get(timeout=limit_s if timeout is None else timeout)
+        except queue.Empty:
+            if timeout is not None:
+                raise
+            raise RuntimeError(f"timed out after {limit_s:g} s waiting for the workers' "
+                               "messages") from None
         if isinstance(item, BaseException):
             raise item
         sender, message = item
@@ -117,6 +160,15 @@ class ServerWire:
         if not self.shard.params:
             return sender, header, None
         return sender, header, self.codecs.decode(sender, data[:self.push_bytes])
+
+    def finish(self, left_behind: set[int]) -> set[int]:
+        """After the last message: wait for the replies in flight to the workers not
+        ``left_behind`` (returns those whose reply failed), then up to ``SILENT_AFTER_S + 5``
+        s for the receives from those left behind to end, as their processes do."""
+        failed = self.replies.finish(skip=left_behind)
+        if left_behind:
+            self.mailbox.join(left_behind, timeout_s=SILENT_AFTER_S + 5)
+        return failed
 
     def reply(self, worker: int, values: Callable[[], torch.Tensor], *, version: int,
               stop: bool, update: int = -1) -> None:

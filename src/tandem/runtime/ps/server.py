@@ -35,7 +35,7 @@ from tandem.runtime.ps import protocol
 from tandem.runtime.ps.checkpoint import ServerCheckpoint
 from tandem.runtime.ps.codecs import WireCodecs
 from tandem.runtime.ps.liveness import LIVENESS_EVERY_S, Liveness
-from tandem.runtime.ps.mailbox import ServerWire
+from tandem.runtime.ps.mailbox import ServerWire, WorkerLost
 from tandem.runtime.ps.rounds import PushRound, first_update, next_updates, released
 from tandem.runtime.ps.shard import ServerShard
 from tandem.runtime.ps.stats import ServerLog, ServerStats
@@ -133,7 +133,7 @@ class ParameterServer(Worker):
         self.version = steps * self.pace.per_step
         group = cpu_group(timeout_s=config.timeout_s)  # where the workers make theirs
         self.peers = ServerPeers(rank=env.rank, num_servers=self.sync.num_servers, group=group)
-        self.wire = ServerWire(self.shard, self.codecs, len(self.workers), group)
+        self.wire = ServerWire(self.shard, self.codecs, self.workers, group)
 
     @property
     def config(self) -> RunConfig:
@@ -192,12 +192,16 @@ class ParameterServer(Worker):
 
     def _receive(self, poll: bool) -> tuple[int, protocol.Header, torch.Tensor | None] | None:
         """The next message from any worker (:meth:`ServerWire.receive`). With ``poll``, gives
-        up after ``LIVENESS_EVERY_S`` to check which workers went silent, and returns None."""
+        up after ``LIVENESS_EVERY_S`` to check which workers went silent, and returns None (also
+        where one was lost: :meth:`Liveness.lost`); without, raises after ``--timeout``."""
         if poll and self.liveness.due():
             self._check_liveness()  # also while messages flow: a stuck worker sends none
         try:
-            sender, header, gradient = self.wire.receive(LIVENESS_EVERY_S if poll else None)
-        except queue.Empty:
+            sender, header, gradient = self.wire.receive(LIVENESS_EVERY_S if poll else None,
+                                                         limit_s=self.config.timeout_s)
+        except (queue.Empty, WorkerLost) as missed:
+            if isinstance(missed, WorkerLost):  # its process ended before its goodbye
+                self.liveness.lost(missed.worker, missed.error, stop=not poll)
             self._check_liveness()
             return None
         self.stats.traffic[sender] = header.traffic
@@ -209,10 +213,8 @@ class ParameterServer(Worker):
         try:
             self.wire.reply(worker, lambda: self._reply_values(worker), version=self.version,
                             stop=stop, update=update)
-        except RuntimeError:
-            if not self.sync.mode.asynchronous:
-                raise
-            self.liveness.dead.add(worker)
+        except RuntimeError as error:  # its process ended: as a lost connection
+            self.liveness.lost(worker, error, stop=not self.sync.mode.asynchronous)
 
     def _check_liveness(self) -> None:
         """Asynchronous modes go on without workers that died or are stuck
@@ -317,9 +319,7 @@ class ParameterServer(Worker):
             elif header.kind in (protocol.PUSH, protocol.PULL):
                 self.stats.dropped += int(header.kind == protocol.PUSH)
                 self._reply(sender, stop=True)
-        self.liveness.dead |= self.wire.replies.finish()
-        if self.liveness.dead:  # its receive from them ends at --timeout; never at exit
-            self.wire.mailbox.thread.join(timeout=self.config.timeout_s + 5)
+        self.liveness.dead |= self.wire.finish(left_behind=self.liveness.dead)
 
     def run(self) -> dict[str, Any] | None:
         """Serve, then gather the model on server 0, evaluate it and write the outputs."""
