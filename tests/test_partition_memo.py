@@ -1,17 +1,19 @@
 """Remembered solves (``planning/partition/memo.py``) change no answer: a partition solved after
-others (whose plans bound its table, whose infeasible budgets answer tighter ones at once) is the
-one solved afresh, stage for stage."""
+others (whose plans bound its table, whose infeasible budgets answer tighter ones at once, whose
+inner tables under looser limits start its own) is the one solved afresh, stage for stage."""
 
 from __future__ import annotations
 
 import dataclasses
 import random
 
+import numpy as np
 import pytest
 
 from tandem.cluster import Cluster, Level
 from tandem.planning import NoPlanFits, PartitionOptions
 from tandem.planning.partition import memo, pipedream
+from tandem.planning.partition.levels import solve_level
 from tandem.planning.partition.pipedream import Partition, partition
 from tests.test_partition_exact import random_profile
 
@@ -83,3 +85,37 @@ def test_an_equal_profile_built_anew_is_recognised() -> None:
     assert memo.content(profile) is memo.content(again)
     first = partition(profile, _flat(4, 1.25e9))
     assert partition(again, _flat(4, 1.25e9)) is first
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_an_inner_table_solved_from_a_looser_limits_is_the_table_solved_afresh(seed: int) -> None:
+    """A walk down the memory grid solves the innermost level of a hierarchy again only where a
+    cell's plan under the last (looser) limit has a stage over the new one
+    (``levels.solve_level(problem, looser)``): every cell's value, split and replicas are a
+    fresh solve's, on each budget of a descending walk."""
+    rng = random.Random(seed)
+    for _ in range(4):
+        dag = rng.random() < 0.4
+        profile = random_profile(rng, rng.randint(6, 10) if dag else rng.randint(8, 20), dag)
+        options = PartitionOptions(activation_compression=rng.choice([None, 1.0]),
+                                   allow_idle=rng.random() < 0.3, straight=rng.random() < 0.2,
+                                   schedule=rng.choice(["pipedream", "1f1b", "gpipe"]))
+        cluster = Cluster(levels=(Level(num_units=rng.randint(2, 6), bandwidth_Bps=1e10),
+                                  Level(num_units=2, bandwidth_Bps=1.25e9)))
+        states = memo.states_of(profile, memo.content(profile))
+        segments = pipedream._segments(states, cluster.speed)
+        whole = max(sum(layer.parameter_bytes for layer in profile.layers), 1e6) * 4
+        looser = None
+        changed = 0
+        for budget in [None, *sorted((rng.uniform(0.02, 1.0) * whole for _ in range(6)),
+                                     reverse=True)]:
+            problem = pipedream._level_problem(
+                states, segments, cluster, 0, dataclasses.replace(options, memory_bytes=budget),
+                None)
+            afresh = solve_level(problem)
+            walked = solve_level(problem, looser) if looser is not None else afresh
+            for name in ("best", "split", "replicas"):
+                assert np.array_equal(getattr(walked, name), getattr(afresh, name)), (name, budget)
+            changed += looser is not None and not np.array_equal(looser.best, afresh.best)
+            looser = walked
+        assert changed  # the limits bound

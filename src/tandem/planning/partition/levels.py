@@ -5,11 +5,14 @@ minus state ``p - 1`` (row 0: from the start) on ``m + 1`` units, vectorized ove
 stage's start and replica count. Row 0 alone is solved faster by :mod:`.bounded` and, for
 many units, by :mod:`.parametric`. Under a memory limit an outer level checks every device of
 the plan the level below chose for a segment (:meth:`LevelTable.device_stages`), with the
-replicas and the devices after it that the whole plan gives it.
+replicas and the devices after it that the whole plan gives it. Under a tighter limit than one
+already solved, the innermost table is solved again only where a cell's plan no longer fits
+(``solve_level(problem, looser)``: the planner's walk down the memory grid).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -265,23 +268,73 @@ class LevelTable:
             state, units = choice, units - reps
 
 
-def solve_level(problem: LevelProblem) -> LevelTable:
+def solve_level(problem: LevelProblem, looser: LevelTable | None = None) -> LevelTable:
     """The full dynamic program (every row when ``problem.all_rows``, else row 0), a column of
-    states at a time, vectorized over the rows of that column."""
+    states at a time, vectorized over the rows of that column.
+
+    ``looser``: the table of the same innermost level under a looser memory limit (or none).
+    Only the cells whose plan there has a stage over ``problem``'s limit are solved again; every
+    other cell keeps its plan, which is still its first best: the limit only removes
+    candidates, and the others' times can only grow (the same table as a fresh solve, exactly:
+    ``tests/test_partition_memo.py``)."""
     n = problem.states.num_states
     N = problem.num_units
     rows = n + 1 if problem.all_rows else 1
-    best = np.full((rows, n, N), np.inf)
-    split = np.full((rows, n, N), -3, dtype=np.int64)
-    reps = np.zeros((rows, n, N), dtype=np.int64)
+    if looser is None:
+        table = (np.full((rows, n, N), np.inf), np.full((rows, n, N), -3, dtype=np.int64),
+                 np.zeros((rows, n, N), dtype=np.int64))
+    else:
+        _check_looser(problem, looser)
+        assert looser.split is not None and looser.replicas is not None  # a full table
+        table = (looser.best.copy(), looser.split.copy(), looser.replicas.copy())
+    over = np.zeros((rows, n, N), dtype=bool)
     units = np.arange(1, N + 1)
     for j in range(n):
         below = np.flatnonzero(problem.states.below[:, j])
         valid = np.concatenate(([0], below + 1)) if problem.all_rows else np.zeros(1, np.int64)
+        cells = None  # [row, m]: the cells to solve (None: all)
+        if looser is not None:
+            cells = _over_limit(problem, table, over, valid, j)
+            again = cells.any(axis=1)
+            valid, cells = valid[again], cells[again]
+            if valid.size == 0:
+                continue
         base = _base_times(problem, valid, j, units)
-        rec = _recursive(problem, best, valid, below, j)
-        _combine(problem, (best, split, reps), valid, j, base, rec)
-    return LevelTable(problem=problem, best=best, split=split, replicas=reps)
+        rec = _recursive(problem, table[0], valid, below, j, cells)
+        _combine(problem, table, valid, j, base, rec, cells)
+    return LevelTable(problem=problem, best=table[0], split=table[1], replicas=table[2])
+
+
+def _check_looser(problem: LevelProblem, looser: LevelTable) -> None:
+    """``looser`` is ``problem``'s innermost table under a limit at least as loose."""
+    other = looser.problem
+    limit = math.inf if problem.memory_bytes is None else problem.memory_bytes
+    assert problem.inner is None and other.inner is None
+    assert other.memory_bytes is None or other.memory_bytes >= limit
+    assert other.states.num_states == problem.states.num_states
+    assert other.num_units == problem.num_units and other.all_rows == problem.all_rows
+
+
+def _over_limit(problem: LevelProblem, table: tuple[np.ndarray, np.ndarray, np.ndarray],
+                over: np.ndarray, rows: np.ndarray, j: int) -> np.ndarray:  # fmt: skip
+    """``[row, m]`` for column ``j`` of a table solved under a looser limit (not yet solved
+    again): whether the cell's plan has a stage over ``problem``'s limit (its last stage, or
+    its prefix's plan: ``over`` of the columns before; idle units: the cell one unit fewer).
+    Kept in ``over``."""
+    best, split, reps = table
+    N = problem.num_units
+    units = np.arange(N)[None, :]
+    choice, count = split[rows, j], reps[rows, j]
+    whole, cut = choice == -1, choice >= 0
+    fits = problem.fits(np.where(cut, choice + 1, rows[:, None]), j,
+                        np.where(whole, units + 1, np.maximum(count, 1)),
+                        np.broadcast_to(units + 1, choice.shape))
+    prefix = cut & over[rows[:, None], np.where(cut, choice, 0), np.maximum(units - count, 0)]
+    result: np.ndarray = np.isfinite(best[rows, j]) & (((whole | cut) & ~fits) | prefix)
+    for m in range(1, N):
+        result[:, m] |= (choice[:, m] == -2) & result[:, m - 1]
+    over[rows, j] = result
+    return result
 
 
 def _base_times(problem: LevelProblem, rows: np.ndarray, j: int, units: np.ndarray) -> np.ndarray:
@@ -307,10 +360,11 @@ def _last_stage_times(problem: LevelProblem, below: np.ndarray, j: int) -> np.nd
 
 def _recursive(
     problem: LevelProblem, best: np.ndarray, rows: np.ndarray, below: np.ndarray, j: int,
+    cells: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
     """Best split per row and unit count m: min over k, r of max(best[row, k, m - r],
     last[k, r]), the first minimum in the order of ``below`` then ``r`` (``r`` up to ``m``:
-    the prefix keeps a unit)."""
+    the prefix keeps a unit); only where ``cells[row, m]`` when given (inf elsewhere)."""
     N = problem.num_units
     rec = np.full((rows.size, N), np.inf)
     rec_k = np.full((rows.size, N), -3, dtype=np.int64)
@@ -322,21 +376,23 @@ def _recursive(
     starts = np.ones((rows.size, below.size), dtype=bool)
     inner = rows > 0
     starts[inner] = problem.states.below[rows[inner] - 1][:, below]
+    fits = np.ones((below.size, N, N - 1), dtype=bool)  # [k, m, r - 1]
+    if problem.memory_bytes is not None:
+        fits = np.broadcast_to(problem.fits(
+            (below + 1)[:, None, None], j, np.arange(1, N)[None, None, :],
+            np.arange(1, N + 1)[None, :, None]), fits.shape)
     for m in range(1, N):
         r = np.arange(1, m + 1)
-        blocked = ~starts[:, :, None]
-        if problem.memory_bytes is not None:
-            fits = problem.fits((below + 1)[:, None], j, r[None], np.full((1, m), m + 1))
-            blocked = blocked | ~fits[None]
         step = max(1, _CHUNK_ELEMENTS // max(1, below.size * m))
-        for first in range(0, rows.size, step):
-            part = slice(first, first + step)
-            prefix = best[rows[part]][:, below][:, :, m - r]  # [row, k, r]
+        solved = np.arange(rows.size) if cells is None else np.flatnonzero(cells[:, m])
+        for first in range(0, solved.size, step):
+            part = solved[first : first + step]
+            prefix = best[rows[part][:, None, None], below[None, :, None], (m - r)[None, None, :]]
             cand = np.maximum(prefix, last[None, :, :m])
-            cand = np.where(blocked[part], np.inf, cand)
+            cand = np.where(starts[part][:, :, None] & fits[None, :, m, :m], cand, np.inf)
             flat = cand.reshape(cand.shape[0], -1)
             arg = np.argmin(flat, axis=1)
-            value = np.take_along_axis(flat, arg[:, None], axis=1)[:, 0]
+            value = flat[np.arange(part.size), arg]
             found = np.isfinite(value)
             rec[part, m] = value
             rec_k[part, m] = np.where(found, below[arg // m], -3)
@@ -347,8 +403,10 @@ def _recursive(
 def _combine(
     problem: LevelProblem, table: tuple[np.ndarray, np.ndarray, np.ndarray], rows: np.ndarray,
     j: int, base: np.ndarray, rec: tuple[np.ndarray, np.ndarray, np.ndarray],
+    cells: np.ndarray | None = None,
 ) -> None:  # fmt: skip
-    """PipeDream's order: one stage first, then idle units if strictly better, then splits."""
+    """PipeDream's order: one stage first, then idle units if strictly better, then splits;
+    only the cells ``cells[row, m]`` when given."""
     best, split, reps = table
     values, ks, rs = rec
     for m in range(problem.num_units):
@@ -360,6 +418,7 @@ def _combine(
             value = np.where(idle, best[rows, j, m - 1], value)
             choice, count = np.where(idle, -2, choice), np.where(idle, 0, count)
         splits = values[:, m] < value
-        best[rows, j, m] = np.where(splits, values[:, m], value)
-        split[rows, j, m] = np.where(splits, ks[:, m], choice)
-        reps[rows, j, m] = np.where(splits, rs[:, m], count)
+        write = slice(None) if cells is None else cells[:, m]
+        best[rows[write], j, m] = np.where(splits, values[:, m], value)[write]
+        split[rows[write], j, m] = np.where(splits, ks[:, m], choice)[write]
+        reps[rows[write], j, m] = np.where(splits, rs[:, m], count)[write]

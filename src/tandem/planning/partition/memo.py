@@ -12,7 +12,9 @@ identity, so an equal profile built anew is recognised):
 - :func:`states_of`: the cut states of a profile (:func:`build_states`), once per profile.
 - :func:`inner_table`: the full table of an inner level of a hierarchy, by the levels up to
   its own (a ``tandem scale`` point differs from the next in its outer level only); an LRU of
-  at most :data:`MAX_TABLE_BYTES`.
+  at most :data:`MAX_TABLE_BYTES`. The innermost level's table under a memory limit starts
+  from the one kept under the least looser limit, and solves again only the cells whose plan
+  there no longer fits (:func:`.levels.solve_level`): a walk down the memory grid.
 - :func:`infeasible`: on one level, whether a plan fits depends on memory alone (links and
   speed change times, not bytes), and a plan that fits a budget fits every looser one; so the
   loosest budget known to fit nothing is kept per profile, unit count and memory options, and
@@ -25,6 +27,7 @@ identity, so an equal profile built anew is recognised):
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
@@ -101,6 +104,7 @@ _TABLES = _Lru(MAX_TABLE_BYTES, size=lambda entry: _nbytes(entry, depth=3))
 _INFEASIBLE = _Lru(MAX_PROFILES * 64)
 _KNOWN = _Lru(MAX_PROFILES * 8)
 _CONTENTS = _Lru(MAX_PROFILES)
+_FAMILIES = _Lru(MAX_PROFILES * 8)
 
 
 def _nbytes(value: Any, depth: int) -> float:
@@ -153,14 +157,32 @@ def states_of(profile: ModelProfile, key: Content) -> States:
     return found  # type: ignore[no-any-return]
 
 
-def inner_table(key: Hashable, solve: Callable[[], T]) -> T:
+def inner_table(key: Hashable, solve: Callable[[T | None], T], family: Hashable = None,
+                memory_bytes: float | None = None) -> T:
     """The table of an inner level, solved once for ``key`` (the levels up to it and every
-    input of their problems)."""
+    input of their problems). With a ``family`` (the same question under any memory limit;
+    ``memory_bytes`` this one's, None: none), ``solve`` gets the table kept for the least
+    looser limit of the family to start from (None when none is kept)."""
     found = _TABLES.get(key)
     if found is None:
-        found = solve()
+        found = solve(_looser(family, memory_bytes) if family is not None else None)
         _TABLES.put(key, found)
+        if family is not None:
+            limits: dict[float, Hashable] = _FAMILIES.get(family) or {}
+            limits[math.inf if memory_bytes is None else memory_bytes] = key
+            _FAMILIES.put(family, limits)
     return found  # type: ignore[no-any-return]
+
+
+def _looser(family: Hashable, memory_bytes: float | None) -> Any:
+    """The table kept for the least limit of ``family`` looser than ``memory_bytes``."""
+    limits: dict[float, Hashable] = _FAMILIES.get(family) or {}
+    limit = math.inf if memory_bytes is None else memory_bytes
+    for looser in sorted(budget for budget in limits if budget > limit):
+        found = _TABLES.get(limits[looser])
+        if found is not None:
+            return found
+    return None
 
 
 def infeasible(key: Hashable, memory_bytes: float) -> bool:
@@ -194,5 +216,5 @@ def note_plan(key: Hashable, stages: StageKey) -> None:
 
 def forget() -> None:
     """Drop everything kept (for measuring a cold start)."""
-    for cache in (_SOLVES, _STATES, _TABLES, _INFEASIBLE, _KNOWN, _CONTENTS):
+    for cache in (_SOLVES, _STATES, _TABLES, _INFEASIBLE, _KNOWN, _CONTENTS, _FAMILIES):
         cache.clear()

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -176,7 +177,10 @@ def _partition(profile: ModelProfile, content: memo.Content, cluster: Cluster,
             tables.append(_solve(problem, options, known))
             break
         key = (content, cluster.speed, cluster.levels[: level_index + 1], options)
-        table, inner = memo.inner_table(key, lambda: _inner(problem, memory is not None))
+        family = (content, cluster.speed, cluster.levels[:1],
+                  dataclasses.replace(options, memory_bytes=None)) if level_index == 0 else None
+        table, inner = memo.inner_table(
+            key, lambda looser: _inner(problem, memory is not None, looser), family, memory)
         tables.append(table)
         compute = np.where(np.isnan(params), np.nan, table.best[:, :, -1])
     try:
@@ -243,10 +247,11 @@ def _level_problem(states: States, segments: tuple[np.ndarray, np.ndarray, np.nd
     )
 
 
-def _inner(problem: LevelProblem, limited: bool) -> tuple[LevelTable, DeviceStages | None]:
-    """An inner level's full table, and its plans' devices for the level above when memory is
-    limited."""
-    table = solve_level(problem)
+def _inner(problem: LevelProblem, limited: bool, looser: tuple[LevelTable, Any] | None
+           ) -> tuple[LevelTable, DeviceStages | None]:  # fmt: skip
+    """An inner level's full table (from ``looser``'s, the innermost level's under a looser
+    limit, when given), and its plans' devices for the level above when memory is limited."""
+    table = solve_level(problem, looser[0] if looser is not None else None)
     return table, table.device_stages() if limited else None
 
 
