@@ -323,12 +323,15 @@ class _Limited(_Parametric):
         """The least bound above ``low`` at which ``plan_within`` finds a plan, and the plan.
         ``monotone``: a bound that finds none proves that no tighter one does, so the bisection
         stops once nothing is found just below the best plan's bottleneck (every later step
-        would find nothing: the same answer and plan)."""
+        would find nothing), and the plan is the one found at that bottleneck itself: the same
+        whichever bounds the bisection tried (a budget whose own search meets it has it too,
+        which lets the planner's walk down the memory grid skip: ``planning/search/
+        candidates.py``)."""
         pieces = plan_within(self._loosest())
         if pieces is None:
             return None
         high = max(piece[3] for piece in pieces)
-        checked = math.inf
+        checked, proven = math.inf, False
         for _ in range(MAX_BOUNDS):
             mid = 0.5 * (low + high)
             if not low < mid < high or high - low <= high * PRECISION:
@@ -336,13 +339,22 @@ class _Limited(_Parametric):
             if monotone and high != checked:
                 checked = high
                 if plan_within(float(np.nextafter(high, 0.0))) is None:
+                    proven = True
                     break
             found = plan_within(mid)
             if found is None:
                 low = mid
             else:
                 pieces, high = found, max(piece[3] for piece in found)
-        return high, pieces
+        if not monotone:
+            return high, pieces
+        while not proven:  # the steps ran out: down to a bottleneck nothing beats
+            lower = plan_within(float(np.nextafter(high, 0.0)))
+            proven = lower is None
+            high = high if lower is None else max(piece[3] for piece in lower)
+        exact = plan_within(high)
+        assert exact is not None  # a plan within high was found
+        return high, exact
 
     def _loosest(self) -> float:
         """A bound every segment meets on every unit count: only memory limits plans there."""
