@@ -19,40 +19,45 @@ therefore asks it along two ladders and keeps the fastest simulated plan that fi
   bandwidth over speed only), each way until :data:`STABLE_RUNGS` rungs give no new free plan;
   beyond the cluster's own links a rung is walked while its fixed charge, :data:`RUNG_SOLVES`
   solves of :func:`solve_work`, fits what is left of :data:`MAX_SOLVE_WORK`;
-- memory, on every rung walked (:meth:`CandidatePool._walk`): the free plan, then the plan under
-  every point of a fixed grid of budgets (:func:`grid_point`: 1 GB times powers of 2 ** (1 /
-  points per doubling)) from the least point at or above the top (:func:`walk_top`: the limit,
-  for flush schedules times ``max(FLUSH_BUDGET_SCALES)`` as the partitioner budgets a
-  replica's whole share in flight where 1F1B holds less; none without a limit) down to the
-  point below which no plan fits: :data:`FINE_POINTS` points per doubling (4.4% apart) on the
-  cluster's own links; on the other rungs as many for :data:`WINDOW_POINTS` points below the
-  free plan's need, then :data:`COARSE_POINTS` (19%, every fourth).
+- memory, on every rung walked (:meth:`CandidatePool._walk`): the free plan, then the plans
+  under the points of a fixed grid of budgets (:func:`grid_point`: 1 GB times powers of 2 **
+  (1 / points per doubling)) below the free plan's need, down to the first point with no plan:
+  :data:`FINE_POINTS` points per doubling (4.4% apart), or for a view whose solve is costly
+  (:func:`grid_points`: a 1,000-layer chain on 1,024 devices) :data:`SPARSE_POINTS`; on other
+  rungs than the cluster's own, fine for :data:`WINDOW_POINTS` points below the free plan's
+  need, then :data:`COARSE_POINTS` (19%, every fourth). On one level the walk starts at the
+  least point at or above the top (:func:`walk_top`: the limit, for flush schedules times
+  :data:`FLUSH_BUDGET_SCALE` as the partitioner budgets a replica's whole share in flight where
+  1F1B holds less) and goes on from each plan at the greatest point below its need; on a
+  hierarchy it solves every point, whatever the limit.
 
-Why this is monotone in the limit, by construction: nothing above depends on the limit but
-where the walks start, so every candidate of a tighter limit is a candidate of a looser one:
-each rung's grid is fixed (by its free plan) and a walk from a higher point passes every point
-below it; the rungs walked and their order do not depend on the limit (the charges are fixed,
-the stop rule reads free plans); nor do the free plans, data parallelism or one device, nor a
-plan's simulated time (the limit only says whether it fits). Such a candidate fits the looser limit too, and the looser
-limit's choice, the fastest that fits, is no slower. A walk solves only one budget per
-distinct plan: a budget's plan is the partitioner's best among the plans that fit it (the
-first in its own order among equals), so every grid point between a plan's need and the budget
-it was solved for has that same plan, and the walk goes on at the greatest point below the
-need (``tests/test_planner_properties.py`` checks this against a solve at every point). The
-limit's own plan is among the candidates unless a plan's need lies between the limit and the
-grid point below it while the point above has a plan that needs more than the limit: a budget
-off the grid would be a candidate of that one limit alone.
+Why this is monotone in the limit, by construction: every candidate of a tighter limit is a
+candidate of a looser one, which it fits too, so the looser limit's choice, the fastest that
+fits, is no slower. Nothing above depends on the limit but where a one-level walk starts: the
+grids are fixed (a rung's by its free plan and its solve's size), the rungs walked and their
+order do not depend on the limit (the charges are fixed, the stop rule reads free plans); nor
+do the free plans, data parallelism or one device, nor a plan's simulated time (the limit only
+says whether it fits). A one-level walk from a higher point passes every point below it: a
+budget's plan is the partitioner's best among the plans that fit it (the first in its own
+order among equals; the limited search's, the one its search finds at the optimum itself) and
+its memory check of a stage is the plan's need, so every grid point between a plan's need and
+the budget it was solved for has that same plan, and a walk that goes on at the greatest point
+below the need misses none (``tests/test_planner_properties.py`` checks this against a solve at
+every point). Without idle units: those count as devices after a stage in its check, and a
+walk with them solves every point. On a hierarchy neither holds: an inner level checks a stage
+without the replicas above it (for flush schedules more than it will hold) and keeps one plan
+per segment, so a point between a plan's need and its budget can have another plan (ResNet-50
+on servers of 4 under 1F1B: 31 of 82 points), and a budget with no plan can have one below it;
+there the walk is the same for every limit. Its later solves start from the inner level's
+table under the last budget (:mod:`tandem.planning.partition.memo`), so ResNet-50 on servers
+of 4 walks the fine grid. The limit's own plan is among the candidates unless a plan's need
+lies between the limit and the grid point below it while the point above has a plan that needs
+more than the limit: a budget off the grid would be a candidate of that one limit alone.
 
 Not by construction: more bandwidth or faster devices (another cluster's ladder is around other
 links: ``tests/test_planner_properties.py`` checks twice the bandwidth and devices twice as fast
-on a sample, and issue 28's series); and clusters with a costly view (a solve beyond
-:data:`FINE_WORK`: ResNet-50 on servers of 4), whose walk to the least memory would take
-minutes: there every view takes candidates anchored at the limit (``_near_limit``): the
-limit's plan and :data:`WALK_STEPS` steps down the fine grid per rung, the costly views
-:data:`ESSENTIAL_SOLVES` solves on their own links only, and solves that fill tables of
-gigabytes (:data:`ESSENTIAL_WORK`: a 1,000-layer chain on 1,024 devices) the free plan and the
-limit's alone. Identical layouts are simulated once (by stages, layer order, schedule and
-micro-batches).
+on a sample, and issue 28's series). Identical layouts are simulated once (by stages, layer
+order, schedule and micro-batches).
 
 Pipelines run micro-batch counts that divide the minibatch
 (:mod:`tandem.planning.search.microbatches`).
@@ -81,9 +86,9 @@ plan simulated on the real cluster."""
 STABLE_RUNGS = 2
 """Rungs in one direction whose free plans are all layouts seen before, after which the ladder
 stops that way (the partitioner's plan no longer changes with the links there)."""
-FLUSH_BUDGET_SCALES = (8.0, 4.0, 2.0)
-"""Flush schedules: the partitioner's budgets reach the limit times the greatest of these (it
-budgets a replica's whole share in flight; 1F1B's simulated peak is often lower)."""
+FLUSH_BUDGET_SCALE = 8.0
+"""Flush schedules: walks start from the limit times this (the partitioner budgets a replica's
+whole share in flight; 1F1B's simulated peak is often lower)."""
 GRID_BASE_BYTES = 1e9
 """Memory budgets lie on a grid: this times powers of 2 ** (1 / points per doubling)."""
 FINE_POINTS = 16
@@ -94,22 +99,16 @@ WINDOW_POINTS = 8
 """Other link rungs: fine grid points below the free plan's need (to 71% of it) before the
 coarse grid."""
 FINE_WORK = 1e7
-"""Clusters whose every view solves within this size (:func:`solve_work`; ResNet-50 on 16 flat
-devices 5e5, VGG-16 on 2 servers of 4 1e6, ResNet-50 on servers of 4 9e7) walk to the least
-memory; others take candidates anchored at the limit (module docstring)."""
-ESSENTIAL_WORK = 2e8
-"""Costly views solving within this size walk :data:`ESSENTIAL_SOLVES` solves down the memory
-axis; larger ones (a 1,000-layer chain on 1,024 devices, 1e9) take only the free plan and the
-limit's."""
-WALK_STEPS = 5
-"""Candidates anchored at the limit: plans down the fine grid per cheap view's rung walked,
-below the limit's (or the free plan)."""
-ESSENTIAL_SOLVES = 6
-"""Costly views (beyond :data:`FINE_WORK`), on their own links: the free plan, the limit's
-(flush schedules: those above it first) and steps down the fine grid, this many solves in
-all."""
-MEMORY_RETRIES = 3
-"""Anchored at the limit: times a plan over it by the simulator is solved again, shrunk."""
+"""One-level views whose solve is within this size (:func:`solve_work`; ResNet-50 on 16
+devices 5e5) walk the grid of :data:`FINE_POINTS`; costlier ones (a 300-layer chain on 1,024
+devices 9e7, 1,000 layers 1e9) that of :data:`SPARSE_POINTS`."""
+FINE_WORK_LEVELS = 1e8
+"""As :data:`FINE_WORK` for hierarchies (VGG-16 on 2 servers of 4 1e6, ResNet-50 on servers of
+4 9e7, on servers of 8 4e8): a walk's solves after its first start from the inner level's
+table under the last budget and solve again only the cells it changes
+(:mod:`tandem.planning.partition.memo`)."""
+SPARSE_POINTS = 2
+"""Grid points per doubling for costly views: 41% apart, every eighth fine point."""
 RUNG_SOLVES = 7
 """Solves a link rung beyond the cluster's own is charged, before its walk, whatever it takes
 (so that every limit walks the same rungs)."""
@@ -233,7 +232,6 @@ class CandidatePool:
         found: list[Candidate] = []
         idle = {direction: 0 for direction in (1.0, -1.0)}
         free: set[tuple[Any, ...]] = set()
-        nested = self.nested(views)
         for factor in BANDWIDTH_RUNGS:
             direction = 1.0 if factor >= 1.0 else -1.0
             if idle[direction] >= STABLE_RUNGS:
@@ -243,16 +241,8 @@ class CandidatePool:
                 cluster = dataclasses.replace(scale_links(view, factor), memory_bytes=None)
                 work = solve_work(self.profile.num_layers, cluster)
                 rung = _Rung(name, cluster, factor)
-                if work > FINE_WORK:
-                    solves = ESSENTIAL_SOLVES - 1 if work <= ESSENTIAL_WORK else 0
-                    found += self._near_limit(rung, options, solve, solves) if factor == 1.0 else []
-                elif not self._admitted(rung, work):
-                    pass
-                elif nested:
-                    found += self._walk(rung, options, solve)
-                else:
-                    found += self._near_limit(rung, options, solve,
-                                              len(limit_scales(options)) + WALK_STEPS)
+                if self._admitted(rung, work):
+                    found += self._walk(rung, options, solve, work=work)
                 free |= {rung.free} if rung.free is not None else set()
             idle[direction] = idle[direction] + 1 if len(free) == before else 0
         return found
@@ -280,44 +270,6 @@ class CandidatePool:
         rung.need = plan_need(plan)
         return plan
 
-    def _near_limit(self, rung: _Rung, options: PartitionOptions, solve: Solve,
-                    solves: int) -> list[Candidate]:  # fmt: skip
-        """Candidates anchored at the limit, for clusters with a costly view (module
-        docstring): the free plan; under a limit it exceeds, the limit's plan (on the cluster's
-        own links, one the simulator finds over the limit solved again, :meth:`_shrunk`); with
-        ``solves`` more than 1, flush schedules first the limit times
-        :data:`FLUSH_BUDGET_SCALES` (:func:`limit_scales`), and plans down the fine grid, each
-        under the point below the last one's need, until ``solves`` after the free plan. A
-        limit no plan holds under PipeDream's schedule ends them (the partitioner's memory is
-        the simulator's there)."""
-        found = self._free(rung, options, solve)
-        if found is None:
-            return []
-        limit, flushes = options.memory_bytes, options.schedule.flushes
-        scales = limit_scales(options) if solves > 1 else (1.0,)
-        budgets = [] if limit is None else [limit * scale for scale in scales]
-        for budget in budgets:
-            if rung.need <= budget:
-                continue  # the last plan is this budget's plan
-            plan = self._solve(rung, options, solve, budget)
-            solves -= 1
-            if plan is None:
-                if not (solves > 0 and flushes):
-                    return found
-                break  # plans that hold more by the partitioner's model may fit
-            taken = self._take(rung, plan, budget)
-            found += taken
-            if (limit is not None and rung.need <= limit and rung.factor == 1.0 and taken
-                    and not taken[0].fits):
-                found += self._shrunk(rung, options, solve, taken[0])
-        for _ in range(solves):
-            budget = grid_below(rung.need)
-            plan = self._solve(rung, options, solve, budget)
-            if plan is None:
-                break
-            found += self._take(rung, plan, budget)
-        return found
-
     def _free(self, rung: _Rung, options: PartitionOptions,
               solve: Solve) -> list[Candidate] | None:  # fmt: skip
         """The free plan on ``rung`` (a candidate under every limit), None when there is none."""
@@ -328,67 +280,50 @@ class CandidatePool:
         self._entry[rung.free] = 0.0
         return self._take(rung, plan, None)
 
-    def _walk(self, rung: _Rung, options: PartitionOptions, solve: Solve) -> list[Candidate]:
-        """The free plan, then the plan under every point of ``rung``'s grid below the free
-        plan's need, from the least point at or above the top (:func:`walk_top`) down to the
-        point below which no plan fits; from each plan the walk goes on at the greatest point
-        below its need (the points between have the same plan: module docstring)."""
+    def _walk(self, rung: _Rung, options: PartitionOptions, solve: Solve, *,
+              work: float) -> list[Candidate]:  # fmt: skip
+        """The free plan, then the plan under every point of ``rung``'s grid (:func:`grid_points`
+        per doubling for a solve of ``work``; on other rungs than the cluster's own, fine only
+        in a window below the free plan's need) below the free plan's need: on one level from
+        the least point at or above the top (:func:`walk_top`) down to the first point with no
+        plan, and from each plan on at the greatest point below its need (the points between
+        have the same plan, without idle units); on a hierarchy whatever the limit, point by
+        point (module docstring)."""
         found = self._free(rung, options, solve)
         if found is None:
             return []
-        if rung.factor != 1.0:  # fine from the free plan's need down WINDOW_POINTS, then coarse
-            rung.fine_from = grid_point(grid_index(rung.need) - WINDOW_POINTS)
+        rung.coarse = grid_points(work, len(rung.cluster.levels))
+        if rung.coarse != FINE_POINTS:
+            rung.fine_from = math.inf
+        elif rung.factor != 1.0:  # fine from the free plan's need down WINDOW_POINTS, then coarse
+            rung.fine_from, rung.coarse = grid_point(grid_index(rung.need) - WINDOW_POINTS), \
+                COARSE_POINTS
+        one_level = len(rung.cluster.levels) == 1
+        skips = one_level and not options.allow_idle
         budget = rung.below(rung.need)
-        top = walk_top(options)
+        top = walk_top(options) if one_level else None
         if top is not None:
             budget = min(budget, rung.at_or_above(top))
         while (plan := self._solve(rung, options, solve, budget)) is not None:
-            key, entry = layout_key(plan), rung.below(rung.need) / walk_scale(options)
-            self._entry[key] = min(self._entry.get(key, entry), entry)
             found += self._take(rung, plan, budget)
-            budget = rung.below(min(rung.need, budget))
+            budget = rung.below(rung.need if skips else budget)
+            key = layout_key(plan)  # a candidate of every limit whose walk starts above budget
+            entry = budget / walk_scale(options) if one_level else 0.0
+            self._entry[key] = min(self._entry.get(key, math.inf), entry)
         return found
-
-    def nested(self, views: list[tuple[str, Cluster]]) -> bool:
-        """Whether every view's solve is cheap (:data:`FINE_WORK`): then each rung walks to the
-        least memory and a tighter limit's candidates are all among a looser one's."""
-        return all(solve_work(self.profile.num_layers, view) <= FINE_WORK for _, view in views)
 
     def least_limit(self, views: list[tuple[str, Cluster]], options: PartitionOptions,
                     solve: Solve, names: set[str]) -> float | None:
-        """On a fresh pool, where the walks are nested (:meth:`nested`; else None): the least
-        memory limit under which the ladders give a candidate named in ``names`` that fits.
-        The walks without a limit give every candidate of every limit; each is one from the
-        limit above which its walk passes its need (the free plans from any), and fits from
-        its least simulated peak (of the micro-batch counts tried)."""
-        if not self.nested(views):
-            return None
+        """On a fresh pool: the least memory limit under which the ladders give a candidate
+        named in ``names`` that fits (None: none at any). The walks without a limit give every
+        candidate of every limit; each is one from the limit above which its walk passes its
+        need (the free plans from any), and fits from its least simulated peak (of the
+        micro-batch counts tried)."""
         found = self.ladders(views, dataclasses.replace(options, memory_bytes=None), solve)
         limits = [max(self._entry[layout_key(c.plan)] * (1 + 1e-9),
                       min(self._simulated(v).peak_memory_bytes for v in self._variants(c.plan)))
                   for c in found if c.name in names and c.plan is not None]
         return min(limits, default=None)
-
-    def _shrunk(self, rung: _Rung, options: PartitionOptions, solve: Solve,
-                over: Candidate) -> list[Candidate]:  # fmt: skip
-        """A plan at the limit whose simulated devices exceed it, solved again under the limit
-        shrunk by the overflow (:data:`MEMORY_RETRIES` times): outer levels of a hierarchy and
-        micro-batches shared unevenly among a stage's replicas hold more than the budget."""
-        limit = options.memory_bytes
-        assert limit is not None and over.result is not None
-        found: list[Candidate] = []
-        budget = limit
-        for _ in range(MEMORY_RETRIES):
-            budget *= limit / over.result.peak_memory_bytes * 0.999
-            plan = self._solve(rung, options, solve, budget)
-            if plan is None:
-                break
-            taken = self._take(rung, plan, budget)
-            found += taken
-            if not taken or taken[0].fits or taken[0].result is None:
-                break
-            over = taken[0]
-        return found
 
     def _take(self, rung: _Rung, plan: Plan, budget: float | None) -> list[Candidate]:
         """``plan`` evaluated, unless its layout was already."""
@@ -418,16 +353,18 @@ class _Rung:
     """Its memory grid: the fine grid's points from this budget up, the coarse grid's below."""
     free: tuple[Any, ...] | None = None
     """The layout of its free plan (:func:`layout_key`), once solved."""
+    coarse: int = COARSE_POINTS
+    """Points per doubling of its grid below ``fine_from``."""
 
     def below(self, nbytes: float) -> float:
         """The greatest point of the rung's memory grid below ``nbytes``."""
         fine = grid_below(nbytes)
         return fine if fine >= self.fine_from else grid_below(min(nbytes, self.fine_from),
-                                                              COARSE_POINTS)
+                                                              self.coarse)
 
     def at_or_above(self, nbytes: float) -> float:
         """The least point of the rung's memory grid at or above ``nbytes``."""
-        coarse = grid_point(grid_index(nbytes, COARSE_POINTS), COARSE_POINTS)
+        coarse = grid_point(grid_index(nbytes, self.coarse), self.coarse)
         return coarse if coarse < self.fine_from else max(grid_point(grid_index(nbytes)),
                                                           self.fine_from)
 
@@ -440,17 +377,17 @@ def walk_top(options: PartitionOptions) -> float | None:
 
 
 def walk_scale(options: PartitionOptions) -> float:
-    """The top of a walk as a multiple of the limit: ``max(FLUSH_BUDGET_SCALES)`` under a flush
+    """The top of a walk as a multiple of the limit: :data:`FLUSH_BUDGET_SCALE` under a flush
     schedule, 1 under PipeDream's (whose memory the partitioner's model gives exactly)."""
-    return max(FLUSH_BUDGET_SCALES) if options.schedule.flushes else 1.0
+    return FLUSH_BUDGET_SCALE if options.schedule.flushes else 1.0
 
 
-def limit_scales(options: PartitionOptions) -> tuple[float, ...]:
-    """The multiples of the limit a walk anchored at it tries (:data:`FLUSH_BUDGET_SCALES` and
-    1 for flush schedules, 1 for PipeDream's); none without a limit."""
-    if options.memory_bytes is None:
-        return ()
-    return (*FLUSH_BUDGET_SCALES, 1.0) if options.schedule.flushes else (1.0,)
+def grid_points(work: float, levels: int) -> int:
+    """Points per doubling of the memory grid that a view of ``levels`` levels walks, whose
+    solve is of size ``work`` (:func:`solve_work`): :data:`FINE_POINTS` within
+    :data:`FINE_WORK` (:data:`FINE_WORK_LEVELS` on a hierarchy), else :data:`SPARSE_POINTS`."""
+    return FINE_POINTS if work <= (FINE_WORK if levels == 1 else FINE_WORK_LEVELS) else \
+        SPARSE_POINTS
 
 
 def solve_work(num_layers: int, cluster: Cluster) -> float:

@@ -16,10 +16,10 @@ parallelism does not fit the memory limit, its sharded forms (FSDP2 / ZeRO,
 :mod:`tandem.planning.simulate.sharded`); it returns the fastest
 that fits the devices' memory, its time the simulator's (``bottleneck_s``) beside the
 partitioner's estimate (``estimate_s``). It is never slower than a candidate it built; a looser
-memory limit never gives a slower plan, by construction where every view's solve is cheap (a
-tighter limit's candidates are all among a looser one's: :mod:`.candidates` says why, and where
-it holds in practice only, as more bandwidth and faster devices do). Every candidate, with
-both figures and its memory, is listed in ``plan.candidates``. A memory limit that no
+memory limit never gives a slower plan, by construction (a tighter limit's candidates are all
+among a looser one's: :mod:`.candidates` says why); more bandwidth and faster devices do not
+in practice. Every candidate, with both figures and its memory, is listed in
+``plan.candidates``. A memory limit that no
 candidate meets is an error naming the smallest memory at which one would.
 """
 
@@ -56,7 +56,7 @@ MEMORY_TOLERANCE = 1e-3
 """Relative precision of the smallest memory reported when nothing fits."""
 Least = Callable[[set[str]], "float | None"]
 """The least memory limit under which the planner has a candidate of these names that fits
-(None where its walks are not nested: :meth:`CandidatePool.least_limit`)."""
+(None: none at any limit; :meth:`CandidatePool.least_limit`)."""
 
 
 def partition_plan(
@@ -170,7 +170,7 @@ def _refuse(profile: ModelProfile, cluster: Cluster, options: PartitionOptions, 
     """No ``eligible`` candidate fits: :class:`UsageError` with the reasons when none could run
     at all (data parallelism and one device, always built, are candidates too), else
     :class:`NoPlanFits` naming the smallest memory that would do (``least``: the planner's
-    own, where its walks are nested)."""
+    own)."""
     if not any(c.plan is not None for c in eligible):
         reasons = "; ".join(dict.fromkeys(c.note for c in eligible if c.note))
         raise UsageError(f"no {options.schedule} plan on {cluster.num_devices} devices can run as "
@@ -294,9 +294,9 @@ def _stage_peak(result: SimResult, stage: int) -> float:
 def _no_fit_message(profile: ModelProfile, cluster: Cluster, options: PartitionOptions,
                     sim: SimOptions, eligible: list[Candidate], least: Least) -> str:
     """The smallest memory that would do: the least limit under which the planner's own
-    candidates give an eligible one that fits, where its walks are nested (every candidate
-    of a limit is one of every looser limit); else the bisection of
-    :func:`smallest_memory_bytes`, or an eligible candidate's peak if less."""
+    candidates give an eligible one that fits (every candidate of a limit is one of every
+    looser limit), or an eligible candidate's peak if less; the bisection of
+    :func:`smallest_memory_bytes` where the ladders have no candidate of those names."""
     memory = options.memory_bytes
     assert memory is not None  # without a limit every plan fits
     peaks = [c.result.peak_memory_bytes for c in eligible if c.result is not None]
