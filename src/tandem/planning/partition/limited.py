@@ -239,22 +239,23 @@ class _Limited(_Parametric):
         after[n] = 0.0
         choice = np.full(n + 1, -1, dtype=np.int64)
         units = np.zeros(n + 1)
-        for row in range(n, 0, -1):
-            start, stop = self.offsets[row], self.offsets[row + 1]
-            if start == stop:
-                continue
-            downstream = after[self.next_rows[start:stop]]
-            if fixed is not None:
-                need = fixed[start:stop]
-            else:
-                with np.errstate(divide="ignore", invalid="ignore"):
-                    least = np.fmax(1.0, np.ceil(downstream / self.held[start:stop]))
-                need = np.where(least <= 1, single[start:stop],
-                                np.maximum(least, tail[start:stop]))
-            total = need + downstream
-            best = int(np.argmin(total))
-            if total[best] <= N:
-                after[row], choice[row], units[row] = total[best], start + best, need[best]
+        offsets, next_rows, held = self.offsets.tolist(), self.next_rows, self.held
+        with np.errstate(divide="ignore", invalid="ignore"):
+            for row in range(n, 0, -1):
+                start, stop = offsets[row], offsets[row + 1]
+                if start == stop:
+                    continue
+                downstream = after[next_rows[start:stop]]
+                if fixed is not None:
+                    need = fixed[start:stop]
+                else:
+                    least = np.fmax(1.0, np.ceil(downstream / held[start:stop]))
+                    need = np.where(least <= 1, single[start:stop],
+                                    np.maximum(least, tail[start:stop]))
+                total = need + downstream
+                best = int(total.argmin())
+                if total[best] <= N:
+                    after[row], choice[row], units[row] = total[best], start + best, need[best]
         return after, choice, units, tail, single
 
     def _plan_from(self, index: int, replicas: float, choice: np.ndarray,
