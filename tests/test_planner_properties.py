@@ -309,40 +309,45 @@ def test_a_looser_limit_never_gives_a_slower_plan(where: int | str, gbps: float,
                                               for limit in limits], schedule)
 
 
-def _looser_is_no_slower(profile: ModelProfile, clusters: list[Cluster], schedule: str) -> None:
+def _looser_is_no_slower(profile: ModelProfile, clusters: list[Cluster], schedule: str,
+                         options: PartitionOptions | None = None) -> None:
     """Plans for ``clusters`` (limits from tight to loose, a schedule asked for), each no
     slower than every earlier one re-simulated on its own cluster."""
     plans: list[tuple[float, Plan]] = []
     for cluster in clusters:
         assert cluster.memory_bytes is not None
         plans.append((cluster.memory_bytes / 1e9, make_plan(
-            profile, cluster, PartitionOptions(), schedule=schedule, sim=SIM,
+            profile, cluster, options or PartitionOptions(), schedule=schedule, sim=SIM,
             pipeline_only=True)))
         _no_slower_than_before(plans, cluster, profile)
 
 
 WALKS: list = [  # model, devices or cluster, schedule, limits in GB, every view's grid sparse
-    ("vgg16", "4x16GB/s,2x10Gb/s", "pipedream", _ladder(7.7, 32.0), False),
-    ("vgg16", "4x16GB/s,2x10Gb/s", "pipedream", _ladder(7.7, 32.0), True),
-    ("chain", "16", "pipedream", _ladder(1.4, 8.0), True),
+    ("vgg16", "4x16GB/s,2x10Gb/s", "pipedream", _ladder(7.7, 32.0), False, False),
+    ("vgg16", "4x16GB/s,2x10Gb/s", "1f1b", _ladder(1.6, 8.0), False, True),
+    ("vgg16", "4x16GB/s,2x10Gb/s", "pipedream", _ladder(7.7, 32.0), True, False),
+    ("chain", "16", "pipedream", _ladder(1.4, 8.0), True, False),
 ]
 
 
-@pytest.mark.parametrize(("model", "where", "schedule", "limits", "sparse"), WALKS,
-                         ids=["hierarchy", "hierarchy-sparse", "one-level-sparse"])
+@pytest.mark.parametrize(("model", "where", "schedule", "limits", "sparse", "straight"), WALKS,
+                         ids=["hierarchy", "hierarchy-straight", "hierarchy-sparse",
+                              "one-level-sparse"])
 def test_every_walk_down_the_memory_grid_is_monotone_in_the_limit(
         model: str, where: str, schedule: str, limits: tuple[float, ...], sparse: bool,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        straight: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each way the planner walks the memory grid, on ladders of limits 2 ** (1 / 4) apart: on a
-    hierarchy every grid point whatever the limit (as for ResNet-50 on servers of 4); with the
-    grid of costly views (``sparse``: as a 1,000-layer chain on 1,024 devices walks it, on one
-    level and on a hierarchy; every view made costly here). Each plan no slower than every
-    tighter limit's plan re-simulated under its own limit."""
+    hierarchy every grid point down to the least memory any plan needs (as for ResNet-50 on
+    servers of 4), or, for straight pipelines (where that least is not known), whatever the
+    limit; with the grid of costly views (``sparse``: as a 1,000-layer chain on 1,024 devices
+    walks it, on one level and on a hierarchy; every view made costly here). Each plan no
+    slower than every tighter limit's plan re-simulated under its own limit."""
     if sparse:
         monkeypatch.setattr(candidates, "FINE_WORK", 0.0)
         monkeypatch.setattr(candidates, "FINE_WORK_LEVELS", 0.0)
     _looser_is_no_slower(MODELS[model], [_series_cluster(
-        where if "x" in where else int(where), 10.0, limit) for limit in limits], schedule)
+        where if "x" in where else int(where), 10.0, limit) for limit in limits], schedule,
+        PartitionOptions(straight=straight))
 
 
 @pytest.mark.statistical

@@ -20,39 +20,42 @@ therefore asks it along two ladders and keeps the fastest simulated plan that fi
   beyond the cluster's own links a rung is walked while its fixed charge, :data:`RUNG_SOLVES`
   solves of :func:`solve_work`, fits what is left of :data:`MAX_SOLVE_WORK`;
 - memory, on every rung walked (:meth:`CandidatePool._walk`): the free plan, then the plans
-  under the points of a fixed grid of budgets (:func:`grid_point`: 1 GB times powers of 2 **
-  (1 / points per doubling)) below the free plan's need, down to the first point with no plan:
-  :data:`FINE_POINTS` points per doubling (4.4% apart), or for a view whose solve is costly
-  (:func:`grid_points`: a 1,000-layer chain on 1,024 devices) :data:`SPARSE_POINTS`; on other
-  rungs than the cluster's own, fine for :data:`WINDOW_POINTS` points below the free plan's
-  need, then :data:`COARSE_POINTS` (19%, every fourth). On one level the walk starts at the
-  least point at or above the top (:func:`walk_top`: the limit, for flush schedules times
-  :data:`FLUSH_BUDGET_SCALE` as the partitioner budgets a replica's whole share in flight where
-  1F1B holds less) and goes on from each plan at the greatest point below its need; on a
-  hierarchy it solves every point, whatever the limit.
+  under the points of a fixed grid of budgets (:func:`grid_point`: 1 GB times powers of 2 ** (1
+  / points per doubling)) below the free plan's need: :data:`FINE_POINTS` points per doubling
+  (4.4% apart), or for a view whose solve is costly (:func:`grid_points`: a 1,000-layer chain on
+  1,024 devices) :data:`SPARSE_POINTS`; on other rungs than the cluster's own, fine for
+  :data:`WINDOW_POINTS` points below the free plan's need, then :data:`COARSE_POINTS` (19%,
+  every fourth). The walk starts at the least point at or above the top (:func:`walk_top`: the
+  limit, for flush schedules times :data:`FLUSH_BUDGET_SCALE` as the partitioner budgets a
+  replica's whole share in flight where 1F1B holds less); on one level it goes down to the first
+  point with no plan, on from each plan at the greatest point below its need; on a hierarchy it
+  solves every point down to the least memory any plan on its devices needs
+  (:meth:`CandidatePool._least`).
 
 Why this is monotone in the limit, by construction: every candidate of a tighter limit is a
 candidate of a looser one, which it fits too, so the looser limit's choice, the fastest that
-fits, is no slower. Nothing above depends on the limit but where a one-level walk starts: the
-grids are fixed (a rung's by its free plan and its solve's size), the rungs walked and their
-order do not depend on the limit (the charges are fixed, the stop rule reads free plans); nor
-do the free plans, data parallelism or one device, nor a plan's simulated time (the limit only
-says whether it fits). A one-level walk from a higher point passes every point below it: a
-budget's plan is the partitioner's best among the plans that fit it (the first in its own
-order among equals; the limited search's, the one its search finds at the optimum itself) and
-its memory check of a stage is the plan's need, so every grid point between a plan's need and
-the budget it was solved for has that same plan, and a walk that goes on at the greatest point
-below the need misses none (``tests/test_planner_properties.py`` checks this against a solve at
-every point). Without idle units: those count as devices after a stage in its check, and a
-walk with them solves every point. On a hierarchy neither holds: an inner level checks a stage
-without the replicas above it (for flush schedules more than it will hold) and keeps one plan
-per segment, so a point between a plan's need and its budget can have another plan (ResNet-50
-on servers of 4 under 1F1B: 31 of 82 points), and a budget with no plan can have one below it;
-there the walk is the same for every limit. Its later solves start from the inner level's
-table under the last budget (:mod:`tandem.planning.partition.memo`), so ResNet-50 on servers
-of 4 walks the fine grid. The limit's own plan is among the candidates unless a plan's need
-lies between the limit and the grid point below it while the point above has a plan that needs
-more than the limit: a budget off the grid would be a candidate of that one limit alone.
+fits, is no slower. Nothing above depends on the limit but where a walk starts: the grids are
+fixed (a rung's by its free plan and its solve's size), the rungs walked and their order do not
+depend on the limit (the charges are fixed, the stop rule reads free plans); nor do the free
+plans, data parallelism or one device, nor a plan's simulated time (the limit only says whether
+it fits). A one-level walk from a higher point passes every point below it: a budget's plan is
+the partitioner's best among the plans that fit it (the first in its own order among equals; the
+limited search's, the one its search finds at the optimum itself) and its memory check of a
+stage is the plan's need, so every grid point between a plan's need and the budget it was solved
+for has that same plan, and a walk that goes on at the greatest point below the need misses none
+(``tests/test_planner_properties.py`` checks this against a solve at every point). Without idle
+units: those count as devices after a stage in its check, and a walk with them solves every
+point. On a hierarchy neither holds: an inner level checks a stage without the replicas above it
+(for flush schedules more than it will hold) and keeps one plan per segment, so a point between
+a plan's need and its budget can have another plan (ResNet-50 on servers of 4 under 1F1B: 31 of
+82 points), and a budget with no plan may have one below it; there the walk solves every point
+from its start down to a floor no plan goes below, so it passes every point of a tighter limit's
+walk (where the floor is not known, it starts below the free plan's need whatever the limit).
+Its later solves start from the inner level's table under the last budget
+(:mod:`tandem.planning.partition.memo`), so ResNet-50 on servers of 4 walks the fine grid. The
+limit's own plan is among the candidates unless a plan's need lies between the limit and the
+grid point below it while the point above has a plan that needs more than the limit: a budget
+off the grid would be a candidate of that one limit alone.
 
 Not by construction: more bandwidth or faster devices (another cluster's ladder is around other
 links: ``tests/test_planner_properties.py`` checks twice the bandwidth and devices twice as fast
@@ -73,7 +76,8 @@ from typing import Any
 from tandem.cluster import Cluster, Level
 from tandem.errors import UsageError
 from tandem.plan import Plan
-from tandem.planning.partition.pipedream import NoPlanFits, PartitionOptions
+from tandem.planning.partition.branches import compress_for_planning
+from tandem.planning.partition.pipedream import NoPlanFits, PartitionOptions, memory_bracket
 from tandem.planning.search.microbatches import microbatch_counts, minibatch
 from tandem.planning.simulate.simulator import SimOptions, SimResult, simulate
 from tandem.profile import ModelProfile
@@ -109,6 +113,8 @@ table under the last budget and solve again only the cells it changes
 (:mod:`tandem.planning.partition.memo`)."""
 SPARSE_POINTS = 2
 """Grid points per doubling for costly views: 41% apart, every eighth fine point."""
+FLOOR_TOLERANCE = 1e-2
+"""Relative precision of the least memory a hierarchy's walk goes down to (:meth:`_least`)."""
 RUNG_SOLVES = 7
 """Solves a link rung beyond the cluster's own is charged, before its walk, whatever it takes
 (so that every limit walks the same rungs)."""
@@ -188,6 +194,7 @@ class CandidatePool:
         self._layouts: set[tuple[Any, ...]] = set()
         self._entry: dict[tuple[Any, ...], float] = {}
         self._spent = 0.0
+        self._floor: tuple[float | None] | None = None
 
     def evaluate(self, name: str, plan: Plan, estimate_s: float | None, note: str = "", *,
                  as_is: bool = False) -> Candidate:  # fmt: skip
@@ -282,13 +289,14 @@ class CandidatePool:
 
     def _walk(self, rung: _Rung, options: PartitionOptions, solve: Solve, *,
               work: float) -> list[Candidate]:  # fmt: skip
-        """The free plan, then the plan under every point of ``rung``'s grid (:func:`grid_points`
+        """The free plan, then the plans under the points of ``rung``'s grid (:func:`grid_points`
         per doubling for a solve of ``work``; on other rungs than the cluster's own, fine only
-        in a window below the free plan's need) below the free plan's need: on one level from
-        the least point at or above the top (:func:`walk_top`) down to the first point with no
-        plan, and from each plan on at the greatest point below its need (the points between
-        have the same plan, without idle units); on a hierarchy whatever the limit, point by
-        point (module docstring)."""
+        in a window below the free plan's need) below the free plan's need, from the least
+        point at or above the top (:func:`walk_top`) down. On one level to the first point with
+        no plan, going on from each plan at the greatest point below its need (the points
+        between have the same plan, without idle units); on a hierarchy every point, down to
+        the least memory any plan on its devices needs (:meth:`_least`; where that is not known,
+        from below the free plan's need whatever the limit, to the first point with no plan)."""
         found = self._free(rung, options, solve)
         if found is None:
             return []
@@ -299,18 +307,39 @@ class CandidatePool:
             rung.fine_from, rung.coarse = grid_point(grid_index(rung.need) - WINDOW_POINTS), \
                 COARSE_POINTS
         one_level = len(rung.cluster.levels) == 1
-        skips = one_level and not options.allow_idle
+        least = 0.0 if one_level else self._least(rung, options)
         budget = rung.below(rung.need)
-        top = walk_top(options) if one_level else None
+        top = walk_top(options) if least is not None else None
         if top is not None:
             budget = min(budget, rung.at_or_above(top))
-        while (plan := self._solve(rung, options, solve, budget)) is not None:
-            found += self._take(rung, plan, budget)
+        while budget > (least or 0.0):
+            plan = self._solve(rung, options, solve, budget)
+            if plan is None and (one_level or least is None):
+                break  # on one level none fits below either; else the walk is any limit's
+            found += [] if plan is None else self._take(rung, plan, budget)
+            skips = plan is not None and one_level and not options.allow_idle
             budget = rung.below(rung.need if skips else budget)
-            key = layout_key(plan)  # a candidate of every limit whose walk starts above budget
-            entry = budget / walk_scale(options) if one_level else 0.0
-            self._entry[key] = min(self._entry.get(key, math.inf), entry)
+            if plan is not None:  # a candidate of every limit whose walk starts above budget
+                entry = budget / walk_scale(options) if least is not None else 0.0
+                key = layout_key(plan)
+                self._entry[key] = min(self._entry.get(key, math.inf), entry)
         return found
+
+    def _least(self, rung: _Rung, options: PartitionOptions) -> float | None:
+        """A budget at or below which no plan on ``rung``'s devices fits, whatever its levels
+        (memory does not depend on the links): the floor single passes of the limited search
+        find on a flat cluster of as many devices (:func:`memory_bracket`), which a hierarchy's
+        walk goes down to, passing budgets with no plan (its level-by-level plans may fit one
+        below them); None where that search does not apply (straight pipelines without idle
+        devices). Found once per pool."""
+        if self._floor is None:
+            flat = Cluster(levels=(Level(num_units=rung.cluster.num_devices,
+                                         bandwidth_Bps=rung.cluster.levels[-1].bandwidth_Bps),))
+            bracket = memory_bracket(compress_for_planning(self.profile).profile, flat,
+                                     dataclasses.replace(options, memory_bytes=None),
+                                     rung.need, FLOOR_TOLERANCE)
+            self._floor = (None if bracket is None else bracket[0],)
+        return self._floor[0]
 
     def least_limit(self, views: list[tuple[str, Cluster]], options: PartitionOptions,
                     solve: Solve, names: set[str]) -> float | None:
