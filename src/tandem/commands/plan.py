@@ -32,7 +32,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "plan",
         help="choose pipeline stages and replication (PipeDream's partitioner)",
         description="Split a model into pipeline stages with a replica count each (PipeDream's "
-        "partitioner) under a ladder of memory budgets (the limit itself among them) and link "
+        "partitioner) under a ladder of memory budgets (a fixed grid down from the limit) and link "
         "speeds, simulate each beside the flat plan at the slowest link, data parallelism and "
         "one device, and return the fastest that fits the devices' memory.",
     )

@@ -9,7 +9,7 @@ Usage::
 :func:`partition_plan` is PipeDream's partitioner alone, its times its cost model's. The planner
 (:func:`make_plan`) asks it for plans on the cluster as it is and, for a hierarchical cluster,
 on a flat cluster of as many devices at the slowest link, each under a ladder of memory budgets
-(the limit itself among them) and of link speeds (:mod:`tandem.planning.search.candidates`); it
+(a fixed grid down from the limit) and of link speeds (:mod:`tandem.planning.search.candidates`); it
 adds data parallelism and one device, simulates each (:mod:`tandem.planning.simulate.simulator`)
 as it will run (the schedule, micro-batches that divide the minibatch), and, when data
 parallelism does not fit the memory limit, its sharded forms (FSDP2 / ZeRO,
