@@ -74,17 +74,20 @@ def finish(nodes: list[Node], timeout_s: float = 300) -> list[Node]:
 
 
 def end_session(node: Node) -> None:
-    """Kill an agent and every process of its session."""
-    try:
-        os.killpg(node.process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    """Kill an agent and every process under it (as a node that leaves the job: torchrun
+    starts each worker in a session of its own, so the agent's session is not enough)."""
+    for pid in [node.process.pid, *descendants(node.process.pid), *session_left(node)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     node.process.communicate()
 
 
-def session_left(node: Node) -> list[int]:
-    """Processes of ``node``'s session still alive (its agent's pid is the session's id)."""
-    left = []
+def _processes() -> list[tuple[int, list[str]]]:
+    """Every process's id and the fields of its ``/proc/PID/stat`` after its name (state,
+    parent, process group, session, ...)."""
+    found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -92,9 +95,27 @@ def session_left(node: Node) -> list[int]:
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[3]) == node.process.pid and fields[0] != "Z":  # field 6: the session
-            left.append(int(entry.name))
-    return left
+        found.append((int(entry.name), fields))
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (children, their children, ...)."""
+    parents: dict[int, list[int]] = {}
+    for child, fields in _processes():
+        parents.setdefault(int(fields[1]), []).append(child)
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found += children
+        todo += children
+    return found
+
+
+def session_left(node: Node) -> list[int]:
+    """Processes of ``node``'s session still alive (its agent's pid is the session's id)."""
+    return [pid for pid, fields in _processes()
+            if int(fields[3]) == node.process.pid and fields[0] != "Z"]  # the session, state
 
 
 def run_nodes(train: list[str], *, nodes: int = 2, per_node: int = 2, nnodes: str | None = None,
