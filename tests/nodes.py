@@ -118,7 +118,8 @@ def session_left(node: Node) -> list[int]:
             if int(fields[3]) == node.process.pid and fields[0] != "Z"]  # the session, state
 
 
-def run_nodes(train: list[str], *, nodes: int = 2, per_node: int = 2, nnodes: str | None = None,
+def run_nodes(train: list[str], *, nodes: int = 2, per_node: int | list[int] = 2,
+              nnodes: str | None = None,
               static: bool = True, env: dict[str, str] | None = None,
               timeout_s: float = 300) -> list[Node]:
     """Run ``tandem train TRAIN`` as ``nodes`` agents of ``per_node`` workers each; return
@@ -129,6 +130,7 @@ def run_nodes(train: list[str], *, nodes: int = 2, per_node: int = 2, nnodes: st
     for index in range(nodes):
         args = [arg.replace("{node}", str(index)) for arg in train]
         command = agent_command(index if static else None, nnodes=nnodes or str(nodes),
-                                per_node=per_node, port=port, train=args)
+                                per_node=per_node if isinstance(per_node, int)
+                                else per_node[index], port=port, train=args)
         started.append(start(command, env))
     return finish(started, timeout_s)
