@@ -21,6 +21,7 @@ from tandem.data.shard_sampler import ShardBatchSampler
 from tandem.errors import WorkerFailure
 from tandem.runtime.faults import last_progress
 from tandem.runtime.membership import Membership
+from tandem.runtime import worker_group
 from tandem.runtime.worker_group import PREFIX, WorkerGroup, join_group
 from tests.conftest import max_abs_diff, run_json
 from tests.nodes import Node, agent_command, end_session, finish, free_port, session_left, start
@@ -37,12 +38,27 @@ agents and the workers, torch's rank-0 agent does not publish the store's addres
 that a node joins, and the joining agent waits for it until the rendezvous times out."""
 
 
-def _agent(port: int, out: Path, progress: Path, env: dict[str, str]) -> Node:
+GO = ("import os, runpy, sys, time\n"
+      "import torch.distributed.run\n"
+      "while not os.path.exists(sys.argv[1]):\n"
+      "    time.sleep(0.02)\n"
+      "sys.argv = ['torchrun', *sys.argv[2:]]\n"
+      "runpy.run_module('torch.distributed.run', run_name='__main__')\n")
+"""An agent that has imported torch already and starts when the file ``argv[1]`` appears: a
+node that joins at a given step, however long torch's import takes on a loaded machine."""
+
+
+def _agent(port: int, out: Path, progress: Path, env: dict[str, str], *,
+           last_call_s: int = 20, go: Path | None = None) -> Node:
+    """An agent of the job; the rendezvous closes a round once both nodes joined, or
+    ``last_call_s`` after the first one when the other does not come."""
     command = agent_command(None, nnodes="1:2", per_node=2, port=port, max_restarts=3,
                             train=[*RUN[1:], *SLOW, "--out", str(out), "--resume", "auto",
                                    "--json"])
-    # a short last call: a node that comes alone does not wait 20 s for the other
-    command[command.index("--rdzv-conf") + 1] = "last_call_timeout=2,join_timeout=120"
+    command[command.index("--rdzv-conf") + 1] = \
+        f"last_call_timeout={last_call_s},join_timeout=120"
+    if go is not None:
+        command = [command[0], "-c", GO, str(go), *command[3:]]  # for "-m torch.distributed.run"
     return start(command, {"TANDEM_PROGRESS_DIR": str(progress), **env})
 
 
@@ -122,9 +138,11 @@ def test_a_node_that_leaves_at_step_30_leaves_the_job_to_finish_on_one(tmp_path:
 def test_a_node_that_joins_grows_the_job_from_its_last_checkpoint(tmp_path: Path) -> None:
     port, out, progress = free_port(), tmp_path / "out", tmp_path / "progress"
     progress.mkdir()
-    first = _agent(port, out, progress, NO_SHARED_STORE)
+    go = tmp_path / "go"
+    first = _agent(port, out, progress, NO_SHARED_STORE, last_call_s=2)  # alone at first
+    second = _agent(port, out, progress, NO_SHARED_STORE, go=go)
     _wait_for_step(progress, 0, 20, [first])
-    second = _agent(port, out, progress, NO_SHARED_STORE)
+    go.touch()  # the second node joins now
     nodes = finish([first, second], timeout_s=300)
     summary = _summary(nodes)
     assert summary["finished"] and summary["world_size"] == 4
@@ -135,6 +153,8 @@ def test_a_node_that_joins_grows_the_job_from_its_last_checkpoint(tmp_path: Path
 
 
 def _join_all(store: dist.Store, world: int) -> list[WorkerGroup]:
+    """Every rank of a group, each a thread, as if each were a new process."""
+    worker_group._LED = False  # noqa: SLF001 (this process led the group before)
     groups: list[WorkerGroup | None] = [None] * world
 
     def join(rank: int) -> None:
@@ -173,11 +193,11 @@ def test_each_worker_group_gets_a_name_of_its_own_that_stale_keys_cannot_fool() 
 def test_a_missing_rank_is_named_when_the_group_does_not_form() -> None:
     store = dist.HashStore()
     follower = threading.Thread(target=join_group, args=(store,), kwargs={
-        "rank": 1, "world_size": 3, "deadline": time.monotonic() + 5}, daemon=True)
+        "rank": 1, "world_size": 3, "deadline": time.monotonic() + 6}, daemon=True)
     follower.start()  # rank 1 joins (rank 0 answers it); rank 2 never comes
     with pytest.raises(WorkerFailure, match=r"^worker rank 2 of 3 did not join this worker "
                                             r"group in time \(--timeout\)"):
-        join_group(store, rank=0, world_size=3, deadline=time.monotonic() + 0.5)
+        join_group(store, rank=0, world_size=3, deadline=time.monotonic() + 3)
     follower.join(10)
     assert not follower.is_alive()
 
@@ -186,7 +206,8 @@ def test_a_missing_rank_is_named_when_the_group_does_not_form() -> None:
 def test_a_checkpoint_of_the_same_job_counts_one_restart_and_a_resize_more(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
-    for name in ("TANDEM_ATTEMPT", "TORCHELASTIC_RESTART_COUNT", "TANDEM_GROUP_RESTARTS"):
+    for name in ("TANDEM_ATTEMPT", "TORCHELASTIC_RESTART_COUNT", "TANDEM_GROUP_RESTARTS",
+                 "TANDEM_LAUNCHED"):
         monkeypatch.delenv(name, raising=False)
     saved = {"job": "job", "world_size": 4, "restarts": 1, "resizes": 0, "step": 30}
     same = Membership(2, rank=1)
@@ -198,6 +219,11 @@ def test_a_checkpoint_of_the_same_job_counts_one_restart_and_a_resize_more(
     other = Membership(2, rank=1)
     other.load_state_dict({**saved, "job": "another"})  # a new job resuming: no restart
     assert other.summary() == {"restarts": 0, "resizes": 0}
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's default: every job's
+    unnamed = Membership(2, rank=1)
+    unnamed.load_state_dict({**saved, "job": "none"})
+    assert unnamed.summary() == {"restarts": 0, "resizes": 0}
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
     monkeypatch.setenv("TANDEM_GROUP_RESTARTS", "3")  # the agents' store counted more
     counted = Membership(2, rank=1, resizes=2)
     counted.load_state_dict(saved)

@@ -37,11 +37,10 @@ class WorkerEnv:
     local_rank: int
     device: torch.device
     backend: str
-    restarts: int = 0
-    """Times the job's workers started again before this start, as a torchrun agent's store
-    counts them (see :mod:`tandem.runtime.worker_group`; 0 elsewhere)."""
     resizes: int = 0
-    """Times the job started again on another number of workers, counted the same way."""
+    """Times the job started again on another number of workers before this start, as a
+    torchrun agent's shared store counts them (see :mod:`tandem.runtime.worker_group`; 0
+    elsewhere). Its restarts go to :func:`tandem.runtime.faults.attempt`."""
 
 
 def new_group(ranks: list[int], *, timeout_s: float) -> dist.ProcessGroup:
@@ -99,8 +98,7 @@ def init_worker(*, backend: str, timeout_s: float, threads: int) -> WorkerEnv:
     if group is not None:
         os.environ[GROUP_RESTARTS] = str(group.restarts)
     return WorkerEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device,
-                     backend=backend, restarts=0 if group is None else group.restarts,
-                     resizes=0 if group is None else group.resizes)
+                     backend=backend, resizes=0 if group is None else group.resizes)
 
 
 def _agent_group(rank: int, world_size: int, timeout: datetime.timedelta,

@@ -18,6 +18,7 @@ from typing import Any
 
 from tandem.runtime.component import Component, StepEnd
 from tandem.runtime.faults import attempt
+from tandem.runtime.launch import LAUNCHED
 
 logger = logging.getLogger(__name__)
 
@@ -32,9 +33,12 @@ class Membership(Component):
     name = "membership"
 
     def __init__(self, world_size: int, *, rank: int, resizes: int = 0) -> None:
-        self.job = os.environ.get("TORCHELASTIC_RUN_ID")
-        """The torchrun job (its ``--rdzv-id``); None under tandem's own launcher, which
-        counts its restarts itself and never resizes."""
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+        self.job = None if LAUNCHED in os.environ or run_id in (None, "none") else run_id
+        """The torchrun job (its ``--rdzv-id``); None under tandem's own launcher (which counts
+        its restarts itself and never resizes, and runs an agent of its own with a new id each
+        attempt) and for torchrun's default id ``none``, which every job without
+        ``--rdzv-id`` shares."""
         self.world_size = world_size
         self.restarts = attempt()
         self.resizes = resizes

@@ -1,7 +1,9 @@
 """One torchrun worker group's own part of the agent's store: a name its workers agree on, and
 the job's restarts and resizes counted where every group of the job sees them.
 
-A torchrun agent keeps one store for all the worker groups it starts, and it numbers its
+A torchrun agent that shares its store with the workers (torch's default; not with
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, where each group's rank 0 hosts a new store and none of
+this runs) keeps one store for all the worker groups it starts, and it numbers its
 restarts itself (``TORCHELASTIC_RESTART_COUNT``): a group restarted because a node joined keeps
 the previous group's number, and a node that joins later counts from 0 while the others count
 their failures. So that a group never reads a previous group's keys (gloo's addresses of dead
@@ -27,6 +29,8 @@ from tandem.errors import WorkerFailure
 
 PREFIX = "/tandem/groups"
 """Where the handshake's keys and every group's own keys live in the agent's store."""
+_LED = False
+"""Whether this process has led a group already (a second ``tandem.fit`` in one worker)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -62,8 +66,10 @@ def join_group(store: dist.Store, *, rank: int, world_size: int,
 
 def _lead(store: dist.Store, world_size: int, deadline: float) -> tuple[str, int, int]:
     """Rank 0: name the group, count it, and answer every other rank's nonce with the name."""
+    global _LED  # once per process: a second run in it is no restart
     name = uuid.uuid4().hex
-    groups = store.add(f"{PREFIX}/count", 1)
+    groups = store.add(f"{PREFIX}/count", 0 if _LED else 1)
+    _LED = True
     last = store.get(f"{PREFIX}/world").decode() if store.check([f"{PREFIX}/world"]) else None
     resized = last is not None and int(last) != world_size
     resizes = store.add(f"{PREFIX}/resizes", 1 if resized else 0)
@@ -75,15 +81,17 @@ def _lead(store: dist.Store, world_size: int, deadline: float) -> tuple[str, int
     pause = 0.002
     while waiting:
         for rank in sorted(waiting):
-            if store.check([f"{PREFIX}/{name}/joined/{rank}"]):
-                waiting.discard(rank)
-                continue
             if not store.check([f"{PREFIX}/nonce/{rank}"]):
                 continue
             nonce = store.get(f"{PREFIX}/nonce/{rank}").decode()
             if answered.get(rank) != nonce:  # a stale nonce is answered too, harmlessly
                 store.set(f"{PREFIX}/answer/{rank}", f"{nonce}:{name}")
                 answered[rank] = nonce
+            joined = f"{PREFIX}/{name}/joined/{rank}"
+            # joined by the rank whose nonce is the latest: a worker left over from a group
+            # before (still polling with its old nonce) may take an answer, but not the place
+            if store.check([joined]) and store.get(joined).decode() == nonce:
+                waiting.discard(rank)
         if waiting:
             _wait(deadline, pause, waiting, world_size)
             pause = min(pause * 2, 0.05)
@@ -100,7 +108,11 @@ def _follow(store: dist.Store, rank: int, world_size: int, deadline: float) -> s
             answer = store.get(f"{PREFIX}/answer/{rank}").decode()
             if answer.startswith(f"{nonce}:"):
                 name = answer[len(nonce) + 1:]
-                store.set(f"{PREFIX}/{name}/joined/{rank}", "1")
+                store.set(f"{PREFIX}/{name}/joined/{rank}", nonce)
+                if store.get(f"{PREFIX}/nonce/{rank}").decode() != nonce:
+                    raise WorkerFailure(f"worker rank {rank}: another process joined this "
+                                        f"job as rank {rank} (a worker of a group before "
+                                        f"this one that is still running?)")
                 return name
         _wait(deadline, pause, {0}, world_size)
         pause = min(pause * 2, 0.05)
