@@ -120,9 +120,14 @@ def _reference(tmp_path: Path, before: int, after: int, step: int) -> Path:
 def test_a_node_that_leaves_at_step_30_leaves_the_job_to_finish_on_one(tmp_path: Path) -> None:
     port, out, progress = free_port(), tmp_path / "out", tmp_path / "progress"
     progress.mkdir()
-    first = _agent(port, out, progress, {})
+    go = tmp_path / "go"
+    # torch imported beforehand, the second agent joins within a second of the first's round:
+    # a 5 s last call holds both in round 0 however loaded, and the round re-formed after the
+    # kill waits only that
+    second = _agent(port, out, progress, {}, last_call_s=5, go=go)
+    first = _agent(port, out, progress, {}, last_call_s=5)
     _wait_for_port(port, first)  # the first agent hosts the rendezvous: the other one leaves
-    second = _agent(port, out, progress, {})
+    go.touch()
     _wait_for_step(progress, 3, 30, [first, second])
     end_session(second)  # the node is gone: its agent and its workers
     nodes = finish([first], timeout_s=300)
