@@ -206,10 +206,13 @@ def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, s
     return code, out, err
 
 
-FORKSERVER_EXTRAS = ["matplotlib.figure", "transformers.models.gpt2.modeling_gpt2"]
+FORKSERVER_EXTRAS = ["matplotlib.figure", "transformers.models.gpt2.modeling_gpt2",
+                     "torch.export._trace", "sympy.tensor.tensor"]
 """Imported by the session's forkserver besides tandem's own preloads: rank 0 of every run with
-``--out`` draws ``gantt.png`` (importing matplotlib cost each run ~0.7 s), and the Hugging Face
-tests' every worker built a GPT-2 (~3 s of imports each). A missing one is skipped."""
+``--out`` draws ``gantt.png`` (importing matplotlib cost each run ~0.7 s), the Hugging Face
+tests' every worker built a GPT-2 (~3 s of imports each), and every worker of a pipeline of a
+traced model (GPT-2, the split models) imported torch.export's tracing and sympy's tensors as
+it traced its stage (~0.45 CPU-s each). A missing one is skipped."""
 
 
 def start_forkserver() -> None:

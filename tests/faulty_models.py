@@ -13,15 +13,20 @@ from tandem.data.info import DataInfo
 
 
 class _Faulty(nn.Module):
-    """A linear classifier whose forward misbehaves on ``rank`` from call ``after`` on."""
+    """A linear classifier whose forward misbehaves on ``rank`` from call ``after`` on; each
+    training forward first sleeps ``delay`` seconds (paced workers, as :class:`_Recorded`)."""
 
-    def __init__(self, info: DataInfo, rank: int, after: int, how: str) -> None:
+    def __init__(self, info: DataInfo, rank: int, after: int, how: str,
+                 delay: float = 0.0) -> None:
         super().__init__()
         self.linear = nn.Linear(64, info.num_classes)
         self.rank, self.after, self.how, self.calls = rank, after, how, 0
+        self.delay = delay
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
+        if self.training:
+            time.sleep(self.delay)
         if self.training and int(os.environ.get("RANK", "0")) == self.rank and self.calls > self.after:
             if self.how == "raise":
                 raise RuntimeError(f"injected failure in forward call {self.calls}")
@@ -37,9 +42,11 @@ def crash(info: DataInfo, rank: int = 1, after: int = 3) -> nn.Module:
     return _Faulty(info, rank, after, "raise")
 
 
-def hang(info: DataInfo, rank: int = 1, after: int = 3) -> nn.Module:
-    """Sleeps for an hour on ``rank`` (a stuck worker)."""
-    return _Faulty(info, rank, after, "hang")
+def hang(info: DataInfo, rank: int = 1, after: int = 3, delay: float = 0.0) -> nn.Module:
+    """Sleeps for an hour on ``rank`` (a stuck worker); every training forward before that,
+    on every rank, sleeps ``delay`` seconds (so that the others' training lasts a known time
+    whatever the machine, at little CPU)."""
+    return _Faulty(info, rank, after, "hang", delay)
 
 
 def kill(info: DataInfo, rank: int = 1, after: int = 3) -> nn.Module:

@@ -74,17 +74,20 @@ def finish(nodes: list[Node], timeout_s: float = 300) -> list[Node]:
 
 
 def end_session(node: Node) -> None:
-    """Kill an agent and every process of its session."""
-    try:
-        os.killpg(node.process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    """Kill an agent and every process under it (as a node that leaves the job: torchrun
+    starts each worker in a session of its own, so the agent's session is not enough)."""
+    for pid in [node.process.pid, *descendants(node.process.pid), *session_left(node)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     node.process.communicate()
 
 
-def session_left(node: Node) -> list[int]:
-    """Processes of ``node``'s session still alive (its agent's pid is the session's id)."""
-    left = []
+def _processes() -> list[tuple[int, list[str]]]:
+    """Every process's id and the fields of its ``/proc/PID/stat`` after its name (state,
+    parent, process group, session, ...)."""
+    found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -92,12 +95,31 @@ def session_left(node: Node) -> list[int]:
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[3]) == node.process.pid and fields[0] != "Z":  # field 6: the session
-            left.append(int(entry.name))
-    return left
+        found.append((int(entry.name), fields))
+    return found
 
 
-def run_nodes(train: list[str], *, nodes: int = 2, per_node: int = 2, nnodes: str | None = None,
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (children, their children, ...)."""
+    parents: dict[int, list[int]] = {}
+    for child, fields in _processes():
+        parents.setdefault(int(fields[1]), []).append(child)
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found += children
+        todo += children
+    return found
+
+
+def session_left(node: Node) -> list[int]:
+    """Processes of ``node``'s session still alive (its agent's pid is the session's id)."""
+    return [pid for pid, fields in _processes()
+            if int(fields[3]) == node.process.pid and fields[0] != "Z"]  # the session, state
+
+
+def run_nodes(train: list[str], *, nodes: int = 2, per_node: int | list[int] = 2,
+              nnodes: str | None = None,
               static: bool = True, env: dict[str, str] | None = None,
               timeout_s: float = 300) -> list[Node]:
     """Run ``tandem train TRAIN`` as ``nodes`` agents of ``per_node`` workers each; return
@@ -108,6 +130,7 @@ def run_nodes(train: list[str], *, nodes: int = 2, per_node: int = 2, nnodes: st
     for index in range(nodes):
         args = [arg.replace("{node}", str(index)) for arg in train]
         command = agent_command(index if static else None, nnodes=nnodes or str(nodes),
-                                per_node=per_node, port=port, train=args)
+                                per_node=per_node if isinstance(per_node, int)
+                                else per_node[index], port=port, train=args)
         started.append(start(command, env))
     return finish(started, timeout_s)

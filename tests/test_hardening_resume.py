@@ -3,9 +3,11 @@ exactly (another strategy's, other servers', a compressed ps run's on other work
 line naming both, and a checkpoint whose bytes do not match the checksum saved with it is named
 corrupt, with the previous checkpoint (kept beside it) offered instead.
 
-The refusals go through the real command line in a session of its own (exit status, at most 3
-lines on stderr, no process left); the runs they refuse to continue, and the checks of the
-files themselves, run in this process."""
+A refusal of a corrupt checkpoint goes through the real command line in a session of its own
+(exit status, at most 3 lines on stderr, no process left: the command has started its
+forkserver by then); the other refusals, which ``check_job`` makes at the same point before
+any worker starts, run in this process (one command line costs ~6 CPU-s), as do the runs
+they refuse to continue and the checks of the files themselves."""
 
 from __future__ import annotations
 
@@ -33,10 +35,20 @@ SOURCE = {"PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
 
 
 def refused(*args: str) -> str:
-    """``tandem train ARGS`` from the command line: exit status 2, one line (at most 3 lines
-    on stderr, a warning about this machine's cores included) and no process left; the line."""
+    """``tandem train ARGS`` in this process: exit status 2 and one line (at most 3 lines on
+    stderr, a warning about this machine's cores included); the line."""
+    result = run_here("train", *RUN, *args)
+    return _error_line(result.returncode, result.stderr)
+
+
+def refused_by_the_command(*args: str) -> str:
+    """:func:`refused` from the command line, and no process of it left."""
     process, mark = start("train", *RUN, *args, env=SOURCE)
     code, _, err = finish(process, mark, timeout_s=120)
+    return _error_line(code, err)
+
+
+def _error_line(code: int, err: str) -> str:
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) <= 3, err
     errors = [line for line in lines if line.startswith("tandem train: error: ")]
@@ -167,7 +179,7 @@ def test_older_sharded_folders_go_but_the_previous_checkpoints(tmp_path: Path) -
 # -- runs: what the command line refuses, and what it continues ------------------------------
 
 
-@pytest.mark.cli
+@pytest.mark.multiprocess
 def test_dp_and_ps_resume_auto_refuse_each_others_checkpoint(tmp_path: Path) -> None:
     """Each role resumes from its own file name: without the check, either run found none of
     its own and trained afresh, its metrics mixed with the other run's."""
@@ -193,7 +205,7 @@ def test_dp_and_ps_resume_auto_refuse_each_others_checkpoint(tmp_path: Path) -> 
     assert [p.name for p in dp.iterdir() if p.name.startswith("server")] == []
 
 
-@pytest.mark.cli
+@pytest.mark.multiprocess
 def test_compressed_ps_on_another_worker_count_is_refused(tmp_path: Path) -> None:
     """Each server holds each worker's codec state (the decoder of its pushes, the encoder of
     its replies) and each worker its own: neither splits nor merges."""
@@ -231,7 +243,7 @@ def test_a_corrupt_checkpoint_is_named_and_the_previous_one_resumes(tmp_path: Pa
              "--out", str(out))
     flip(out / "checkpoint.pt")
     previous = out / PREVIOUS / "checkpoint.pt"
-    assert refused("--nproc", "2", "--resume", "auto", "--out", str(out)) == (
+    assert refused_by_the_command("--nproc", "2", "--resume", "auto", "--out", str(out)) == (
         f"checkpoint {out / 'checkpoint.pt'} is corrupt (its bytes do not match the SHA-256 "
         f"checksum saved with it); resume from the previous one (step 6) with --resume "
         f"{previous}, or drop --resume and add --overwrite to start over")

@@ -117,11 +117,15 @@ def test_stuck_pipeline_stage_ends_the_job_naming_it(schedule: str, how: str,
 
 
 def test_stuck_async_ps_worker_is_left_behind_and_ended(tmp_path: Path) -> None:
-    """Asynchronous training goes on without a stuck worker, says so, and ends its process."""
+    """Asynchronous training goes on without a stuck worker, says so, and ends its process.
+
+    Each training step sleeps 0.1 s, so the healthy workers' 200 steps last 20 s or more
+    (whatever the machine), well past the stuck one's --timeout 10: it is named while they
+    train (1,500 CPU-bound steps lasted as long as the machine was slow, at ~10 CPU-s)."""
     process, mark = start(
         "train", "--strategy", "ps", "--mode", "async", "--nproc", "4", "--servers", "1",
-        "--model", "tests.faulty_models:hang:rank=2,after=5", "--timeout", "10", "--steps", "1500",
-        "--batch-size", "30", "--no-progress", "--json")
+        "--model", "tests.faulty_models:hang:rank=2,after=5,delay=0.1", "--timeout", "10",
+        "--steps", "200", "--batch-size", "30", "--no-progress", "--json")
     code, out, err = finish(process, mark, timeout_s=150)
     assert code == 0, err
     said = " ".join(line for line in err.splitlines() if not line.startswith("tandem: warning"))
@@ -259,8 +263,12 @@ def test_ctrl_c_stops_every_worker_with_one_line_and_130(tmp_path: Path) -> None
 
 
 def test_sigterm_gives_143_and_the_run_resumes_from_its_checkpoint(tmp_path: Path) -> None:
-    args = ("train", "--nproc", "2", "--steps", "1500", "--batch-size", "32", "--out",
-            str(tmp_path), "--checkpoint-every", "25", "--no-progress")
+    """Each step sleeps 0.02 s: the run lasts 6 s or more whatever the machine, so SIGTERM, sent
+    0.5 s after the first checkpoint (step 25), comes while it trains, and the resumed run has
+    little left to compute (1,500 CPU-bound steps cost ~6 CPU-s)."""
+    args = ("train", "--nproc", "2", "--steps", "300", "--batch-size", "32", "--model",
+            "tests.faulty_models:recorded:delay=0.02", "--out", str(tmp_path),
+            "--checkpoint-every", "25", "--no-progress")
     process, mark = start(*args)
     wait_for(tmp_path / "checkpoint.pt", process)
     time.sleep(0.5)
@@ -271,7 +279,7 @@ def test_sigterm_gives_143_and_the_run_resumes_from_its_checkpoint(tmp_path: Pat
     resumed, mark = start(*args, "--resume", "--json")
     code, out, err = finish(resumed, mark, timeout_s=150)
     assert code == 0, err
-    assert '"steps": 1500' in out
+    assert '"steps": 300' in out
 
 
 LAUNCHER_MISTAKES = {

@@ -51,6 +51,21 @@ def test_data_parallel_on_two_nodes_equals_four_local_workers(tmp_path: Path) ->
 
 
 @pytest.mark.cli
+def test_sharded_dp_on_three_nodes_of_different_sizes_equals_four_local_workers(
+        tmp_path: Path) -> None:
+    """Three agents with 1, 2 and 1 processes (``--nproc-per-node`` differs by node) at the
+    c10d rendezvous, writing into one shared ``--out`` (rank 0 reads every rank's shards)."""
+    train = ["--steps", "6", "--batch-size", "32", "--shard", "4"]
+    local = run_json("train", *train, "--nproc", "4", "--out", str(tmp_path / "local"))
+    shared = tmp_path / "shared"
+    nodes = run_nodes([*train, "--out", str(shared), "--json"], nodes=3, per_node=[1, 2, 1],
+                      static=False)
+    summary = _summary(nodes)
+    assert summary["world_size"] == 4 and summary["steps"] == local["steps"]
+    assert max_abs_diff(tmp_path / "local" / "final.pt", shared / "final.pt") <= 1e-5
+
+
+@pytest.mark.cli
 def test_synchronous_ps_with_the_c10d_rendezvous_equals_four_local_workers(
         tmp_path: Path) -> None:
     """``--nnodes 1:3``: the agents meet at the c10d rendezvous (the node ranks go by

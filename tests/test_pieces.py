@@ -175,6 +175,21 @@ def test_init_fn_is_refused_where_tandem_does_not_build_the_model() -> None:
     assert UserObjects().init_fn is None
 
 
+def digits_net() -> nn.Module:
+    """A user's builder for digits (8x8 images, 10 classes)."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+
+
+@pytest.mark.multiprocess
+def test_fit_builds_a_users_builder_in_pieces_with_init_fn_reset() -> None:
+    """A builder given to ``tandem.fit`` is named ``module:function`` (was ``module.function``,
+    taken for a built-in model's name, so ``init_fn="reset"`` was refused)."""
+    import tandem
+
+    summary = tandem.fit(digits_net, data="digits", init_fn="reset", steps=2, nproc=1).summary
+    assert summary["finished"] and summary["model"] == "tests.test_pieces:digits_net"
+
+
 @pytest.mark.pure
 def test_a_units_whole_tensors_are_freed_once_it_is_done() -> None:
     """What ``done`` drops of a unit (FSDP2 keeps a shard) is freed: the builder keeps no

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tandem.data.digits import digits_arrays
-from tandem.output_files import remove_abandoned
+from tandem.output_files import remove_abandoned, temporary_path
 from tandem.runtime import zygote
 from tandem.runtime.launch import launch
 
@@ -76,11 +76,16 @@ def test_digits_read_from_the_shipped_file_equal_scikit_learn_s() -> None:
 @pytest.mark.pure
 def test_abandoned_temporary_files_are_removed(tmp_path: Path) -> None:
     dead = 2 ** 22 + 12345  # above the default pid_max: no process has it
-    abandoned = tmp_path / f".checkpoint.tmp{dead}.pt"
-    mine = tmp_path / f".checkpoint.tmp{os.getpid()}.pt"  # a writer still at work
-    others = [tmp_path / "checkpoint.pt", tmp_path / ".tandem.lock", tmp_path / ".x.tmpabc.pt"]
-    for path in [abandoned, mine, *others]:
+    named_here = temporary_path(tmp_path / "metrics.jsonl").name  # .metrics.tmpPID@HOST.jsonl
+    abandoned = [tmp_path / f".checkpoint.tmp{dead}.pt",  # before writers named their host
+                 tmp_path / named_here.replace(f"tmp{os.getpid()}@", f"tmp{dead}@")]
+    mine = temporary_path(tmp_path / "checkpoint.pt")  # a writer still at work
+    # a writer on another machine that shares the directory: its pid means nothing here
+    elsewhere = tmp_path / f".final.tmp{dead}@another-host.pt"
+    others = [tmp_path / "checkpoint.pt", tmp_path / ".tandem.lock", tmp_path / ".x.tmpabc.pt",
+              elsewhere]
+    for path in [*abandoned, mine, *others]:
         path.write_text("x")
-    assert remove_abandoned(tmp_path) == [abandoned]
+    assert sorted(remove_abandoned(tmp_path)) == sorted(abandoned)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         p.name for p in [mine, *others])

@@ -5,6 +5,7 @@ shards), the storage emulator and cache, and training on shards against training
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -299,15 +300,24 @@ def test_a_run_stopped_mid_epoch_resumes_to_the_uninterrupted_result(
     run_json("train", *common, "--out", str(tmp_path / "cut"), "--stop-after", "30")
     state = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=False)
     assert state["data"]["epoch"] == 1 and state["data"]["samples_into_epoch"] == 7 * 64
+    resized = tmp_path / "resized"
+    shutil.copytree(tmp_path / "cut", resized, ignore=shutil.ignore_patterns(".tandem.lock"))
     resumed = run_json("train", *common, "--out", str(tmp_path / "cut"), "--resume", "auto",
                        "--cache-dir", str(tmp_path / "cache"))
     assert resumed["finished"]
     assert max_abs_diff(tmp_path / "whole" / "final.pt", tmp_path / "cut" / "final.pt") == 0.0
     assert any((tmp_path / "cache").iterdir())
-    other = run_here("train", *common, "--out", str(tmp_path / "cut"), "--resume", "auto",
-                     "--nproc", "4", "--no-progress")
-    assert other.returncode == 2
-    assert "cut for 2 data-parallel workers, and this run has 4" in other.stderr
+    # on 4 workers from step 30, the rest of epoch 1 re-dealt (every sample once: see
+    # test_grow_shrink.py); then on 2 again from step 40, into epoch 2
+    grown = run_json("train", *common, "--out", str(resized), "--resume", "auto", "--nproc", "4")
+    assert grown["finished"] and grown["world_size"] == 4
+    state = torch.load(resized / "checkpoint.pt", weights_only=False)
+    assert state["data"]["cuts"] == [[0, 2], [7 * 64, 4]] and state["data"]["partitions"] == 4
+    shrunk = run_json("train", *common, "--out", str(resized), "--resume", "auto",
+                      "--steps", "50")
+    assert shrunk["finished"] and shrunk["world_size"] == 2
+    state = torch.load(resized / "checkpoint.pt", weights_only=False)
+    assert (state["data"]["epoch"], state["data"]["cuts"]) == (2, [[0, 2]])
 
 
 @pytest.mark.multiprocess

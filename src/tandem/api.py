@@ -262,10 +262,12 @@ def _checked_flag(name: str, value: Any, flag: str) -> Any:
 
 
 def _label(thing: Any, what: str = "model") -> str:
-    """How the summary names an object (its class, or a function's qualified name)."""
+    """How the summary names an object (its class, or a function's qualified name). A model's
+    builder is named as ``--model`` names one, ``module:function``: not a built-in model."""
     if isinstance(thing, (nn.Module, torch.utils.data.Dataset)) or not callable(thing):
         return f"{type(thing).__module__}.{type(thing).__qualname__}"
-    return f"{getattr(thing, '__module__', '?')}.{getattr(thing, '__qualname__', what)}"
+    join = ":" if what == "model" else "."
+    return f"{getattr(thing, '__module__', '?')}{join}{getattr(thing, '__qualname__', what)}"
 
 
 def _check_picklable(objects: Any) -> None:

@@ -20,6 +20,7 @@ import contextlib
 import errno
 import os
 import re
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -63,12 +64,16 @@ def os_error_line(exc: OSError) -> str:
 
 
 def temporary_path(path: Path) -> Path:
-    """A hidden name beside ``path``, unique to this process, with the same suffix (writers
-    such as matplotlib choose the format from it)."""
-    return path.with_name(f".{path.stem}.tmp{os.getpid()}{path.suffix}")
+    """A hidden name beside ``path``, unique to this process on this machine (its id and the
+    machine's name: a directory may be shared by the nodes of a job), with the same suffix
+    (writers such as matplotlib choose the format from it)."""
+    return path.with_name(f".{path.stem}.tmp{os.getpid()}@{_HOST}{path.suffix}")
 
 
-_TEMPORARY = re.compile(r"\.(?P<stem>.+)\.tmp(?P<pid>\d+)(?P<suffix>\.[^.]*)?")
+_HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) or "host"
+"""This machine's name as temporary files carry it (no dots: the suffix comes after it)."""
+_TEMPORARY = re.compile(
+    r"\.(?P<stem>.+)\.tmp(?P<pid>\d+)(?:@(?P<host>[A-Za-z0-9-]+))?(?P<suffix>\.[^.]*)?")
 
 
 def remove_abandoned(directory: Path) -> list[Path]:
@@ -78,7 +83,9 @@ def remove_abandoned(directory: Path) -> list[Path]:
     removed = []
     for path in directory.glob(".*.tmp*"):
         match = _TEMPORARY.fullmatch(path.name)
-        if match is None or _alive(int(match.group("pid"))):
+        if match is None or match.group("host") not in (None, _HOST):
+            continue  # another machine's writer: only that machine can tell if it ended
+        if _alive(int(match.group("pid"))):
             continue
         with contextlib.suppress(FileNotFoundError):
             path.unlink()

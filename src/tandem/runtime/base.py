@@ -37,6 +37,7 @@ from tandem.runtime.learning import Learning
 from tandem.runtime.learning_rate import batch_lr_factor, lr_factor, scaled_lr
 from tandem.runtime.loss_log import LogHooks, LossLog
 from tandem.runtime.memory import PeakMemory
+from tandem.runtime.membership import Membership
 from tandem.runtime.noise_scale import NoiseScale
 from tandem.runtime.optimizer_setup import worker_optimizer
 from tandem.runtime.outputs import (
@@ -202,6 +203,8 @@ class BaseTrainer(Worker):
         off are left out); then those that only give the summary its fields or hold state."""
         config, told = self.config, self.reporter.callbacks  # the user's callbacks
         return Components(
+            # first: the step a checkpoint of this step records
+            Membership(self.env.world_size, rank=self.env.rank, resizes=self.env.resizes),
             self.reporter,
             DivergenceCheck(self.divergence, lambda: self.precision.skipped_in_a_row),
             self.loss_log,

@@ -4,6 +4,7 @@ position a checkpoint records."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -13,6 +14,7 @@ import torch.distributed as dist
 
 from tandem.data import Batch, Data, GlobalBatchSampler, Samples
 from tandem.data.loader import PlannedLoader
+from tandem.data.shard_sampler import ShardBatchSampler
 from tandem.data.shards import ShardSamples
 from tandem.errors import UsageError
 from tandem.runtime.component import Component, StepEnd
@@ -20,6 +22,8 @@ from tandem.runtime.config import RunConfig
 from tandem.runtime.task import Task
 from tandem.runtime.zygote import child_context
 from tandem.spec.batch_schedule import auto_next_batch, format_schedule, parse_batch_schedule
+
+logger = logging.getLogger(__name__)
 
 
 class BatchFeed:
@@ -84,15 +88,21 @@ class BatchFeed:
 
     def position(self, step: int) -> dict[str, Any]:
         """What a checkpoint after ``step`` steps records of the data: where the next step
-        reads (epoch, samples into it), the ranks the order was cut for, and the shards."""
-        train = self.data.train
-        return {**self.sampler.position(step), "partitions": self.partitions,
+        reads (epoch, samples into it), the ranks the order was cut for, and the shards (with
+        the parts of an epoch that a resize re-dealt, ``cuts``)."""
+        train, sampler = self.data.train, self.sampler
+        where = sampler.position(step)
+        cuts = (sampler.epoch_cuts(where["epoch"]) if isinstance(sampler, ShardBatchSampler)
+                else None)
+        return {**where, "partitions": self.partitions,
                 "shards": train.index.fingerprint if isinstance(train, ShardSamples) else None,
-                "batch_size": self.sampler.batch_size_at(step),
-                "batch_schedule": format_schedule(self.sampler.schedule)}
+                "cuts": cuts, "batch_size": sampler.batch_size_at(step),
+                "batch_schedule": format_schedule(sampler.schedule)}
 
     def check_position(self, recorded: dict[str, Any] | None, path: str) -> None:
-        """Refuse to resume streamed data whose order would differ from the checkpoint's."""
+        """Refuse to resume streamed data whose order would differ from the checkpoint's; on
+        another number of data-parallel ranks, re-deal the shards of the epoch it stopped in
+        (:meth:`ShardBatchSampler.resize`)."""
         if recorded is None or not self.data.train.streams:
             return
         now = self.position(0)
@@ -100,11 +110,19 @@ class BatchFeed:
             raise UsageError(f"checkpoint {path} was trained on other shards than "
                              f"--data {self.config.data} holds now (they were packed again); "
                              f"resume with the shards it was trained on, or start afresh")
-        if recorded.get("partitions") != now["partitions"]:
-            raise UsageError(f"checkpoint {path} read the shards cut for "
-                             f"{recorded.get('partitions')} data-parallel workers, and this run "
-                             f"has {now['partitions']}; resume with as many (shards are split "
-                             f"among the workers, so their order depends on the count)")
+        before = recorded.get("partitions")
+        cuts = recorded.get("cuts") or [[0, before]]
+        if before == now["partitions"] and len(cuts) == 1:
+            return
+        if not isinstance(self.sampler, ShardBatchSampler) or not isinstance(before, int):
+            raise UsageError(f"checkpoint {path} read the data cut for {before} data-parallel "
+                             f"workers, and this run has {now['partitions']}; resume with as "
+                             f"many (the stream is split among the workers)")
+        self.sampler.resize(int(recorded["epoch"]), int(recorded["samples_into_epoch"]), cuts)
+        if before != now["partitions"] and (not dist.is_initialized() or dist.get_rank() == 0):
+            logger.info(f"the checkpoint's shards were read by {before} data-parallel workers "
+                        f"and this run has {now['partitions']}: the rest of epoch "
+                        f"{recorded['epoch']} is dealt among them")
 
     def wait_summary(self, train_s: float) -> dict[str, Any]:
         """The summary's data fields, for a run that trained ``train_s`` seconds."""

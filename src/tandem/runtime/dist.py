@@ -21,9 +21,11 @@ import torch
 import torch.distributed as dist
 
 from tandem.errors import UsageError, WorkerFailure
+from tandem.runtime.faults import GROUP_RESTARTS
 from tandem.runtime.launcher_env import (  # re-exported: the launcher's view of the job
     LAUNCHER_VARIABLES, check_launcher_values, under_launcher, world_size,
 )
+from tandem.runtime.worker_group import WorkerGroup, join_group
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -35,6 +37,10 @@ class WorkerEnv:
     local_rank: int
     device: torch.device
     backend: str
+    resizes: int = 0
+    """Times the job started again on another number of workers before this start, as a
+    torchrun agent's shared store counts them (see :mod:`tandem.runtime.worker_group`; 0
+    elsewhere). Its restarts go to :func:`tandem.runtime.faults.attempt`."""
 
 
 def new_group(ranks: list[int], *, timeout_s: float) -> dist.ProcessGroup:
@@ -71,35 +77,42 @@ def init_worker(*, backend: str, timeout_s: float, threads: int) -> WorkerEnv:
     else:
         device = torch.device("cpu")
         torch.set_num_threads(threads)
+    group: WorkerGroup | None = None
     if not dist.is_initialized():
         deadline = time.monotonic() + timeout_s
         if rank != 0:
             _wait_for_master(rank, deadline, timeout_s)
         try:
             timeout = datetime.timedelta(seconds=max(1.0, deadline - time.monotonic()))
+            group = _agent_group(rank, world_size, timeout, deadline)
             with _quiet_native_stderr():
                 dist.init_process_group(
                     backend, rank=rank, world_size=world_size, timeout=timeout,
                     device_id=device if backend == "nccl" else None,
-                    store=_attempt_store(world_size, timeout),
+                    store=None if group is None else group.store,
                 )
+        except WorkerFailure:
+            raise
         except (dist.DistError, RuntimeError) as exc:
             raise _startup_failure(exc, rank, world_size, timeout_s) from None
+    if group is not None:
+        os.environ[GROUP_RESTARTS] = str(group.restarts)
     return WorkerEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device,
-                     backend=backend)
+                     backend=backend, resizes=0 if group is None else group.resizes)
 
 
-def _attempt_store(world_size: int, timeout: datetime.timedelta) -> dist.Store | None:
-    """Under a torchrun agent that restarts workers: the agent's store, with a prefix of its own
-    per attempt. The agent keeps one store across restarts, and ``init_process_group``'s own
-    (unprefixed) use of it would hand a restarted worker the addresses of the previous attempt's
-    dead ones (gloo: "Connection refused"). None elsewhere: ``init_process_group`` as usual."""
+def _agent_group(rank: int, world_size: int, timeout: datetime.timedelta,
+                 deadline: float) -> WorkerGroup | None:
+    """Under a torchrun agent: the agent's store, under a name of this worker group's own
+    (:func:`tandem.runtime.worker_group.join_group`). The agent keeps one store for all the
+    groups it starts, and ``init_process_group``'s own (unprefixed) use of it would hand a
+    restarted worker the addresses of the previous group's dead ones (gloo: "Connection
+    refused"). None elsewhere: ``init_process_group`` as usual."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
         return None
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
                           is_master=False, timeout=timeout)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"/tandem/attempt_{attempt}", store)
+    return join_group(store, rank=rank, world_size=world_size, deadline=deadline)
 
 
 def _wait_for_master(rank: int, deadline: float, timeout_s: float) -> None:

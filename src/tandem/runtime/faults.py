@@ -31,6 +31,9 @@ logger = logging.getLogger(__name__)
 FAULT = "TANDEM_FAULT"
 ATTEMPT = "TANDEM_ATTEMPT"
 """Set by tandem's launcher in each attempt's workers: 0, 1, ... (restarts so far)."""
+GROUP_RESTARTS = "TANDEM_GROUP_RESTARTS"
+"""Set in a torchrun worker once its group formed: the job's restarts before this group, as
+the agent's store counts them (:mod:`tandem.runtime.worker_group`)."""
 PROGRESS_DIR = "TANDEM_PROGRESS_DIR"
 """Set by tandem's launcher: where each worker leaves the step it reached (``rank-N``)."""
 
@@ -63,12 +66,15 @@ def check_fault(world_size: int, steps: int, stop_after: int | None = None) -> N
 
 
 def attempt() -> int:
-    """Restarts before this attempt of the job (0 in the first)."""
-    for name in (ATTEMPT, "TORCHELASTIC_RESTART_COUNT"):
-        value = os.environ.get(name)
-        if value and value.isdigit():
-            return int(value)
-    return 0
+    """Restarts before this attempt of the job (0 in the first): tandem's launcher's count, or
+    the larger of a torchrun agent's and the worker group's (:data:`GROUP_RESTARTS`; an agent
+    does not count a restart for a node that joins, nor another node's restarts)."""
+    if ATTEMPT in os.environ:
+        names: tuple[str, ...] = (ATTEMPT,)
+    else:
+        names = ("TORCHELASTIC_RESTART_COUNT", GROUP_RESTARTS)
+    values = [os.environ.get(name, "") for name in names]
+    return max([int(value) for value in values if value.isdigit()], default=0)
 
 
 _progress_files: dict[tuple[str, int], int] = {}

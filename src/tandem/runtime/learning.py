@@ -19,7 +19,9 @@ so that one noisy line decides nothing:
   learned (first line minus lowest) and :data:`RISE` (10%) of the first line: the run gave
   back over half of its progress, or ended 10% above where it started;
 - ``stalled``: the last window's median is below that of the window ending at the middle of
-  the run by at most :data:`STALL` (1%) of the latter: the second half learned nothing;
+  the run by at most :data:`STALL` (1%) of the latter: the second half learned nothing; or it
+  is below the first line by at most :data:`LEARNED` (10%) of it: the run as a whole learned
+  next to nothing (a run stuck near chance whose loss still creeps down);
 - ``ok`` otherwise.
 
 Usage::
@@ -55,6 +57,8 @@ RISE = 0.1
 """... or by more than this share of its first loss (a run that learned nothing)."""
 STALL = 0.01
 """A second half that lowers the loss by at most this share of the loss has stalled."""
+LEARNED = 0.1
+"""... and so has a run that ends at most this share of its first loss below it."""
 MAX_LINES = 4096
 """Lines :class:`Learning` keeps; beyond, neighbouring lines are averaged in pairs (its state
 goes into every checkpoint)."""
@@ -70,7 +74,7 @@ def judge(losses: Sequence[float]) -> str | None:
     first, best, middle, end = marks
     if end - best > max(GIVEN_BACK * (first - best), RISE * abs(first)):
         return "diverged"
-    if middle - end <= STALL * abs(middle):
+    if middle - end <= STALL * abs(middle) or first - end <= LEARNED * abs(first):
         return "stalled"
     return "ok"
 
@@ -147,10 +151,13 @@ class Learning(Component):
         if verdict == "diverged":
             what = (f"the loss rose to {end:.4g} by step {lines[-1][0]} from {first:.4g} at "
                     f"step {lines[0][0]} (lowest {best:.4g})")
-        else:
+        elif middle - end <= STALL * abs(middle):
             middle_step = lines[len(lines) // 2 - 1][0]
             what = (f"the loss stopped falling: {middle:.4g} by step {middle_step}, {end:.4g} "
                     f"by step {lines[-1][0]}")
+        else:
+            what = (f"the loss hardly fell: {end:.4g} by step {lines[-1][0]} from {first:.4g} "
+                    f"at step {lines[0][0]}")
         return f"learning {verdict}: {what}; likely cause: {self.cause(verdict)}"
 
     def cause(self, verdict: str) -> str:

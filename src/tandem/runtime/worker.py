@@ -73,7 +73,8 @@ def train_worker(job: Job, *, mirror: Any = None) -> dict[str, Any] | None:
                 raise
         if summary is not None:
             summary["wall_s"] = round(time.perf_counter() - start, 3)
-            summary["restarts"] = attempt()
+            summary.setdefault("restarts", attempt())  # a trainer's: see runtime/membership
+            summary.setdefault("resizes", env.resizes)
         return summary
     except Diverged as exc:
         # a diverged worker ends with the process group in place: a background receive (a

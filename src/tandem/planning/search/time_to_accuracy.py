@@ -6,7 +6,7 @@ Usage::
     model = StepsModel(target_loss=0.3, reference_batch=32, reference_steps=118.0,
                        noise_scale=25.0, lr=0.05)
     model.steps(256)                    # S_min (1 + B_noise/256)
-    model.steps(256, staleness=3, kind="ps")   # times (1 + 0.17 * 3)
+    model.steps(256, staleness=3, kind="ps")   # times (1 + 0.36 * 3)
     timed = time_to_target(candidate, 256, model)
     timed.step_time_s, timed.predicted_steps, timed.time_to_target_s
 
@@ -42,13 +42,16 @@ from tandem.planning.search.flexflow import Candidate
 from tandem.spec.kinds import ScheduleKind
 from tandem.spec.trainable import staleness
 
-STALENESS_COSTS = {"ps": 0.17, str(ScheduleKind.PIPEDREAM): 0.47}
+STALENESS_COSTS = {"ps": 0.36, str(ScheduleKind.PIPEDREAM): 0.62}
 """More steps per unit of staleness, as a fraction, for each kind of stale plan
 (:func:`stale_kind`), measured on digits with the default compensation
 (``benchmarks/time_to_accuracy.py``, docs/benchmarks.md: steps to loss 0.3 at batch 64, 3 seeds,
-against dp): 4 asynchronous parameter-server workers took 1.50x dp's steps (staleness 3: 0.17 a
-unit; the mean of two runs, 1.55x and 1.45x: asynchronous runs differ between runs), a 4-stage
-PipeDream pipeline 2.40x (0.47 a unit)."""
+against dp, at c4cb855: the mlp's He initialization, the servers' numbered updates and
+momentum): 4 asynchronous parameter-server workers took 2.08x dp's steps (staleness 3: 0.36 a
+unit; the mean of two runs, 0.370 and 0.352: asynchronous runs differ between runs), a 4-stage
+PipeDream pipeline 2.86x (0.62 a unit, the same in both). Before He's initialization, 0.17 and
+0.47: dp took 91-102 steps then, about half of them on the initial plateau, against 32-41 now,
+while the servers' extra steps changed less (36-49 then, 31-47 now)."""
 
 
 def stale_kind(plan: Plan) -> str:
