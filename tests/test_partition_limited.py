@@ -16,7 +16,12 @@ import random
 import pytest
 
 from tandem.planning.partition.levels import LevelProblem, solve_level
-from tandem.planning.partition.limited import memory_bracket, quick_plan, solve_limited
+from tandem.planning.partition.limited import (
+    memory_bracket,
+    quick_plan,
+    search_limited,
+    solve_limited,
+)
 from tandem.planning.partition.memory import stage_memory_bytes
 from tandem.spec.kinds import ScheduleKind
 from tests.test_partition_bounded import random_problem
@@ -84,6 +89,36 @@ def test_limited_search_equals_table(seed: int) -> None:
         check_plan(problem, table.backtrack(0, problem.states.num_states - 1), got)
     assert proven >= 25
 
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_search_between_its_neighbours_bounds_returns_the_same_plan(seed: int) -> None:
+    """What the walk down the memory grid hands each search (``memo.optimum_bounds``): the
+    least bound a looser budget reached (just below, as a bound that reaches nothing) and a
+    tighter budget's (one that reaches a plan). Down a ladder of budgets, each search started
+    from its neighbours' optima returns the table, the bound and the optimum of a cold one."""
+    rng = random.Random(300 + seed)
+    checked = 0
+    for _ in range(12):
+        problem = limited_problem(rng)
+        budgets = [problem.memory_bytes * 2 ** (-k / 3) for k in range(8)]
+        optima = [search_limited(dataclasses.replace(problem, memory_bytes=budget))[2]
+                  for budget in budgets]
+        for index, budget in enumerate(budgets):
+            at = dataclasses.replace(problem, memory_bytes=budget)
+            looser = [o for o in optima[:index] if o is not None]
+            tighter = [o for o in optima[index + 1:] if o is not None]
+            low = max(looser, default=0.0) * (1 - 1e-12)
+            high = min(tighter, default=math.inf)
+            cold, warm = search_limited(at), search_limited(at, low, high)
+            assert warm[1:] == cold[1:], (problem, budget)
+            if cold[0] is not None:
+                assert warm[0] is not None
+                assert (warm[0].best == cold[0].best).all()
+                assert warm[0].backtrack(0, problem.states.num_states - 1) == \
+                    cold[0].backtrack(0, problem.states.num_states - 1)
+                checked += 1
+    assert checked >= 20
 
 
 def test_quick_plan_is_a_plan_and_proves_when_nothing_fits() -> None:

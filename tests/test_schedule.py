@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import random
 import textwrap
 
 import pytest
 
 from tandem.errors import UsageError
+from tandem.schedule.generators import in_flight_counts
 from tandem.schedule import (
     GENERATORS,
     SCHEDULE_KINDS,
@@ -136,6 +138,14 @@ def test_num_in_flight_is_noam() -> None:
     assert [num_in_flight([1, 1, 1, 1], s) for s in range(4)] == [4, 3, 2, 1]
     assert [num_in_flight([2, 1], s) for s in range(2)] == [2, 1]
     assert [num_in_flight([1, 3], s) for s in range(2)] == [4, 1]
+
+
+def test_in_flight_counts_are_num_in_flight_of_every_stage() -> None:
+    rng = random.Random(7)
+    for _ in range(200):
+        replicas = [rng.randint(1, 9) for _ in range(rng.randint(1, 30))]
+        assert in_flight_counts(replicas) == [num_in_flight(replicas, s)
+                                              for s in range(len(replicas))]
 
 
 @pytest.mark.parametrize("replicas", [[1], [1, 1], [1, 1, 1], [1, 1, 1, 1, 1]])

@@ -102,6 +102,16 @@ def num_in_flight(replicas: Sequence[int], stage: int) -> int:
     return math.ceil(sum(replicas[stage:]) / replicas[stage])
 
 
+def in_flight_counts(replicas: Sequence[int]) -> list[int]:
+    """:func:`num_in_flight` of every stage, in one pass (from the last stage's workers up)."""
+    counts: list[int] = []
+    workers = 0
+    for r in reversed(replicas):
+        workers += r
+        counts.append(math.ceil(workers / r))
+    return counts[::-1]
+
+
 # -- compute order of one worker ---------------------------------------------------------------
 
 ComputeOrder = Callable[[Sequence[int], int, list[int]], Ops]

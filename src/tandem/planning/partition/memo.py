@@ -19,6 +19,11 @@ identity, so an equal profile built anew is recognised):
   speed change times, not bytes), and a plan that fits a budget fits every looser one; so the
   loosest budget known to fit nothing is kept per profile, unit count and memory options, and
   a budget at or below it needs no solve.
+- :func:`optimum_bounds`: on one level under a memory limit, the least bottleneck
+  :mod:`.limited`'s search reached under each budget, per profile, cluster and options; a
+  looser budget's is a lower bound under a tighter one (the limit only removes plans) and a
+  tighter budget's an upper bound, so a walk down the memory grid starts each search between
+  its neighbours' (the same plan: the search returns the plan at the optimum itself).
 - :func:`known_plans`: the stages of every plan solved, by profile and device count, for
   :mod:`.bounded`'s table to take the least bottleneck among those that fit as its bound (a
   plan known to exist: pruning by it keeps the answer exactly).
@@ -105,6 +110,7 @@ _INFEASIBLE = _Lru(MAX_PROFILES * 64)
 _KNOWN = _Lru(MAX_PROFILES * 8)
 _CONTENTS = _Lru(MAX_PROFILES)
 _FAMILIES = _Lru(MAX_PROFILES * 8)
+_OPTIMA = _Lru(MAX_PROFILES * 8)
 
 
 def _nbytes(value: Any, depth: int) -> float:
@@ -198,6 +204,25 @@ def note_infeasible(key: Hashable, memory_bytes: float) -> None:
     _INFEASIBLE.put(key, memory_bytes if loosest is None else max(loosest, memory_bytes))
 
 
+def optimum_bounds(family: Hashable, memory_bytes: float) -> tuple[float, float]:
+    """Bounds on the least bottleneck reached under ``memory_bytes`` for ``family`` (a one-level
+    problem under any limit): the greatest reached under a looser limit (at most this one's)
+    and the least under a tighter one (at least this one's); 0 and inf where none is kept."""
+    optima: dict[float, float] = _OPTIMA.get(family) or {}
+    low = max((reached for budget, reached in optima.items() if budget > memory_bytes),
+              default=0.0)
+    high = min((reached for budget, reached in optima.items() if budget < memory_bytes),
+               default=math.inf)
+    return low, high
+
+
+def note_optimum(family: Hashable, memory_bytes: float, reached: float) -> None:
+    """The least bottleneck reached under ``memory_bytes`` for ``family``."""
+    optima: dict[float, float] = _OPTIMA.get(family) or {}
+    optima[memory_bytes] = reached
+    _OPTIMA.put(family, optima)
+
+
 def known_plans(key: Hashable) -> list[StageKey]:
     """The plans solved for ``key`` (a profile and a device count), latest last."""
     found = _KNOWN.get(key)
@@ -216,5 +241,6 @@ def note_plan(key: Hashable, stages: StageKey) -> None:
 
 def forget() -> None:
     """Drop everything kept (for measuring a cold start)."""
-    for cache in (_SOLVES, _STATES, _TABLES, _INFEASIBLE, _KNOWN, _CONTENTS, _FAMILIES):
+    for cache in (_SOLVES, _STATES, _TABLES, _INFEASIBLE, _KNOWN, _CONTENTS, _FAMILIES,
+                  _OPTIMA):
         cache.clear()

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +44,7 @@ from tandem.planning.partition.antichain import States
 from tandem.planning.partition.bounded import known_bound, one_stage_bound, solve_row0
 from tandem.planning.partition.levels import DeviceStages, LevelProblem, LevelTable, solve_level
 from tandem.planning.partition.limited import memory_bracket as limited_bracket
-from tandem.planning.partition.limited import quick_plan, solve_limited
+from tandem.planning.partition.limited import quick_plan, search_limited
 from tandem.planning.partition.memory import FLUSH_SCHEDULES
 from tandem.planning.partition.parametric import solve_level_fast
 from tandem.profile import ModelProfile
@@ -174,7 +175,9 @@ def _partition(profile: ModelProfile, content: memo.Content, cluster: Cluster,
         if level_index == top:
             one_level = len(cluster.levels) == 1
             known = memo.known_plans((content, cluster.num_devices)) if one_level else []
-            tables.append(_solve(problem, options, known))
+            searches = (content, cluster.levels, cluster.speed,
+                        dataclasses.replace(options, memory_bytes=None))
+            tables.append(_solve(problem, options, known, searches))
             break
         key = (content, cluster.speed, cluster.levels[: level_index + 1], options)
         family = (content, cluster.speed, cluster.levels[:1],
@@ -259,8 +262,8 @@ FAST_PATH_ELEMENTS = 50_000_000
 """Use the parametric fast path when the full table would touch more cells than this."""
 
 
-def _solve(problem: LevelProblem, options: PartitionOptions,
-           known: list[memo.StageKey]) -> LevelTable:  # fmt: skip
+def _solve(problem: LevelProblem, options: PartitionOptions, known: list[memo.StageKey],
+           family: Hashable) -> LevelTable:
     """Row 0 of the final level.
 
     It goes to a parametric search when the table would be large (under a memory limit on a
@@ -269,7 +272,8 @@ def _solve(problem: LevelProblem, options: PartitionOptions,
     as one stage and, under a memory limit, the least bound :mod:`.limited` proves when it
     cannot prove the optimum, or else a plan its quick search finds (:func:`quick_plan`, which
     also proves at once that nothing fits). ``options.exact_dp``: the table, bounded by the
-    whole model alone.
+    whole model alone. ``family``: the problem under any memory limit, whose searches under
+    other limits bound this one's (:func:`.memo.optimum_bounds`).
     """
     if options.exact_dp:
         return solve_row0(problem)
@@ -282,7 +286,10 @@ def _solve(problem: LevelProblem, options: PartitionOptions,
         if problem.memory_bytes is None:
             fast = solve_level_fast(problem)
         elif limited:
-            fast, proven = solve_limited(problem)
+            low, high = memo.optimum_bounds(family, problem.memory_bytes)
+            fast, proven, reached = search_limited(problem, low * (1 - 1e-12), high)
+            if reached is not None:
+                memo.note_optimum(family, problem.memory_bytes, reached)
             bound = min(bound, proven)
         if fast is not None:
             return fast

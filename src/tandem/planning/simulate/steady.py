@@ -46,7 +46,7 @@ from tandem.planning.partition.memory import device_memory_bytes
 from tandem.planning.simulate.collectives import link_level, unit_sizes
 from tandem.planning.simulate.replay import Workload
 from tandem.planning.simulate.result import SimOptions, SimResult, WorkerResult
-from tandem.schedule.generators import num_in_flight
+from tandem.schedule.generators import in_flight_counts, num_in_flight
 from tandem.spec.kinds import ScheduleKind
 from tandem.timeline import Timeline
 
@@ -110,13 +110,15 @@ def _round_trip_s(replicas: Sequence[int], compute: Sequence[float], hops: Seque
     when that minibatch is in round ``k + n`` (``w >= (n - 2) r + 1``), one round of stage ``s``
     lasts at least a forward from ``s`` to ``t`` and a backward from ``t`` to ``s``, transfers,
     the sync and the step included. A straight pipeline has no such trip (``w`` falls short)."""
+    flight = in_flight_counts(replicas)
+    ahead = [(n - 1) * r for n, r in zip(flight, replicas)]  # w of each stage
     longest = 0.0
     for s, r in enumerate(replicas):
-        threshold = (num_in_flight(replicas, s) - 2) * r + 1
+        threshold = (flight[s] - 2) * r + 1
         trip = compute[s] + sync[s] + step_s[s]
         for t in range(s + 1, len(replicas)):
             trip += compute[t] + 2 * hops[t - 1]
-            if (num_in_flight(replicas, t) - 1) * replicas[t] >= threshold:
+            if ahead[t] >= threshold:
                 longest = max(longest, trip / r)
     return longest
 
