@@ -68,7 +68,9 @@ def finish(nodes: list[Node], timeout_s: float = 300) -> list[Node]:
         except subprocess.TimeoutExpired:
             for other in nodes:
                 end_session(other)
-            raise AssertionError(f"the job did not end within {timeout_s} s") from None
+            raise AssertionError(f"the job did not end within {timeout_s} s:\n" + "\n".join(
+                f"--- agent {index} ---\n{other.stderr[-3000:]}"
+                for index, other in enumerate(nodes))) from None
         node.returncode = node.process.returncode
     return nodes
 
@@ -81,7 +83,8 @@ def end_session(node: Node) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    node.process.communicate()
+    out, err = node.process.communicate()
+    node.stdout, node.stderr = node.stdout + (out or ""), node.stderr + (err or "")
 
 
 def _processes() -> list[tuple[int, list[str]]]:
@@ -121,7 +124,7 @@ def session_left(node: Node) -> list[int]:
 def run_nodes(train: list[str], *, nodes: int = 2, per_node: int | list[int] = 2,
               nnodes: str | None = None,
               static: bool = True, env: dict[str, str] | None = None,
-              timeout_s: float = 300) -> list[Node]:
+              timeout_s: float = 240) -> list[Node]:
     """Run ``tandem train TRAIN`` as ``nodes`` agents of ``per_node`` workers each; return
     them once all ended. Each node's ``--out`` is the caller's business (``train`` may hold
     ``{node}``, replaced by the node's index)."""

@@ -130,7 +130,7 @@ def test_a_node_that_leaves_at_step_30_leaves_the_job_to_finish_on_one(tmp_path:
     go.touch()
     _wait_for_step(progress, 3, 30, [first, second])
     end_session(second)  # the node is gone: its agent and its workers
-    nodes = finish([first], timeout_s=300)
+    nodes = finish([first], timeout_s=240)
     summary = _summary(nodes)
     assert summary["finished"] and summary["world_size"] == 2
     assert (summary["restarts"], summary["resizes"]) == (1, 1)
@@ -148,7 +148,7 @@ def test_a_node_that_joins_grows_the_job_from_its_last_checkpoint(tmp_path: Path
     second = _agent(port, out, progress, NO_SHARED_STORE, go=go)
     _wait_for_step(progress, 0, 20, [first])
     go.touch()  # the second node joins now
-    nodes = finish([first, second], timeout_s=300)
+    nodes = finish([first, second], timeout_s=240)
     summary = _summary(nodes)
     assert summary["finished"] and summary["world_size"] == 4
     assert (summary["restarts"], summary["resizes"]) == (1, 1)
