@@ -5,6 +5,7 @@ inner tables under looser limits start its own) is the one solved afresh, stage 
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 
 import numpy as np
@@ -33,8 +34,23 @@ def _flat(units: int, bandwidth: float) -> Cluster:
     return Cluster(levels=(Level(num_units=units, bandwidth_Bps=bandwidth),))
 
 
+@pytest.mark.parametrize("limited", [False, True], ids=["table", "limited-search"])
 @pytest.mark.parametrize("seed", range(4))
-def test_a_solve_after_others_is_the_solve_afresh(seed: int) -> None:
+def test_a_solve_after_others_is_the_solve_afresh(seed: int, limited: bool,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """In any order, with everything kept between solves, each answer is the fresh one;
+    ``limited``: flat levels under a limit go to :mod:`.limited`'s search whatever their size,
+    each search started from the optima its neighbouring budgets reached."""
+    warm: list[tuple[float, float]] = []
+    if limited:
+        monkeypatch.setattr(pipedream, "FAST_PATH_ELEMENTS", -1)
+        search = pipedream.search_limited
+
+        def spied(problem, low=0.0, high=math.inf):  # type: ignore[no-untyped-def]
+            warm.append((low, high))
+            return search(problem, low, high)
+
+        monkeypatch.setattr(pipedream, "search_limited", spied)
     rng = random.Random(seed)
     for _ in range(6):
         dag = rng.random() < 0.4
@@ -61,6 +77,21 @@ def test_a_solve_after_others_is_the_solve_afresh(seed: int) -> None:
         rng.shuffle(order := list(range(len(questions))))
         after = {index: _answer(profile, *questions[index]) for index in order}
         assert [after[index] for index in range(len(questions))] == afresh
+    if limited:
+        assert any(low > 0 or high < math.inf for low, high in warm)
+
+
+def test_the_optima_kept_bound_a_budget_from_both_sides() -> None:
+    memo.forget()
+    assert memo.optimum_bounds("family", 4e9) == (0.0, math.inf)
+    for budget, reached in ((8e9, 1.0), (16e9, 0.5), (2e9, 3.0), (1e9, 5.0)):
+        memo.note_optimum("family", budget, reached)
+    assert memo.optimum_bounds("family", 4e9) == (1.0, 3.0)  # 8 GB's below, 2 GB's above
+    assert memo.optimum_bounds("family", 8e9) == (0.5, 3.0)  # its own is not a bound
+    assert memo.optimum_bounds("family", 32e9) == (0.0, 0.5)
+    assert memo.optimum_bounds("other", 4e9) == (0.0, math.inf)
+    memo.forget()
+    assert memo.optimum_bounds("family", 4e9) == (0.0, math.inf)
 
 
 def test_a_budget_below_one_that_fits_nothing_is_answered_without_a_solve(monkeypatch) -> None:

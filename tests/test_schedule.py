@@ -8,7 +8,6 @@ import textwrap
 import pytest
 
 from tandem.errors import UsageError
-from tandem.schedule.generators import in_flight_counts
 from tandem.schedule import (
     GENERATORS,
     SCHEDULE_KINDS,
@@ -22,6 +21,7 @@ from tandem.schedule import (
     one_f_one_b,
     pipedream,
 )
+from tandem.schedule.generators import in_flight_counts
 
 pytestmark = pytest.mark.pure
 

@@ -341,9 +341,9 @@ class _Limited(_Parametric):
         whichever bounds the bisection tried (a budget whose own search meets it has it too,
         which lets the planner's walk down the memory grid skip: ``planning/search/
         candidates.py``). ``start``: a bound known to find a plan, tried first (inf: none).
-        ``monotone`` with ``low`` above 0: the steps halve the ratio of the bounds, not the gap (from a
-        looser budget's optimum, the 1,000-layer chain on 1,024 devices under PipeDream's
-        schedule takes 289 bounds for its walk's 14 solves instead of 406)."""
+        ``monotone`` with ``low`` above 0: the steps halve the ratio of the bounds, not the gap
+        (from a looser budget's optimum, the 1,000-layer chain on 1,024 devices under
+        PipeDream's schedule takes 289 bounds for its walk's 14 solves instead of 406)."""
         pieces = plan_within(start) if math.isfinite(start) else None
         if pieces is None:
             pieces = plan_within(self._loosest())
