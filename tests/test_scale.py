@@ -5,7 +5,9 @@ up to its device count, and ``tandem scale`` end to end."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,12 +48,39 @@ def test_clusters_grow_outermost_level_last() -> None:
     assert device_counts(48) == [1, 2, 4, 8, 16, 32, 48]
 
 
+@functools.cache
+def profile_of(path: str) -> ModelProfile:
+    """One profile object per file, so that :data:`PLANNED`'s keys match across tests."""
+    return load_profile(path)
+
+
+PLANNED: dict[tuple[Any, ...], Plan] = {}
+"""The planner's plans by their inputs (the profile by identity), shared by the tests that
+plan the same: VGG-16's servers fixture asks for every plan its strong hybrid curve does."""
+
+
+def planner_once(asked: set[tuple[Any, ...]] | None = None) -> Callable[..., Plan]:
+    """``scaling.make_plan`` computing each plan once (into :data:`PLANNED`), adding the keys
+    it is asked for to ``asked``."""
+    def plan_once(profile: ModelProfile, cluster: Cluster, options: PartitionOptions, *,
+                  sim: SimOptions) -> Plan:
+        key = (id(profile), cluster, options, sim)
+        if asked is not None:
+            asked.add(key)
+        if key not in PLANNED:
+            PLANNED[key] = make_plan(profile, cluster, options, sim=sim)
+        return PLANNED[key]
+    return plan_once
+
+
 @pytest.fixture(scope="module")
 def vgg_on_servers():  # type: ignore[no-untyped-def]
     """VGG-16, 8 of its minibatches per step, servers of 8 devices on 25 Gb/s, up to 128."""
-    return scale(load_profile(VGG), parse_cluster(SERVERS),
-                 ScaleOptions(max_devices=128, compressions=(2.0, 32.0)),
-                 SimOptions(batch_scale=8))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(scaling, "make_plan", planner_once())
+        return scale(profile_of(VGG), parse_cluster(SERVERS),
+                     ScaleOptions(max_devices=128, compressions=(2.0, 32.0)),
+                     SimOptions(batch_scale=8))
 
 
 def speedup(result, strategy: str, devices: int) -> float:  # type: ignore[no-untyped-def]
@@ -222,24 +251,17 @@ def test_strong_hybrid_curve_is_the_best_plan_so_far(path: str, spec: str,
     devices (VGG-16, 6.4x vs 6.5x) and at 64 than at 32 (GNMT, 3.0x vs 5.0x); the curve now
     holds the best plan on at most N devices, and never lies below data parallelism (it once
     did for the very same plan, run with other micro-batches). The reference simulates and
-    compares on its own; the planner's answer for each device count is computed once."""
-    planned: dict[tuple[Any, ...], Plan] = {}
-
-    def plan_once(profile: ModelProfile, cluster: Cluster, options: PartitionOptions, *,
-                  sim: SimOptions) -> Plan:
-        key = (id(profile), cluster, options, sim.batch_scale)
-        if key not in planned:
-            planned[key] = make_plan(profile, cluster, options, sim=sim)
-        return planned[key]
-
-    monkeypatch.setattr(scaling, "make_plan", plan_once)
-    profile = load_profile(path)
+    compares on its own; the planner's answer for each device count is computed once (VGG-16's
+    were, for :func:`vgg_on_servers`, when that ran first)."""
+    asked: set[tuple[Any, ...]] = set()
+    monkeypatch.setattr(scaling, "make_plan", planner_once(asked))
+    profile = profile_of(path)
     result = scale(profile, parse_cluster(spec),
                    ScaleOptions(max_devices=64, families=(), max_tensor_degree=1),
                    SimOptions(batch_scale=8))
     assert_monotone(result)
     reference = hybrid_speedups(profile, spec, 64)
-    assert len(planned) == len(reference)  # the reference asked what scale asked
+    assert len(asked) == len(reference)  # the reference asked what scale asked
     for point in result.series("hybrid"):
         fitting = {m: value for m, value in reference.items() if m <= point.num_devices}
         best = max(fitting.values(), key=lambda value: value[0])
